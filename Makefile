@@ -1,0 +1,31 @@
+# Two commands: `make run` and `make test`. Each builds .venv from scratch when needed.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+STUBS  := sluice/admin/v1/admin_pb2.py sluice/admin/v1/admin_pb2_grpc.py
+
+.PHONY: run test install stubs bench clean
+
+run: install
+	$(VENV)/bin/sluice up
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+install: $(STAMP) $(STUBS)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# This project's own gRPC stubs are generated, never edited by hand.
+$(STUBS): proto/sluice/admin/v1/admin.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/sluice/admin/v1/admin.proto
+
+stubs: $(STUBS)
+
+clean:
+	rm -rf $(VENV) $(STUBS) sluice/admin/v1/admin_pb2.pyi

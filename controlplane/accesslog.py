@@ -1,0 +1,50 @@
+"""gRPC access-log service: Envoy's entry for a finished stream releases the ticket its admission created.
+
+The ticket id travels from ``Check`` to here in ext_authz dynamic metadata (namespace ``envoy.filters.http.ext_authz``), which
+Envoy copies into every entry's ``common_properties.metadata``. Entries without a ticket (denied or locally answered requests)
+are counted and otherwise ignored. Envoy never gets a reply on this stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+from controlplane.xds.resources import AUTHZ_NAMESPACE
+
+if TYPE_CHECKING:
+    from controlplane.app import ControlPlane
+
+log = logging.getLogger("sluice.accesslog")
+
+
+class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+
+    async def StreamAccessLogs(  # noqa: N802 (gRPC method name)
+        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                self._record(entry)
+        return als_pb2.StreamAccessLogsResponse()
+
+    def _record(self, entry: object) -> None:
+        plane = self.plane
+        metadata = entry.common_properties.metadata.filter_metadata  # type: ignore[attr-defined]
+        if AUTHZ_NAMESPACE not in metadata or "ticket" not in metadata[AUTHZ_NAMESPACE].fields:
+            plane.metrics.access_log_entries.labels("no_ticket").inc()
+            return
+        ticket_id = metadata[AUTHZ_NAMESPACE].fields["ticket"].string_value
+        ticket = plane.ledger.release(ticket_id, plane.clock())
+        if ticket is None:
+            plane.metrics.access_log_entries.labels("unknown_ticket").inc()
+            return
+        plane.metrics.access_log_entries.labels("released").inc()
+        plane.metrics.tickets_open.labels(ticket.engine).dec()
+        plane.metrics.tickets_released.labels(ticket.engine).inc()

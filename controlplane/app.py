@@ -1,0 +1,185 @@
+"""Wiring: one grpc.aio server (ADS, ext_authz, access log, admin), the engine pollers, the lease reaper, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterable
+from importlib.metadata import PackageNotFoundError, version
+
+import aiohttp
+import grpc
+from aiohttp import web
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.auth.v3 import external_auth_pb2_grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from controlplane.accesslog import AccessLogServicer
+from controlplane.admin import AdminServicer
+from controlplane.authz import AuthorizationServicer
+from controlplane.config import Config, ConfigError, load_config
+from controlplane.core.ledger import Ledger
+from controlplane.core.model import EngineView, Fleet
+from controlplane.metrics import SluiceMetrics
+from controlplane.observe.poller import EnginePoller
+from controlplane.xds.resources import build_cluster, build_listener, build_load_assignment, build_routes
+from controlplane.xds.server import AdsServicer
+from controlplane.xds.snapshot import Snapshot, SnapshotCache, make_snapshot
+from sluice.admin.v1 import admin_pb2_grpc
+
+log = logging.getLogger("sluice.controlplane")
+
+# Envoy pings its gRPC peers every 30 s; without these a grpc server answers GOAWAY too_many_pings and the ADS stream resets.
+GRPC_OPTIONS = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+def _version() -> str:
+    try:
+        return version("sluice")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+class ControlPlane:
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.version = _version()
+        self.metrics = SluiceMetrics()
+        self.ledger = Ledger(config.tickets.lease_seconds)
+        self.cache = SnapshotCache()
+        self.ads = AdsServicer(self.cache, self.metrics)
+        self.pollers: list[EnginePoller] = []
+        self.started_at = clock()
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._metrics_runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- state the servicers read ----------------------------------------------------------------------------------------
+    def fleet(self, now: float) -> Fleet:
+        engines = tuple(p.view(now) for p in self.pollers)
+        return Fleet(engines, {e.name: self.ledger.unseen_load(e.name) for e in engines})
+
+    def _on_probe(self, view: EngineView) -> None:
+        assert view.sample is not None
+        self.ledger.note_probe(view.name, view.sample.taken_at)
+        s = view.sample
+        for gauge, value in (
+            (self.metrics.engine_running, s.running),
+            (self.metrics.engine_waiting, s.waiting),
+            (self.metrics.engine_kv_usage, s.kv_usage),
+        ):
+            if value is not None:
+                gauge.labels(view.name).set(value)
+
+    # -- xDS -------------------------------------------------------------------------------------------------------------
+    def build_snapshot(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
+        cfg = self.config
+        return make_snapshot(
+            listeners=[build_listener(cfg)],
+            routes=[build_routes(cfg)],
+            clusters=[*(build_cluster(e, cfg) for e in cfg.engines), *extra_clusters],
+            endpoints=[build_load_assignment(e) for e in cfg.engines],
+        )
+
+    async def publish(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
+        snapshot = self.build_snapshot(extra_clusters)
+        await self.cache.set_snapshot(snapshot)
+        return snapshot
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        await self.publish()
+        server = grpc.aio.server(
+            options=[*GRPC_OPTIONS, ("grpc.max_receive_message_length", cfg.envoy.max_request_bytes + 1024 * 1024)]
+        )
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.ads, server)
+        external_auth_pb2_grpc.add_AuthorizationServicer_to_server(AuthorizationServicer(self), server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), server)
+        self.grpc_port = server.add_insecure_port(f"{cfg.controlplane.host}:{cfg.controlplane.grpc_port}")
+        if not self.grpc_port:
+            raise OSError(f"cannot bind gRPC on {cfg.controlplane.host}:{cfg.controlplane.grpc_port}")
+        await server.start()
+        self._server = server
+        self._session = aiohttp.ClientSession()
+        for engine in cfg.engines:
+            poller = EnginePoller(engine, cfg.observe, self._session, self._on_probe, clock=self.clock)
+            self.pollers.append(poller)
+            self._tasks.append(asyncio.create_task(poller.run(), name=f"poll-{engine.name}"))
+        self._tasks.append(asyncio.create_task(self._reap_leases(), name="lease-reaper"))
+        await self._start_metrics_http()
+        log.info(
+            "control plane on %s:%d (ADS, ext_authz, ALS, admin), metrics on :%d, %d engines",
+            cfg.controlplane.host, self.grpc_port, self.metrics_port, len(cfg.engines),
+        )
+
+    async def _start_metrics_http(self) -> None:
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.Response(text="ok\n")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/healthz", healthz)
+        self._metrics_runner = web.AppRunner(app, access_log=None)
+        await self._metrics_runner.setup()
+        site = web.TCPSite(self._metrics_runner, self.config.controlplane.host, self.config.controlplane.metrics_port)
+        await site.start()
+        self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def _reap_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tickets.reap_interval_seconds)
+            for ticket in self.ledger.expire(self.clock()):
+                log.warning("ticket %s on %s expired: its access-log entry never arrived", ticket.ticket_id, ticket.engine)
+                self.metrics.tickets_open.labels(ticket.engine).dec()
+                self.metrics.tickets_expired.labels(ticket.engine).inc()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._server is not None:
+            await self._server.stop(grace=0.5)
+        if self._session is not None:
+            await self._session.close()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+
+
+async def serve_until_signalled(config: Config) -> None:
+    plane = ControlPlane(config)
+    await plane.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping control plane")
+    await plane.stop()
+
+
+def run_controlplane(config_path: str | None) -> int:
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    asyncio.run(serve_until_signalled(config))
+    return 0

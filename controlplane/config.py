@@ -1,0 +1,309 @@
+"""sluice's configuration: one YAML file, validated all-or-nothing.
+
+Two layers, like the endpoint picker's: the raw YAML (every field optional) is merged over defaults, then every field is
+checked and every problem is reported at once with its dotted path (``engines[1].url: ...``). The result is frozen.
+
+A config names the ports of every process, Envoy's limits, the observation cadence, the ticket lease and the engines. An engine
+with ``sim: <profile>`` is a simulator that ``sluice up`` starts itself; any other engine is already running elsewhere.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+BUNDLED_CONFIG = "default.yaml"
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_RESERVED_PREFIX = "sluice_"
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, one per line, each with its dotted path."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("invalid config:\n  " + "\n  ".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlaneConfig:
+    host: str
+    grpc_port: int
+    metrics_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyConfig:
+    listen_host: str
+    listen_port: int
+    """The OpenAI-compatible listener clients call."""
+    admin_port: int
+    max_request_bytes: int
+    """Bodies larger than this get 413 from Envoy before any Check (bytes)."""
+    authz_timeout_seconds: float
+    """How long Envoy waits for a Check answer; 0 = no limit."""
+    access_log_flush_seconds: float
+    """How often Envoy flushes access-log entries to the control plane (the completion signal's latency)."""
+    stream_idle_timeout_seconds: float
+    """Longest silence on a stream (between tokens, or while a Check is pending) before Envoy resets it."""
+    connect_timeout_seconds: float
+    """Connect timeout to an engine."""
+    client_headers_kept: tuple[str, ...]
+    """``x-sluice-*`` request headers a client may send (inputs, never routing); every other one is stripped."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObserveConfig:
+    poll_interval_seconds: float
+    poll_timeout_seconds: float
+    stale_after_polls: int
+    models_refresh_seconds: float
+    max_backoff_seconds: float
+
+    @property
+    def stale_after_seconds(self) -> float:
+        return self.poll_interval_seconds * self.stale_after_polls
+
+
+@dataclass(frozen=True, slots=True)
+class TicketConfig:
+    lease_seconds: float
+    """A ticket whose access-log entry never arrives is reaped after this long (seconds)."""
+    reap_interval_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    name: str
+    url: str
+    host: str
+    """``url``'s host resolved to an IP address (Envoy's EDS endpoints take addresses, not names)."""
+    port: int
+    max_num_seqs: int | None
+    models: tuple[str, ...]
+    """Models served, as configured; discovery from ``/v1/models`` adds to these."""
+    sim: str | None
+    """Simulator profile ``sluice up`` starts for this engine, or None for an engine running elsewhere."""
+    sim_speed: float
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    controlplane: ControlPlaneConfig
+    envoy: EnvoyConfig
+    observe: ObserveConfig
+    tickets: TicketConfig
+    engines: tuple[EngineConfig, ...]
+    source: str
+
+
+DEFAULTS: dict[str, Any] = {
+    "controlplane": {"host": "127.0.0.1", "grpc_port": 18000, "metrics_port": 9090},
+    "envoy": {
+        "listen_host": "127.0.0.1",
+        "listen_port": 8080,
+        "admin_port": 9901,
+        "max_request_bytes": 1048576,
+        "authz_timeout_seconds": 10.0,
+        "access_log_flush_seconds": 0.05,
+        "stream_idle_timeout_seconds": 300.0,
+        "connect_timeout_seconds": 1.0,
+        "client_headers_kept": ["x-sluice-priority", "x-sluice-max-ttft-ms", "x-sluice-session"],
+    },
+    "observe": {
+        "poll_interval_seconds": 1.0,
+        "poll_timeout_seconds": 0.8,
+        "stale_after_polls": 3,
+        "models_refresh_seconds": 10.0,
+        "max_backoff_seconds": 10.0,
+    },
+    "tickets": {"lease_seconds": 900.0, "reap_interval_seconds": 5.0},
+}
+
+
+class _Checker:
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def section(self, raw: dict[str, Any], name: str) -> dict[str, Any]:
+        value = raw.get(name, {})
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            self.problems.append(f"{name}: must be a mapping")
+            value = {}
+        unknown = set(value) - set(DEFAULTS[name])
+        for key in sorted(unknown):
+            self.problems.append(f"{name}.{key}: unknown field")
+        return {**DEFAULTS[name], **value}
+
+    def number(self, path: str, value: Any, *, minimum: float, integer: bool = False, maximum: float | None = None) -> Any:
+        kinds = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            self.problems.append(f"{path}: must be {'an integer' if integer else 'a number'}, got {value!r}")
+            return minimum
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+            self.problems.append(f"{path}: must be {bound}, got {value!r}")
+        return value
+
+    def port(self, path: str, value: Any) -> int:
+        return int(self.number(path, value, minimum=1, maximum=65535, integer=True))
+
+    def text(self, path: str, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            self.problems.append(f"{path}: must be a non-empty string")
+            return ""
+        return value
+
+
+def parse_config(raw: Any, source: str = "<memory>") -> Config:
+    """Validate a raw mapping into a frozen ``Config``; raise ``ConfigError`` listing every problem."""
+    c = _Checker()
+    if not isinstance(raw, dict):
+        raise ConfigError(["(top): the config must be a mapping"])
+    for key in sorted(set(raw) - {*DEFAULTS, "engines"}):
+        c.problems.append(f"{key}: unknown field")
+
+    cp = c.section(raw, "controlplane")
+    controlplane = ControlPlaneConfig(
+        host=c.text("controlplane.host", cp["host"]),
+        grpc_port=c.port("controlplane.grpc_port", cp["grpc_port"]),
+        metrics_port=c.port("controlplane.metrics_port", cp["metrics_port"]),
+    )
+    ev = c.section(raw, "envoy")
+    kept = ev["client_headers_kept"]
+    if not isinstance(kept, list) or not all(isinstance(h, str) and h.lower().startswith("x-sluice-") for h in kept):
+        c.problems.append("envoy.client_headers_kept: must be a list of x-sluice-* header names")
+        kept = []
+    if "x-sluice-engine" in [h.lower() for h in kept]:
+        c.problems.append("envoy.client_headers_kept: x-sluice-engine can never come from a client")
+    envoy = EnvoyConfig(
+        listen_host=c.text("envoy.listen_host", ev["listen_host"]),
+        listen_port=c.port("envoy.listen_port", ev["listen_port"]),
+        admin_port=c.port("envoy.admin_port", ev["admin_port"]),
+        max_request_bytes=int(c.number("envoy.max_request_bytes", ev["max_request_bytes"], minimum=1024, integer=True)),
+        authz_timeout_seconds=float(c.number("envoy.authz_timeout_seconds", ev["authz_timeout_seconds"], minimum=0)),
+        access_log_flush_seconds=float(
+            c.number("envoy.access_log_flush_seconds", ev["access_log_flush_seconds"], minimum=0.001)
+        ),
+        stream_idle_timeout_seconds=float(
+            c.number("envoy.stream_idle_timeout_seconds", ev["stream_idle_timeout_seconds"], minimum=1)
+        ),
+        connect_timeout_seconds=float(c.number("envoy.connect_timeout_seconds", ev["connect_timeout_seconds"], minimum=0.01)),
+        client_headers_kept=tuple(h.lower() for h in kept),
+    )
+    ob = c.section(raw, "observe")
+    observe = ObserveConfig(
+        poll_interval_seconds=float(c.number("observe.poll_interval_seconds", ob["poll_interval_seconds"], minimum=0.05)),
+        poll_timeout_seconds=float(c.number("observe.poll_timeout_seconds", ob["poll_timeout_seconds"], minimum=0.01)),
+        stale_after_polls=int(c.number("observe.stale_after_polls", ob["stale_after_polls"], minimum=1, integer=True)),
+        models_refresh_seconds=float(c.number("observe.models_refresh_seconds", ob["models_refresh_seconds"], minimum=0.1)),
+        max_backoff_seconds=float(c.number("observe.max_backoff_seconds", ob["max_backoff_seconds"], minimum=0.05)),
+    )
+    if observe.poll_timeout_seconds > observe.poll_interval_seconds:
+        c.problems.append("observe.poll_timeout_seconds: must not exceed observe.poll_interval_seconds")
+    tk = c.section(raw, "tickets")
+    tickets = TicketConfig(
+        lease_seconds=float(c.number("tickets.lease_seconds", tk["lease_seconds"], minimum=1)),
+        reap_interval_seconds=float(c.number("tickets.reap_interval_seconds", tk["reap_interval_seconds"], minimum=0.01)),
+    )
+    engines = _parse_engines(c, raw.get("engines"))
+    if c.problems:
+        raise ConfigError(c.problems)
+    return Config(controlplane, envoy, observe, tickets, engines, source)
+
+
+_ENGINE_FIELDS = {"name", "url", "max_num_seqs", "models", "sim", "speed"}
+
+
+def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
+    if not isinstance(raw, list) or not raw:
+        c.problems.append("engines: must be a non-empty list")
+        return ()
+    from enginesim.profiles import PROFILES
+
+    engines: list[EngineConfig] = []
+    names: set[str] = set()
+    for i, item in enumerate(raw):
+        path = f"engines[{i}]"
+        if not isinstance(item, dict):
+            c.problems.append(f"{path}: must be a mapping")
+            continue
+        for key in sorted(set(item) - _ENGINE_FIELDS):
+            c.problems.append(f"{path}.{key}: unknown field")
+        name = c.text(f"{path}.name", item.get("name"))
+        if name and (not _NAME_RE.match(name) or name.startswith(_RESERVED_PREFIX)):
+            c.problems.append(
+                f"{path}.name: {name!r} must match {_NAME_RE.pattern} and not start with {_RESERVED_PREFIX!r}"
+            )
+        if name in names:
+            c.problems.append(f"{path}.name: duplicate engine name {name!r}")
+        names.add(name)
+        url = c.text(f"{path}.url", item.get("url"))
+        host, port = _resolve(c, f"{path}.url", url) if url else ("", 0)
+        seqs = item.get("max_num_seqs")
+        if seqs is not None:
+            seqs = int(c.number(f"{path}.max_num_seqs", seqs, minimum=1, integer=True))
+        models = item.get("models", [])
+        if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+            c.problems.append(f"{path}.models: must be a list of model ids")
+            models = []
+        sim = item.get("sim")
+        if sim is not None and sim not in PROFILES:
+            c.problems.append(f"{path}.sim: unknown simulator profile {sim!r} (known: {', '.join(sorted(PROFILES))})")
+            sim = None
+        speed = float(c.number(f"{path}.speed", item.get("speed", 1.0), minimum=0.001))
+        if sim is not None and seqs is None:
+            seqs = PROFILES[sim].max_num_seqs
+        engines.append(EngineConfig(name, url, host, port, seqs, tuple(models), sim, speed))
+    return tuple(engines)
+
+
+def _resolve(c: _Checker, path: str, url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        c.problems.append(f"{path}: must be an http:// URL with a host, got {url!r}")
+        return "", 0
+    try:
+        port = parts.port or 80
+    except ValueError:
+        c.problems.append(f"{path}: bad port in {url!r}")
+        return "", 0
+    host = parts.hostname
+    try:
+        ipaddress.ip_address(host)
+        return host, port
+    except ValueError:
+        pass
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0], port
+    except OSError as exc:
+        c.problems.append(f"{path}: cannot resolve {host!r}: {exc}")
+        return "", 0
+
+
+def load_config(path: str | None) -> Config:
+    """Load ``path``, or the bundled embedded default when ``path`` is None."""
+    if path is None:
+        text = resources.files("controlplane").joinpath(BUNDLED_CONFIG).read_text()
+        source = f"bundled:{BUNDLED_CONFIG}"
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError([f"(file): cannot read {path}: {exc}"]) from None
+        source = path
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"(yaml): {exc}"]) from None
+    return parse_config(raw, source)

@@ -1,0 +1,92 @@
+"""The ledger of admission tickets: every admit creates one, the access log releases it, a lease reaps a lost one.
+
+Pure: no clock reads; every method takes ``now``. Not thread-safe: it lives on the control plane's event loop.
+
+The load the decision core uses for an engine is ``probe(running + waiting) + unseen_load`` where::
+
+    unseen_load = #open tickets admitted at or after the probe was sent
+                - #tickets released after the probe was sent that were admitted before it
+
+The first term is what the probe cannot know yet (herding within a burst); the second is what finished since the probe
+(seed 000's stale-high peer between bursts). The result is clamped at 0 by the caller's sum.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from controlplane.core.model import Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class _Release:
+    admitted_at: float
+    released_at: float
+
+
+class Ledger:
+    def __init__(self, lease_seconds: float) -> None:
+        if lease_seconds <= 0:
+            raise ValueError("lease_seconds must be > 0")
+        self.lease_seconds = lease_seconds
+        self._open: dict[str, Ticket] = {}
+        self._by_engine: dict[str, set[str]] = defaultdict(set)
+        self._recent_releases: dict[str, list[_Release]] = defaultdict(list)
+        self._last_probe: dict[str, float] = {}
+        self.admitted_total = 0
+        self.released_total = 0
+        self.expired_total = 0
+
+    def admit(self, ticket_id: str, engine: str, model: str, now: float) -> Ticket:
+        if ticket_id in self._open:
+            raise ValueError(f"ticket {ticket_id} already open")
+        ticket = Ticket(ticket_id, engine, model, admitted_at=now, lease_deadline=now + self.lease_seconds)
+        self._open[ticket_id] = ticket
+        self._by_engine[engine].add(ticket_id)
+        self.admitted_total += 1
+        return ticket
+
+    def release(self, ticket_id: str, now: float) -> Ticket | None:
+        """Close a ticket; ``None`` if it is unknown or already closed (a duplicate log entry is harmless)."""
+        ticket = self._open.pop(ticket_id, None)
+        if ticket is None:
+            return None
+        self._by_engine[ticket.engine].discard(ticket_id)
+        self.released_total += 1
+        if ticket.admitted_at < self._last_probe.get(ticket.engine, float("-inf")):
+            self._recent_releases[ticket.engine].append(_Release(ticket.admitted_at, now))
+        return ticket
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Reap tickets whose lease ran out (their completion signal was lost)."""
+        expired = [t for t in self._open.values() if t.lease_deadline <= now]
+        for ticket in expired:
+            del self._open[ticket.ticket_id]
+            self._by_engine[ticket.engine].discard(ticket.ticket_id)
+        self.expired_total += len(expired)
+        return expired
+
+    def note_probe(self, engine: str, probe_sent_at: float) -> None:
+        """A probe sent at ``probe_sent_at`` now stands for the engine: forget releases it already reflects."""
+        self._last_probe[engine] = probe_sent_at
+        self._recent_releases[engine] = [r for r in self._recent_releases[engine] if r.released_at > probe_sent_at]
+
+    def open_tickets(self, engine: str | None = None) -> int:
+        if engine is None:
+            return len(self._open)
+        return len(self._by_engine.get(engine, ()))
+
+    def get(self, ticket_id: str) -> Ticket | None:
+        return self._open.get(ticket_id)
+
+    def unseen_load(self, engine: str) -> int:
+        probe_at = self._last_probe.get(engine)
+        tickets = (self._open[t] for t in self._by_engine.get(engine, ()))
+        if probe_at is None:
+            return sum(1 for _ in tickets)
+        admitted_after = sum(1 for t in tickets if t.admitted_at >= probe_at)
+        released_after = sum(
+            1 for r in self._recent_releases.get(engine, ()) if r.admitted_at < probe_at < r.released_at
+        )
+        return admitted_after - released_after

@@ -1,0 +1,43 @@
+"""The control plane's Prometheus metrics (prefix ``sluice_``), on a registry per instance so tests can run several."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class SluiceMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.xds_nacks = Counter("sluice_xds_nacks", "xDS responses Envoy rejected.", ["type_url"], registry=r)
+        self.xds_streams = Gauge("sluice_xds_streams", "Open ADS streams.", registry=r)
+        self.xds_responses = Counter("sluice_xds_responses", "xDS responses sent.", ["type_url"], registry=r)
+        self.authz_decisions = Counter(
+            "sluice_authz_decisions", "ext_authz Check answers.", ["model", "verdict", "reason"], registry=r
+        )
+        self.authz_seconds = Histogram(
+            "sluice_authz_check_seconds",
+            "Time to answer one ext_authz Check (server side).",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5),
+            registry=r,
+        )
+        self.tickets_open = Gauge("sluice_tickets_open", "Admission tickets not yet released.", ["engine"], registry=r)
+        self.tickets_released = Counter(
+            "sluice_tickets_released", "Tickets released by an access-log entry.", ["engine"], registry=r
+        )
+        self.tickets_expired = Counter(
+            "sluice_tickets_expired", "Tickets reaped by lease expiry (their access-log entry was lost).", ["engine"],
+            registry=r,
+        )
+        self.access_log_entries = Counter(
+            "sluice_access_log_entries", "HTTP access-log entries received from Envoy.", ["outcome"], registry=r
+        )
+        self.engine_running = Gauge(
+            "sluice_engine_requests_running", "Running requests from the engine's last probe.", ["engine"], registry=r
+        )
+        self.engine_waiting = Gauge(
+            "sluice_engine_requests_waiting", "Waiting requests from the engine's last probe.", ["engine"], registry=r
+        )
+        self.engine_kv_usage = Gauge(
+            "sluice_engine_kv_usage_ratio", "KV-cache usage from the engine's last probe (0..1).", ["engine"], registry=r
+        )
+        self.engine_up = Gauge("sluice_engine_up", "1 when the engine's last probe is fresh.", ["engine"], registry=r)

@@ -1,0 +1,265 @@
+"""Build the Envoy resources sluice serves over ADS: one stable listener, one route table, a cluster and CLA per engine.
+
+The listener carries the whole request path (DESIGN.md): strip client ``x-sluice-*`` headers (Lua, first filter) ->
+ext_authz (body up to ``max_request_bytes`` as raw bytes; larger bodies get 413 from Envoy before any Check) -> router. Its
+access log goes to the control plane over gRPC ALS; that entry is the completion signal that releases a ticket.
+
+The listener never changes after start (an LDS change drains connections, SSE streams included): routing moves through RDS
+and EDS only.
+"""
+
+from __future__ import annotations
+
+import json
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, grpc_service_pb2, substitution_format_string_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
+from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
+from google.protobuf.message import Message
+
+from controlplane.config import Config, EngineConfig
+
+LISTENER_NAME = "sluice_openai"
+ROUTE_CONFIG_NAME = "sluice_routes"
+CONTROLPLANE_CLUSTER = "sluice_controlplane"
+ENGINE_HEADER = "x-sluice-engine"
+ACCESS_LOG_NAME = "sluice"
+AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
+
+LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+
+def _any(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def _seconds(value: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(value * 1e9))
+    return d
+
+
+def _ads() -> config_source_pb2.ConfigSource:
+    return config_source_pb2.ConfigSource(
+        ads=config_source_pb2.AggregatedConfigSource(), resource_api_version=config_source_pb2.V3
+    )
+
+
+def _controlplane_grpc(timeout_seconds: float | None = None) -> grpc_service_pb2.GrpcService:
+    service = grpc_service_pb2.GrpcService(
+        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=CONTROLPLANE_CLUSTER)
+    )
+    if timeout_seconds is not None:
+        service.timeout.CopyFrom(_seconds(timeout_seconds))
+    return service
+
+
+def _strip_headers_lua(kept: tuple[str, ...]) -> str:
+    """Lua that removes every ``x-sluice-*`` request header except the client inputs in ``kept``.
+
+    Envoy's header-mutation filters only remove exact names; a client could invent any ``x-sluice-`` header, so the prefix
+    match needs code. This runs before ext_authz: nothing a client sends under that prefix reaches a decision or an engine
+    unless it is a documented input.
+    """
+    keep = ", ".join(f'["{h}"] = true' for h in kept)
+    return f"""
+local keep = {{{keep}}}
+function envoy_on_request(handle)
+  local doomed = {{}}
+  for name, _ in pairs(handle:headers()) do
+    if string.sub(name, 1, 9) == "x-sluice-" and not keep[name] then
+      doomed[#doomed + 1] = name
+    end
+  end
+  for _, name in ipairs(doomed) do
+    handle:headers():remove(name)
+  end
+end
+"""
+
+
+def _json_error_mapper(
+    *, status: int | None, flags: tuple[str, ...] = (), message: str, err_type: str, code: str
+) -> hcm_pb2.ResponseMapper:
+    """A local-reply mapper that turns one kind of Envoy-generated error into the OpenAI error shape."""
+    if status is not None:
+        log_filter = accesslog_pb2.AccessLogFilter(
+            status_code_filter=accesslog_pb2.StatusCodeFilter(
+                comparison=accesslog_pb2.ComparisonFilter(
+                    op=accesslog_pb2.ComparisonFilter.EQ,
+                    value=base_pb2.RuntimeUInt32(default_value=status, runtime_key=f"sluice.local_reply.{status}"),
+                )
+            )
+        )
+    else:
+        log_filter = accesslog_pb2.AccessLogFilter(response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=list(flags)))
+    body = json.dumps({"error": {"message": message, "type": err_type, "param": None, "code": code}})
+    return hcm_pb2.ResponseMapper(
+        filter=log_filter,
+        body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
+            text_format_source=base_pb2.DataSource(inline_string=body),
+            content_type="application/json",
+        ),
+    )
+
+
+def build_listener(config: Config) -> listener_pb2.Listener:
+    ev = config.envoy
+    strip = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=_strip_headers_lua(ev.client_headers_kept)))
+    authz = ext_authz_pb2.ExtAuthz(
+        grpc_service=_controlplane_grpc(ev.authz_timeout_seconds),
+        transport_api_version=config_source_pb2.V3,
+        failure_mode_allow=False,
+        with_request_body=ext_authz_pb2.BufferSettings(
+            max_request_bytes=ev.max_request_bytes, allow_partial_message=False, pack_as_bytes=True
+        ),
+        clear_route_cache=True,
+        status_on_error=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
+    )
+    access_log = als_pb2.HttpGrpcAccessLogConfig(
+        common_config=als_pb2.CommonGrpcAccessLogConfig(
+            log_name=ACCESS_LOG_NAME,
+            grpc_service=_controlplane_grpc(),
+            transport_api_version=config_source_pb2.V3,
+            buffer_flush_interval=_seconds(ev.access_log_flush_seconds),
+            buffer_size_bytes=wrappers_pb2.UInt32Value(value=16384),
+        ),
+        additional_request_headers_to_log=[ENGINE_HEADER],
+    )
+    hcm = hcm_pb2.HttpConnectionManager(
+        stat_prefix="sluice",
+        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=ROUTE_CONFIG_NAME),
+        http_filters=[
+            hcm_pb2.HttpFilter(name="sluice.strip_client_headers", typed_config=_any(strip)),
+            hcm_pb2.HttpFilter(name="envoy.filters.http.ext_authz", typed_config=_any(authz)),
+            hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router())),
+        ],
+        access_log=[accesslog_pb2.AccessLog(name="envoy.access_loggers.http_grpc", typed_config=_any(access_log))],
+        stream_idle_timeout=_seconds(ev.stream_idle_timeout_seconds),
+        request_timeout=_seconds(0),
+        local_reply_config=hcm_pb2.LocalReplyConfig(
+            mappers=[
+                _json_error_mapper(
+                    status=413,
+                    message=f"Request body exceeds the gateway limit of {ev.max_request_bytes} bytes",
+                    err_type="invalid_request_error",
+                    code="request_too_large",
+                ),
+                _json_error_mapper(
+                    status=None,
+                    flags=("NC", "UH", "UF", "URX", "UO", "NR"),
+                    message="No engine could take the request (upstream unavailable)",
+                    err_type="server_error",
+                    code="upstream_unavailable",
+                ),
+            ]
+        ),
+    )
+    return listener_pb2.Listener(
+        name=LISTENER_NAME,
+        address=address_pb2.Address(
+            socket_address=address_pb2.SocketAddress(address=ev.listen_host, port_value=ev.listen_port)
+        ),
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[
+                    listener_components_pb2.Filter(
+                        name="envoy.filters.network.http_connection_manager", typed_config=_any(hcm)
+                    )
+                ]
+            )
+        ],
+    )
+
+
+def build_routes(config: Config) -> route_pb2.RouteConfiguration:
+    """Pinned requests go where ext_authz put them; anything unpinned gets a JSON 503 (fallback weights come later)."""
+    del config
+    pinned = route_components_pb2.Route(
+        name="pinned",
+        match=route_components_pb2.RouteMatch(
+            prefix="/",
+            headers=[route_components_pb2.HeaderMatcher(name=ENGINE_HEADER, present_match=True)],
+        ),
+        route=route_components_pb2.RouteAction(cluster_header=ENGINE_HEADER, timeout=_seconds(0)),
+    )
+    unpinned_body = json.dumps(
+        {"error": {"message": "No engine was chosen for this request", "type": "server_error", "param": None,
+                   "code": "not_admitted"}}
+    )
+    unpinned = route_components_pb2.Route(
+        name="unpinned",
+        match=route_components_pb2.RouteMatch(prefix="/"),
+        direct_response=route_components_pb2.DirectResponseAction(
+            status=503, body=base_pb2.DataSource(inline_string=unpinned_body)
+        ),
+        response_headers_to_add=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ],
+    )
+    return route_pb2.RouteConfiguration(
+        name=ROUTE_CONFIG_NAME,
+        virtual_hosts=[route_components_pb2.VirtualHost(name="openai", domains=["*"], routes=[pinned, unpinned])],
+    )
+
+
+def build_cluster(engine: EngineConfig, config: Config) -> cluster_pb2.Cluster:
+    """An EDS cluster per engine. Envoy's circuit breakers are opened wide: the cap is the control plane's, cluster-wide."""
+    wide = circuit_breaker_pb2.CircuitBreakers.Thresholds(
+        max_connections=wrappers_pb2.UInt32Value(value=100000),
+        max_pending_requests=wrappers_pb2.UInt32Value(value=100000),
+        max_requests=wrappers_pb2.UInt32Value(value=100000),
+        max_retries=wrappers_pb2.UInt32Value(value=3),
+    )
+    return cluster_pb2.Cluster(
+        name=engine.name,
+        type=cluster_pb2.Cluster.EDS,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads()),
+        connect_timeout=_seconds(config.envoy.connect_timeout_seconds),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[wide]),
+    )
+
+
+def build_load_assignment(engine: EngineConfig) -> endpoint_pb2.ClusterLoadAssignment:
+    return endpoint_pb2.ClusterLoadAssignment(
+        cluster_name=engine.name,
+        endpoints=[
+            endpoint_components_pb2.LocalityLbEndpoints(
+                lb_endpoints=[
+                    endpoint_components_pb2.LbEndpoint(
+                        endpoint=endpoint_components_pb2.Endpoint(
+                            address=address_pb2.Address(
+                                socket_address=address_pb2.SocketAddress(address=engine.host, port_value=engine.port)
+                            )
+                        )
+                    )
+                ]
+            )
+        ],
+    )
+
+
+def authz_metadata(ticket_id: str, engine: str) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update({"ticket": ticket_id, "engine": engine})
+    return s
+

@@ -1,0 +1,160 @@
+"""A continuous-batching engine model, sans I/O: the server shell sleeps, this decides what a step does.
+
+Per step the batch is the running set (at most ``max_num_seqs``). Requests still in prefill share ``prefill_tokens_per_s``
+FIFO; requests decoding each emit one token. A step lasts ``1 / per_request_decode_rate(decoding)`` emulated seconds when
+anything decodes, else just long enough to finish the current prefills (capped at ``MAX_PREFILL_STEP_S``).
+
+KV is allocated in blocks as tokens are computed, like vLLM V1, so admission only needs a free slot and one free block. When a
+running request needs a block and none is free, the most recently admitted running request is preempted (recompute mode): its
+blocks are freed, it goes back to the head of the queue and must prefill its prompt plus what it already generated again. That
+is exactly the over-commit seed 004 describes, counted in ``preemptions``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from enginesim.profiles import Profile
+
+MAX_PREFILL_STEP_S = 0.05
+
+
+@dataclass(eq=False)
+class SimRequest:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    arrived_at: float
+    prefill_left: int = 0
+    generated: int = 0
+    blocks: int = 0
+    first_token_at: float | None = None
+    prefill_started_at: float | None = None
+    finished_at: float | None = None
+    preempted: int = 0
+    prompt_counted: bool = False
+    emitted: list[int] = field(default_factory=list)
+    """Token indexes produced by the last step (the shell drains this into the response stream)."""
+
+    def __post_init__(self) -> None:
+        self.prefill_left = self.prompt_tokens
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.max_tokens
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens + self.generated - self.prefill_left
+
+
+class Batcher:
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.free_blocks = profile.num_gpu_blocks
+        self.preemptions = 0
+        self.max_running_seen = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.finished: list[SimRequest] = []
+        """Requests finished by the last step (the shell drains this)."""
+
+    # -- queue changes -------------------------------------------------------------------------------------------------
+    def submit(self, request: SimRequest) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request: SimRequest) -> None:
+        """The client went away: free everything the request holds."""
+        if request in self.running:
+            self.running.remove(request)
+            self.free_blocks += request.blocks
+            request.blocks = 0
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    @property
+    def kv_usage(self) -> float:
+        total = self.profile.num_gpu_blocks
+        return (total - self.free_blocks) / total
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    # -- one step ------------------------------------------------------------------------------------------------------
+    def schedule(self, now: float) -> None:
+        while self.waiting and len(self.running) < self.profile.max_num_seqs and self.free_blocks > 0:
+            request = self.waiting.popleft()
+            if request.prefill_started_at is None:
+                request.prefill_started_at = now
+            self.running.append(request)
+        self.max_running_seen = max(self.max_running_seen, len(self.running))
+
+    def plan_step(self) -> float:
+        """Emulated seconds the next step takes (0 when there is nothing to run)."""
+        decoding = sum(1 for r in self.running if r.prefill_left == 0)
+        if decoding:
+            return 1.0 / self.profile.per_request_decode_rate(decoding)
+        prefill = sum(r.prefill_left for r in self.running)
+        if not prefill:
+            return 0.0
+        return min(MAX_PREFILL_STEP_S, prefill / self.profile.prefill_tokens_per_s)
+
+    def apply_step(self, duration: float, now: float) -> None:
+        """Advance every running request by one step of ``duration`` emulated seconds ending at ``now``."""
+        for request in self.running:
+            request.emitted.clear()
+        decoding = [r for r in self.running if r.prefill_left == 0]
+        budget = self.profile.prefill_tokens_per_s * duration
+        for request in [r for r in self.running if r.prefill_left > 0]:
+            if budget <= 0:
+                break
+            chunk = min(request.prefill_left, math.ceil(budget))
+            if not self._grow(request, chunk):
+                continue
+            budget -= chunk
+            request.prefill_left -= chunk
+            if request.prefill_left == 0 and not request.prompt_counted:
+                request.prompt_counted = True  # a recompute after preemption is not new prompt work for the counter
+                self.prompt_tokens_total += request.prompt_tokens
+        for request in decoding:
+            if request not in self.running:  # preempted earlier in this step
+                continue
+            if not self._grow(request, 1):
+                continue
+            request.generated += 1
+            request.emitted.append(request.generated - 1)
+            self.generation_tokens_total += 1
+            if request.first_token_at is None:
+                request.first_token_at = now
+            if request.done:
+                request.finished_at = now
+                self.running.remove(request)
+                self.free_blocks += request.blocks
+                request.blocks = 0
+                self.finished.append(request)
+
+    def _grow(self, request: SimRequest, tokens: int) -> bool:
+        """Make room in KV for ``tokens`` more tokens of ``request``, preempting younger requests if needed."""
+        need = math.ceil((request.computed_tokens + tokens) / self.profile.block_size) - request.blocks
+        while need > self.free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        self.free_blocks -= max(0, need)
+        request.blocks += max(0, need)
+        return True
+
+    def _preempt(self, victim: SimRequest) -> None:
+        self.running.remove(victim)
+        self.free_blocks += victim.blocks
+        victim.blocks = 0
+        victim.prefill_left = victim.prompt_tokens + victim.generated
+        victim.preempted += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)

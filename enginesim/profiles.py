@@ -1,0 +1,80 @@
+"""Simulated engine profiles, each built from measured numbers.
+
+- ``thor`` / ``spark``: seed 000 (Jetson AGX Thor vs DGX Spark GB10, both ``max_num_seqs=2``). Aggregate decode rates are the
+  measured ones (Thor 18.18 tok/s at 1 stream and 50.71 at 2; Spark 49.24 and 87.82). KV capacity from the same report: Thor's KV
+  holds 4.03x and Spark's 2.90x a full ``max_model_len`` (32768) sequence. Prefill rates were not measured there: the values are
+  assumptions in the same ratio as decode, stated here so nobody mistakes them for data.
+- ``v100pp2``: seed 004 (Qwen3-32B-GPTQ-Int4 on 2x V100, pipeline parallel 2, ``max_num_seqs=4``): 9527 blocks x 16 tokens =
+  152,432 KV tokens, uncached prefill 262 tok/s contended. Decode is shaped to the measured fleet aggregate (~30.9 tok/s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    model: str
+    max_num_seqs: int
+    num_gpu_blocks: int
+    block_size: int
+    """Tokens per KV block."""
+    prefill_tokens_per_s: float
+    """Prompt tokens processed per emulated second (shared by every request in prefill)."""
+    decode_aggregate_tokens_per_s: tuple[float, ...]
+    """Aggregate generation rate with 1, 2, ... requests decoding; beyond the last entry the aggregate stays flat."""
+    max_model_len: int
+    version: str
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+    def per_request_decode_rate(self, decoding: int) -> float:
+        """Tokens/s each request gets when ``decoding`` requests share a step: aggregate(n) / n."""
+        n = max(1, decoding)
+        rates = self.decode_aggregate_tokens_per_s
+        aggregate = rates[min(n, len(rates)) - 1]
+        return aggregate / n
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile(
+            name="thor",
+            model="cortex",
+            max_num_seqs=2,
+            num_gpu_blocks=8253,  # 4.03 x 32768 tokens / 16
+            block_size=16,
+            prefill_tokens_per_s=1500.0,
+            decode_aggregate_tokens_per_s=(18.18, 50.71),
+            max_model_len=32768,
+            version="0.10.1",
+        ),
+        Profile(
+            name="spark",
+            model="cortex",
+            max_num_seqs=2,
+            num_gpu_blocks=5939,  # 2.90 x 32768 tokens / 16
+            block_size=16,
+            prefill_tokens_per_s=4000.0,
+            decode_aggregate_tokens_per_s=(49.24, 87.82),
+            max_model_len=32768,
+            version="0.10.1",
+        ),
+        Profile(
+            name="v100pp2",
+            model="reasoning",
+            max_num_seqs=4,
+            num_gpu_blocks=9527,
+            block_size=16,
+            prefill_tokens_per_s=262.0,
+            decode_aggregate_tokens_per_s=(12.0, 20.0, 26.0, 30.9),
+            max_model_len=131072,
+            version="0.11.0",
+        ),
+    )
+}

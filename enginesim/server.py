@@ -1,0 +1,359 @@
+"""The engine simulator's HTTP shell: an OpenAI-compatible server in front of ``Batcher``.
+
+Speaks what vLLM speaks (V1 metric names, ``/v1/models`` with ``max_model_len``, ``/health``, ``/version``) so the control
+plane cannot tell it from a real engine. Extras for tests, all under ``/sim/``: the log of what it served and the most requests
+it ever ran at once.
+
+Request extensions (ignored by real engines, honoured here):
+- ``sim_prompt_tokens``: the prompt's token count, so a 65k-token prompt fits in a small body.
+Without it the prompt is counted as ``ceil(characters / 4)``, a common rule of thumb for English text.
+
+``speed`` is emulated seconds per wall second: ``--speed 20`` runs the engine twenty times faster than the profile's rates.
+Every time the simulator reports (metrics, log) is emulated time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from enginesim.batcher import Batcher, SimRequest
+from enginesim.profiles import Profile
+
+log = logging.getLogger("sluice.sim")
+
+DEFAULT_MAX_TOKENS = 64
+WORDS = ("the", "quick", "river", "runs", "through", "a", "narrow", "sluice", "and", "turns", "the", "mill")
+
+
+def _error(status: int, message: str, err_type: str, code: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+    return web.json_response(body, status=status)
+
+
+class _Metrics:
+    """vLLM V1 metric names, types and labels (``model_name`` and the data-parallel ``engine`` label)."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        self.labels = {"model_name": profile.model, "engine": "0"}
+        r = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r)
+        self.success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", [*labels, "finished_reason"], registry=r
+        )
+        buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels, buckets=buckets, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end latency.", labels, buckets=buckets, registry=r)
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds", "Time spent in PREFILL phase.", labels, buckets=buckets, registry=r
+        )
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "engine"],
+            registry=r,
+        )
+        info.labels(str(profile.block_size), str(profile.num_gpu_blocks), "auto", "True", "0").set(1)
+        # Start every labelled series at 0, as vLLM does, so a scraper sees the names before the first request.
+        for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens):
+            metric.labels(**self.labels)
+        self.success.labels(**self.labels, finished_reason="length")
+
+    def update(self, batcher: Batcher) -> None:
+        self.running.labels(**self.labels).set(len(batcher.running))
+        self.waiting.labels(**self.labels).set(len(batcher.waiting))
+        self.kv_usage.labels(**self.labels).set(batcher.kv_usage)
+        _advance(self.preemptions.labels(**self.labels), batcher.preemptions)
+        _advance(self.prompt_tokens.labels(**self.labels), batcher.prompt_tokens_total)
+        _advance(self.generation_tokens.labels(**self.labels), batcher.generation_tokens_total)
+
+
+def _advance(counter: Any, target: float) -> None:
+    delta = target - counter._value.get()
+    if delta > 0:
+        counter.inc(delta)
+
+
+class EngineSimulator:
+    def __init__(self, profile: Profile, *, name: str, speed: float = 1.0, model: str | None = None) -> None:
+        if speed <= 0:
+            raise ValueError("speed must be > 0")
+        if model:
+            from dataclasses import replace
+
+            profile = replace(profile, model=model)
+        self.profile = profile
+        self.name = name
+        self.speed = speed
+        self.batcher = Batcher(profile)
+        self.metrics = _Metrics(profile)
+        self.served: list[dict[str, Any]] = []
+        self._streams: dict[SimRequest, asyncio.Queue[int | None]] = {}
+        self._wake = asyncio.Event()
+        self._t0 = time.monotonic()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def now(self) -> float:
+        """Emulated seconds since the simulator started."""
+        return (time.monotonic() - self._t0) * self.speed
+
+    # -- engine loop ---------------------------------------------------------------------------------------------------
+    async def run_engine(self) -> None:
+        b = self.batcher
+        while True:
+            b.schedule(self.now())
+            duration = b.plan_step()
+            if duration == 0:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await asyncio.sleep(duration / self.speed)
+            b.apply_step(duration, self.now())
+            for request in b.running:
+                for index in request.emitted:
+                    self._streams[request].put_nowait(index)
+            for request in b.finished:
+                for index in request.emitted:
+                    self._streams[request].put_nowait(index)
+                self._streams[request].put_nowait(None)
+            b.finished.clear()
+
+    # -- HTTP ------------------------------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/sim/log", self.sim_log)
+        app.router.add_get("/sim/stats", self.sim_stats)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self._loop_task = asyncio.create_task(self.run_engine())
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._loop_task:
+            self._loop_task.cancel()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": self.profile.version})
+
+    async def models(self, request: web.Request) -> web.Response:
+        p = self.profile
+        entry = {
+            "id": p.model,
+            "object": "model",
+            "created": int(self._t0),
+            "owned_by": "vllm",
+            "root": p.model,
+            "parent": None,
+            "max_model_len": p.max_model_len,
+            "permission": [],
+        }
+        return web.json_response({"object": "list", "data": [entry]})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        self.metrics.update(self.batcher)
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
+
+    async def sim_log(self, request: web.Request) -> web.Response:
+        return web.json_response(self.served)
+
+    async def sim_stats(self, request: web.Request) -> web.Response:
+        b = self.batcher
+        return web.json_response(
+            {
+                "name": self.name,
+                "profile": self.profile.name,
+                "max_running_seen": b.max_running_seen,
+                "running": len(b.running),
+                "waiting": len(b.waiting),
+                "preemptions": b.preemptions,
+                "kv_usage": b.kv_usage,
+                "served": len(self.served),
+            }
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "request body is not valid JSON", "BadRequestError")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "BadRequestError")
+        if body.get("model") != self.profile.model:
+            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model_not_found")
+        prompt_tokens = _prompt_tokens(body, chat=chat)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return _error(400, "max_tokens must be a positive integer", "BadRequestError")
+        if prompt_tokens + max_tokens > self.profile.max_model_len:
+            return _error(
+                400,
+                f"This model's maximum context length is {self.profile.max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion).",
+                "BadRequestError",
+                "context_length_exceeded",
+            )
+        sim_request = SimRequest(uuid.uuid4().hex, prompt_tokens, max_tokens, arrived_at=self.now())
+        entry: dict[str, Any] = {
+            "id": sim_request.request_id,
+            "engine": self.name,
+            "path": request.path,
+            "model": body["model"],
+            "stream": bool(body.get("stream")),
+            "prompt_tokens": prompt_tokens,
+            "max_tokens": max_tokens,
+            "completion_tokens": 0,
+            "x_sluice_engine": request.headers.getall("x-sluice-engine", []),
+            "arrived_at": sim_request.arrived_at,
+            "status": "running",
+        }
+        self.served.append(entry)
+        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        self._streams[sim_request] = queue
+        self.batcher.submit(sim_request)
+        self._wake.set()
+        created = int(time.time())
+        completion_id = ("chatcmpl-" if chat else "cmpl-") + sim_request.request_id
+        try:
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+                await response.prepare(request)
+                async for chunk in self._sse_chunks(sim_request, queue, chat, completion_id, created, include_usage):
+                    await response.write(chunk)
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+                result: web.StreamResponse = response
+            else:
+                text = "".join([_word(i) async for i in _tokens(queue)])
+                result = web.json_response(self._full_body(sim_request, chat, completion_id, created, text))
+            entry["status"] = "finished"
+            return result
+        except (asyncio.CancelledError, ConnectionResetError):
+            entry["status"] = "aborted"
+            self.batcher.abort(sim_request)
+            raise
+        finally:
+            entry["completion_tokens"] = sim_request.generated
+            entry["finished_at"] = self.now()
+            entry["ttft_s"] = (
+                sim_request.first_token_at - sim_request.arrived_at if sim_request.first_token_at is not None else None
+            )
+            self._record_finish(sim_request)
+            self._streams.pop(sim_request, None)
+
+    def _record_finish(self, r: SimRequest) -> None:
+        if r.finished_at is None:
+            return
+        labels = self.metrics.labels
+        self.metrics.success.labels(**labels, finished_reason="length").inc()
+        if r.first_token_at is not None:
+            self.metrics.ttft.labels(**labels).observe(r.first_token_at - r.arrived_at)
+        self.metrics.e2e.labels(**labels).observe(r.finished_at - r.arrived_at)
+        if r.prefill_started_at is not None and r.first_token_at is not None:
+            self.metrics.prefill_time.labels(**labels).observe(r.first_token_at - r.prefill_started_at)
+
+    def _usage(self, r: SimRequest) -> dict[str, int]:
+        return {
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.generated,
+            "total_tokens": r.prompt_tokens + r.generated,
+        }
+
+    def _full_body(self, r: SimRequest, chat: bool, cid: str, created: int, text: str) -> dict[str, Any]:
+        choice: dict[str, Any]
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": "length"}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+        return {
+            "id": cid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": self.profile.model,
+            "choices": [choice],
+            "usage": self._usage(r),
+        }
+
+    async def _sse_chunks(
+        self, r: SimRequest, queue: asyncio.Queue[int | None], chat: bool, cid: str, created: int, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+            payload: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": self.profile.model,
+                                       "choices": choices}
+            if include_usage:
+                payload["usage"] = usage
+            return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+        if chat:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        async for index in _tokens(queue):
+            last = index + 1 == r.max_tokens
+            reason = "length" if last else None
+            if chat:
+                yield chunk([{"index": 0, "delta": {"content": _word(index)}, "logprobs": None, "finish_reason": reason}])
+            else:
+                yield chunk([{"index": 0, "text": _word(index), "logprobs": None, "finish_reason": reason}])
+        if include_usage:
+            yield chunk([], self._usage(r))
+
+
+async def _tokens(queue: asyncio.Queue[int | None]) -> AsyncIterator[int]:
+    while (index := await queue.get()) is not None:
+        yield index
+
+
+def _word(index: int) -> str:
+    return (" " if index else "") + WORDS[index % len(WORDS)]
+
+
+def _prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
+    forced = body.get("sim_prompt_tokens")
+    if isinstance(forced, int) and forced > 0:
+        return forced
+    if chat:
+        text = "".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
+    else:
+        prompt = body.get("prompt", "")
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+    return max(1, math.ceil(len(text) / 4))
+
+
+def serve(profile: Profile, *, name: str, host: str, port: int, speed: float, model: str | None = None) -> None:
+    sim = EngineSimulator(profile, name=name, speed=speed, model=model)
+    log.info("simulated engine %s (%s) on http://%s:%d speed x%g", name, profile.name, host, port, speed)
+    web.run_app(sim.app(), host=host, port=port, print=None, access_log=None, handle_signals=True, handler_cancellation=True)

