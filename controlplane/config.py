@@ -13,7 +13,6 @@ import ipaddress
 import re
 import socket
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -294,7 +293,7 @@ def _resolve(c: _Checker, path: str, url: str) -> tuple[str, int]:
 def load_config(path: str | None) -> Config:
     """Load ``path``, or the bundled embedded default when ``path`` is None."""
     if path is None:
-        text = resources.files("controlplane").joinpath(BUNDLED_CONFIG).read_text()
+        text = (Path(__file__).parent / BUNDLED_CONFIG).read_text()
         source = f"bundled:{BUNDLED_CONFIG}"
     else:
         try:

@@ -1,0 +1,61 @@
+"""``sluice admin <verb>``: read the control plane's admin API; a table for people, ``--json`` for scripts."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
+
+
+def _num(value: float, fmt: str = "{:g}") -> str:
+    return "?" if value < 0 else fmt.format(value)
+
+
+def engines_table(response: admin_pb2.ListEnginesResponse) -> str:
+    header = ("ENGINE", "READY", "STALE", "MODELS", "VERSION", "RUNNING", "WAITING", "KV", "TICKETS", "LOAD", "CAP", "PROBE AGE")
+    rows = [header]
+    for e in response.engines:
+        rows.append((
+            e.name, "yes" if e.ready else "no", "yes" if e.stale else "no", ",".join(e.models) or "-", e.version or "?",
+            _num(e.running), _num(e.waiting), _num(e.kv_usage, "{:.0%}"), str(e.open_tickets), str(e.effective_load),
+            str(e.max_num_seqs or "-"), _num(e.last_probe_age_seconds, "{:.1f}s"),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def status_text(s: admin_pb2.GetStatusResponse) -> str:
+    lines = [
+        f"sluice {s.version}, up {s.uptime_seconds:.0f}s",
+        f"engines: {s.engines_ready}/{s.engines_total} ready",
+        f"tickets: {s.open_tickets} open, {s.tickets_admitted_total} admitted, {s.tickets_released_total} released, "
+        f"{s.tickets_expired_total} expired",
+        f"xDS: {s.envoy_streams} Envoy stream(s), {s.xds_nacks_total} NACK(s)",
+    ]
+    for t in s.xds:
+        acked = ", ".join(f"{node}={v}" for node, v in sorted(t.acked_versions.items())) or "none"
+        lines.append(f"  {t.type_url.rsplit('.', 1)[-1]:<22} version {t.current_version}  acked: {acked}")
+    return "\n".join(lines)
+
+
+def run_admin(target: str, verb: str, *, as_json: bool) -> int:
+    with grpc.insecure_channel(target) as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        try:
+            if verb == "engines":
+                engines = stub.ListEngines(admin_pb2.ListEnginesRequest(), timeout=5)
+                text = (json.dumps(MessageToDict(engines, always_print_fields_with_no_presence=True), indent=2)
+                        if as_json else engines_table(engines))
+            else:
+                status = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=5)
+                text = (json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True), indent=2)
+                        if as_json else status_text(status))
+        except grpc.RpcError as exc:
+            print(f"sluice admin: cannot reach the control plane at {target}: {exc.code().name}", file=sys.stderr)
+            return 1
+    print(text)
+    return 0
