@@ -27,7 +27,8 @@ class SimRequest:
     prompt_tokens: int
     max_tokens: int
     arrived_at: float
-    prefill_left: int = 0
+    prefill_left: float = 0.0
+    """Tokens still to prefill; fractional, so a step's prefill budget is spent exactly."""
     generated: int = 0
     blocks: int = 0
     first_token_at: float | None = None
@@ -46,7 +47,7 @@ class SimRequest:
         return self.generated >= self.max_tokens
 
     @property
-    def computed_tokens(self) -> int:
+    def computed_tokens(self) -> float:
         return self.prompt_tokens + self.generated - self.prefill_left
 
 
@@ -113,7 +114,7 @@ class Batcher:
         for request in [r for r in self.running if r.prefill_left > 0]:
             if budget <= 0:
                 break
-            chunk = min(request.prefill_left, math.ceil(budget))
+            chunk = min(request.prefill_left, budget)
             if not self._grow(request, chunk):
                 continue
             budget -= chunk

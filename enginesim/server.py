@@ -236,6 +236,7 @@ class EngineSimulator:
             "max_tokens": max_tokens,
             "completion_tokens": 0,
             "x_sluice_engine": request.headers.getall("x-sluice-engine", []),
+            "x_sluice_headers": sorted(k.lower() for k in request.headers if k.lower().startswith("x-sluice-")),
             "arrived_at": sim_request.arrived_at,
             "status": "running",
         }

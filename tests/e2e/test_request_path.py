@@ -1,0 +1,197 @@
+"""The request path end to end: the official openai client -> real Envoy -> ext_authz/xDS/ALS on the real control plane ->
+simulated engines, and back."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import openai
+import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from google.protobuf import duration_pb2
+
+from tests.harness import Stack, http_json, start_stack, wait_for
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack([("thor", "thor"), ("spark", "spark")], tmp_path_factory.mktemp("stack"), speed=20.0)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=30)
+
+
+def post(stack: Stack, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(
+        stack.base_url + path, data=body, method="POST", headers={"content-type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, {k.lower(): v for k, v in error.headers.items()}, error.read()
+
+
+def served_by(stack: Stack) -> dict[str, list[dict]]:
+    return {name: stack.sim_log(name) for name in stack.sims}
+
+
+def test_chat_completion_non_streaming(stack: Stack, client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model="cortex", messages=[{"role": "user", "content": "hello"}], max_tokens=5
+    )
+    completion = raw.parse()
+    assert raw.headers["x-sluice-engine"] in {"thor", "spark"}
+    assert raw.headers["x-sluice-route-reason"] == "least_loaded"
+    assert completion.choices[0].message.content == "the quick river runs through"
+    assert completion.usage is not None and completion.usage.completion_tokens == 5
+
+
+def test_chat_completion_streaming_with_usage(stack: Stack, client: openai.OpenAI) -> None:
+    with client.chat.completions.with_streaming_response.create(
+        model="cortex", messages=[{"role": "user", "content": "hello"}], max_tokens=12, stream=True,
+        stream_options={"include_usage": True},
+    ) as response:
+        engine = response.headers["x-sluice-engine"]
+        chunks = list(response.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert engine in {"thor", "spark"}
+    assert len(text.split()) == 12
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completions(stack: Stack, client: openai.OpenAI) -> None:
+    raw = client.completions.with_raw_response.create(model="cortex", prompt="Once upon a time", max_tokens=4)
+    assert raw.headers["x-sluice-engine"] in {"thor", "spark"}
+    assert raw.parse().choices[0].text == "the quick river runs"
+    with client.completions.with_streaming_response.create(
+        model="cortex", prompt="Once", max_tokens=3, stream=True
+    ) as streamed:
+        assert streamed.headers["x-sluice-engine"] in {"thor", "spark"}
+        assert "".join(c.choices[0].text for c in streamed.parse()) == "the quick river"
+
+
+def test_model_list_through_envoy(stack: Stack, client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["cortex"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b'{"model": "no-such-model", "messages": []}', 404, "model_not_found"),
+        (b'{"model": "cortex", "messages": [', 400, "invalid_json"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', 400, "missing_model"),
+        (b"\xff\xfe not utf-8", 400, "invalid_json"),
+        (b'{"model": "' + b"a" * (2 * 1024 * 1024) + b'"}', 413, "request_too_large"),
+    ],
+    ids=["unknown-model", "malformed-json", "missing-model", "not-utf8", "2MiB-body"],
+)
+def test_bad_requests_get_openai_shaped_errors(stack: Stack, body: bytes, status: int, code: str) -> None:
+    before = {name: len(log) for name, log in served_by(stack).items()}
+    got_status, headers, payload = post(stack, "/chat/completions", body)
+    assert got_status == status
+    assert headers["content-type"].startswith("application/json")
+    error = json.loads(payload)["error"]
+    assert error["code"] == code and error["message"] and error["type"] == "invalid_request_error"
+    assert {name: len(log) for name, log in served_by(stack).items()} == before, "a refused request reached an engine"
+
+
+def test_openai_client_sees_404_for_unknown_model(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-nothing", messages=[{"role": "user", "content": "x"}])
+    assert caught.value.status_code == 404
+
+
+def test_client_cannot_pick_its_engine(stack: Stack) -> None:
+    """A client naming its own engine (and inventing other x-sluice-* headers) is served where the control plane chose."""
+    body = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    chosen = []
+    for _ in range(4):
+        status, headers, _ = post(stack, "/chat/completions", body,
+                                  {"x-sluice-engine": "thor", "x-sluice-anything": "1", "x-sluice-priority": "critical"})
+        assert status == 200
+        chosen.append(headers["x-sluice-engine"])
+        # Let the access log release the ticket, so every request meets an idle fleet and the choice is deterministic.
+        wait_for(lambda: stack.status().open_tickets == 0, timeout=5, what="ticket release")
+    logs = served_by(stack)
+    recent = {name: log[-4:] for name, log in logs.items()}
+    for name, entries in recent.items():
+        for entry in entries:
+            # The engine saw exactly one x-sluice-engine value, its own: the client's was overwritten, not appended.
+            assert entry["x_sluice_engine"] == [name]
+            assert "x-sluice-anything" not in entry["x_sluice_headers"]
+    # Idle engines tie on load and the tie goes to the name order, so the control plane picks spark: never the client's thor.
+    assert chosen == ["spark"] * 4
+    assert [e["x_sluice_engine"] for e in logs["spark"][-4:]] == [["spark"]] * 4
+    assert all("x-sluice-priority" in e["x_sluice_headers"] for e in logs["spark"][-4:])
+
+
+def test_config_dump_shows_engine_clusters_from_xds(stack: Stack) -> None:
+    dump = http_json(stack.admin_url + "/config_dump?resource=dynamic_active_clusters")
+    names = {c["cluster"]["name"] for c in dump["configs"]}
+    assert names == {"thor", "spark"}
+    listeners = http_json(stack.admin_url + "/config_dump?resource=dynamic_listeners")
+    assert [listener["name"] for listener in listeners["configs"]] == ["sluice_openai"]
+
+
+def test_invalid_resource_is_nacked_and_traffic_keeps_flowing(stack: Stack, client: openai.OpenAI) -> None:
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
+    before = stack.status().xds_nacks_total
+    bad = cluster_pb2.Cluster(
+        name="broken", type=cluster_pb2.Cluster.STATIC, connect_timeout=duration_pb2.Duration(seconds=-1)
+    )
+    stack.controlplane.call(plane.publish(extra_clusters=[bad]))
+    wait_for(lambda: stack.status().xds_nacks_total == before + 1, what="Envoy's NACK")
+    dump = http_json(stack.admin_url + "/config_dump?resource=dynamic_active_clusters")
+    assert {c["cluster"]["name"] for c in dump["configs"]} == {"thor", "spark"}
+    completion = client.chat.completions.create(model="cortex", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert completion.choices[0].message.content == "the quick"
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{plane.metrics_port}/metrics").read().decode()
+    assert 'sluice_xds_nacks_total{type_url="type.googleapis.com/envoy.config.cluster.v3.Cluster"} 1.0' in metrics
+    # The rejected version is not resent in a loop: the count stays put.
+    stack.controlplane.call(plane.publish())
+    cds = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+    good = plane.cache.snapshot.version(cds)  # type: ignore[union-attr]
+    wait_for(lambda: _acked(stack, cds) == good, what="ACK of the restored config")
+    assert stack.status().xds_nacks_total == before + 1
+
+
+def _acked(stack: Stack, type_url: str) -> str:
+    entry = next(t for t in stack.status().xds if t.type_url == type_url)
+    return next(iter(entry.acked_versions.values()), "")
+
+
+def test_burst_releases_every_ticket(stack: Stack) -> None:
+    body = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "go"}], "max_tokens": 6}).encode()
+    admitted_before = stack.status().tickets_admitted_total
+    with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
+        results = list(pool.map(lambda _: post(stack, "/chat/completions", body), range(24)))
+    assert [status for status, _, _ in results] == [200] * 24
+    assert {headers["x-sluice-engine"] for _, headers, _ in results} == {"thor", "spark"}
+    status = stack.status()
+    assert status.tickets_admitted_total - admitted_before == 24
+    wait_for(lambda: all(e.open_tickets == 0 for e in stack.engines().values()), timeout=10, what="tickets released")
+    final = stack.status()
+    assert final.open_tickets == 0 and final.tickets_expired_total == 0
+
+
+def test_unknown_path_is_404(stack: Stack) -> None:
+    status, _, payload = post(stack, "/nothing/here", b"{}")
+    assert status == 404 and json.loads(payload)["error"]["code"] == "unknown_url"
+
+
+def test_every_served_request_was_pinned(stack: Stack) -> None:
+    """Every request an engine served came through Envoy pinned by the control plane (never unpinned)."""
+    for name, log in served_by(stack).items():
+        assert all(entry["x_sluice_engine"] == [name] for entry in log), name

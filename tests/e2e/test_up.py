@@ -1,0 +1,81 @@
+"""``sluice up`` as a user runs it (``make run`` runs the same command on the bundled config): everything starts, the openai
+client gets a streamed answer, a second ``sluice up`` refuses to start, and SIGTERM stops every child."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import yaml
+
+from tests.harness import free_port, wait_for
+
+
+def _config(tmp_path: Path) -> Path:
+    raw = {
+        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "engines": [
+            {"name": "thor", "url": f"http://127.0.0.1:{free_port()}", "sim": "thor", "speed": 20},
+            {"name": "spark", "url": f"http://127.0.0.1:{free_port()}", "sim": "spark", "speed": 20},
+        ],
+    }
+    path = tmp_path / "sluice.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_sluice_up_serves_streams_refuses_a_twin_and_stops_cleanly(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    port = yaml.safe_load(config.read_text())["envoy"]["listen_port"]
+    up = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(config)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines: list[str] = []
+        while "Ctrl-C stops everything." not in "".join(lines):
+            line = up.stdout.readline()  # type: ignore[union-attr]
+            assert line, f"sluice up ended early:\n{''.join(lines)}"
+            lines.append(line)
+        output = "".join(lines)
+        assert f"base URL: http://127.0.0.1:{port}/v1" in output
+        assert "model:    cortex" in output
+        children = _children(up.pid)
+        assert len(children) == 4  # two simulators, the control plane, Envoy
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        stream = client.chat.completions.create(
+            model="cortex", messages=[{"role": "user", "content": "hello"}], max_tokens=6, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+            "the quick river runs through a"
+
+        twin = subprocess.run([sys.executable, "-m", "sluice", "up", "--config", str(config)],
+                              capture_output=True, text=True, timeout=30)
+        assert twin.returncode == 1
+        assert "already running" in twin.stderr
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=20) == 0
+        assert "sluice stopped." in up.stdout.read()  # type: ignore[union-attr]
+        wait_for(lambda: not any(_alive(pid) for pid in children), timeout=10, what="children to exit")
+    finally:
+        if up.poll() is None:
+            up.kill()

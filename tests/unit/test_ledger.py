@@ -1,0 +1,80 @@
+"""The ticket ledger: admits, releases, leases, and the load the probe cannot see yet."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.core.ledger import Ledger
+
+
+def test_release_is_idempotent_and_counts() -> None:
+    ledger = Ledger(lease_seconds=60)
+    ledger.admit("a", "thor", "cortex", now=0)
+    assert ledger.open_tickets("thor") == 1
+    assert ledger.release("a", now=1) is not None
+    assert ledger.release("a", now=2) is None  # a duplicate access-log entry changes nothing
+    assert ledger.open_tickets() == 0
+    assert (ledger.admitted_total, ledger.released_total, ledger.expired_total) == (1, 1, 0)
+
+
+def test_lease_reaps_tickets_whose_log_entry_was_lost() -> None:
+    ledger = Ledger(lease_seconds=10)
+    ledger.admit("lost", "thor", "cortex", now=0)
+    ledger.admit("young", "thor", "cortex", now=5)
+    assert ledger.expire(now=9.9) == []
+    assert [t.ticket_id for t in ledger.expire(now=10)] == ["lost"]
+    assert ledger.open_tickets("thor") == 1 and ledger.expired_total == 1
+    assert ledger.release("lost", now=11) is None
+
+
+def test_duplicate_ticket_id_is_refused() -> None:
+    ledger = Ledger(lease_seconds=10)
+    ledger.admit("x", "thor", "m", now=0)
+    with pytest.raises(ValueError):
+        ledger.admit("x", "spark", "m", now=1)
+
+
+@pytest.mark.parametrize(
+    ("events", "probe_at", "expected"),
+    [
+        ([("admit", "a", 1.0)], None, 1),  # never probed: every open ticket is unseen
+        ([("admit", "a", 1.0)], 2.0, 0),  # admitted before the probe: the probe counts it
+        ([("admit", "a", 3.0)], 2.0, 1),  # admitted after: the probe cannot know it (herding within a burst)
+        ([("admit", "a", 1.0), ("release", "a", 3.0)], 2.0, -1),  # finished after the probe: the probe over-counts
+        ([("admit", "a", 3.0), ("release", "a", 4.0)], 2.0, 0),  # came and went after the probe
+        ([("admit", "a", 1.0), ("release", "a", 1.5)], 2.0, 0),  # came and went before the probe
+    ],
+    ids=["no-probe", "seen", "unseen", "stale-high", "after-probe-both", "before-probe-both"],
+)
+def test_unseen_load(events: list[tuple[str, str, float]], probe_at: float | None, expected: int) -> None:
+    ledger = Ledger(lease_seconds=60)
+    if probe_at is not None:
+        ledger.note_probe("thor", probe_at)
+    for kind, ticket, at in events:
+        if kind == "admit":
+            ledger.admit(ticket, "thor", "m", now=at)
+        else:
+            ledger.release(ticket, now=at)
+    assert ledger.unseen_load("thor") == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "release", "probe", "expire"]), st.integers(0, 7)), max_size=60))
+def test_no_ticket_leaks(ops: list[tuple[str, int]]) -> None:
+    """Whatever the interleaving, every admitted ticket ends up open, released or expired, exactly once."""
+    ledger = Ledger(lease_seconds=5)
+    now = 0.0
+    for i, (op, k) in enumerate(ops):
+        now += 0.5
+        if op == "admit":
+            ledger.admit(f"t{i}", f"e{k % 2}", "m", now)
+        elif op == "release":
+            ledger.release(f"t{k * 3}", now)
+        elif op == "probe":
+            ledger.note_probe(f"e{k % 2}", now)
+        else:
+            ledger.expire(now)
+    assert ledger.admitted_total == ledger.open_tickets() + ledger.released_total + ledger.expired_total
+    assert ledger.open_tickets() == ledger.open_tickets("e0") + ledger.open_tickets("e1")
