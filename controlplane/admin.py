@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from controlplane.core.decide import effective_load
+from controlplane.core.model import EngineRates
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 
 if TYPE_CHECKING:
@@ -15,6 +16,19 @@ if TYPE_CHECKING:
 
 def _or_unknown(value: float | None) -> float:
     return -1.0 if value is None else float(value)
+
+
+def _rates(r: EngineRates | None) -> admin_pb2.Rates | None:
+    if r is None:
+        return None
+    return admin_pb2.Rates(
+        interval_seconds=r.interval_s,
+        prompt_tokens_per_s=_or_unknown(r.prompt_tokens_per_s),
+        generation_tokens_per_s=_or_unknown(r.generation_tokens_per_s),
+        prefill_tokens_per_s=_or_unknown(r.prefill_tokens_per_s),
+        decode_tokens_per_s_each=_or_unknown(r.decode_tokens_per_s_each),
+        solo=r.solo,
+    )
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -59,6 +73,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         out = []
         for e in fleet.engines:
             s = e.sample
+            model = e.models[0].model_id if e.models else None
             out.append(admin_pb2.Engine(
                 name=e.name,
                 url=e.url,
@@ -75,5 +90,17 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 last_error=e.last_error,
                 version=e.version or "",
                 effective_load=int(effective_load(e, fleet)),
+                flavor=e.flavor or "",
+                chip_class=e.chip_class,
+                kv_capacity_tokens=e.kv_capacity_tokens or 0,
+                discovered_concurrency=e.discovered_concurrency or 0,
+                missing_gauges=list(e.degraded),
+                rates=_rates(e.rates),
+                prefill_median_tokens_per_s=_or_unknown(plane.rates.prefill_median(model, e.chip_class) if model else None),
+                solo_decode_median_tokens_per_s=_or_unknown(
+                    plane.rates.solo_decode_median(model, e.chip_class) if model else None
+                ),
+                kv_used_tokens=int(_or_unknown(s.kv_used_tokens if s else None)),
+                preemptions_total=_or_unknown(s.preemptions_total if s else None),
             ))
         return admin_pb2.ListEnginesResponse(engines=out)

@@ -23,9 +23,10 @@ from controlplane.admin import AdminServicer
 from controlplane.authz import AuthorizationServicer
 from controlplane.config import Config, ConfigError, load_config
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineView, Fleet
+from controlplane.core.model import EngineRates, EngineView, Fleet
 from controlplane.metrics import SluiceMetrics
 from controlplane.observe.poller import EnginePoller
+from controlplane.observe.rates import RateBook
 from controlplane.xds.resources import build_cluster, build_listener, build_load_assignment, build_routes
 from controlplane.xds.server import AdsServicer
 from controlplane.xds.snapshot import Snapshot, SnapshotCache, make_snapshot
@@ -58,6 +59,8 @@ class ControlPlane:
         self.cache = SnapshotCache()
         self.ads = AdsServicer(self.cache, self.metrics)
         self.pollers: list[EnginePoller] = []
+        self.rates = RateBook(config.observe.rate_ring_size, config.observe.rate_min_samples)
+        self._was_stale: dict[str, bool] = {}
         self.started_at = clock()
         self.grpc_port = 0
         self.metrics_port = 0
@@ -69,19 +72,48 @@ class ControlPlane:
     # -- state the servicers read ----------------------------------------------------------------------------------------
     def fleet(self, now: float) -> Fleet:
         engines = tuple(p.view(now) for p in self.pollers)
-        return Fleet(engines, {e.name: self.ledger.unseen_load(e.name) for e in engines})
+        return Fleet(
+            engines, {e.name: self.ledger.unseen_load(e.name) for e in engines},
+            admit_stale=self.config.observe.on_stale == "open",
+        )
 
-    def _on_probe(self, view: EngineView) -> None:
+    def _on_probe(self, view: EngineView, rates: EngineRates | None) -> None:
         assert view.sample is not None
         self.ledger.note_probe(view.name, view.sample.taken_at)
         s = view.sample
+        m = self.metrics
         for gauge, value in (
-            (self.metrics.engine_running, s.running),
-            (self.metrics.engine_waiting, s.waiting),
-            (self.metrics.engine_kv_usage, s.kv_usage),
+            (m.engine_running, s.running),
+            (m.engine_waiting, s.waiting),
+            (m.engine_kv_usage, s.kv_usage),
+            (m.engine_prefill_rate, rates.prefill_tokens_per_s if rates else None),
+            (m.engine_decode_rate, rates.decode_tokens_per_s_each if rates else None),
         ):
             if value is not None:
                 gauge.labels(view.name).set(value)
+        m.observer_degraded.labels(view.name).set(1 if view.degraded else 0)
+        if rates is not None and view.models:
+            # Rates are booked under the engine's first model: engine metrics are per process, not per model.
+            self.rates.record(view.models[0].model_id, view.chip_class, rates)
+
+    def check_staleness(self, now: float) -> None:
+        """Count every fresh -> stale transition (``sluice_engine_state_stale_total``) and keep ``sluice_engine_up``."""
+        for poller in self.pollers:
+            view = poller.view(now)
+            self.metrics.engine_up.labels(view.name).set(0 if view.stale else 1)
+            was = self._was_stale.get(view.name)
+            if view.stale and was is False:
+                self.metrics.engine_stale.labels(view.name).inc()
+                log.warning("engine %s is stale (last error: %s); on_stale=%s", view.name, view.last_error or "none",
+                            self.config.observe.on_stale)
+            elif not view.stale and was:
+                log.info("engine %s is fresh again", view.name)
+            self._was_stale[view.name] = view.stale
+
+    async def _watch_staleness(self) -> None:
+        while True:
+            self.check_staleness(self.clock())
+            await asyncio.sleep(self.config.observe.poll_interval_seconds / 2)
 
     # -- xDS -------------------------------------------------------------------------------------------------------------
     def build_snapshot(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
@@ -114,12 +146,14 @@ class ControlPlane:
             raise OSError(f"cannot bind gRPC on {cfg.controlplane.host}:{cfg.controlplane.grpc_port}")
         await server.start()
         self._server = server
-        self._session = aiohttp.ClientSession()
+        # One pooled session for every poller; the pool is wide enough that engines never queue behind one another.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=4))
         for engine in cfg.engines:
             poller = EnginePoller(engine, cfg.observe, self._session, self._on_probe, clock=self.clock)
             self.pollers.append(poller)
             self._tasks.append(asyncio.create_task(poller.run(), name=f"poll-{engine.name}"))
         self._tasks.append(asyncio.create_task(self._reap_leases(), name="lease-reaper"))
+        self._tasks.append(asyncio.create_task(self._watch_staleness(), name="staleness"))
         await self._start_metrics_http()
         log.info(
             "control plane on %s:%d (ADS, ext_authz, ALS, admin), metrics on :%d, %d engines",

@@ -66,6 +66,12 @@ class ObserveConfig:
     stale_after_polls: int
     models_refresh_seconds: float
     max_backoff_seconds: float
+    on_stale: str
+    """``open``: a stale engine is still admitted to (after fresh ones; seed 004's choice); ``closed``: it is not."""
+    rate_ring_size: int
+    """Samples kept per (model, chip class) for the prefill and solo-decode medians."""
+    rate_min_samples: int
+    """A median is trusted only from this many samples on."""
 
     @property
     def stale_after_seconds(self) -> float:
@@ -92,6 +98,12 @@ class EngineConfig:
     sim: str | None
     """Simulator profile ``sluice up`` starts for this engine, or None for an engine running elsewhere."""
     sim_speed: float
+    flavor: str
+    """``auto`` (detected from ``/metrics``) or one of ``vllm``, ``sglang``, ``llamacpp``, ``tgi``."""
+    chip_class: str
+    """Engines of one chip class share prefill/decode medians; defaults to the engine's own name."""
+    sim_flavor: str
+    """Metric dialect the simulator speaks (``vllm-v1``, ``vllm-v0``, ``sglang``, ``llamacpp``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +135,9 @@ DEFAULTS: dict[str, Any] = {
         "stale_after_polls": 3,
         "models_refresh_seconds": 10.0,
         "max_backoff_seconds": 10.0,
+        "on_stale": "open",
+        "rate_ring_size": 64,
+        "rate_min_samples": 5,
     },
     "tickets": {"lease_seconds": 900.0, "reap_interval_seconds": 5.0},
 }
@@ -156,6 +171,12 @@ class _Checker:
 
     def port(self, path: str, value: Any) -> int:
         return int(self.number(path, value, minimum=1, maximum=65535, integer=True))
+
+    def choice(self, path: str, value: Any, allowed: tuple[str, ...]) -> str:
+        if value not in allowed:
+            self.problems.append(f"{path}: must be one of {', '.join(allowed)}, got {value!r}")
+            return allowed[0]
+        return str(value)
 
     def text(self, path: str, value: Any) -> str:
         if not isinstance(value, str) or not value:
@@ -207,7 +228,12 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         stale_after_polls=int(c.number("observe.stale_after_polls", ob["stale_after_polls"], minimum=1, integer=True)),
         models_refresh_seconds=float(c.number("observe.models_refresh_seconds", ob["models_refresh_seconds"], minimum=0.1)),
         max_backoff_seconds=float(c.number("observe.max_backoff_seconds", ob["max_backoff_seconds"], minimum=0.05)),
+        on_stale=c.choice("observe.on_stale", ob["on_stale"], ("open", "closed")),
+        rate_ring_size=int(c.number("observe.rate_ring_size", ob["rate_ring_size"], minimum=1, integer=True)),
+        rate_min_samples=int(c.number("observe.rate_min_samples", ob["rate_min_samples"], minimum=1, integer=True)),
     )
+    if observe.rate_min_samples > observe.rate_ring_size:
+        c.problems.append("observe.rate_min_samples: must not exceed observe.rate_ring_size")
     if observe.poll_timeout_seconds > observe.poll_interval_seconds:
         c.problems.append("observe.poll_timeout_seconds: must not exceed observe.poll_interval_seconds")
     tk = c.section(raw, "tickets")
@@ -221,7 +247,9 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     return Config(controlplane, envoy, observe, tickets, engines, source)
 
 
-_ENGINE_FIELDS = {"name", "url", "max_num_seqs", "models", "sim", "speed"}
+_ENGINE_FIELDS = {"name", "url", "max_num_seqs", "models", "sim", "speed", "flavor", "chip_class", "sim_flavor"}
+FLAVORS = ("auto", "vllm", "sglang", "llamacpp", "tgi")
+SIM_FLAVORS = ("vllm-v1", "vllm-v0", "sglang", "llamacpp")
 
 
 def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
@@ -261,9 +289,16 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
             c.problems.append(f"{path}.sim: unknown simulator profile {sim!r} (known: {', '.join(sorted(PROFILES))})")
             sim = None
         speed = float(c.number(f"{path}.speed", item.get("speed", 1.0), minimum=0.001))
-        if sim is not None and seqs is None:
-            seqs = PROFILES[sim].max_num_seqs
-        engines.append(EngineConfig(name, url, host, port, seqs, tuple(models), sim, speed))
+        flavor = c.choice(f"{path}.flavor", item.get("flavor", "auto"), FLAVORS)
+        sim_flavor = c.choice(f"{path}.sim_flavor", item.get("sim_flavor", "vllm-v1"), SIM_FLAVORS)
+        chip_class = item.get("chip_class", name)
+        if not isinstance(chip_class, str) or not chip_class:
+            c.problems.append(f"{path}.chip_class: must be a non-empty string")
+            chip_class = name
+        if sim is not None and seqs is None and sim_flavor.startswith("vllm"):
+            seqs = PROFILES[sim].max_num_seqs  # vLLM cannot report it; SGLang and llama.cpp simulators do
+        engines.append(EngineConfig(name, url, host, port, seqs, tuple(models), sim, speed, flavor, chip_class,
+                                    sim_flavor))
     return tuple(engines)
 
 

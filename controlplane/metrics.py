@@ -41,3 +41,17 @@ class SluiceMetrics:
             "sluice_engine_kv_usage_ratio", "KV-cache usage from the engine's last probe (0..1).", ["engine"], registry=r
         )
         self.engine_up = Gauge("sluice_engine_up", "1 when the engine's last probe is fresh.", ["engine"], registry=r)
+        self.engine_stale = Counter(
+            "sluice_engine_state_stale", "Transitions of an engine from fresh to stale.", ["engine"], registry=r
+        )
+        self.observer_degraded = Gauge(
+            "sluice_observer_degraded", "1 when the engine lacks a load gauge its flavour needs.", ["engine"], registry=r
+        )
+        self.engine_prefill_rate = Gauge(
+            "sluice_engine_prefill_tokens_per_second", "Prefill tokens per second of prefill, last interval.", ["engine"],
+            registry=r,
+        )
+        self.engine_decode_rate = Gauge(
+            "sluice_engine_decode_tokens_per_second_each", "One request's decode rate, last interval.", ["engine"],
+            registry=r,
+        )

@@ -1,7 +1,8 @@
 """The admission decision, pure: ``decide(request, fleet, now) -> Decision``.
 
 This is the first cut of DESIGN.md's decision model: bad requests are refused before they cost anything, and an admitted
-request goes to the ready engine serving its model with the least effective load, where::
+request goes to the fresh engine serving its model with the least effective load (when every such engine is stale and policy
+``observe.on_stale`` is ``open``, to the least loaded stale one, reason ``stale_fail_open``), where::
 
     effective_load(e) = max(0, probe_running(e) + probe_waiting(e) + unseen_load(e))
 
@@ -73,10 +74,10 @@ def effective_load(engine: EngineView, fleet: Fleet) -> float:
 
 
 def model_list(fleet: Fleet) -> bytes:
-    """``GET /v1/models`` for the whole fleet: every model some ready engine serves, once."""
+    """``GET /v1/models`` for the whole fleet: every model an admissible engine serves, once."""
     seen: dict[str, dict[str, Any]] = {}
     for engine in fleet.engines:
-        if not engine.ready:
+        if engine.stale and not fleet.admit_stale:
             continue
         for m in engine.models:
             entry = seen.setdefault(
@@ -99,9 +100,13 @@ def decide(request: InferenceRequest, fleet: Fleet, now: float) -> Decision:
         return refuse(
             RequestError(404, Reason.UNKNOWN_MODEL, f"The model `{request.model}` does not exist.", "model_not_found")
         )
-    ready = [e for e in serving if e.ready]
+    ready = [e for e in serving if not e.stale]
+    reason = Reason.LEAST_LOADED
+    if not ready and fleet.admit_stale:
+        # Fail-open (seed 004): an engine whose metrics went quiet may well be serving; admitting beats refusing.
+        ready, reason = serving, Reason.STALE_FAIL_OPEN
     if not ready:
-        detail = f"no ready engine serves {request.model} ({', '.join(e.name for e in serving)} not ready)"
+        detail = f"no ready engine serves {request.model} ({', '.join(e.name for e in serving)} stale)"
         return Decision(
             Verdict.SHED, Reason.NO_READY_ENGINE, status=503, retry_after_s=NO_ENGINE_RETRY_AFTER_S, detail=detail,
             body=error_body(detail, "server_error", Reason.NO_READY_ENGINE.value),
@@ -109,10 +114,10 @@ def decide(request: InferenceRequest, fleet: Fleet, now: float) -> Decision:
 
     def key(e: EngineView) -> tuple[float, float, str]:
         load = effective_load(e, fleet)
-        return (load, load / e.max_num_seqs if e.max_num_seqs else load, e.name)
+        return (load, load / e.cap if e.cap else load, e.name)
 
     chosen = min(ready, key=key)
     return Decision(
-        Verdict.ADMIT, Reason.LEAST_LOADED, engine=chosen.name,
+        Verdict.ADMIT, reason, engine=chosen.name,
         detail=f"effective load {effective_load(chosen, fleet):g} of {len(ready)} ready",
     )

@@ -19,10 +19,17 @@ class EngineSample:
     waiting: float | None = None
     kv_usage: float | None = None
     """Fraction of the KV cache in use, 0..1."""
+    kv_used_tokens: float | None = None
     kv_capacity_tokens: int | None = None
     preemptions_total: float | None = None
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
+    decode_seconds_total: float | None = None
+    """Cumulative per-request decode time (a per-token latency histogram's ``_sum``, or llama.cpp's counter)."""
+    decode_tokens_total: float | None = None
+    """Tokens that ``decode_seconds_total`` covers (the histogram's ``_count``)."""
+    prefill_seconds_total: float | None = None
+    prefill_tokens_total: float | None = None
 
     @property
     def queue(self) -> float | None:
@@ -40,12 +47,26 @@ class ServedModel:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineRates:
+    """Rates between two consecutive probes (see ``controlplane/observe/rates.py`` for the formulas)."""
+
+    interval_s: float
+    prompt_tokens_per_s: float | None = None
+    generation_tokens_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s_each: float | None = None
+    solo: bool = False
+    """The decode rate was measured with exactly one request running (and none queued) for the whole interval."""
+
+
+@dataclass(frozen=True, slots=True)
 class EngineView:
     """What the control plane knows about one engine at one instant."""
 
     name: str
     url: str
     max_num_seqs: int | None
+    """Configured concurrency cap (vLLM exposes none)."""
     models: tuple[ServedModel, ...] = ()
     version: str | None = None
     sample: EngineSample | None = None
@@ -53,6 +74,14 @@ class EngineView:
     last_error: str = ""
     stale: bool = True
     """No good probe within the stale window (or never)."""
+    flavor: str | None = None
+    chip_class: str = ""
+    discovered_capacity_tokens: int | None = None
+    discovered_concurrency: int | None = None
+    """The engine's own cap when it reports one (SGLang max_running_requests, llama.cpp total_slots)."""
+    rates: EngineRates | None = None
+    degraded: tuple[str, ...] = ()
+    """Load gauges its flavour needs that the engine does not expose (empty = healthy observation)."""
 
     def serves(self, model: str) -> bool:
         return any(m.model_id == model for m in self.models)
@@ -60,6 +89,16 @@ class EngineView:
     @property
     def ready(self) -> bool:
         return not self.stale and bool(self.models)
+
+    @property
+    def cap(self) -> int | None:
+        """Concurrency cap: configured, else what the engine reports, else unknown."""
+        return self.max_num_seqs or self.discovered_concurrency
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        from_metrics = self.sample.kv_capacity_tokens if self.sample is not None else None
+        return from_metrics or self.discovered_capacity_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +122,7 @@ class Verdict(enum.Enum):
 
 class Reason(enum.Enum):
     LEAST_LOADED = "least_loaded"
+    STALE_FAIL_OPEN = "stale_fail_open"
     MODEL_LIST = "model_list"
     MALFORMED_JSON = "malformed_json"
     MISSING_MODEL = "missing_model"
@@ -116,3 +156,5 @@ class Fleet:
     engines: tuple[EngineView, ...]
     unseen_load: dict[str, int] = field(default_factory=dict)
     """Per engine: tickets the last probe cannot have counted (admitted after it, minus released after it)."""
+    admit_stale: bool = True
+    """Policy ``observe.on_stale``: open (True) still admits to a stale engine when no fresh one serves the model."""

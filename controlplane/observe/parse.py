@@ -1,34 +1,109 @@
 """Turn an engine's ``/metrics`` text into an ``EngineSample`` (prometheus_client's parser, never by hand).
 
-Rules (from engine-metrics.md): a metric the engine did not expose is ``None`` (unknown), never 0; aliases resolve in order of
-preference (vLLM's ``kv_cache_usage_perc`` before ``gpu_cache_usage_perc``); vLLM data-parallel ``engine`` series are summed
-for running/waiting and maxed for KV usage; ``nan`` counts as unknown.
+Rules (../shared/docs/engine-metrics.md, learned from other routers' breakages):
+
+- a metric the engine did not expose is ``None`` (unknown), never 0; ``nan`` is unknown too;
+- aliases resolve in order of preference (vLLM ``kv_cache_usage_perc`` before ``gpu_cache_usage_perc``,
+  ``inter_token_latency_seconds`` before ``time_per_output_token_seconds``);
+- vLLM data-parallel ``engine`` series: running and waiting are summed, KV usage is the max;
+- SGLang: one tensor-parallel (and pipeline) rank, the ``priority=""`` total, data-parallel ranks summed (KV: max);
+- ``*_created`` series are ignored; histograms contribute their ``_sum`` and ``_count`` for rates between polls.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.core.model import EngineSample
 
-# sample name -> how to combine several series of it
-_SUM = "sum"
-_MAX = "max"
-
-_RUNNING = ("vllm:num_requests_running",)
-_WAITING = ("vllm:num_requests_waiting",)
-_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-_PREEMPTIONS = ("vllm:num_preemptions_total",)
-_PROMPT = ("vllm:prompt_tokens_total",)
-_GENERATION = ("vllm:generation_tokens_total",)
+Series = dict[str, list[tuple[dict[str, str], float]]]
 
 
-def _series(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    out: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+class Flavor(enum.Enum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    LLAMACPP = "llamacpp"
+    TGI = "tgi"
+
+
+@dataclass(frozen=True, slots=True)
+class FlavorSpec:
+    """Where each ``EngineSample`` field comes from in one engine flavour's metrics (names in order of preference)."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    kv_usage: tuple[str, ...] = ()
+    kv_used_tokens: tuple[str, ...] = ()
+    kv_capacity_tokens: tuple[str, ...] = ()
+    preemptions: tuple[str, ...] = ()
+    prompt_tokens: tuple[str, ...] = ()
+    generation_tokens: tuple[str, ...] = ()
+    decode_latency_histograms: tuple[str, ...] = ()
+    """Per-token latency histograms: ``_count`` tokens over ``_sum`` seconds is one request's decode rate."""
+    decode_counters: tuple[str, str] | None = None
+    """(tokens counter, seconds counter) where the engine keeps decode time as plain counters (llama.cpp)."""
+    prefill_histograms: tuple[str, str] | None = None
+    """(prompt-tokens histogram, prefill-seconds histogram): their ``_sum`` deltas give prefill tokens/s."""
+    prefill_counters: tuple[str, str] | None = None
+    required: tuple[str, ...] = ()
+    """Load gauges this flavour must expose; missing ones make the engine degraded (the startup self-check)."""
+
+
+SPECS: dict[Flavor, FlavorSpec] = {
+    Flavor.VLLM: FlavorSpec(
+        running=("vllm:num_requests_running",),
+        waiting=("vllm:num_requests_waiting",),
+        kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        preemptions=("vllm:num_preemptions_total",),
+        prompt_tokens=("vllm:prompt_tokens_total",),
+        generation_tokens=("vllm:generation_tokens_total",),
+        decode_latency_histograms=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+        prefill_histograms=("vllm:request_prompt_tokens", "vllm:request_prefill_time_seconds"),
+        required=("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
+    ),
+    Flavor.SGLANG: FlavorSpec(
+        running=("sglang:num_running_reqs",),
+        waiting=("sglang:num_queue_reqs",),
+        kv_usage=("sglang:token_usage",),
+        kv_used_tokens=("sglang:num_used_tokens",),
+        kv_capacity_tokens=("sglang:max_total_num_tokens",),
+        prompt_tokens=("sglang:prompt_tokens_total",),
+        generation_tokens=("sglang:generation_tokens_total",),
+        decode_latency_histograms=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+        required=("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
+    ),
+    Flavor.LLAMACPP: FlavorSpec(
+        running=("llamacpp:requests_processing",),
+        waiting=("llamacpp:requests_deferred",),
+        kv_usage=("llamacpp:kv_cache_usage_ratio",),
+        kv_used_tokens=("llamacpp:kv_cache_tokens",),
+        prompt_tokens=("llamacpp:prompt_tokens_total",),
+        generation_tokens=("llamacpp:tokens_predicted_total",),
+        decode_counters=("llamacpp:tokens_predicted_total", "llamacpp:tokens_predicted_seconds_total"),
+        prefill_counters=("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"),
+        required=("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+    ),
+    Flavor.TGI: FlavorSpec(
+        running=("tgi_batch_current_size",),
+        waiting=("tgi_queue_size",),
+        kv_used_tokens=("tgi_batch_current_max_tokens",),
+        prompt_tokens=("tgi_request_input_length_sum",),
+        generation_tokens=("tgi_request_generated_tokens_sum",),
+        decode_latency_histograms=("tgi_request_mean_time_per_token_duration",),
+        required=("tgi_batch_current_size", "tgi_queue_size"),
+    ),
+}
+
+_PREFIXES = (("vllm:", Flavor.VLLM), ("sglang:", Flavor.SGLANG), ("llamacpp:", Flavor.LLAMACPP), ("tgi_", Flavor.TGI))
+
+
+def read_series(text: str) -> Series:
+    out: Series = defaultdict(list)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name.endswith("_created"):
@@ -37,18 +112,51 @@ def _series(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
-def _pick(series: dict[str, list[tuple[dict[str, str], float]]], names: Iterable[str], how: str) -> float | None:
+def detect_flavor(series: Series) -> Flavor | None:
+    """The flavour whose metric prefix appears most often; None when no engine metric is present at all."""
+    counts = {flavor: sum(1 for name in series if name.startswith(prefix)) for prefix, flavor in _PREFIXES}
+    best = max(counts, key=lambda f: counts[f])
+    return best if counts[best] else None
+
+
+def _rank_filter(flavor: Flavor, series: list[tuple[dict[str, str], float]]) -> list[tuple[dict[str, str], float]]:
+    """SGLang repeats gauges per tensor/pipeline rank and per priority: keep the lowest TP/PP rank and the total."""
+    if flavor is not Flavor.SGLANG:
+        return series
+    kept = [(labels, v) for labels, v in series if labels.get("priority", "") == ""]
+    for rank in ("tp_rank", "pp_rank"):
+        ranks = {labels[rank] for labels, _ in kept if rank in labels}
+        if ranks:
+            lowest = min(ranks, key=lambda r: (len(r), r))
+            kept = [(labels, v) for labels, v in kept if labels.get(rank, lowest) == lowest]
+    return kept
+
+
+def _values(flavor: Flavor, series: Series, name: str) -> list[float]:
+    return [v for _, v in _rank_filter(flavor, series.get(name, [])) if not math.isnan(v)]
+
+
+def _pick(flavor: Flavor, series: Series, names: tuple[str, ...], combine: str = "sum") -> float | None:
     for name in names:
-        values = [v for _, v in series.get(name, ()) if not math.isnan(v)]
+        values = _values(flavor, series, name)
         if values:
-            return sum(values) if how == _SUM else max(values)
+            return sum(values) if combine == "sum" else max(values)
     return None
 
 
-def _kv_capacity(series: dict[str, list[tuple[dict[str, str], float]]]) -> int | None:
+def _histogram(flavor: Flavor, series: Series, names: tuple[str, ...]) -> tuple[float | None, float | None]:
+    """(_sum, _count) of the first histogram in ``names`` the engine exposes."""
+    for name in names:
+        total, count = _pick(flavor, series, (name + "_sum",)), _pick(flavor, series, (name + "_count",))
+        if total is not None and count is not None:
+            return total, count
+    return None, None
+
+
+def _vllm_capacity(series: Series) -> int | None:
     for labels, _ in series.get("vllm:cache_config_info", ()):
-        tokens = labels.get("kv_cache_size_tokens")
-        if tokens and tokens.isdigit():
+        tokens = labels.get("kv_cache_size_tokens", "")
+        if tokens.isdigit():
             return int(tokens)
         blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
         if blocks.isdigit() and size.isdigit():
@@ -56,15 +164,57 @@ def _kv_capacity(series: dict[str, list[tuple[dict[str, str], float]]]) -> int |
     return None
 
 
-def parse_metrics(text: str, taken_at: float) -> EngineSample:
-    series = _series(text)
+def missing_gauges(series: Series, flavor: Flavor) -> tuple[str, ...]:
+    """Required load gauges this text lacks (an alias counts: vLLM's old ``gpu_cache_usage_perc`` serves for KV)."""
+    spec = SPECS[flavor]
+    missing = []
+    for name in spec.required:
+        aliases = next((group for group in (spec.running, spec.waiting, spec.kv_usage) if name in group), (name,))
+        if all(not _values(flavor, series, alias) for alias in aliases):
+            missing.append(name)
+    return tuple(missing)
+
+
+def parse_metrics(text: str, taken_at: float, flavor: Flavor | None = None) -> EngineSample:
+    """Parse ``text``; ``flavor`` None means detect it from the metric names."""
+    series = read_series(text)
+    return sample_from_series(series, taken_at, flavor or detect_flavor(series))
+
+
+def sample_from_series(series: Series, taken_at: float, flavor: Flavor | None) -> EngineSample:
+    if flavor is None:
+        return EngineSample(taken_at=taken_at)
+    spec = SPECS[flavor]
+    kv_usage = _pick(flavor, series, spec.kv_usage, "max")
+    kv_used = _pick(flavor, series, spec.kv_used_tokens)
+    capacity = _pick(flavor, series, spec.kv_capacity_tokens)
+    if capacity is None and flavor is Flavor.VLLM:
+        capacity = _vllm_capacity(series)
+    if capacity is None and kv_used is not None and kv_usage:
+        capacity = round(kv_used / kv_usage)  # llama.cpp forks: tokens in use over the fraction in use
+    decode_seconds, decode_tokens = _histogram(flavor, series, spec.decode_latency_histograms)
+    if spec.decode_counters is not None:
+        decode_tokens = _pick(flavor, series, spec.decode_counters[:1])
+        decode_seconds = _pick(flavor, series, spec.decode_counters[1:])
+    prefill_tokens = prefill_seconds = None
+    if spec.prefill_histograms is not None:
+        prefill_tokens, _ = _histogram(flavor, series, spec.prefill_histograms[:1])
+        prefill_seconds, _ = _histogram(flavor, series, spec.prefill_histograms[1:])
+    if spec.prefill_counters is not None:
+        prefill_tokens = _pick(flavor, series, spec.prefill_counters[:1])
+        prefill_seconds = _pick(flavor, series, spec.prefill_counters[1:])
     return EngineSample(
         taken_at=taken_at,
-        running=_pick(series, _RUNNING, _SUM),
-        waiting=_pick(series, _WAITING, _SUM),
-        kv_usage=_pick(series, _KV_USAGE, _MAX),
-        kv_capacity_tokens=_kv_capacity(series),
-        preemptions_total=_pick(series, _PREEMPTIONS, _SUM),
-        prompt_tokens_total=_pick(series, _PROMPT, _SUM),
-        generation_tokens_total=_pick(series, _GENERATION, _SUM),
+        running=_pick(flavor, series, spec.running),
+        waiting=_pick(flavor, series, spec.waiting),
+        kv_usage=kv_usage,
+        kv_used_tokens=kv_used,
+        kv_capacity_tokens=None if capacity is None else int(capacity),
+        preemptions_total=_pick(flavor, series, spec.preemptions),
+        prompt_tokens_total=_pick(flavor, series, spec.prompt_tokens),
+        generation_tokens_total=_pick(flavor, series, spec.generation_tokens),
+        decode_seconds_total=decode_seconds,
+        decode_tokens_total=decode_tokens,
+        prefill_seconds_total=prefill_seconds,
+        prefill_tokens_total=prefill_tokens,
     )

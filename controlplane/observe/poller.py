@@ -1,9 +1,13 @@
 """Engine pollers: one asyncio task per engine, so a slow or hung engine never delays another or the Check loop.
 
-Each task probes ``/metrics`` every ``poll_interval_seconds`` (bounded by ``poll_timeout_seconds``) and refreshes discovery
-(``/v1/models``, ``/version``) every ``models_refresh_seconds``. After a failure it backs off exponentially (doubling from the
-poll interval, capped at ``max_backoff_seconds``), so a dead engine costs little; the engine turns stale when its last good
-probe is older than ``stale_after_polls`` intervals.
+Each task probes ``/metrics`` every ``poll_interval_seconds``, each probe bounded by ``poll_timeout_seconds``; a failed probe is
+retried with tenacity's exponential backoff (from the poll interval, doubling, capped at ``max_backoff_seconds``), so a dead
+engine costs little. Discovery (``/v1/models`` plus the flavour's own documents, see ``discovery.py``) runs at the first probe
+and every ``models_refresh_seconds``. Mainline llama.cpp has no KV gauge, so its ``/slots`` is read on each probe when the
+metrics lack one.
+
+The first good probe is a self-check: if it lacks a load gauge the flavour needs, an ERROR names the missing metrics and the
+engine is marked degraded (``sluice_observer_degraded{engine}`` = 1) until a probe has them.
 """
 
 from __future__ import annotations
@@ -13,25 +17,36 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import aiohttp
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from controlplane.config import EngineConfig, ObserveConfig
-from controlplane.core.model import EngineSample, EngineView, ServedModel
-from controlplane.observe.parse import parse_metrics
+from controlplane.core.model import EngineRates, EngineView, ServedModel
+from controlplane.observe.discovery import DISCOVERY_PATHS, parse_discovery, parse_models, slots_kv_usage
+from controlplane.observe.parse import Flavor, detect_flavor, missing_gauges, read_series, sample_from_series
+from controlplane.observe.rates import rates_between
 
 log = logging.getLogger("sluice.observe")
 
 
+class ProbeError(Exception):
+    """A probe that failed for a reason the engine owns (HTTP error, timeout, refused connection, bad payload)."""
+
+
+ProbeCallback = Callable[[EngineView, "EngineRates | None"], None]
+
+
 class EnginePoller:
-    """Keeps the latest ``EngineView`` of one engine; ``on_probe`` is called after every good ``/metrics`` probe."""
+    """Keeps the latest ``EngineView`` of one engine; ``on_probe(view, rates)`` runs after every good ``/metrics`` probe."""
 
     def __init__(
         self,
         engine: EngineConfig,
         observe: ObserveConfig,
         session: aiohttp.ClientSession,
-        on_probe: Callable[[EngineView], None],
+        on_probe: ProbeCallback,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = engine
@@ -39,14 +54,23 @@ class EnginePoller:
         self._session = session
         self._on_probe = on_probe
         self._clock = clock
+        self._configured_flavor = None if engine.flavor == "auto" else Flavor(engine.flavor)
         self._view = EngineView(
             name=engine.name,
             url=engine.url,
             max_num_seqs=engine.max_num_seqs,
             models=tuple(ServedModel(m) for m in engine.models),
+            flavor=engine.flavor if self._configured_flavor else None,
+            chip_class=engine.chip_class,
         )
         self._next_discovery = 0.0
+        self._self_checked = False
         self.failures = 0
+        self.probes = 0
+
+    @property
+    def flavor(self) -> Flavor | None:
+        return self._configured_flavor or (Flavor(self._view.flavor) if self._view.flavor else None)
 
     def view(self, now: float) -> EngineView:
         """The engine as of ``now``: staleness is judged here, against the clock the caller passes."""
@@ -55,52 +79,98 @@ class EnginePoller:
         return v if v.stale == stale else replace(v, stale=stale)
 
     async def run(self) -> None:
+        interval = self.observe.poll_interval_seconds
         while True:
             started = self._clock()
             try:
-                await self.poll_once()
+                async for attempt in AsyncRetrying(
+                    retry=retry_if_exception_type(ProbeError),
+                    wait=wait_exponential(multiplier=interval, min=interval, max=self.observe.max_backoff_seconds),
+                    before_sleep=self._record_failure,
+                    reraise=True,
+                ):
+                    with attempt:
+                        await self.poll_once()
                 self.failures = 0
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # every failure is the engine's, reported and retried
-                self.failures += 1
-                message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                if self.failures == 1:
-                    log.warning("engine %s: probe failed: %s", self.config.name, message)
-                self._view = replace(self._view, last_error=message)
-            delay = self.observe.poll_interval_seconds
-            if self.failures:
-                delay = min(self.observe.max_backoff_seconds, delay * 2 ** (self.failures - 1))
-            await asyncio.sleep(max(0.0, started + delay - self._clock()))
+            except Exception:  # a bug in our parsing must not end observation of this engine
+                log.exception("engine %s: probe crashed", self.config.name)
+                self._view = replace(self._view, last_error="internal error while probing (see log)")
+            await asyncio.sleep(max(0.0, started + interval - self._clock()))
+
+    def _record_failure(self, retry_state: Any) -> None:
+        exc = retry_state.outcome.exception()
+        self.failures += 1
+        if self.failures == 1:
+            log.warning("engine %s: probe failed: %s", self.config.name, exc)
+        self._view = replace(self._view, last_error=str(exc))
+
+    async def _get(self, path: str, *, as_json: bool, optional: bool = False) -> Any:
+        timeout = aiohttp.ClientTimeout(total=self.observe.poll_timeout_seconds)
+        try:
+            async with self._session.get(self.config.url + path, timeout=timeout) as response:
+                if optional and response.status in (404, 405, 501):
+                    return None
+                if response.status != 200:
+                    raise ProbeError(f"GET {path}: HTTP {response.status}")
+                return await response.json(content_type=None) if as_json else await response.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            if optional and not isinstance(exc, asyncio.TimeoutError):
+                return None
+            raise ProbeError(f"GET {path}: {type(exc).__name__} {exc}".rstrip()) from None
 
     async def poll_once(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.observe.poll_timeout_seconds)
         sent_at = self._clock()
-        if sent_at >= self._next_discovery:
-            await self._discover(timeout)
-            self._next_discovery = sent_at + self.observe.models_refresh_seconds
-        async with self._session.get(self.config.url + "/metrics", timeout=timeout) as response:
-            response.raise_for_status()
-            text = await response.text()
-        sample: EngineSample = parse_metrics(text, taken_at=sent_at)
-        self._view = replace(self._view, sample=sample, last_ok_at=self._clock(), last_error="", stale=False)
-        self._on_probe(self._view)
-
-    async def _discover(self, timeout: aiohttp.ClientTimeout) -> None:
-        async with self._session.get(self.config.url + "/v1/models", timeout=timeout) as response:
-            response.raise_for_status()
-            listing = await response.json(content_type=None)
-        discovered = [
-            ServedModel(m["id"], m.get("max_model_len"), m.get("parent"))
-            for m in listing.get("data", [])
-            if isinstance(m, dict) and isinstance(m.get("id"), str)
-        ]
-        configured = [ServedModel(m) for m in self.config.models if m not in {d.model_id for d in discovered}]
-        version = self._view.version
+        text = await self._get("/metrics", as_json=False)
         try:
-            async with self._session.get(self.config.url + "/version", timeout=timeout) as response:
-                if response.status == 200:
-                    version = str((await response.json(content_type=None)).get("version") or "") or None
-        except (aiohttp.ClientError, ValueError, asyncio.TimeoutError):
-            pass  # version is optional; an engine without /version keeps an unknown version
-        self._view = replace(self._view, models=tuple(discovered + configured), version=version)
+            series = read_series(text)
+        except ValueError as exc:
+            raise ProbeError(f"GET /metrics: unparseable exposition: {exc}") from None
+        flavor = self._configured_flavor or detect_flavor(series)
+        if flavor is not None and sent_at >= self._next_discovery:
+            await self._discover(flavor)
+            self._next_discovery = sent_at + self.observe.models_refresh_seconds
+        sample = sample_from_series(series, sent_at, flavor)
+        if flavor is Flavor.LLAMACPP and sample.kv_usage is None:
+            sample = replace(sample, kv_usage=slots_kv_usage(await self._get("/slots", as_json=True, optional=True)))
+        missing = missing_gauges(series, flavor) if flavor else ("no engine metrics recognised",)
+        if not self._self_checked or bool(missing) != bool(self._view.degraded):
+            self._report_health(flavor, missing)
+        previous = self._view.sample
+        rates = rates_between(previous, sample) if previous is not None else None
+        self._view = replace(
+            self._view, sample=sample, last_ok_at=self._clock(), last_error="", stale=False,
+            flavor=flavor.value if flavor else None, degraded=missing, rates=rates or self._view.rates,
+        )
+        self.probes += 1
+        self._on_probe(self._view, rates)
+
+    def _report_health(self, flavor: Flavor | None, missing: tuple[str, ...]) -> None:
+        name = self.config.name
+        if missing:
+            log.error(
+                "engine %s (%s): observation degraded, missing %s; its load is unknown, not zero",
+                name, flavor.value if flavor else "unknown flavour", ", ".join(missing),
+            )
+        elif self._self_checked:
+            log.info("engine %s: observation healthy again", name)
+        self._self_checked = True
+
+    async def _discover(self, flavor: Flavor) -> None:
+        listing = await self._get("/v1/models", as_json=True, optional=flavor is Flavor.TGI)
+        documents = {}
+        for path in DISCOVERY_PATHS[flavor]:
+            document = await self._get(path, as_json=True, optional=True)
+            if isinstance(document, (dict, list)):
+                documents[path] = document
+        found = parse_discovery(flavor, parse_models(listing), documents)
+        known = {m.model_id for m in found.models}
+        configured = tuple(ServedModel(m) for m in self.config.models if m not in known)
+        self._view = replace(
+            self._view,
+            models=found.models + configured,
+            version=found.version or self._view.version,
+            discovered_capacity_tokens=found.kv_capacity_tokens,
+            discovered_concurrency=found.max_concurrency,
+        )

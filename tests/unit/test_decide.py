@@ -55,25 +55,33 @@ def test_parse_reads_model_and_stream_and_ignores_query() -> None:
         ([engine("thor", 0, stale=True), engine("spark", 5)], {}, Verdict.ADMIT, "spark", Reason.LEAST_LOADED),
         ([engine("thor", None, None), engine("spark", 1)], {}, Verdict.ADMIT, "thor", Reason.LEAST_LOADED),
         ([engine("thor", 0, models=("other",))], {}, Verdict.REJECT, None, Reason.UNKNOWN_MODEL),
-        ([engine("thor", 0, stale=True)], {}, Verdict.SHED, None, Reason.NO_READY_ENGINE),
+        ([engine("thor", 0, stale=True), engine("spark", 1, stale=True)], {}, Verdict.ADMIT, "thor",
+         Reason.STALE_FAIL_OPEN),
         ([engine("a", 1, seqs=2), engine("b", 1, seqs=8)], {}, Verdict.ADMIT, "b", Reason.LEAST_LOADED),
     ],
     ids=["least-probe", "unseen-tickets", "released-since-probe", "skip-stale", "unknown-gauges-count-as-idle",
-         "unknown-model", "all-stale", "tie-goes-to-headroom"],
+         "unknown-model", "all-stale-fail-open", "tie-goes-to-headroom"],
 )
 def test_decide(engines: list[EngineView], unseen: dict[str, int], verdict: Verdict, chosen: str | None,
                 reason: Reason) -> None:
     decision = decide(CHAT, Fleet(tuple(engines), unseen), now=1.0)
     assert (decision.verdict, decision.engine, decision.reason) == (verdict, chosen, reason)
-    if verdict is Verdict.SHED:
-        assert decision.status == 503 and decision.retry_after_s and decision.retry_after_s >= 1
-        assert json.loads(decision.body)["error"]["code"] == "no_ready_engine"
     if verdict is Verdict.REJECT:
         assert decision.status == 404 and json.loads(decision.body)["error"]["code"] == "model_not_found"
 
 
-def test_model_list_merges_ready_engines() -> None:
-    fleet = Fleet((engine("thor", models=("cortex", "muse")), engine("spark"), engine("old", stale=True, models=("gone",))))
+def test_all_stale_fail_closed_sheds_with_retry_after() -> None:
+    decision = decide(CHAT, Fleet((engine("thor", 0, stale=True),), admit_stale=False), now=1.0)
+    assert (decision.verdict, decision.reason, decision.status) == (Verdict.SHED, Reason.NO_READY_ENGINE, 503)
+    assert decision.retry_after_s and decision.retry_after_s >= 1
+    assert json.loads(decision.body)["error"]["code"] == "no_ready_engine"
+
+
+@pytest.mark.parametrize(("admit_stale", "models"), [(False, ["cortex", "muse"]), (True, ["cortex", "gone", "muse"])],
+                         ids=["fail-closed", "fail-open"])
+def test_model_list_merges_admissible_engines(admit_stale: bool, models: list[str]) -> None:
+    fleet = Fleet((engine("thor", models=("cortex", "muse")), engine("spark"), engine("old", stale=True, models=("gone",))),
+                  admit_stale=admit_stale)
     decision = decide(InferenceRequest("GET", "/v1/models", None), fleet, now=0)
     assert decision.verdict is Verdict.ANSWER and decision.status == 200
-    assert [m["id"] for m in json.loads(decision.body)["data"]] == ["cortex", "muse"]
+    assert [m["id"] for m in json.loads(decision.body)["data"]] == models

@@ -1,0 +1,109 @@
+"""Rates from counters and histograms: deltas between two consecutive probes of one engine, and the medians they feed.
+
+Pure: samples in, rates out. For probes ``a`` then ``b`` (``dt = b.taken_at - a.taken_at``)::
+
+    prompt_tokens_per_s       = d(prompt_tokens_total) / dt
+    generation_tokens_per_s   = d(generation_tokens_total) / dt
+    prefill_tokens_per_s      = d(prefill_tokens_total) / d(prefill_seconds_total)      (tokens per second of prefill)
+    decode_tokens_per_s_each  = d(decode_tokens_total) / d(decode_seconds_total)        (one request's decode rate)
+
+A counter that went backwards means the engine restarted: no rate from that pair. A delta of zero is no new information and
+gives no rate (seed 002: a value that did not change since the last poll is not a new sample). A decode rate is **solo** only
+when the engine ran exactly one request and queued none at both ends of the interval (seed 002: quality caps need the model's
+own uncontended rate).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from controlplane.core.model import EngineRates, EngineSample
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b < a:
+        return None
+    return b - a
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or num <= 0 or den <= 0:
+        return None
+    return num / den
+
+
+def rates_between(a: EngineSample, b: EngineSample) -> EngineRates | None:
+    dt = b.taken_at - a.taken_at
+    if dt <= 0:
+        return None
+    decode = _ratio(_delta(a.decode_tokens_total, b.decode_tokens_total),
+                    _delta(a.decode_seconds_total, b.decode_seconds_total))
+    solo = decode is not None and a.running == 1 and b.running == 1 and not a.waiting and not b.waiting
+    return EngineRates(
+        interval_s=dt,
+        prompt_tokens_per_s=_ratio(_delta(a.prompt_tokens_total, b.prompt_tokens_total), dt),
+        generation_tokens_per_s=_ratio(_delta(a.generation_tokens_total, b.generation_tokens_total), dt),
+        prefill_tokens_per_s=_ratio(_delta(a.prefill_tokens_total, b.prefill_tokens_total),
+                                    _delta(a.prefill_seconds_total, b.prefill_seconds_total)),
+        decode_tokens_per_s_each=decode,
+        solo=solo,
+    )
+
+
+class MedianRing:
+    """The last ``capacity`` samples of one rate; its median is trusted only from ``min_samples`` on."""
+
+    def __init__(self, capacity: int, min_samples: int) -> None:
+        if capacity < 1 or not 1 <= min_samples <= capacity:
+            raise ValueError("need capacity >= 1 and 1 <= min_samples <= capacity")
+        self._values: deque[float] = deque(maxlen=capacity)
+        self.min_samples = min_samples
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def median(self) -> float | None:
+        """The median when trusted (enough samples), else None."""
+        if len(self._values) < self.min_samples:
+            return None
+        return statistics.median(self._values)
+
+
+class RateBook:
+    """Prefill and solo-decode medians per (model, chip class), fed by every engine's probes."""
+
+    def __init__(self, capacity: int = 64, min_samples: int = 5) -> None:
+        self.capacity = capacity
+        self.min_samples = min_samples
+        self._prefill: dict[tuple[str, str], MedianRing] = {}
+        self._solo_decode: dict[tuple[str, str], MedianRing] = {}
+
+    def _ring(self, table: dict[tuple[str, str], MedianRing], key: tuple[str, str]) -> MedianRing:
+        if key not in table:
+            table[key] = MedianRing(self.capacity, self.min_samples)
+        return table[key]
+
+    def record(self, model: str, chip_class: str, rates: EngineRates) -> None:
+        key = (model, chip_class)
+        if rates.prefill_tokens_per_s is not None:
+            self._ring(self._prefill, key).add(rates.prefill_tokens_per_s)
+        if rates.solo and rates.decode_tokens_per_s_each is not None:
+            self._ring(self._solo_decode, key).add(rates.decode_tokens_per_s_each)
+
+    def prefill_median(self, model: str, chip_class: str) -> float | None:
+        ring = self._prefill.get((model, chip_class))
+        return ring.median if ring else None
+
+    def solo_decode_median(self, model: str, chip_class: str) -> float | None:
+        ring = self._solo_decode.get((model, chip_class))
+        return ring.median if ring else None
+
+    def counts(self, model: str, chip_class: str) -> tuple[int, int]:
+        """(prefill samples, solo decode samples) held for the key."""
+        p, d = self._prefill.get((model, chip_class)), self._solo_decode.get((model, chip_class))
+        return (len(p) if p else 0, len(d) if d else 0)
