@@ -146,12 +146,13 @@ class ControlPlane:
             raise OSError(f"cannot bind gRPC on {cfg.controlplane.host}:{cfg.controlplane.grpc_port}")
         await server.start()
         self._server = server
-        # One pooled session for every poller; the pool is wide enough that engines never queue behind one another.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=4))
-        for engine in cfg.engines:
+        # One pooled session for every poller, unbounded: a poller holds at most one connection, so none waits on another.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        for index, engine in enumerate(cfg.engines):
             poller = EnginePoller(engine, cfg.observe, self._session, self._on_probe, clock=self.clock)
             self.pollers.append(poller)
-            self._tasks.append(asyncio.create_task(poller.run(), name=f"poll-{engine.name}"))
+            offset = 0.0 if index == 0 else cfg.observe.poll_interval_seconds * index / len(cfg.engines)
+            self._tasks.append(asyncio.create_task(poller.run(offset), name=f"poll-{engine.name}"))
         self._tasks.append(asyncio.create_task(self._reap_leases(), name="lease-reaper"))
         self._tasks.append(asyncio.create_task(self._watch_staleness(), name="staleness"))
         await self._start_metrics_http()

@@ -16,6 +16,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from enginesim.hist import LATENCY_BUCKETS, Hist
 from enginesim.profiles import Profile
 
 MAX_PREFILL_STEP_S = 0.05
@@ -63,6 +64,12 @@ class Batcher:
         self.generation_tokens_total = 0
         self.finished: list[SimRequest] = []
         """Requests finished by the last step (the shell drains this)."""
+        self.prefill_seconds_total = 0.0
+        """Prefill work in seconds at the profile's rate, summed over requests (llama.cpp's prompt_seconds_total)."""
+        self.decode_seconds_total = 0.0
+        """Decode time summed over requests: each emitted token adds its step (llama.cpp's tokens_predicted_seconds)."""
+        self.inter_token = Hist(LATENCY_BUCKETS)
+        """One observation per emitted token: the step that produced it (vLLM/SGLang inter-token latency)."""
 
     # -- queue changes -------------------------------------------------------------------------------------------------
     def submit(self, request: SimRequest) -> None:
@@ -119,6 +126,7 @@ class Batcher:
                 continue
             budget -= chunk
             request.prefill_left -= chunk
+            self.prefill_seconds_total += chunk / self.profile.prefill_tokens_per_s
             if request.prefill_left == 0 and not request.prompt_counted:
                 request.prompt_counted = True  # a recompute after preemption is not new prompt work for the counter
                 self.prompt_tokens_total += request.prompt_tokens
@@ -130,6 +138,8 @@ class Batcher:
             request.generated += 1
             request.emitted.append(request.generated - 1)
             self.generation_tokens_total += 1
+            self.decode_seconds_total += duration
+            self.inter_token.observe(duration)
             if request.first_token_at is None:
                 request.first_token_at = now
             if request.done:

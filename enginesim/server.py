@@ -21,12 +21,12 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
 from enginesim.batcher import Batcher, SimRequest
+from enginesim.exposition import FLAVORS, RequestStats, SimCollector, render
 from enginesim.profiles import Profile
 
 log = logging.getLogger("sluice.sim")
@@ -40,69 +40,28 @@ def _error(status: int, message: str, err_type: str, code: str | None = None) ->
     return web.json_response(body, status=status)
 
 
-class _Metrics:
-    """vLLM V1 metric names, types and labels (``model_name`` and the data-parallel ``engine`` label)."""
-
-    def __init__(self, profile: Profile) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name", "engine"]
-        self.labels = {"model_name": profile.model, "engine": "0"}
-        r = self.registry
-        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r)
-        self.success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.", [*labels, "finished_reason"], registry=r
-        )
-        buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels, buckets=buckets, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end latency.", labels, buckets=buckets, registry=r)
-        self.prefill_time = Histogram(
-            "vllm:request_prefill_time_seconds", "Time spent in PREFILL phase.", labels, buckets=buckets, registry=r
-        )
-        info = Gauge(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "engine"],
-            registry=r,
-        )
-        info.labels(str(profile.block_size), str(profile.num_gpu_blocks), "auto", "True", "0").set(1)
-        # Start every labelled series at 0, as vLLM does, so a scraper sees the names before the first request.
-        for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens):
-            metric.labels(**self.labels)
-        self.success.labels(**self.labels, finished_reason="length")
-
-    def update(self, batcher: Batcher) -> None:
-        self.running.labels(**self.labels).set(len(batcher.running))
-        self.waiting.labels(**self.labels).set(len(batcher.waiting))
-        self.kv_usage.labels(**self.labels).set(batcher.kv_usage)
-        _advance(self.preemptions.labels(**self.labels), batcher.preemptions)
-        _advance(self.prompt_tokens.labels(**self.labels), batcher.prompt_tokens_total)
-        _advance(self.generation_tokens.labels(**self.labels), batcher.generation_tokens_total)
-
-
-def _advance(counter: Any, target: float) -> None:
-    delta = target - counter._value.get()
-    if delta > 0:
-        counter.inc(delta)
+FAULTS = ("ok", "hang", "error")
 
 
 class EngineSimulator:
-    def __init__(self, profile: Profile, *, name: str, speed: float = 1.0, model: str | None = None) -> None:
+    def __init__(
+        self, profile: Profile, *, name: str, speed: float = 1.0, model: str | None = None, flavor: str = "vllm-v1"
+    ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
+        if flavor not in FLAVORS:
+            raise ValueError(f"unknown flavour {flavor!r}; known: {', '.join(FLAVORS)}")
         if model:
-            from dataclasses import replace
-
             profile = replace(profile, model=model)
         self.profile = profile
         self.name = name
         self.speed = speed
+        self.flavor = flavor
         self.batcher = Batcher(profile)
-        self.metrics = _Metrics(profile)
+        self.stats = RequestStats()
+        self.collector = SimCollector(flavor, profile.model, self.batcher, self.stats)
+        self.metrics_fault = "ok"
+        """``hang``: /metrics never answers; ``error``: /metrics answers 500 (set through POST /sim/fault)."""
         self.served: list[dict[str, Any]] = []
         self._streams: dict[SimRequest, asyncio.Queue[int | None]] = {}
         self._wake = asyncio.Event()
@@ -141,10 +100,17 @@ class EngineSimulator:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        if self.flavor.startswith("vllm"):
+            app.router.add_get("/version", self.version)
+        elif self.flavor == "sglang":
+            app.router.add_get("/server_info", self.server_info)
+        else:
+            app.router.add_get("/props", self.props)
+            app.router.add_get("/slots", self.slots)
         app.router.add_get("/sim/log", self.sim_log)
         app.router.add_get("/sim/stats", self.sim_stats)
+        app.router.add_post("/sim/fault", self.sim_fault)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -157,28 +123,71 @@ class EngineSimulator:
             self._loop_task.cancel()
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.flavor == "llamacpp":
+            return web.json_response({"status": "ok"})
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": self.profile.version})
 
+    @property
+    def slot_ctx(self) -> int:
+        """llama.cpp splits its context evenly over its slots (``--parallel``)."""
+        return self.profile.kv_capacity_tokens // self.profile.max_num_seqs
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        p = self.profile
+        return web.json_response({
+            "model_path": p.model, "served_model_name": p.model, "version": "0.5.4",
+            "max_running_requests": p.max_num_seqs, "max_total_num_tokens": p.kv_capacity_tokens,
+            "context_length": p.max_model_len, "tp_size": 2, "dp_size": 1,
+        })
+
+    async def props(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "default_generation_settings": {"n_ctx": self.slot_ctx, "temperature": 0.8},
+            "total_slots": self.profile.max_num_seqs,
+            "model_path": f"/models/{self.profile.model}.gguf",
+            "build_info": "b6500-sim",
+        })
+
+    async def slots(self, request: web.Request) -> web.Response:
+        running = self.batcher.running
+        out = []
+        for i in range(self.profile.max_num_seqs):
+            r = running[i] if i < len(running) else None
+            out.append({
+                "id": i, "n_ctx": self.slot_ctx, "is_processing": r is not None,
+                "n_prompt_tokens": r.prompt_tokens if r else 0,
+                "next_token": {"has_next_token": r is not None, "n_decoded": r.generated if r else 0},
+            })
+        return web.json_response(out)
+
     async def models(self, request: web.Request) -> web.Response:
         p = self.profile
-        entry = {
-            "id": p.model,
-            "object": "model",
-            "created": int(self._t0),
-            "owned_by": "vllm",
-            "root": p.model,
-            "parent": None,
-            "max_model_len": p.max_model_len,
-            "permission": [],
-        }
+        if self.flavor == "llamacpp":
+            entry = {"id": p.model, "object": "model", "created": int(self._t0), "owned_by": "llamacpp",
+                     "meta": {"n_ctx_train": p.max_model_len, "n_vocab": 151936}}
+        else:
+            entry = {"id": p.model, "object": "model", "created": int(self._t0),
+                     "owned_by": "vllm" if self.flavor.startswith("vllm") else "sglang", "root": p.model,
+                     "parent": None, "max_model_len": p.max_model_len, "permission": []}
         return web.json_response({"object": "list", "data": [entry]})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        self.metrics.update(self.batcher)
-        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
+        if self.metrics_fault == "hang":
+            await asyncio.Event().wait()  # until the client gives up and the handler is cancelled
+        if self.metrics_fault == "error":
+            return web.Response(status=500, text="internal error (simulated)")
+        return web.Response(body=render(self.collector), content_type="text/plain", charset="utf-8")
+
+    async def sim_fault(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        fault = body.get("metrics", "ok") if isinstance(body, dict) else None
+        if fault not in FAULTS:
+            return _error(400, f"metrics fault must be one of {', '.join(FAULTS)}", "BadRequestError")
+        self.metrics_fault = fault
+        return web.json_response({"metrics": fault})
 
     async def sim_log(self, request: web.Request) -> web.Response:
         return web.json_response(self.served)
@@ -189,6 +198,7 @@ class EngineSimulator:
             {
                 "name": self.name,
                 "profile": self.profile.name,
+                "flavor": self.flavor,
                 "max_running_seen": b.max_running_seen,
                 "running": len(b.running),
                 "waiting": len(b.waiting),
@@ -278,13 +288,15 @@ class EngineSimulator:
     def _record_finish(self, r: SimRequest) -> None:
         if r.finished_at is None:
             return
-        labels = self.metrics.labels
-        self.metrics.success.labels(**labels, finished_reason="length").inc()
+        st = self.stats
+        st.success += 1
+        st.prompt_tokens.observe(r.prompt_tokens)
+        st.generation_tokens.observe(r.generated)
         if r.first_token_at is not None:
-            self.metrics.ttft.labels(**labels).observe(r.first_token_at - r.arrived_at)
-        self.metrics.e2e.labels(**labels).observe(r.finished_at - r.arrived_at)
+            st.ttft.observe(r.first_token_at - r.arrived_at)
+        st.e2e.observe(r.finished_at - r.arrived_at)
         if r.prefill_started_at is not None and r.first_token_at is not None:
-            self.metrics.prefill_time.labels(**labels).observe(r.first_token_at - r.prefill_started_at)
+            st.prefill_time.observe(r.first_token_at - r.prefill_started_at)
 
     def _usage(self, r: SimRequest) -> dict[str, int]:
         return {
@@ -354,7 +366,9 @@ def _prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
     return max(1, math.ceil(len(text) / 4))
 
 
-def serve(profile: Profile, *, name: str, host: str, port: int, speed: float, model: str | None = None) -> None:
-    sim = EngineSimulator(profile, name=name, speed=speed, model=model)
-    log.info("simulated engine %s (%s) on http://%s:%d speed x%g", name, profile.name, host, port, speed)
+def serve(
+    profile: Profile, *, name: str, host: str, port: int, speed: float, model: str | None = None, flavor: str = "vllm-v1"
+) -> None:
+    sim = EngineSimulator(profile, name=name, speed=speed, model=model, flavor=flavor)
+    log.info("simulated engine %s (%s, %s) on http://%s:%d speed x%g", name, profile.name, flavor, host, port, speed)
     web.run_app(sim.app(), host=host, port=port, print=None, access_log=None, handle_signals=True, handler_cancellation=True)

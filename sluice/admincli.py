@@ -15,14 +15,28 @@ def _num(value: float, fmt: str = "{:g}") -> str:
     return "?" if value < 0 else fmt.format(value)
 
 
+def _tokens(n: int) -> str:
+    if n <= 0:
+        return "?"
+    return f"{n / 1000:.0f}k" if n >= 10000 else str(n)
+
+
 def engines_table(response: admin_pb2.ListEnginesResponse) -> str:
-    header = ("ENGINE", "READY", "STALE", "MODELS", "VERSION", "RUNNING", "WAITING", "KV", "TICKETS", "LOAD", "CAP", "PROBE AGE")
+    header = ("ENGINE", "FLAVOR", "VERSION", "STATE", "MODELS", "RUN", "WAIT", "KV", "KV CAP", "CAP", "TICKETS", "LOAD",
+              "GEN TOK/S", "DECODE/REQ", "PREFILL MED", "PROBE AGE", "DEGRADED")
     rows = [header]
     for e in response.engines:
+        state = "stale" if e.stale else ("ready" if e.ready else "no models")
+        cap = e.max_num_seqs or e.discovered_concurrency
         rows.append((
-            e.name, "yes" if e.ready else "no", "yes" if e.stale else "no", ",".join(e.models) or "-", e.version or "?",
-            _num(e.running), _num(e.waiting), _num(e.kv_usage, "{:.0%}"), str(e.open_tickets), str(e.effective_load),
-            str(e.max_num_seqs or "-"), _num(e.last_probe_age_seconds, "{:.1f}s"),
+            e.name, e.flavor or "?", e.version or "?", state, ",".join(e.models) or "-",
+            _num(e.running), _num(e.waiting), _num(e.kv_usage, "{:.0%}"), _tokens(e.kv_capacity_tokens),
+            str(cap or "?"), str(e.open_tickets), str(e.effective_load),
+            _num(e.rates.generation_tokens_per_s, "{:.1f}") if e.HasField("rates") else "-",
+            _num(e.rates.decode_tokens_per_s_each, "{:.1f}") if e.HasField("rates") else "-",
+            _num(e.prefill_median_tokens_per_s, "{:.0f}"),
+            _num(e.last_probe_age_seconds, "{:.1f}s"),
+            ",".join(e.missing_gauges) or "no",
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

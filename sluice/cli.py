@@ -36,11 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", help="engine name in the simulator's log (default: the profile)")
     p.add_argument("--model", help="serve this model id instead of the profile's")
     p.add_argument("--speed", type=float, default=1.0, help="emulated seconds per wall second (default 1)")
+    p.add_argument("--flavor", default="vllm-v1", choices=["vllm-v1", "vllm-v0", "sglang", "llamacpp"],
+                   help="which engine's metric names and endpoints to speak (default vllm-v1)")
 
     p = sub.add_parser("admin", help="talk to a running control plane's admin API")
     p.add_argument("--target", default="127.0.0.1:18000", help="control plane gRPC address")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("verb", choices=["status", "engines"])
+
+    p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
+    p.add_argument("scenario", choices=["observe"])
+    p.add_argument("--engines", type=int, default=1000, help="observe: simulated engines to poll")
+    p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
 
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
@@ -52,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile not in PROFILES:
             parser.error(f"unknown profile {args.profile!r}; known: {', '.join(sorted(PROFILES))}")
         serve(PROFILES[args.profile], name=args.name or args.profile, host=args.host, port=args.port,
-              speed=args.speed, model=args.model)
+              speed=args.speed, model=args.model, flavor=args.flavor)
         return 0
     if args.command == "controlplane":
         from controlplane.app import run_controlplane
@@ -66,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from sluice.up import run_up
 
         return run_up(args.config)
+    if args.command == "bench":
+        from sluice.bench.observe import run_observe_bench
+
+        return run_observe_bench(args.engines, args.cycles)
     if args.command == "admin":
         from sluice.admincli import run_admin
 

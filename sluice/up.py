@@ -158,7 +158,7 @@ def start_stack(config: Config, config_path: str | None, work_dir: Path) -> list
             if engine.sim:
                 children.append(_spawn(f"sim-{engine.name}", [
                     py, "-m", "sluice", "sim", "--profile", engine.sim, "--host", engine.host, "--port", str(engine.port),
-                    "--name", engine.name, "--speed", str(engine.sim_speed),
+                    "--name", engine.name, "--speed", str(engine.sim_speed), "--flavor", engine.sim_flavor,
                 ], work_dir))
         cp_args = [py, "-m", "sluice", "controlplane"] + (["--config", config_path] if config_path else [])
         children.append(_spawn("controlplane", cp_args, work_dir))

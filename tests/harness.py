@@ -149,6 +149,12 @@ class Stack:
             stop(process)
 
 
+def set_metrics_fault(url: str, fault: str) -> None:
+    request = urllib.request.Request(url + "/sim/fault", data=json.dumps({"metrics": fault}).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.status == 200
+
+
 def stack_config(engines: list[dict[str, Any]], **sections: Any) -> Config:
     raw: dict[str, Any] = {
         "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
@@ -161,19 +167,26 @@ def stack_config(engines: list[dict[str, Any]], **sections: Any) -> Config:
     return parse_config(raw)
 
 
-def start_stack(engines: list[tuple[str, str]], work_dir: Path, speed: float = 20.0, **sections: Any) -> Stack:
-    """``engines``: (name, profile) pairs, each started as a simulator on a free port."""
-    ports = {name: free_port() for name, _ in engines}
-    config = stack_config(
-        [{"name": n, "url": f"http://127.0.0.1:{ports[n]}", "sim": p, "speed": speed} for n, p in engines], **sections
-    )
+def start_stack(
+    engines: list[tuple[str, str] | dict[str, Any]], work_dir: Path, speed: float = 20.0, *, envoy: bool = True,
+    **sections: Any,
+) -> Stack:
+    """``engines``: (name, profile) pairs or engine config dicts with a ``sim`` profile, each started as a simulator on a free
+    port (dict keys ``sim_flavor`` and ``model`` reach the simulator too). ``envoy=False`` starts no Envoy (service tests)."""
+    entries = [e if isinstance(e, dict) else {"name": e[0], "sim": e[1]} for e in engines]
+    for entry in entries:
+        entry.setdefault("url", f"http://127.0.0.1:{free_port()}")
+        entry.setdefault("speed", speed)
+    config = stack_config(entries, **sections)
     stack = Stack(config, work_dir)
     try:
-        for name, profile in engines:
-            stack.sims[name] = start_sim(profile, ports[name], name, speed, work_dir)
+        for entry, engine in zip(entries, config.engines):
+            extra = ["--flavor", engine.sim_flavor] + (["--model", entry["model"]] if "model" in entry else [])
+            stack.sims[engine.name] = start_sim(entry["sim"], engine.port, engine.name, engine.sim_speed, work_dir, *extra)
         stack.controlplane = ThreadedControlPlane(config)
-        stack.start_envoy()
-        stack.wait_serving()
+        if envoy:
+            stack.start_envoy()
+            stack.wait_serving()
     except BaseException:
         stack.close()
         raise

@@ -78,8 +78,11 @@ class EnginePoller:
         stale = v.last_ok_at is None or now - v.last_ok_at > self.observe.stale_after_seconds
         return v if v.stale == stale else replace(v, stale=stale)
 
-    async def run(self) -> None:
+    async def run(self, start_offset: float = 0.0) -> None:
+        """Poll forever. ``start_offset`` (seconds, < the interval) staggers engines so their probes, and the CPU that
+        parsing costs, spread over the interval instead of landing on the event loop all at once."""
         interval = self.observe.poll_interval_seconds
+        await asyncio.sleep(start_offset)
         while True:
             started = self._clock()
             try:

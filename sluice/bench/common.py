@@ -1,0 +1,34 @@
+"""What every benchmark shares: where results go, the machine they ran on, and a markdown report."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def write_report(name: str, title: str, body: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    command = "sluice " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("sluice") else " ".join(sys.argv)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    path.write_text(f"# {title}\n\n- command: `{command}`\n- when: {stamp}\n- machine: {machine()}\n\n{body}\n")
+    return path
