@@ -41,10 +41,5 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
             plane.metrics.access_log_entries.labels("no_ticket").inc()
             return
         ticket_id = metadata[AUTHZ_NAMESPACE].fields["ticket"].string_value
-        ticket = plane.ledger.release(ticket_id, plane.clock())
-        if ticket is None:
-            plane.metrics.access_log_entries.labels("unknown_ticket").inc()
-            return
-        plane.metrics.access_log_entries.labels("released").inc()
-        plane.metrics.tickets_open.labels(ticket.engine).dec()
-        plane.metrics.tickets_released.labels(ticket.engine).inc()
+        ticket = plane.release_ticket(ticket_id)
+        plane.metrics.access_log_entries.labels("released" if ticket else "unknown_ticket").inc()

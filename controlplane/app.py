@@ -22,8 +22,9 @@ from controlplane.accesslog import AccessLogServicer
 from controlplane.admin import AdminServicer
 from controlplane.authz import AuthorizationServicer
 from controlplane.config import Config, ConfigError, load_config
+from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineRates, EngineView, Fleet
+from controlplane.core.model import EngineRates, EngineView, Fleet, Ticket, Verdict
 from controlplane.metrics import SluiceMetrics
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import RateBook
@@ -56,6 +57,8 @@ class ControlPlane:
         self.version = _version()
         self.metrics = SluiceMetrics()
         self.ledger = Ledger(config.tickets.lease_seconds)
+        self.admission = AdmissionCore(config.policy, self.ledger, admit_stale=config.observe.on_stale == "open")
+        self._parked: dict[str, asyncio.Future[Outcome]] = {}
         self.cache = SnapshotCache()
         self.ads = AdsServicer(self.cache, self.metrics)
         self.pollers: list[EnginePoller] = []
@@ -72,10 +75,80 @@ class ControlPlane:
     # -- state the servicers read ----------------------------------------------------------------------------------------
     def fleet(self, now: float) -> Fleet:
         engines = tuple(p.view(now) for p in self.pollers)
-        return Fleet(
-            engines, {e.name: self.ledger.unseen_load(e.name) for e in engines},
-            admit_stale=self.config.observe.on_stale == "open",
-        )
+        solo = {}
+        for e in engines:
+            for m in e.models[:1]:
+                rate = self.rates.solo_decode_median(m.model_id, e.chip_class)
+                if rate is not None:
+                    solo[(m.model_id, e.chip_class)] = rate
+        return self.admission.fleet(engines, solo)
+
+    def model_label(self, model: str | None) -> str:
+        """A metrics label for ``model``: only models some engine serves, so clients cannot grow label cardinality."""
+        if model and any(p.view(self.clock()).serves(model) for p in self.pollers):
+            return model
+        return "-"
+
+    # -- admission events --------------------------------------------------------------------------------------------
+    async def wait_parked(self, request_id: str) -> Outcome:
+        """Hold a parked Check until a wake admits it or its deadline sheds it; a cancelled Check leaves nothing."""
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._parked[request_id] = future
+        self.metrics.parked_now.set(self.admission.depth())
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._parked.pop(request_id, None)
+            if self.admission.cancel(request_id):
+                self.metrics.park_cancelled.inc()
+            elif future.done() and not future.cancelled() and future.result().ticket is not None:
+                # Admitted in the same instant the client left: Envoy never forwards it, so no log entry will come.
+                self.release_ticket(future.result().ticket.ticket_id)  # type: ignore[union-attr]
+            self.metrics.parked_now.set(self.admission.depth())
+            raise
+
+    def _resolve(self, outcomes: list[Outcome]) -> None:
+        for outcome in outcomes:
+            future = self._parked.pop(outcome.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(outcome)
+            elif outcome.ticket is not None:
+                self.release_ticket(outcome.ticket.ticket_id)
+        if outcomes:
+            self.metrics.parked_now.set(self.admission.depth())
+
+    def wake(self, models: list[str] | None = None) -> None:
+        """Capacity may have freed: admit whatever parked requests now fit, in order."""
+        if not self.admission.depth():
+            return
+        now = self.clock()
+        self._resolve(self.admission.wake(lambda: self.fleet(now), now, models))
+
+    def release_ticket(self, ticket_id: str) -> Ticket | None:
+        ticket = self.admission.release(ticket_id, self.clock())
+        if ticket is not None:
+            self.metrics.tickets_open.labels(ticket.engine).dec()
+            self.metrics.tickets_released.labels(ticket.engine).inc()
+            self.wake([ticket.model])
+        return ticket
+
+    def record_outcome(self, model: str | None, outcome: Outcome) -> None:
+        d = outcome.decision
+        m = self.metrics
+        m.admission_decisions.labels(self.model_label(model), d.verdict.value, d.reason.value).inc()
+        if d.verdict in (Verdict.SHED, Verdict.REJECT):
+            m.admission_rejected.labels(d.reason.value).inc()
+        if outcome.ticket is not None:
+            m.tickets_open.labels(outcome.ticket.engine).inc()
+        if outcome.parked_for > 0:
+            m.park_seconds.observe(outcome.parked_for)
+
+    async def _expire_parked(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            if self.admission.depth():
+                now = self.clock()
+                self._resolve(self.admission.expire_parked(self.fleet(now), now))
 
     def _on_probe(self, view: EngineView, rates: EngineRates | None) -> None:
         assert view.sample is not None
@@ -95,6 +168,7 @@ class ControlPlane:
         if rates is not None and view.models:
             # Rates are booked under the engine's first model: engine metrics are per process, not per model.
             self.rates.record(view.models[0].model_id, view.chip_class, rates)
+        self.wake([m.model_id for m in view.models])
 
     def check_staleness(self, now: float) -> None:
         """Count every fresh -> stale transition (``sluice_engine_state_stale_total``) and keep ``sluice_engine_up``."""
@@ -155,6 +229,7 @@ class ControlPlane:
             self._tasks.append(asyncio.create_task(poller.run(offset), name=f"poll-{engine.name}"))
         self._tasks.append(asyncio.create_task(self._reap_leases(), name="lease-reaper"))
         self._tasks.append(asyncio.create_task(self._watch_staleness(), name="staleness"))
+        self._tasks.append(asyncio.create_task(self._expire_parked(), name="park-deadlines"))
         await self._start_metrics_http()
         log.info(
             "control plane on %s:%d (ADS, ext_authz, ALS, admin), metrics on :%d, %d engines",
@@ -180,10 +255,13 @@ class ControlPlane:
     async def _reap_leases(self) -> None:
         while True:
             await asyncio.sleep(self.config.tickets.reap_interval_seconds)
-            for ticket in self.ledger.expire(self.clock()):
+            expired = self.ledger.expire(self.clock())
+            for ticket in expired:
                 log.warning("ticket %s on %s expired: its access-log entry never arrived", ticket.ticket_id, ticket.engine)
                 self.metrics.tickets_open.labels(ticket.engine).dec()
                 self.metrics.tickets_expired.labels(ticket.engine).inc()
+            if expired:
+                self.wake()
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from controlplane.core.policy import Box, ModelPolicy, Policy, version_key
+
 BUNDLED_CONFIG = "default.yaml"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _RESERVED_PREFIX = "sluice_"
@@ -47,8 +49,6 @@ class EnvoyConfig:
     admin_port: int
     max_request_bytes: int
     """Bodies larger than this get 413 from Envoy before any Check (bytes)."""
-    authz_timeout_seconds: float
-    """How long Envoy waits for a Check answer; 0 = no limit."""
     access_log_flush_seconds: float
     """How often Envoy flushes access-log entries to the control plane (the completion signal's latency)."""
     stream_idle_timeout_seconds: float
@@ -106,6 +106,10 @@ class EngineConfig:
     """Metric dialect the simulator speaks (``vllm-v1``, ``vllm-v0``, ``sglang``, ``llamacpp``)."""
 
 
+AUTHZ_TIMEOUT_GRACE_S = 10.0
+"""Envoy waits this much longer than the longest park for a Check answer, so a full park never becomes an authz error."""
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     controlplane: ControlPlaneConfig
@@ -114,6 +118,11 @@ class Config:
     tickets: TicketConfig
     engines: tuple[EngineConfig, ...]
     source: str
+    policy: Policy = Policy()
+
+    @property
+    def authz_timeout_seconds(self) -> float:
+        return self.policy.max_park_seconds + AUTHZ_TIMEOUT_GRACE_S
 
 
 DEFAULTS: dict[str, Any] = {
@@ -123,7 +132,6 @@ DEFAULTS: dict[str, Any] = {
         "listen_port": 8080,
         "admin_port": 9901,
         "max_request_bytes": 1048576,
-        "authz_timeout_seconds": 10.0,
         "access_log_flush_seconds": 0.05,
         "stream_idle_timeout_seconds": 300.0,
         "connect_timeout_seconds": 1.0,
@@ -140,7 +148,21 @@ DEFAULTS: dict[str, Any] = {
         "rate_min_samples": 5,
     },
     "tickets": {"lease_seconds": 900.0, "reap_interval_seconds": 5.0},
+    "admission": {
+        "kv_high_watermark": 0.90,
+        "default_max_tokens": 1024,
+        "chars_per_token": 4.0,
+        "max_park_seconds": 120.0,
+        "max_queue_depth": 64,
+        "retry_after_min_seconds": 1,
+        "retry_after_max_seconds": 60,
+        "quality_overcommit": 2.0,
+        "default_decode_tokens_per_s": 20.0,
+        "default_prefill_tokens_per_s": 1000.0,
+    },
 }
+_MODEL_FIELDS = {"decode_floor_tokens_per_s", "solo_decode_tokens_per_s", "kv_bytes_per_token", "max_ttft_ms"}
+_BOX_FIELDS = {"name", "engines", "kv_budget_tokens", "kv_budget_bytes"}
 
 
 class _Checker:
@@ -190,7 +212,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     c = _Checker()
     if not isinstance(raw, dict):
         raise ConfigError(["(top): the config must be a mapping"])
-    for key in sorted(set(raw) - {*DEFAULTS, "engines"}):
+    for key in sorted(set(raw) - {*DEFAULTS, "engines", "models", "version_floors", "boxes"}):
         c.problems.append(f"{key}: unknown field")
 
     cp = c.section(raw, "controlplane")
@@ -211,7 +233,6 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         listen_port=c.port("envoy.listen_port", ev["listen_port"]),
         admin_port=c.port("envoy.admin_port", ev["admin_port"]),
         max_request_bytes=int(c.number("envoy.max_request_bytes", ev["max_request_bytes"], minimum=1024, integer=True)),
-        authz_timeout_seconds=float(c.number("envoy.authz_timeout_seconds", ev["authz_timeout_seconds"], minimum=0)),
         access_log_flush_seconds=float(
             c.number("envoy.access_log_flush_seconds", ev["access_log_flush_seconds"], minimum=0.001)
         ),
@@ -242,9 +263,101 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         reap_interval_seconds=float(c.number("tickets.reap_interval_seconds", tk["reap_interval_seconds"], minimum=0.01)),
     )
     engines = _parse_engines(c, raw.get("engines"))
+    policy = _parse_policy(c, raw, {e.name for e in engines})
+    if envoy.stream_idle_timeout_seconds <= policy.max_park_seconds + AUTHZ_TIMEOUT_GRACE_S:
+        c.problems.append(
+            "envoy.stream_idle_timeout_seconds: must exceed admission.max_park_seconds + "
+            f"{AUTHZ_TIMEOUT_GRACE_S:g} (a parked request is a silent stream; Envoy would reset it)"
+        )
     if c.problems:
         raise ConfigError(c.problems)
-    return Config(controlplane, envoy, observe, tickets, engines, source)
+    return Config(controlplane, envoy, observe, tickets, engines, source, policy)
+
+
+def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> Policy:
+    ad = c.section(raw, "admission")
+    policy = dict(
+        kv_high_watermark=float(c.number("admission.kv_high_watermark", ad["kv_high_watermark"], minimum=0.05,
+                                         maximum=1.0)),
+        default_max_tokens=int(c.number("admission.default_max_tokens", ad["default_max_tokens"], minimum=1,
+                                        integer=True)),
+        chars_per_token=float(c.number("admission.chars_per_token", ad["chars_per_token"], minimum=0.5)),
+        max_park_seconds=float(c.number("admission.max_park_seconds", ad["max_park_seconds"], minimum=0)),
+        max_queue_depth=int(c.number("admission.max_queue_depth", ad["max_queue_depth"], minimum=0, integer=True)),
+        retry_after_min_s=int(c.number("admission.retry_after_min_seconds", ad["retry_after_min_seconds"], minimum=0,
+                                       integer=True)),
+        retry_after_max_s=int(c.number("admission.retry_after_max_seconds", ad["retry_after_max_seconds"], minimum=1,
+                                       integer=True)),
+        quality_overcommit=float(c.number("admission.quality_overcommit", ad["quality_overcommit"], minimum=0.1)),
+        default_decode_tokens_per_s=float(c.number("admission.default_decode_tokens_per_s",
+                                                   ad["default_decode_tokens_per_s"], minimum=0.01)),
+        default_prefill_tokens_per_s=float(c.number("admission.default_prefill_tokens_per_s",
+                                                    ad["default_prefill_tokens_per_s"], minimum=0.01)),
+    )
+    if policy["retry_after_min_s"] > policy["retry_after_max_s"]:
+        c.problems.append("admission.retry_after_min_seconds: must not exceed admission.retry_after_max_seconds")
+    models: dict[str, ModelPolicy] = {}
+    raw_models = raw.get("models") or {}
+    if not isinstance(raw_models, dict):
+        c.problems.append("models: must be a mapping of model id -> settings")
+        raw_models = {}
+    for model_id, fields in raw_models.items():
+        path = f"models.{model_id}"
+        if not isinstance(fields, dict):
+            c.problems.append(f"{path}: must be a mapping")
+            continue
+        for key in sorted(set(fields) - _MODEL_FIELDS):
+            c.problems.append(f"{path}.{key}: unknown field")
+        values: dict[str, Any] = {}
+        for key, integer in (("decode_floor_tokens_per_s", False), ("solo_decode_tokens_per_s", False),
+                             ("kv_bytes_per_token", True), ("max_ttft_ms", True)):
+            if fields.get(key) is not None:
+                values[key] = c.number(f"{path}.{key}", fields[key], minimum=1 if integer else 0.001, integer=integer)
+        models[str(model_id)] = ModelPolicy(**values)
+    floors: list[tuple[str, str]] = []
+    raw_floors = raw.get("version_floors") or {}
+    if not isinstance(raw_floors, dict):
+        c.problems.append("version_floors: must be a mapping of model pattern -> minimum engine version")
+        raw_floors = {}
+    for pattern, version in raw_floors.items():
+        if not isinstance(version, (str, int, float)) or not version_key(str(version)):
+            c.problems.append(f"version_floors.{pattern}: {version!r} is not a version")
+            continue
+        floors.append((str(pattern), str(version)))
+    boxes: list[Box] = []
+    raw_boxes = raw.get("boxes") or []
+    if not isinstance(raw_boxes, list):
+        c.problems.append("boxes: must be a list")
+        raw_boxes = []
+    placed: set[str] = set()
+    for i, item in enumerate(raw_boxes):
+        path = f"boxes[{i}]"
+        if not isinstance(item, dict):
+            c.problems.append(f"{path}: must be a mapping")
+            continue
+        for key in sorted(set(item) - _BOX_FIELDS):
+            c.problems.append(f"{path}.{key}: unknown field")
+        members = item.get("engines")
+        if not isinstance(members, list) or not members:
+            c.problems.append(f"{path}.engines: must be a non-empty list of engine names")
+            members = []
+        for name in members:
+            if name not in engine_names:
+                c.problems.append(f"{path}.engines: unknown engine {name!r}")
+            if name in placed:
+                c.problems.append(f"{path}.engines: engine {name!r} is already in another box")
+            placed.add(name)
+        tokens, size = item.get("kv_budget_tokens"), item.get("kv_budget_bytes")
+        if tokens is None and size is None:
+            c.problems.append(f"{path}: needs kv_budget_tokens or kv_budget_bytes")
+        if tokens is not None:
+            tokens = int(c.number(f"{path}.kv_budget_tokens", tokens, minimum=1, integer=True))
+        if size is not None:
+            size = int(c.number(f"{path}.kv_budget_bytes", size, minimum=1, integer=True))
+            if not any(m.kv_bytes_per_token for m in models.values()) and tokens is None:
+                c.problems.append(f"{path}.kv_budget_bytes: needs models.<id>.kv_bytes_per_token for at least one model")
+        boxes.append(Box(str(item.get("name") or f"box{i}"), tuple(members), tokens, size))
+    return Policy(**policy, models=models, version_floors=tuple(floors), boxes=tuple(boxes))
 
 
 _ENGINE_FIELDS = {"name", "url", "max_num_seqs", "models", "sim", "speed", "flavor", "chip_class", "sim_flavor"}

@@ -11,8 +11,22 @@ class SluiceMetrics:
         self.xds_nacks = Counter("sluice_xds_nacks", "xDS responses Envoy rejected.", ["type_url"], registry=r)
         self.xds_streams = Gauge("sluice_xds_streams", "Open ADS streams.", registry=r)
         self.xds_responses = Counter("sluice_xds_responses", "xDS responses sent.", ["type_url"], registry=r)
-        self.authz_decisions = Counter(
-            "sluice_authz_decisions", "ext_authz Check answers.", ["model", "verdict", "reason"], registry=r
+        self.admission_decisions = Counter(
+            "sluice_admission_decisions", "Final answer to every Check.", ["model", "verdict", "reason"], registry=r
+        )
+        self.admission_parked = Counter(
+            "sluice_admission_parked", "Requests that had to park before their answer.", ["model"], registry=r
+        )
+        self.admission_rejected = Counter(
+            "sluice_admission_rejected", "Requests refused (4xx) or shed (503).", ["reason"], registry=r
+        )
+        self.park_seconds = Histogram(
+            "sluice_park_seconds", "Time parked requests waited before admit or shed.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300), registry=r,
+        )
+        self.parked_now = Gauge("sluice_parked_requests", "Requests parked right now.", registry=r)
+        self.park_cancelled = Counter(
+            "sluice_admission_park_cancelled", "Parked requests whose client went away.", registry=r
         )
         self.authz_seconds = Histogram(
             "sluice_authz_check_seconds",

@@ -1,26 +1,48 @@
-"""The admission decision, pure: ``decide(request, fleet, now) -> Decision``.
+"""The admission decision, pure: ``decide(request, fleet, policy, now, queued_ahead) -> Decision``. No I/O, no clock.
 
-This is the first cut of DESIGN.md's decision model: bad requests are refused before they cost anything, and an admitted
-request goes to the fresh engine serving its model with the least effective load (when every such engine is stale and policy
-``observe.on_stale`` is ``open``, to the least loaded stale one, reason ``stale_fail_open``), where::
+Refusals come first and cost nothing: unknown path 404, malformed body 400, unknown model 404, every engine below the model's
+version floor 503 (``version_floor``), prompt + max_tokens beyond every candidate's ``max_model_len`` (or KV budget) 400
+``context_length_exceeded``.
 
-    effective_load(e) = max(0, probe_running(e) + probe_waiting(e) + unseen_load(e))
+Candidates: engines serving the model, at or above its version floor, fresh (or stale when ``on_stale: open`` and no fresh
+one exists). A candidate **fits** when none of these holds (each is a named ``Reason``)::
 
-Ties go to the engine with the lower ``effective_load / max_num_seqs`` (more headroom), then to the name, so the choice is
-deterministic. Caps, parking and shedding with a computed Retry-After build on this (issue 4).
+    load        = max(probe running + waiting + unseen_load, open tickets)
+    cap         : load >= cap                                  (cap = max_num_seqs, configured or reported; N, not N-1)
+    kv_watermark: probe KV usage >= kv_high_watermark          (0.90)
+    kv_need     : held + need > kv_capacity x kv_high_watermark
+                  where need = prompt estimate + max_tokens (policy default when absent)
+                  and   held = max(sum of reserved tokens of open tickets,          (every admitted request may grow fully)
+                               KV usage x capacity + reserved tokens of unseen tickets
+                               - reserved tokens of tickets released since the probe)  (what the engine holds now)
+    box_pool    : the engines sharing one box would together hold more than the box budget: in bytes (held tokens x
+                  the model's kv_bytes_per_token, an unknown rate priced at the largest configured one) when the box
+                  has a byte budget, else in tokens
+    quality_cap : open tickets of this model on the engine >= floor(solo decode rate x quality_overcommit / decode floor)
+
+A gauge an engine does not report (``None``) skips the rule that needs it. Among fitting candidates the least ``load`` wins
+(ties: more headroom against the cap, then the name). Nothing fits: ``sheddable`` requests are shed (503 ``saturated``),
+others park (the reason is the first blocking rule). A request with parked requests ahead of it in its class or a higher
+one parks behind them (FIFO).
+
+Retry-After (shed) is when the ledger expects the ``(queued_ahead + 1)``-th slot among the candidates to free: open tickets'
+expected finish times (``expected_done_at = admitted_at + prompt / prefill rate + max_tokens / decode rate``) sorted, that
+entry's distance from now, clamped to ``[retry_after_min_s, retry_after_max_s]``.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Verdict
+from controlplane.core.policy import PRIORITIES, Policy, meets_floor
 
 #: Paths whose body names a model and is routed to an engine.
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-
-NO_ENGINE_RETRY_AFTER_S = 1
+PRIORITY_HEADER = "x-sluice-priority"
 
 
 class RequestError(Exception):
@@ -38,24 +60,49 @@ def error_body(message: str, err_type: str, code: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": err_type, "param": None, "code": code}}).encode()
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error"}
+def _error_type(status: int) -> str:
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
 
 
 def refuse(error: RequestError) -> Decision:
-    err_type = _ERROR_TYPES.get(error.status, "server_error")
     return Decision(
         Verdict.REJECT, error.reason, status=error.status, detail=str(error),
-        body=error_body(str(error), err_type, error.code),
+        body=error_body(str(error), _error_type(error.status), error.code),
     )
 
 
-def parse_request(method: str, path: str, raw_body: bytes) -> InferenceRequest:
+def shed(reason: Reason, detail: str, retry_after_s: int) -> Decision:
+    return Decision(Verdict.SHED, reason, status=503, retry_after_s=retry_after_s, detail=detail,
+                    body=error_body(detail, "server_error", reason.value))
+
+
+# -- reading the request ------------------------------------------------------------------------------------------------
+def _text_length(value: Any) -> int:
+    """Characters of prompt text in a message content, a prompt, or a list of either (OpenAI content parts included)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_text_length(v) for v in value)
+    if isinstance(value, dict):
+        return _text_length(value.get("text", "")) + _text_length(value.get("content", ""))
+    return 0
+
+
+def parse_request(
+    method: str, path: str, raw_body: bytes, headers: Mapping[str, str] | None = None, policy: Policy | None = None
+) -> InferenceRequest:
     """Read what the decision needs from an HTTP request; raise ``RequestError`` for anything malformed."""
+    policy = policy or Policy()
+    headers = headers or {}
     route = path.split("?", 1)[0]
     if method == "GET" and route == "/v1/models":
         return InferenceRequest(method, route, model=None)
     if method != "POST" or route not in INFERENCE_PATHS:
         raise RequestError(404, Reason.UNKNOWN_PATH, f"Unknown request URL: {method} {route}", "unknown_url")
+    priority = headers.get(PRIORITY_HEADER, "standard").strip().lower() or "standard"
+    if priority not in PRIORITIES:
+        raise RequestError(400, Reason.INVALID_FIELD, f"{PRIORITY_HEADER} must be one of {', '.join(PRIORITIES)}",
+                           "invalid_priority")
     try:
         body: Any = json.loads(raw_body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -65,12 +112,108 @@ def parse_request(method: str, path: str, raw_body: bytes) -> InferenceRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(400, Reason.MISSING_MODEL, "You must provide a model parameter", "missing_model")
-    return InferenceRequest(method, route, model=model, stream=bool(body.get("stream")))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise RequestError(400, Reason.INVALID_FIELD, "max_tokens must be a positive integer", "invalid_max_tokens")
+    text = body.get("messages") if route == "/v1/chat/completions" else body.get("prompt", body.get("input", ""))
+    prompt_tokens = math.ceil(_text_length(text) / policy.chars_per_token)
+    return InferenceRequest(method, route, model=model, stream=bool(body.get("stream")), prompt_tokens=prompt_tokens,
+                            max_tokens=max_tokens, priority=priority)
+
+
+# -- the rules ------------------------------------------------------------------------------------------------------------
+def need_tokens(request: InferenceRequest, policy: Policy) -> int:
+    return request.prompt_tokens + (request.max_tokens or policy.default_max_tokens)
 
 
 def effective_load(engine: EngineView, fleet: Fleet) -> float:
+    """``max(probe running + waiting + unseen_load, open tickets)``: the probe sees traffic that bypasses sluice, the
+    ledger sees what the probe cannot have counted yet."""
+    ledger = fleet.of(engine.name)
     probe = engine.sample.queue if engine.sample is not None else None
-    return max(0.0, (probe or 0.0) + fleet.unseen_load.get(engine.name, 0))
+    return max(0.0, (probe or 0.0) + ledger.unseen_load, float(ledger.open_tickets))
+
+
+def held_tokens(engine: EngineView, fleet: Fleet) -> float:
+    ledger = fleet.of(engine.name)
+    capacity = engine.kv_capacity_tokens
+    usage = engine.sample.kv_usage if engine.sample is not None else None
+    probe_held = 0.0
+    if usage is not None and capacity:
+        probe_held = max(0.0, usage * capacity + ledger.unseen_reserved_tokens - ledger.released_since_probe_tokens)
+    return max(float(ledger.committed_tokens), probe_held)
+
+
+def model_len(engine: EngineView, model: str) -> int | None:
+    return next((m.max_model_len for m in engine.models if m.model_id == model), None)
+
+
+def quality_cap(engine: EngineView, model: str, fleet: Fleet, policy: Policy) -> int | None:
+    floor = policy.model(model).decode_floor_tokens_per_s
+    if not floor:
+        return None
+    solo = fleet.solo_decode.get((model, engine.chip_class)) or policy.model(model).solo_decode_tokens_per_s
+    if not solo:
+        return None
+    return max(1, math.floor(solo * policy.quality_overcommit / floor))
+
+
+def _box_misfit(engine: EngineView, model: str, need: int, fleet: Fleet, policy: Policy) -> bool:
+    box = policy.box_of(engine.name)
+    if box is None:
+        return False
+    members = [e for e in fleet.engines if e.name in box.engines]
+    rates = {e.name: policy.model(e.models[0].model_id).kv_bytes_per_token if e.models else None for e in members}
+    own_rate = policy.model(model).kv_bytes_per_token
+    known = [m.kv_bytes_per_token for m in policy.models.values() if m.kv_bytes_per_token]
+    if box.kv_budget_bytes and known:
+        worst = max(known)  # an unknown rate is priced at the largest configured: never under-charge the shared pool
+        used = sum(held_tokens(e, fleet) * (rates[e.name] or worst) for e in members)
+        return used + need * (own_rate or worst) > box.kv_budget_bytes
+    if box.kv_budget_tokens:
+        return sum(held_tokens(e, fleet) for e in members) + need > box.kv_budget_tokens
+    return False
+
+
+def misfits(engine: EngineView, request: InferenceRequest, fleet: Fleet, policy: Policy) -> tuple[Reason, ...]:
+    """Every rule ``engine`` fails for ``request`` (empty: it fits). See the module docstring for the formulas."""
+    assert request.model is not None
+    need = need_tokens(request, policy)
+    out = []
+    if engine.cap is not None and effective_load(engine, fleet) >= engine.cap:
+        out.append(Reason.CAP)
+    usage = engine.sample.kv_usage if engine.sample is not None else None
+    if usage is not None and usage >= policy.kv_high_watermark:
+        out.append(Reason.KV_WATERMARK)
+    capacity = engine.kv_capacity_tokens
+    if capacity and held_tokens(engine, fleet) + need > capacity * policy.kv_high_watermark:
+        out.append(Reason.KV_NEED)
+    if _box_misfit(engine, request.model, need, fleet, policy):
+        out.append(Reason.BOX_POOL)
+    q_cap = quality_cap(engine, request.model, fleet, policy)
+    if q_cap is not None and fleet.of(engine.name).open_for(request.model) >= q_cap:
+        out.append(Reason.QUALITY_CAP)
+    return tuple(out)
+
+
+def expected_seconds(engine: EngineView, request: InferenceRequest, policy: Policy) -> float:
+    """How long ``request`` should take on ``engine`` once running: prompt / prefill rate + max_tokens / decode rate."""
+    rates = engine.rates
+    prefill = (rates.prefill_tokens_per_s if rates else None) or policy.default_prefill_tokens_per_s
+    decode = (rates.decode_tokens_per_s_each if rates else None) or policy.default_decode_tokens_per_s
+    return request.prompt_tokens / prefill + (request.max_tokens or policy.default_max_tokens) / decode
+
+
+def retry_after(candidates: list[EngineView], fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0) -> int:
+    """Seconds until the ledger expects the ``(queued_ahead + 1)``-th slot among ``candidates`` to free, clamped."""
+    done = sorted(t for e in candidates for t in fleet.of(e.name).expected_done)
+    wait = 0.0
+    if done:
+        wait = done[min(queued_ahead, len(done) - 1)] - now
+        if queued_ahead >= len(done):  # deeper than every open ticket: each extra slot-round costs a typical request
+            typical = (done[-1] - now) / len(done) if done[-1] > now else 0.0
+            wait += (queued_ahead - len(done) + 1) * typical
+    return int(min(policy.retry_after_max_s, max(policy.retry_after_min_s, math.ceil(wait))))
 
 
 def model_list(fleet: Fleet) -> bytes:
@@ -90,34 +233,69 @@ def model_list(fleet: Fleet) -> bytes:
     return json.dumps({"object": "list", "data": sorted(seen.values(), key=lambda e: e["id"])}).encode()
 
 
-def decide(request: InferenceRequest, fleet: Fleet, now: float) -> Decision:
-    """Choose what happens to ``request`` given ``fleet`` at ``now`` (see the module docstring for the rule)."""
-    del now  # the first cut needs no time; the signature is the one later rules keep
-    if request.model is None:
+# -- the decision ---------------------------------------------------------------------------------------------------------
+def decide(
+    request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0
+) -> Decision:
+    """Choose what happens to ``request`` (see the module docstring). ``queued_ahead``: parked requests of this model in
+    this request's priority class or a higher one."""
+    model = request.model
+    if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, status=200, body=model_list(fleet))
-    serving = [e for e in fleet.engines if e.serves(request.model)]
+    serving = [e for e in fleet.engines if e.serves(model)]
     if not serving:
-        return refuse(
-            RequestError(404, Reason.UNKNOWN_MODEL, f"The model `{request.model}` does not exist.", "model_not_found")
-        )
-    ready = [e for e in serving if not e.stale]
-    reason = Reason.LEAST_LOADED
-    if not ready and fleet.admit_stale:
+        return refuse(RequestError(404, Reason.UNKNOWN_MODEL, f"The model `{model}` does not exist.", "model_not_found"))
+    floor = policy.floor_for(model)
+    eligible = [e for e in serving if meets_floor(e.version, floor)]
+    if not eligible:
+        versions = ", ".join(f"{e.name}={e.version or 'unknown'}" for e in serving)
+        return shed(Reason.VERSION_FLOOR, f"{model} needs engine version >= {floor}; engines serving it: {versions}",
+                    policy.retry_after_max_s)
+    fresh = [e for e in eligible if not e.stale]
+    admitted_reason = Reason.LEAST_LOADED
+    if not fresh and fleet.admit_stale:
         # Fail-open (seed 004): an engine whose metrics went quiet may well be serving; admitting beats refusing.
-        ready, reason = serving, Reason.STALE_FAIL_OPEN
-    if not ready:
-        detail = f"no ready engine serves {request.model} ({', '.join(e.name for e in serving)} stale)"
-        return Decision(
-            Verdict.SHED, Reason.NO_READY_ENGINE, status=503, retry_after_s=NO_ENGINE_RETRY_AFTER_S, detail=detail,
-            body=error_body(detail, "server_error", Reason.NO_READY_ENGINE.value),
-        )
+        fresh, admitted_reason = eligible, Reason.STALE_FAIL_OPEN
+    if not fresh:
+        detail = f"no ready engine serves {model} ({', '.join(e.name for e in eligible)} stale)"
+        return shed(Reason.NO_READY_ENGINE, detail, policy.retry_after_min_s)
+
+    need = need_tokens(request, policy)
+    candidates = [e for e in fresh if (model_len(e, model) or need) >= need]
+    budgets = [e.kv_capacity_tokens * policy.kv_high_watermark for e in candidates if e.kv_capacity_tokens]
+    if not candidates or (len(budgets) == len(candidates) and need > max(budgets)):
+        limit = max((model_len(e, model) or 0 for e in fresh), default=0)
+        message = (f"This model's maximum context length is {limit} tokens. However, you requested {need} tokens "
+                   f"({request.prompt_tokens} in the messages, {need - request.prompt_tokens} in the completion).")
+        return refuse(RequestError(400, Reason.CONTEXT_LENGTH, message, "context_length_exceeded"))
+
+    if queued_ahead:
+        return _wait(request, candidates, fleet, policy, now, queued_ahead, Reason.QUEUED_BEHIND,
+                     f"{queued_ahead} parked ahead")
+    blocked = {e.name: misfits(e, request, fleet, policy) for e in candidates}
+    fitting = [e for e in candidates if not blocked[e.name]]
+    if not fitting:
+        first = next(iter(blocked.values()))[0]
+        detail = "; ".join(f"{name}: {', '.join(r.value for r in reasons)}" for name, reasons in blocked.items())
+        return _wait(request, candidates, fleet, policy, now, 0, first, detail)
 
     def key(e: EngineView) -> tuple[float, float, str]:
         load = effective_load(e, fleet)
         return (load, load / e.cap if e.cap else load, e.name)
 
-    chosen = min(ready, key=key)
+    chosen = min(fitting, key=key)
     return Decision(
-        Verdict.ADMIT, reason, engine=chosen.name,
-        detail=f"effective load {effective_load(chosen, fleet):g} of {len(ready)} ready",
+        Verdict.ADMIT, admitted_reason, engine=chosen.name, reserved_tokens=need,
+        expected_done_at=now + expected_seconds(chosen, request, policy),
+        detail=f"load {effective_load(chosen, fleet):g} of {len(fitting)} fitting",
     )
+
+
+def _wait(request: InferenceRequest, candidates: list[EngineView], fleet: Fleet, policy: Policy, now: float,
+          queued_ahead: int, reason: Reason, detail: str) -> Decision:
+    if request.priority == "sheddable":
+        # Under saturation a sheddable request is shed at once rather than holding a place in the queue.
+        return shed(Reason.SATURATED, f"fleet saturated for {request.model}: {detail}",
+                    retry_after(candidates, fleet, policy, now, queued_ahead))
+    return Decision(Verdict.PARK, reason, detail=detail,
+                    retry_after_s=retry_after(candidates, fleet, policy, now, queued_ahead))

@@ -8,7 +8,8 @@ The load the decision core uses for an engine is ``probe(running + waiting) + un
                 - #tickets released after the probe was sent that were admitted before it
 
 The first term is what the probe cannot know yet (herding within a burst); the second is what finished since the probe
-(seed 000's stale-high peer between bursts). The result is clamped at 0 by the caller's sum.
+(seed 000's stale-high peer between bursts). The result is clamped at 0 by the caller's sum. KV gets the same two
+corrections in tokens (``unseen_reserved_tokens``, ``released_since_probe_tokens``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from controlplane.core.model import Ticket
+from controlplane.core.model import EngineLedger, Ticket
 
 
 @dataclass(frozen=True, slots=True)
 class _Release:
     admitted_at: float
     released_at: float
+    reserved_tokens: int
 
 
 class Ledger:
@@ -38,10 +40,13 @@ class Ledger:
         self.released_total = 0
         self.expired_total = 0
 
-    def admit(self, ticket_id: str, engine: str, model: str, now: float) -> Ticket:
+    def admit(
+        self, ticket_id: str, engine: str, model: str, now: float, reserved_tokens: int = 0, expected_done_at: float = 0.0
+    ) -> Ticket:
         if ticket_id in self._open:
             raise ValueError(f"ticket {ticket_id} already open")
-        ticket = Ticket(ticket_id, engine, model, admitted_at=now, lease_deadline=now + self.lease_seconds)
+        ticket = Ticket(ticket_id, engine, model, admitted_at=now, lease_deadline=now + self.lease_seconds,
+                        reserved_tokens=reserved_tokens, expected_done_at=expected_done_at or now)
         self._open[ticket_id] = ticket
         self._by_engine[engine].add(ticket_id)
         self.admitted_total += 1
@@ -55,7 +60,7 @@ class Ledger:
         self._by_engine[ticket.engine].discard(ticket_id)
         self.released_total += 1
         if ticket.admitted_at < self._last_probe.get(ticket.engine, float("-inf")):
-            self._recent_releases[ticket.engine].append(_Release(ticket.admitted_at, now))
+            self._recent_releases[ticket.engine].append(_Release(ticket.admitted_at, now, ticket.reserved_tokens))
         return ticket
 
     def expire(self, now: float) -> list[Ticket]:
@@ -90,3 +95,21 @@ class Ledger:
             1 for r in self._recent_releases.get(engine, ()) if r.admitted_at < probe_at < r.released_at
         )
         return admitted_after - released_after
+
+    def view(self, engine: str) -> EngineLedger:
+        """The engine's tickets as the decision core reads them."""
+        probe_at = self._last_probe.get(engine, float("-inf"))
+        tickets = [self._open[t] for t in self._by_engine.get(engine, ())]
+        by_model: dict[str, int] = {}
+        for t in tickets:
+            by_model[t.model] = by_model.get(t.model, 0) + 1
+        released = [r for r in self._recent_releases.get(engine, ()) if r.admitted_at < probe_at < r.released_at]
+        return EngineLedger(
+            open_tickets=len(tickets),
+            unseen_load=self.unseen_load(engine),
+            released_since_probe_tokens=sum(r.reserved_tokens for r in released),
+            committed_tokens=sum(t.reserved_tokens for t in tickets),
+            unseen_reserved_tokens=sum(t.reserved_tokens for t in tickets if t.admitted_at >= probe_at),
+            open_by_model=tuple(sorted(by_model.items())),
+            expected_done=tuple(sorted(t.expected_done_at for t in tickets)),
+        )

@@ -109,10 +109,16 @@ class Ticket:
     admitted_at: float
     lease_deadline: float
     """After this the ticket is reaped even if its access-log entry never arrives."""
+    reserved_tokens: int = 0
+    """KV the request may grow to: estimated prompt tokens + max_tokens."""
+    expected_done_at: float = 0.0
+    """When the ledger expects the request to finish (for Retry-After)."""
 
 
 class Verdict(enum.Enum):
     ADMIT = "admit"
+    PARK = "park"
+    """Nothing fits now: hold the Check until capacity frees (bounded in time and depth)."""
     SHED = "shed"
     REJECT = "reject"
     """The request itself is wrong (4xx); it never costs an engine anything."""
@@ -121,14 +127,32 @@ class Verdict(enum.Enum):
 
 
 class Reason(enum.Enum):
+    """Low-cardinality outcome codes (metrics labels, ``x-sluice-route-reason``, error ``code``); detail goes elsewhere."""
+
+    # admitted
     LEAST_LOADED = "least_loaded"
     STALE_FAIL_OPEN = "stale_fail_open"
     MODEL_LIST = "model_list"
+    # refused: the request itself
     MALFORMED_JSON = "malformed_json"
     MISSING_MODEL = "missing_model"
+    INVALID_FIELD = "invalid_field"
     UNKNOWN_MODEL = "unknown_model"
     UNKNOWN_PATH = "unknown_path"
+    CONTEXT_LENGTH = "context_length_exceeded"
+    # why an engine does not fit (park while they last)
+    CAP = "cap"
+    KV_WATERMARK = "kv_watermark"
+    KV_NEED = "kv_need"
+    BOX_POOL = "box_pool"
+    QUALITY_CAP = "quality_cap"
+    QUEUED_BEHIND = "queued_behind"
+    # shed
     NO_READY_ENGINE = "no_ready_engine"
+    VERSION_FLOOR = "version_floor"
+    SATURATED = "saturated"
+    QUEUE_FULL = "queue_full"
+    PARK_TIMEOUT = "park_timeout"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +161,12 @@ class InferenceRequest:
     path: str
     model: str | None
     stream: bool = False
+    prompt_tokens: int = 0
+    """Estimated from the prompt's characters (policy ``chars_per_token``)."""
+    max_tokens: int | None = None
+    """As the client asked; None = the policy default is reserved."""
+    priority: str = "standard"
+    """critical | standard | sheddable (``x-sluice-priority``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,12 +179,40 @@ class Decision:
     detail: str = ""
     body: bytes = b""
     """The response body for non-admit verdicts (an OpenAI-shaped error, or the model list)."""
+    reserved_tokens: int = 0
+    """KV reserved for an admitted request (prompt estimate + max_tokens)."""
+    expected_done_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLedger:
+    """What the ticket ledger knows about one engine, as the decision core reads it."""
+
+    open_tickets: int = 0
+    unseen_load: int = 0
+    """Tickets admitted since the probe, minus tickets admitted before it and released since."""
+    committed_tokens: int = 0
+    """KV every open ticket may grow to (sum of reserved tokens)."""
+    unseen_reserved_tokens: int = 0
+    """Reserved tokens of tickets the last probe cannot have seen."""
+    released_since_probe_tokens: int = 0
+    """Reserved tokens of tickets the probe saw that have finished since: KV the probe still counts as held."""
+    open_by_model: tuple[tuple[str, int], ...] = ()
+    expected_done: tuple[float, ...] = ()
+    """Expected finish times of open tickets, soonest first."""
+
+    def open_for(self, model: str) -> int:
+        return dict(self.open_by_model).get(model, 0)
 
 
 @dataclass(frozen=True, slots=True)
 class Fleet:
     engines: tuple[EngineView, ...]
-    unseen_load: dict[str, int] = field(default_factory=dict)
-    """Per engine: tickets the last probe cannot have counted (admitted after it, minus released after it)."""
+    ledger: dict[str, EngineLedger] = field(default_factory=dict)
     admit_stale: bool = True
     """Policy ``observe.on_stale``: open (True) still admits to a stale engine when no fresh one serves the model."""
+    solo_decode: dict[tuple[str, str], float] = field(default_factory=dict)
+    """Trusted solo decode medians per (model, chip class)."""
+
+    def of(self, engine: str) -> EngineLedger:
+        return self.ledger.get(engine, EngineLedger())

@@ -122,7 +122,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
     ev = config.envoy
     strip = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=_strip_headers_lua(ev.client_headers_kept)))
     authz = ext_authz_pb2.ExtAuthz(
-        grpc_service=_controlplane_grpc(ev.authz_timeout_seconds),
+        grpc_service=_controlplane_grpc(config.authz_timeout_seconds),
         transport_api_version=config_source_pb2.V3,
         failure_mode_allow=False,
         with_request_body=ext_authz_pb2.BufferSettings(

@@ -1,0 +1,151 @@
+"""Admission as a sans-I/O state machine: the ledger, the parking lot and ``decide`` in one place, time passed in.
+
+The gRPC shell calls ``check`` for every request and gets back an ``Outcome``: admitted (with its ticket), parked (the shell
+holds the Check open until ``wake``/``expire_parked`` returns an outcome for that id, or the client leaves and the shell calls
+``cancel``), or answered (refused, shed, the model list). ``release`` (access log), ``expire_leases`` (lease TTL) and new probes
+free capacity; each returns the parked requests it could admit, in order.
+
+Parking lot: per model, one FIFO per priority class (critical, then standard). The heads are tried in that order each wake;
+the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard). Depth is
+bounded per model by ``max_queue_depth``: a request beyond it is shed (``queue_full``); a parked request whose deadline
+(``max_park_seconds``) passes is shed (``park_timeout``). Both sheds carry a Retry-After from the ledger.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from controlplane.core.decide import decide, retry_after, shed
+from controlplane.core.ledger import Ledger
+from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Ticket, Verdict
+from controlplane.core.policy import Policy
+
+PARK_CLASSES = ("critical", "standard")
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    request_id: str
+    request: InferenceRequest
+    parked_at: float
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    request_id: str
+    decision: Decision
+    ticket: Ticket | None = None
+    parked_for: float = 0.0
+    """Seconds the request waited in the parking lot before this outcome."""
+
+
+class AdmissionCore:
+    def __init__(self, policy: Policy, ledger: Ledger, admit_stale: bool = True) -> None:
+        self.policy = policy
+        self.ledger = ledger
+        self.admit_stale = admit_stale
+        self._lot: dict[str, dict[str, deque[Parked]]] = {}
+        self._where: dict[str, tuple[str, str]] = {}
+
+    # -- views -------------------------------------------------------------------------------------------------------
+    def fleet(self, engines: Iterable[EngineView], solo_decode: dict[tuple[str, str], float] | None = None) -> Fleet:
+        engines = tuple(engines)
+        return Fleet(engines, {e.name: self.ledger.view(e.name) for e in engines}, self.admit_stale, solo_decode or {})
+
+    def depth(self, model: str | None = None) -> int:
+        if model is None:
+            return len(self._where)
+        return sum(len(q) for q in self._lot.get(model, {}).values())
+
+    def queued_ahead(self, model: str, priority: str) -> int:
+        queues = self._lot.get(model, {})
+        classes = PARK_CLASSES[: PARK_CLASSES.index(priority) + 1] if priority in PARK_CLASSES else PARK_CLASSES
+        return sum(len(queues.get(c, ())) for c in classes)
+
+    def parked(self) -> list[Parked]:
+        return [p for queues in self._lot.values() for q in queues.values() for p in q]
+
+    # -- events ------------------------------------------------------------------------------------------------------
+    def check(self, request_id: str, request: InferenceRequest, fleet: Fleet, now: float) -> Outcome:
+        """A new request. ``Outcome.decision.verdict`` PARK means it is now in the lot under ``request_id``."""
+        model = request.model
+        ahead = self.queued_ahead(model, request.priority) if model else 0
+        decision = decide(request, fleet, self.policy, now, ahead)
+        if decision.verdict is Verdict.ADMIT:
+            return self._admit(request_id, request, decision, now, parked_for=0.0)
+        if decision.verdict is not Verdict.PARK:
+            return Outcome(request_id, decision)
+        assert model is not None
+        if self.depth(model) >= self.policy.max_queue_depth:
+            candidates = [e for e in fleet.engines if e.serves(model)]
+            wait = retry_after(candidates, fleet, self.policy, now, self.depth(model))
+            return Outcome(request_id, shed(Reason.QUEUE_FULL,
+                                            f"{self.depth(model)} requests already parked for {model}", wait))
+        klass = request.priority if request.priority in PARK_CLASSES else "standard"
+        self._lot.setdefault(model, {c: deque() for c in PARK_CLASSES})[klass].append(
+            Parked(request_id, request, now, now + self.policy.max_park_seconds)
+        )
+        self._where[request_id] = (model, klass)
+        return Outcome(request_id, decision)
+
+    def cancel(self, request_id: str) -> bool:
+        """The client went away while parked: drop it; it holds nothing. False if it was not parked."""
+        where = self._where.pop(request_id, None)
+        if where is None:
+            return False
+        model, klass = where
+        queue = self._lot[model][klass]
+        queue.remove(next(p for p in queue if p.request_id == request_id))
+        return True
+
+    def release(self, ticket_id: str, now: float) -> Ticket | None:
+        return self.ledger.release(ticket_id, now)
+
+    def wake(self, fleet_of: Callable[[], Fleet], now: float, models: Iterable[str] | None = None) -> list[Outcome]:
+        """Admit parked heads that fit now, in order. ``fleet_of()`` gives the current fleet (it changes as we admit)."""
+        out: list[Outcome] = []
+        for model in list(models) if models is not None else list(self._lot):
+            queues = self._lot.get(model)
+            if not queues:
+                continue
+            for klass in PARK_CLASSES:
+                queue = queues[klass]
+                blocked = False
+                while queue:
+                    head = queue[0]
+                    decision = decide(head.request, fleet_of(), self.policy, now, 0)
+                    if decision.verdict is Verdict.PARK:
+                        blocked = True
+                        break
+                    queue.popleft()
+                    del self._where[head.request_id]
+                    if decision.verdict is Verdict.ADMIT:
+                        out.append(self._admit(head.request_id, head.request, decision, now, now - head.parked_at))
+                    else:  # the world changed under it (model gone, floor raised): answer now rather than time out
+                        out.append(Outcome(head.request_id, decision, parked_for=now - head.parked_at))
+                if blocked:
+                    break  # critical before standard: a blocked critical head holds the standard class too
+        return out
+
+    def expire_parked(self, fleet: Fleet, now: float) -> list[Outcome]:
+        """Shed every parked request whose deadline passed (``park_timeout``, with a Retry-After)."""
+        out = []
+        for parked in [p for p in self.parked() if p.deadline <= now]:
+            self.cancel(parked.request_id)
+            model = parked.request.model
+            candidates = [e for e in fleet.engines if model and e.serves(model)]
+            wait = retry_after(candidates, fleet, self.policy, now, self.depth(model))
+            decision = shed(Reason.PARK_TIMEOUT,
+                            f"no capacity for {model} within {self.policy.max_park_seconds:g} s", wait)
+            out.append(Outcome(parked.request_id, decision, parked_for=now - parked.parked_at))
+        return out
+
+    def _admit(self, request_id: str, request: InferenceRequest, decision: Decision, now: float,
+               parked_for: float) -> Outcome:
+        assert decision.engine is not None and request.model is not None
+        ticket = self.ledger.admit(request_id, decision.engine, request.model, now,
+                                   reserved_tokens=decision.reserved_tokens, expected_done_at=decision.expected_done_at)
+        return Outcome(request_id, decision, ticket, parked_for)

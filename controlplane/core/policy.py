@@ -1,0 +1,90 @@
+"""The admission policy the decision core reads: frozen, built from the ``admission``, ``models``, ``version_floors`` and
+``boxes`` sections of the config (controlplane/config.py validates them)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+PRIORITIES = ("critical", "standard", "sheddable")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    decode_floor_tokens_per_s: float | None = None
+    """Each admitted request of this model should keep at least this decode rate (the quality cap); None = no floor."""
+    solo_decode_tokens_per_s: float | None = None
+    """Seed for the model's solo decode rate until enough solo samples are measured (per chip class)."""
+    kv_bytes_per_token: int | None = None
+    """KV bytes one token of this model costs; makes box pools byte-aware across co-resident models."""
+    max_ttft_ms: int | None = None
+    """Default TTFT deadline for this model's requests (routing, issue 5)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """Several engines sharing one machine's KV memory (seed 002): a pool no pair of them may double-spend."""
+
+    name: str
+    engines: tuple[str, ...]
+    kv_budget_tokens: int | None = None
+    kv_budget_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    kv_high_watermark: float = 0.90
+    """An engine whose KV usage is at or above this fraction takes nothing new; also the share of KV sluice commits."""
+    default_max_tokens: int = 1024
+    """Tokens reserved for a request that names no ``max_tokens``."""
+    chars_per_token: float = 4.0
+    """Prompt tokens are estimated as characters / this."""
+    max_park_seconds: float = 120.0
+    max_queue_depth: int = 64
+    """Parked requests per model (all priority classes together)."""
+    retry_after_min_s: int = 1
+    retry_after_max_s: int = 60
+    quality_overcommit: float = 2.0
+    """quality_cap = floor(solo_decode_rate x overcommit / decode_floor): batching raises aggregate throughput."""
+    default_decode_tokens_per_s: float = 20.0
+    """A request's decode rate when an engine has measured none (used to predict when tickets finish)."""
+    default_prefill_tokens_per_s: float = 1000.0
+    """Prefill anchor until an engine has measured its own."""
+    models: dict[str, ModelPolicy] = field(default_factory=dict)
+    version_floors: tuple[tuple[str, str], ...] = ()
+    """(pattern, minimum version): a model whose id contains ``pattern`` (case-insensitive) needs engines at or above it."""
+    boxes: tuple[Box, ...] = ()
+
+    def model(self, model_id: str) -> ModelPolicy:
+        return self.models.get(model_id, ModelPolicy())
+
+    def floor_for(self, model_id: str) -> str | None:
+        """The strictest floor among patterns matching ``model_id`` (None: no floor)."""
+        matches = [v for pattern, v in self.version_floors if pattern.lower() in model_id.lower()]
+        return max(matches, key=version_key) if matches else None
+
+    def box_of(self, engine: str) -> Box | None:
+        return next((b for b in self.boxes if engine in b.engines), None)
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """Numeric components in order: ``0.10.1`` -> (0, 10, 1); llama.cpp's ``b6500-abc`` -> (6500,). A pre-release
+    (``0.11.0rc1``) sorts with its numbers, so a floor of 0.11.0 admits it: floors guard against old engines, not RCs."""
+    head = version.split("+", 1)[0]
+    return tuple(int(n) for n in _NUMBER.findall(head.split("-", 1)[0] if not head.startswith("b") else head[1:]))
+
+
+def meets_floor(version: str | None, floor: str | None) -> bool:
+    """An engine meets a floor when its version is known and not below it; an unknown version never meets one."""
+    if floor is None:
+        return True
+    if not version:
+        return False
+    have, need = version_key(version), version_key(floor)
+    if not have:
+        return False
+    width = max(len(have), len(need))
+    return have + (0,) * (width - len(have)) >= need + (0,) * (width - len(need))

@@ -1,0 +1,159 @@
+"""Properties of the admission state machine over random interleavings of requests, releases, probes, cancellations,
+lease expiries and park deadlines: caps hold, KV is never double-spent, floors hold, FIFO within a class, nothing leaks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.core.admission import AdmissionCore, Outcome
+from controlplane.core.ledger import Ledger
+from controlplane.core.model import EngineSample, EngineView, InferenceRequest, ServedModel, Verdict
+from controlplane.core.policy import Policy
+
+CAPACITY = 20_000
+ENGINES = (
+    ("a", 2, "0.10.1"),
+    ("b", 3, "0.11.0"),
+    ("old", 4, "0.8.0"),  # below the floor: must never get a ticket
+)
+POLICY = Policy(kv_high_watermark=0.9, default_max_tokens=500, max_park_seconds=30, max_queue_depth=6,
+                version_floors=(("cortex", "0.10"),))
+
+op = st.one_of(
+    # A burst of n identical requests: saturation (caps, KV, parking) needs several arrivals between releases.
+    st.tuples(st.just("submit"), st.sampled_from([100, 800, 3_000, 9_000]),
+              st.sampled_from(["critical", "standard", "sheddable"]), st.integers(1, 8)),
+    st.tuples(st.just("release"), st.integers(0, 50)),
+    st.tuples(st.just("probe"), st.sampled_from([e[0] for e in ENGINES])),
+    st.tuples(st.just("cancel"), st.integers(0, 50)),
+    st.tuples(st.just("tick"), st.floats(0.1, 40.0)),
+)
+
+
+class World:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.core = AdmissionCore(POLICY, Ledger(lease_seconds=100))
+        self.views = {
+            name: EngineView(name=name, url="", max_num_seqs=cap, models=(ServedModel("cortex", 32_768),),
+                             version=version, sample=EngineSample(0.0, running=0, waiting=0, kv_usage=0.0,
+                                                                  kv_capacity_tokens=CAPACITY),
+                             last_ok_at=0.0, stale=False, chip_class=name)
+            for name, cap, version in ENGINES
+        }
+        self.tickets: dict[str, tuple[str, int]] = {}  # open ticket -> (engine, prompt tokens it really uses)
+        self.parked_order: dict[str, list[str]] = {"critical": [], "standard": []}
+        self.admitted_from_park: dict[str, list[str]] = {"critical": [], "standard": []}
+        self.priority: dict[str, str] = {}
+        self.answered: set[str] = set()
+        self.seq = 0
+
+    def fleet(self):  # type: ignore[no-untyped-def]
+        return self.core.fleet(self.views.values())
+
+    def settle(self, outcomes: list[Outcome]) -> None:
+        for o in outcomes:
+            assert o.request_id not in self.answered, "one request, one answer"
+            self.answered.add(o.request_id)
+            if o.ticket is not None:
+                self.tickets[o.ticket.ticket_id] = (o.ticket.engine, o.ticket.reserved_tokens - 500)
+                klass = self.priority[o.request_id]
+                if o.parked_for > 0 and klass in self.admitted_from_park:
+                    self.admitted_from_park[klass].append(o.request_id)
+        self.check_invariants()
+
+    def check_invariants(self) -> None:
+        ledger = self.core.ledger
+        for name, cap, _ in ENGINES:
+            view = ledger.view(name)
+            assert view.open_tickets <= cap, f"{name} over its cap"
+            assert view.committed_tokens <= CAPACITY * POLICY.kv_high_watermark, f"{name} KV double-spent"
+        assert ledger.view("old").open_tickets == 0, "a below-floor engine got a ticket"
+        assert self.core.depth("cortex") <= POLICY.max_queue_depth, "parking lot deeper than its bound"
+        assert ledger.admitted_total == ledger.open_tickets() + ledger.released_total + ledger.expired_total
+        assert ledger.open_tickets() == len([t for t in self.tickets if ledger.get(t)])
+
+    def submit(self, prompt_tokens: int, priority: str) -> None:
+        self.now += 0.001  # the control plane's clock is monotonic: no two events share an instant
+        self.seq += 1
+        rid = f"r{self.seq}"
+        self.priority[rid] = priority
+        request = InferenceRequest("POST", "/v1/chat/completions", "cortex", prompt_tokens=prompt_tokens,
+                                   max_tokens=500, priority=priority)
+        outcome = self.core.check(rid, request, self.fleet(), self.now)
+        if outcome.decision.verdict is Verdict.PARK:
+            assert priority != "sheddable", "sheddable requests are shed, never parked"
+            self.parked_order[priority].append(rid)
+            self.check_invariants()
+        else:
+            self.settle([outcome])
+
+    def apply(self, step: tuple) -> None:  # type: ignore[type-arg]
+        self.now += 0.001
+        kind = step[0]
+        if kind == "submit":
+            for _ in range(step[3]):
+                self.submit(step[1], step[2])
+        elif kind == "release":
+            open_ids = [t for t in self.tickets if self.core.ledger.get(t)]
+            if open_ids:
+                ticket = open_ids[step[1] % len(open_ids)]
+                self.core.release(ticket, self.now)
+                self.settle(self.core.wake(self.fleet, self.now))
+        elif kind == "probe":
+            name = step[1]
+            held = [(e, used) for t, (e, used) in self.tickets.items() if e == name and self.core.ledger.get(t)]
+            sample = EngineSample(self.now, running=len(held), waiting=0, kv_usage=sum(u for _, u in held) / CAPACITY,
+                                  kv_capacity_tokens=CAPACITY)
+            self.views[name] = replace(self.views[name], sample=sample, last_ok_at=self.now)
+            self.core.ledger.note_probe(name, self.now)
+            self.settle(self.core.wake(self.fleet, self.now))
+        elif kind == "cancel":
+            parked = self.core.parked()
+            if parked:
+                victim = parked[step[1] % len(parked)].request_id
+                assert self.core.cancel(victim)
+                self.answered.add(victim)
+                for order in self.parked_order.values():
+                    if victim in order:
+                        order.remove(victim)
+                self.check_invariants()
+        else:
+            self.now += step[1]
+            self.core.ledger.expire(self.now)
+            for name in self.views:  # keep probes fresh so staleness does not mask the rules under test
+                self.views[name] = replace(self.views[name], last_ok_at=self.now)
+            expired = self.core.expire_parked(self.fleet(), self.now)
+            for o in expired:
+                assert o.decision.verdict is Verdict.SHED and 1 <= (o.decision.retry_after_s or 0) <= 60
+                for order in self.parked_order.values():
+                    if o.request_id in order:
+                        order.remove(o.request_id)
+            self.settle(expired)
+            self.settle(self.core.wake(self.fleet, self.now))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(op, max_size=80))
+def test_admission_invariants(steps: list[tuple]) -> None:  # type: ignore[type-arg]
+    world = World()
+    for step in steps:
+        world.apply(step)
+    # Every request is answered exactly once or still parked; nothing is both.
+    parked_now = {p.request_id for p in world.core.parked()}
+    assert not parked_now & world.answered
+    assert len(parked_now) + len(world.answered) == world.seq
+    # Drain: finish every request, repeatedly, until the lot is empty. Every parked request fits an idle fleet.
+    for _ in range(world.seq + 1):
+        for ticket in [t for t in world.tickets if world.core.ledger.get(t)]:
+            world.now += 0.001
+            world.core.release(ticket, world.now)
+        world.now += 0.001
+        world.settle(world.core.wake(world.fleet, world.now))
+    assert not world.core.parked(), "a parked request was never admitted although the fleet went idle"
+    # FIFO within a class: parked requests were admitted in the order they parked.
+    for klass, admitted in world.admitted_from_park.items():
+        assert admitted == [r for r in world.parked_order[klass] if r in admitted], f"{klass} not FIFO"
