@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("verb", choices=["status", "engines"])
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
-    p.add_argument("scenario", choices=["observe"])
+    p.add_argument("scenario", choices=["observe", "cag4"])
     p.add_argument("--engines", type=int, default=1000, help="observe: simulated engines to poll")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
 
@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_up(args.config)
     if args.command == "bench":
+        if args.scenario == "cag4":
+            from sluice.bench.cag4 import run_cag4_bench
+
+            return run_cag4_bench()
         from sluice.bench.observe import run_observe_bench
 
         return run_observe_bench(args.engines, args.cycles)

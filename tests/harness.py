@@ -163,7 +163,10 @@ def stack_config(engines: list[dict[str, Any]], **sections: Any) -> Config:
         "engines": engines,
     }
     for key, value in sections.items():
-        raw.setdefault(key, {}).update(value)
+        if isinstance(value, dict):
+            raw.setdefault(key, {}).update(value)
+        else:
+            raw[key] = value
     return parse_config(raw)
 
 

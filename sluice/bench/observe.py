@@ -13,15 +13,7 @@ import aiohttp
 
 from controlplane.config import EngineConfig, ObserveConfig
 from controlplane.observe.poller import EnginePoller
-from sluice.bench.common import median, pct, write_report
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from sluice.bench.common import free_port, median, pct, write_report
 
 
 async def _loop_lag(stop: asyncio.Event, lags: list[float], period: float = 0.01) -> None:
@@ -79,7 +71,7 @@ async def _measure(port: int, engines: int, cycles: int, spread_seconds: float =
 
 
 def run_observe_bench(engines: int = 1000, cycles: int = 10) -> int:
-    port = _free_port()
+    port = free_port()
     farm = subprocess.Popen([sys.executable, "-m", "sluice.bench.farm", "--engines", str(engines), "--port", str(port)])
     try:
         deadline = time.monotonic() + 15

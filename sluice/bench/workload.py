@@ -1,0 +1,140 @@
+"""Shared pieces of the through-Envoy benchmarks: start a gateway (``sluice up`` on a generated config) or a bare simulator,
+stream requests with aiohttp and time them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from sluice.bench.common import free_port
+
+
+@dataclass
+class Result:
+    tag: str
+    status: int
+    started: float
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    completion_tokens: int = 0
+    engine: str = ""
+    parked_ms: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@contextmanager
+def gateway(engines: list[dict[str, Any]], **sections: Any) -> Iterator[dict[str, Any]]:
+    """``sluice up`` on a config with free ports; yields the config (with its ports) while it runs."""
+    config: dict[str, Any] = {
+        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "engines": engines,
+        **sections,
+    }
+    for engine in engines:
+        engine.setdefault("url", f"http://127.0.0.1:{free_port()}")
+    work = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
+    path = work / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    up = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(path)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = ""
+        while "Ctrl-C stops everything." not in seen:
+            line = up.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                raise RuntimeError(f"sluice up failed:\n{seen}")
+            seen += line
+        config["base_url"] = f"http://127.0.0.1:{config['envoy']['listen_port']}"
+        yield config
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(20)
+        except subprocess.TimeoutExpired:
+            up.kill()
+
+
+@contextmanager
+def bare_sim(profile: str, speed: float, name: str = "bare", flavor: str = "vllm-v1") -> Iterator[str]:
+    port = free_port()
+    sim = subprocess.Popen([sys.executable, "-m", "sluice", "sim", "--profile", profile, "--port", str(port),
+                            "--speed", str(speed), "--name", name, "--flavor", flavor],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield url
+    finally:
+        sim.send_signal(signal.SIGTERM)
+        sim.wait(10)
+
+
+async def stream_chat(session: aiohttp.ClientSession, base: str, tag: str, model: str, content: str, max_tokens: int,
+                      headers: dict[str, str] | None = None, t0: float = 0.0) -> Result:
+    """One streamed chat completion; TTFT is the first content chunk."""
+    payload = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+               "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    result = Result(tag, 0, started - t0)
+    async with session.post(base + "/v1/chat/completions", json=payload, headers=headers or {}) as response:
+        result.status = response.status
+        result.headers = {k.lower(): v for k, v in response.headers.items()}
+        result.engine = result.headers.get("x-sluice-engine", "")
+        result.parked_ms = int(result.headers.get("x-sluice-parked-ms", 0))
+        if response.status != 200:
+            await response.read()
+            result.total_s = time.perf_counter() - started
+            return result
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content") and result.ttft_s is None:
+                result.ttft_s = time.perf_counter() - started
+            if chunk.get("usage"):
+                result.completion_tokens = chunk["usage"]["completion_tokens"]
+    result.total_s = time.perf_counter() - started
+    return result
+
+
+def sim_stats(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/sim/stats", timeout=5) as response:
+        return json.load(response)  # type: ignore[no-any-return]
+
+
+async def sample_stats(url: str, stop: asyncio.Event, out: list[tuple[float, dict[str, Any]]], t0: float,
+                       period: float = 0.1) -> None:
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            async with session.get(url + "/sim/stats") as response:
+                out.append((time.perf_counter() - t0, await response.json()))
+            await asyncio.sleep(period)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0", "false")

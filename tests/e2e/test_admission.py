@@ -1,0 +1,163 @@
+"""Admission end to end through the real Envoy: a burst beyond the fleet's slots is served without any engine running more
+than its max_num_seqs; parked requests say how long they waited; a client that leaves while parked leaves nothing behind;
+queue overflow and sheddable requests get a 503 with a sane Retry-After; context and floors refuse before any engine."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import Stack, http_json, start_stack, wait_for
+from tests.e2e.test_request_path import post
+
+
+def body(max_tokens: int = 20, content: str = "hello", **extra: object) -> bytes:
+    return json.dumps({"model": "cortex", "messages": [{"role": "user", "content": content}],
+                       "max_tokens": max_tokens, **extra}).encode()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack([("thor", "thor"), ("spark", "spark")], tmp_path_factory.mktemp("admission"), speed=10.0,
+                    admission={"max_queue_depth": 6, "max_park_seconds": 20})
+    yield s
+    s.close()
+
+
+def drained(stack: Stack) -> None:
+    wait_for(lambda: stack.status().open_tickets == 0 and stack.controlplane.plane.admission.depth() == 0,  # type: ignore[union-attr]
+             timeout=30, what="fleet drained")
+
+
+def test_burst_beyond_slots_is_all_served_within_caps(stack: Stack) -> None:
+    drained(stack)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(lambda _: post(stack, "/chat/completions", body(max_tokens=30)), range(6)))
+    assert [status for status, _, _ in results] == [200] * 6
+    parked = [h for _, h, _ in results if "x-sluice-parked-ms" in h]
+    assert len(parked) >= 2, "4 slots for 6 requests: at least two had to wait"
+    assert all(int(h["x-sluice-parked-ms"]) > 0 for h in parked)
+    for name in ("thor", "spark"):
+        stats = http_json(stack.sim_url(name) + "/sim/stats")
+        assert stats["max_running_seen"] <= 2, f"{name} ran more than max_num_seqs"
+        assert stats["preemptions"] == 0
+    drained(stack)
+
+
+def test_client_that_leaves_while_parked_leaves_nothing(stack: Stack) -> None:
+    drained(stack)
+    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=60)) for _ in range(4)]
+        wait_for(lambda: stack.status().open_tickets == 4, what="four slots taken")
+        served_before = sum(len(stack.sim_log(n)) for n in stack.sims)
+        raw = body(max_tokens=5)
+        sock = socket.create_connection(("127.0.0.1", stack.config.envoy.listen_port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+        wait_for(lambda: plane.admission.depth() == 1, what="the fifth request parked")
+        sock.close()
+        wait_for(lambda: plane.admission.depth() == 0, what="the parked request gone")
+        assert 'sluice_admission_park_cancelled_total 1.0' in _metrics(stack)
+        assert [f.result()[0] for f in holders] == [200] * 4
+    drained(stack)
+    assert sum(len(stack.sim_log(n)) for n in stack.sims) == served_before, "the abandoned request reached an engine"
+    assert stack.status().tickets_expired_total == 0
+
+
+def test_queue_overflow_and_sheddable_get_503_with_retry_after(stack: Stack) -> None:
+    drained(stack)
+    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
+        long = [pool.submit(post, stack, "/chat/completions", body(max_tokens=200)) for _ in range(4)]
+        wait_for(lambda: stack.status().open_tickets == 4, what="slots full")
+        parked = [pool.submit(post, stack, "/chat/completions", body(max_tokens=5)) for _ in range(6)]
+        wait_for(lambda: plane.admission.depth() == 6, what="queue full")
+        status, headers, payload = post(stack, "/chat/completions", body(max_tokens=5))
+        assert status == 503
+        error = json.loads(payload)["error"]
+        assert error["code"] == "queue_full" and error["type"] == "server_error"
+        # The ledger knows the four running requests finish in roughly 200 tokens' time (~4-10 s emulated /10 speed).
+        assert 1 <= int(headers["retry-after"]) <= 60
+        status, headers, payload = post(stack, "/chat/completions", body(max_tokens=5),
+                                         {"x-sluice-priority": "sheddable"})
+        assert status == 503 and json.loads(payload)["error"]["code"] == "saturated"
+        assert 1 <= int(headers["retry-after"]) <= 60
+        assert [f.result()[0] for f in long + parked] == [200] * 10
+    drained(stack)
+
+
+def test_critical_jumps_the_standard_queue(stack: Stack) -> None:
+    drained(stack)
+    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    admitted_at: dict[str, float] = {}
+
+    def timed(tag: str, headers: dict[str, str]) -> None:
+        sent = time.monotonic()
+        status, response_headers, _ = post(stack, "/chat/completions", body(max_tokens=5), headers)
+        assert status == 200
+        admitted_at[tag] = sent + int(response_headers["x-sluice-parked-ms"]) / 1000
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=80)) for _ in range(4)]
+        wait_for(lambda: stack.status().open_tickets == 4, what="slots full")
+        standard = pool.submit(timed, "standard", {})
+        wait_for(lambda: plane.admission.depth() == 1, what="standard parked")
+        critical = pool.submit(timed, "critical", {"x-sluice-priority": "critical"})
+        wait_for(lambda: plane.admission.depth() == 2, what="critical parked")
+        for f in (*holders, standard, critical):
+            f.result()
+    # The critical request parked last but left the lot first.
+    assert admitted_at["critical"] < admitted_at["standard"]
+    drained(stack)
+
+
+def test_context_length_is_refused_before_any_engine(stack: Stack) -> None:
+    before = sum(len(stack.sim_log(n)) for n in stack.sims)
+    status, _, payload = post(stack, "/chat/completions", body(max_tokens=32_000, content="x" * 4_000))
+    assert status == 400
+    assert json.loads(payload)["error"]["code"] == "context_length_exceeded"
+    assert sum(len(stack.sim_log(n)) for n in stack.sims) == before
+
+
+def test_park_timeout_sheds_with_retry_after(tmp_path: Path) -> None:
+    stack = start_stack([("thor", "thor")], tmp_path, speed=2.0, admission={"max_park_seconds": 1})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=100)) for _ in range(2)]
+            wait_for(lambda: stack.status().open_tickets == 2, what="slots full")
+            started = time.monotonic()
+            status, headers, payload = post(stack, "/chat/completions", body(max_tokens=5))
+            waited = time.monotonic() - started
+            assert status == 503 and json.loads(payload)["error"]["code"] == "park_timeout"
+            assert 1.0 <= waited < 3.0
+            assert int(headers["x-sluice-parked-ms"]) >= 1000
+            assert 1 <= int(headers["retry-after"]) <= 60
+            assert [f.result()[0] for f in holders] == [200, 200]
+    finally:
+        stack.close()
+
+
+def test_version_floor_sheds_and_names_the_versions(tmp_path: Path) -> None:
+    stack = start_stack([("thor", "thor")], tmp_path, envoy=True, version_floors={"cortex": "0.11"})
+    try:
+        status, headers, payload = post(stack, "/chat/completions", body())
+        assert status == 503
+        error = json.loads(payload)["error"]
+        assert error["code"] == "version_floor" and "thor=0.10.1" in error["message"]
+        assert int(headers["retry-after"]) == 60
+    finally:
+        stack.close()
+
+
+def _metrics(stack: Stack) -> str:
+    import urllib.request
+
+    port = stack.controlplane.plane.metrics_port  # type: ignore[union-attr]
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
