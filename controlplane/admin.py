@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from controlplane.core.decide import effective_load
-from controlplane.core.model import EngineRates
+from controlplane.core.model import EngineRates, EngineView, Fleet
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 
 if TYPE_CHECKING:
@@ -67,40 +67,49 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ListEngines(  # noqa: N802
         self, request: admin_pb2.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListEnginesResponse:
+        fleet = self.plane.fleet(self.plane.clock())
+        return admin_pb2.ListEnginesResponse(engines=[self._engine(e, fleet) for e in fleet.engines])
+
+    async def DrainEngine(  # noqa: N802
+        self, request: admin_pb2.DrainEngineRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.Engine:
+        if not await self.plane.set_drained(request.name, request.drained):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no engine named {request.name!r}")
+        fleet = self.plane.fleet(self.plane.clock())
+        return self._engine(next(e for e in fleet.engines if e.name == request.name), fleet)
+
+    def _engine(self, e: EngineView, fleet: Fleet) -> admin_pb2.Engine:
         plane = self.plane
         now = plane.clock()
-        fleet = plane.fleet(now)
-        out = []
-        for e in fleet.engines:
-            s = e.sample
-            model = e.models[0].model_id if e.models else None
-            out.append(admin_pb2.Engine(
-                name=e.name,
-                url=e.url,
-                cluster=e.name,
-                models=[m.model_id for m in e.models],
-                ready=e.ready,
-                stale=e.stale,
-                running=_or_unknown(s.running if s else None),
-                waiting=_or_unknown(s.waiting if s else None),
-                kv_usage=_or_unknown(s.kv_usage if s else None),
-                open_tickets=plane.ledger.open_tickets(e.name),
-                max_num_seqs=e.max_num_seqs or 0,
-                last_probe_age_seconds=-1.0 if e.last_ok_at is None else now - e.last_ok_at,
-                last_error=e.last_error,
-                version=e.version or "",
-                effective_load=int(effective_load(e, fleet)),
-                flavor=e.flavor or "",
-                chip_class=e.chip_class,
-                kv_capacity_tokens=e.kv_capacity_tokens or 0,
-                discovered_concurrency=e.discovered_concurrency or 0,
-                missing_gauges=list(e.degraded),
-                rates=_rates(e.rates),
-                prefill_median_tokens_per_s=_or_unknown(plane.rates.prefill_median(model, e.chip_class) if model else None),
-                solo_decode_median_tokens_per_s=_or_unknown(
-                    plane.rates.solo_decode_median(model, e.chip_class) if model else None
-                ),
-                kv_used_tokens=int(_or_unknown(s.kv_used_tokens if s else None)),
-                preemptions_total=_or_unknown(s.preemptions_total if s else None),
-            ))
-        return admin_pb2.ListEnginesResponse(engines=out)
+        s = e.sample
+        model = e.models[0].model_id if e.models else None
+        return admin_pb2.Engine(
+            name=e.name,
+            url=e.url,
+            cluster=e.name,
+            models=[m.model_id for m in e.models],
+            ready=e.ready,
+            stale=e.stale,
+            running=_or_unknown(s.running if s else None),
+            waiting=_or_unknown(s.waiting if s else None),
+            kv_usage=_or_unknown(s.kv_usage if s else None),
+            open_tickets=plane.ledger.open_tickets(e.name),
+            max_num_seqs=e.max_num_seqs or 0,
+            last_probe_age_seconds=-1.0 if e.last_ok_at is None else now - e.last_ok_at,
+            last_error=e.last_error,
+            version=e.version or "",
+            effective_load=int(effective_load(e, fleet)),
+            flavor=e.flavor or "",
+            chip_class=e.chip_class,
+            kv_capacity_tokens=e.kv_capacity_tokens or 0,
+            discovered_concurrency=e.discovered_concurrency or 0,
+            missing_gauges=list(e.degraded),
+            rates=_rates(e.rates),
+            prefill_median_tokens_per_s=_or_unknown(plane.rates.prefill_median(model, e.chip_class) if model else None),
+            solo_decode_median_tokens_per_s=_or_unknown(
+                plane.rates.solo_decode_median(model, e.chip_class) if model else None
+            ),
+            kv_used_tokens=int(_or_unknown(s.kv_used_tokens if s else None)),
+            preemptions_total=_or_unknown(s.preemptions_total if s else None),
+            drained=e.drained,
+        )

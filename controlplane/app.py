@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -25,6 +26,7 @@ from controlplane.config import Config, ConfigError, load_config
 from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineRates, EngineView, Fleet, Ticket, Verdict
+from controlplane.core.weights import Weights, compute_weights, moved
 from controlplane.metrics import SluiceMetrics
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import RateBook
@@ -57,11 +59,13 @@ class ControlPlane:
         self.version = _version()
         self.metrics = SluiceMetrics()
         self.ledger = Ledger(config.tickets.lease_seconds)
-        self.admission = AdmissionCore(config.policy, self.ledger, admit_stale=config.observe.on_stale == "open")
+        self.admission = AdmissionCore(config.policy, self.ledger, admit_stale=config.observe.on_stale == "open",
+                                       draw=random.random)
         self._parked: dict[str, asyncio.Future[Outcome]] = {}
         self.cache = SnapshotCache()
         self.ads = AdsServicer(self.cache, self.metrics)
         self.pollers: list[EnginePoller] = []
+        self.published_weights: Weights = {}
         self.rates = RateBook(config.observe.rate_ring_size, config.observe.rate_min_samples)
         self._was_stale: dict[str, bool] = {}
         self.started_at = clock()
@@ -74,14 +78,7 @@ class ControlPlane:
 
     # -- state the servicers read ----------------------------------------------------------------------------------------
     def fleet(self, now: float) -> Fleet:
-        engines = tuple(p.view(now) for p in self.pollers)
-        solo = {}
-        for e in engines:
-            for m in e.models[:1]:
-                rate = self.rates.solo_decode_median(m.model_id, e.chip_class)
-                if rate is not None:
-                    solo[(m.model_id, e.chip_class)] = rate
-        return self.admission.fleet(engines, solo)
+        return self.admission.fleet((p.view(now) for p in self.pollers), now, self.rates.tables())
 
     def model_label(self, model: str | None) -> str:
         """A metrics label for ``model``: only models some engine serves, so clients cannot grow label cardinality."""
@@ -116,6 +113,16 @@ class ControlPlane:
                 self.release_ticket(outcome.ticket.ticket_id)
         if outcomes:
             self.metrics.parked_now.set(self.admission.depth())
+
+    async def set_drained(self, name: str, drained: bool) -> bool:
+        poller = next((p for p in self.pollers if p.config.name == name), None)
+        if poller is None:
+            return False
+        poller.set_drained(drained)
+        log.warning("engine %s %s by an operator", name, "drained" if drained else "undrained")
+        await self.refresh_weights()
+        self.wake()
+        return True
 
     def wake(self, models: list[str] | None = None) -> None:
         """Capacity may have freed: admit whatever parked requests now fit, in order."""
@@ -167,7 +174,7 @@ class ControlPlane:
         m.observer_degraded.labels(view.name).set(1 if view.degraded else 0)
         if rates is not None and view.models:
             # Rates are booked under the engine's first model: engine metrics are per process, not per model.
-            self.rates.record(view.models[0].model_id, view.chip_class, rates)
+            self.rates.record(view.models[0].model_id, view.chip_class, rates, view.name)
         self.wake([m.model_id for m in view.models])
 
     def check_staleness(self, now: float) -> None:
@@ -187,14 +194,25 @@ class ControlPlane:
     async def _watch_staleness(self) -> None:
         while True:
             self.check_staleness(self.clock())
+            await self.refresh_weights()
             await asyncio.sleep(self.config.observe.poll_interval_seconds / 2)
+
+    async def refresh_weights(self) -> bool:
+        """Recompute the fallback weights; push a new route table only when one moved past the threshold."""
+        fresh = compute_weights(self.fleet(self.clock()), self.config.policy)
+        if not moved(self.published_weights, fresh, self.config.envoy.weight_change_threshold):
+            return False
+        self.published_weights = fresh
+        await self.publish()
+        log.info("fallback weights now %s", fresh)
+        return True
 
     # -- xDS -------------------------------------------------------------------------------------------------------------
     def build_snapshot(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
         cfg = self.config
         return make_snapshot(
             listeners=[build_listener(cfg)],
-            routes=[build_routes(cfg)],
+            routes=[build_routes(cfg, self.published_weights)],
             clusters=[*(build_cluster(e, cfg) for e in cfg.engines), *extra_clusters],
             endpoints=[build_load_assignment(e) for e in cfg.engines],
         )

@@ -57,6 +57,12 @@ class EnvoyConfig:
     """Connect timeout to an engine."""
     client_headers_kept: tuple[str, ...]
     """``x-sluice-*`` request headers a client may send (inputs, never routing); every other one is stripped."""
+    on_controlplane_failure: str
+    """``open``: Envoy routes unpinned requests by each model's last capacity weights; ``closed``: 503 + retry-after."""
+    failure_retry_after_seconds: int
+    """Retry-After on the fail-closed 503."""
+    weight_change_threshold: float
+    """Fallback weights are re-pushed over RDS only when one moves by more than this fraction."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,10 @@ class EngineConfig:
     """Engines of one chip class share prefill/decode medians; defaults to the engine's own name."""
     sim_flavor: str
     """Metric dialect the simulator speaks (``vllm-v1``, ``vllm-v0``, ``sglang``, ``llamacpp``)."""
+    prefill_tokens_per_s: float | None = None
+    """Operator's anchor for this engine's prefill rate, used until one is measured."""
+    decode_tokens_per_s: float | None = None
+    """Operator's anchor for one request's decode rate on this engine, used until measured."""
 
 
 AUTHZ_TIMEOUT_GRACE_S = 10.0
@@ -136,6 +146,9 @@ DEFAULTS: dict[str, Any] = {
         "stream_idle_timeout_seconds": 300.0,
         "connect_timeout_seconds": 1.0,
         "client_headers_kept": ["x-sluice-priority", "x-sluice-max-ttft-ms", "x-sluice-session"],
+        "on_controlplane_failure": "open",
+        "failure_retry_after_seconds": 5,
+        "weight_change_threshold": 0.10,
     },
     "observe": {
         "poll_interval_seconds": 1.0,
@@ -159,6 +172,9 @@ DEFAULTS: dict[str, Any] = {
         "quality_overcommit": 2.0,
         "default_decode_tokens_per_s": 20.0,
         "default_prefill_tokens_per_s": 1000.0,
+        "wait_for_faster_margin": 0.25,
+        "band_margin_ms": 1000.0,
+        "serve_half_life_seconds": 300.0,
     },
 }
 _MODEL_FIELDS = {"decode_floor_tokens_per_s", "solo_decode_tokens_per_s", "kv_bytes_per_token", "max_ttft_ms"}
@@ -241,6 +257,12 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         ),
         connect_timeout_seconds=float(c.number("envoy.connect_timeout_seconds", ev["connect_timeout_seconds"], minimum=0.01)),
         client_headers_kept=tuple(h.lower() for h in kept),
+        on_controlplane_failure=c.choice("envoy.on_controlplane_failure", ev["on_controlplane_failure"],
+                                         ("open", "closed")),
+        failure_retry_after_seconds=int(c.number("envoy.failure_retry_after_seconds", ev["failure_retry_after_seconds"],
+                                                 minimum=1, integer=True)),
+        weight_change_threshold=float(c.number("envoy.weight_change_threshold", ev["weight_change_threshold"],
+                                               minimum=0)),
     )
     ob = c.section(raw, "observe")
     observe = ObserveConfig(
@@ -293,6 +315,11 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
                                                    ad["default_decode_tokens_per_s"], minimum=0.01)),
         default_prefill_tokens_per_s=float(c.number("admission.default_prefill_tokens_per_s",
                                                     ad["default_prefill_tokens_per_s"], minimum=0.01)),
+        wait_for_faster_margin=float(c.number("admission.wait_for_faster_margin", ad["wait_for_faster_margin"],
+                                              minimum=0)),
+        band_margin_ms=float(c.number("admission.band_margin_ms", ad["band_margin_ms"], minimum=0)),
+        serve_half_life_s=float(c.number("admission.serve_half_life_seconds", ad["serve_half_life_seconds"],
+                                         minimum=1)),
     )
     if policy["retry_after_min_s"] > policy["retry_after_max_s"]:
         c.problems.append("admission.retry_after_min_seconds: must not exceed admission.retry_after_max_seconds")
@@ -360,7 +387,8 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
     return Policy(**policy, models=models, version_floors=tuple(floors), boxes=tuple(boxes))
 
 
-_ENGINE_FIELDS = {"name", "url", "max_num_seqs", "models", "sim", "speed", "flavor", "chip_class", "sim_flavor"}
+_ENGINE_FIELDS = {"name", "url", "max_num_seqs", "models", "sim", "speed", "flavor", "chip_class", "sim_flavor",
+                  "prefill_tokens_per_s", "decode_tokens_per_s"}
 FLAVORS = ("auto", "vllm", "sglang", "llamacpp", "tgi")
 SIM_FLAVORS = ("vllm-v1", "vllm-v0", "sglang", "llamacpp")
 
@@ -410,8 +438,10 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
             chip_class = name
         if sim is not None and seqs is None and sim_flavor.startswith("vllm"):
             seqs = PROFILES[sim].max_num_seqs  # vLLM cannot report it; SGLang and llama.cpp simulators do
+        anchors = [float(c.number(f"{path}.{key}", item[key], minimum=0.001)) if item.get(key) is not None else None
+                   for key in ("prefill_tokens_per_s", "decode_tokens_per_s")]
         engines.append(EngineConfig(name, url, host, port, seqs, tuple(models), sim, speed, flavor, chip_class,
-                                    sim_flavor))
+                                    sim_flavor, *anchors))
     return tuple(engines)
 
 

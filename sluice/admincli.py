@@ -28,6 +28,8 @@ def engines_table(response: admin_pb2.ListEnginesResponse) -> str:
     for e in response.engines:
         state = "stale" if e.stale else ("ready" if e.ready else "no models")
         cap = e.max_num_seqs or e.discovered_concurrency
+        if e.drained:
+            state += ",drained"
         rows.append((
             e.name, e.flavor or "?", e.version or "?", state, ",".join(e.models) or "-",
             _num(e.running), _num(e.waiting), _num(e.kv_usage, "{:.0%}"), _tokens(e.kv_capacity_tokens),
@@ -56,11 +58,18 @@ def status_text(s: admin_pb2.GetStatusResponse) -> str:
     return "\n".join(lines)
 
 
-def run_admin(target: str, verb: str, *, as_json: bool) -> int:
+def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None) -> int:
     with grpc.insecure_channel(target) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         try:
-            if verb == "engines":
+            if verb in ("drain", "undrain"):
+                if not name:
+                    print(f"sluice admin {verb}: name the engine", file=sys.stderr)
+                    return 2
+                engine = stub.DrainEngine(admin_pb2.DrainEngineRequest(name=name, drained=verb == "drain"), timeout=5)
+                text = (json.dumps(MessageToDict(engine, always_print_fields_with_no_presence=True), indent=2)
+                        if as_json else f"{engine.name}: {'drained' if engine.drained else 'serving'}")
+            elif verb == "engines":
                 engines = stub.ListEngines(admin_pb2.ListEnginesRequest(), timeout=5)
                 text = (json.dumps(MessageToDict(engines, always_print_fields_with_no_presence=True), indent=2)
                         if as_json else engines_table(engines))
@@ -69,7 +78,10 @@ def run_admin(target: str, verb: str, *, as_json: bool) -> int:
                 text = (json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True), indent=2)
                         if as_json else status_text(status))
         except grpc.RpcError as exc:
-            print(f"sluice admin: cannot reach the control plane at {target}: {exc.code().name}", file=sys.stderr)
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                print(f"sluice admin: {exc.details()}", file=sys.stderr)
+            else:
+                print(f"sluice admin: cannot reach the control plane at {target}: {exc.code().name}", file=sys.stderr)
             return 1
     print(text)
     return 0

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("admin", help="talk to a running control plane's admin API")
     p.add_argument("--target", default="127.0.0.1:18000", help="control plane gRPC address")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("verb", choices=["status", "engines"])
+    p.add_argument("verb", choices=["status", "engines", "drain", "undrain"])
+    p.add_argument("name", nargs="?", help="engine name (drain, undrain)")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
     p.add_argument("scenario", choices=["observe", "cag4"])
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "admin":
         from sluice.admincli import run_admin
 
-        return run_admin(args.target, args.verb, as_json=args.json)
+        return run_admin(args.target, args.verb, as_json=args.json, name=args.name)
     parser.error("unknown command")
     return 2
 

@@ -15,12 +15,22 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controlplane.core.decide import decide, retry_after, shed
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Ticket, Verdict
 from controlplane.core.policy import Policy
+from controlplane.core.route import ServeCounter, SessionMap
+
+
+@dataclass(frozen=True, slots=True)
+class RateTables:
+    """Trusted medians the observation layer has learned (empty until enough samples)."""
+
+    solo_decode: dict[tuple[str, str], float] = field(default_factory=dict)
+    prefill_median: dict[tuple[str, str], float] = field(default_factory=dict)
+    decode_by_batch: dict[tuple[str, int], float] = field(default_factory=dict)
 
 PARK_CLASSES = ("critical", "standard")
 
@@ -43,17 +53,24 @@ class Outcome:
 
 
 class AdmissionCore:
-    def __init__(self, policy: Policy, ledger: Ledger, admit_stale: bool = True) -> None:
+    def __init__(self, policy: Policy, ledger: Ledger, admit_stale: bool = True,
+                 draw: Callable[[], float] = lambda: 0.5) -> None:
         self.policy = policy
         self.ledger = ledger
         self.admit_stale = admit_stale
+        self.draw = draw
+        """Uniform draws in [0, 1) for the satisficing band (the shell passes a real RNG; tests a seeded one)."""
+        self.serves = ServeCounter(policy.serve_half_life_s)
+        self.sessions = SessionMap()
         self._lot: dict[str, dict[str, deque[Parked]]] = {}
         self._where: dict[str, tuple[str, str]] = {}
 
     # -- views -------------------------------------------------------------------------------------------------------
-    def fleet(self, engines: Iterable[EngineView], solo_decode: dict[tuple[str, str], float] | None = None) -> Fleet:
+    def fleet(self, engines: Iterable[EngineView], now: float, rates: RateTables | None = None) -> Fleet:
         engines = tuple(engines)
-        return Fleet(engines, {e.name: self.ledger.view(e.name) for e in engines}, self.admit_stale, solo_decode or {})
+        rates = rates or RateTables()
+        return Fleet(engines, {e.name: self.ledger.view(e.name) for e in engines}, self.admit_stale, rates.solo_decode,
+                     rates.prefill_median, rates.decode_by_batch, self.serves.snapshot(now))
 
     def depth(self, model: str | None = None) -> int:
         if model is None:
@@ -73,7 +90,7 @@ class AdmissionCore:
         """A new request. ``Outcome.decision.verdict`` PARK means it is now in the lot under ``request_id``."""
         model = request.model
         ahead = self.queued_ahead(model, request.priority) if model else 0
-        decision = decide(request, fleet, self.policy, now, ahead)
+        decision = decide(request, fleet, self.policy, now, ahead, self.sessions.get(request.session), self.draw())
         if decision.verdict is Verdict.ADMIT:
             return self._admit(request_id, request, decision, now, parked_for=0.0)
         if decision.verdict is not Verdict.PARK:
@@ -116,7 +133,8 @@ class AdmissionCore:
                 blocked = False
                 while queue:
                     head = queue[0]
-                    decision = decide(head.request, fleet_of(), self.policy, now, 0)
+                    decision = decide(head.request, fleet_of(), self.policy, now, 0,
+                                      self.sessions.get(head.request.session), self.draw())
                     if decision.verdict is Verdict.PARK:
                         blocked = True
                         break
@@ -147,5 +165,8 @@ class AdmissionCore:
                parked_for: float) -> Outcome:
         assert decision.engine is not None and request.model is not None
         ticket = self.ledger.admit(request_id, decision.engine, request.model, now,
-                                   reserved_tokens=decision.reserved_tokens, expected_done_at=decision.expected_done_at)
+                                   reserved_tokens=decision.reserved_tokens, expected_done_at=decision.expected_done_at,
+                                   expected_ttft_s=decision.expected_ttft_s)
+        self.serves.add(decision.engine, now)
+        self.sessions.set(request.session, decision.engine)
         return Outcome(request_id, decision, ticket, parked_for)

@@ -20,10 +20,10 @@ one exists). A candidate **fits** when none of these holds (each is a named ``Re
                   has a byte budget, else in tokens
     quality_cap : open tickets of this model on the engine >= floor(solo decode rate x quality_overcommit / decode floor)
 
-A gauge an engine does not report (``None``) skips the rule that needs it. Among fitting candidates the least ``load`` wins
-(ties: more headroom against the cap, then the name). Nothing fits: ``sheddable`` requests are shed (503 ``saturated``),
-others park (the reason is the first blocking rule). A request with parked requests ahead of it in its class or a higher
-one parks behind them (FIFO).
+A gauge an engine does not report (``None``) skips the rule that needs it. Which fitting engine (or busy but faster one) gets
+the request is route.py's job: finish-soonest, TTFT deadlines, the satisficing band and session affinity. Nothing fits and
+nothing is worth waiting for: ``sheddable`` requests are shed (503 ``saturated``), others park (the reason is the first
+blocking rule). A request with parked requests ahead of it in its class or a higher one parks behind them (FIFO).
 
 Retry-After (shed) is when the ledger expects the ``(queued_ahead + 1)``-th slot among the candidates to free: open tickets'
 expected finish times (``expected_done_at = admitted_at + prompt / prefill rate + max_tokens / decode rate``) sorted, that
@@ -39,10 +39,14 @@ from typing import Any
 
 from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Verdict
 from controlplane.core.policy import PRIORITIES, Policy, meets_floor
+from controlplane.core.route import Estimate, estimate, weighted_pick
 
 #: Paths whose body names a model and is routed to an engine.
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 PRIORITY_HEADER = "x-sluice-priority"
+TTFT_HEADER = "x-sluice-max-ttft-ms"
+SESSION_HEADER = "x-sluice-session"
+MAX_SESSION_KEY = 256
 
 
 class RequestError(Exception):
@@ -103,6 +107,17 @@ def parse_request(
     if priority not in PRIORITIES:
         raise RequestError(400, Reason.INVALID_FIELD, f"{PRIORITY_HEADER} must be one of {', '.join(PRIORITIES)}",
                            "invalid_priority")
+    deadline = headers.get(TTFT_HEADER)
+    max_ttft_ms: int | None = None
+    if deadline is not None:
+        if not deadline.strip().isdigit() or int(deadline) < 1:
+            raise RequestError(400, Reason.INVALID_FIELD, f"{TTFT_HEADER} must be a positive integer (milliseconds)",
+                               "invalid_max_ttft_ms")
+        max_ttft_ms = int(deadline)
+    session = headers.get(SESSION_HEADER) or None
+    if session is not None and len(session) > MAX_SESSION_KEY:
+        raise RequestError(400, Reason.INVALID_FIELD, f"{SESSION_HEADER} is longer than {MAX_SESSION_KEY} characters",
+                           "invalid_session")
     try:
         body: Any = json.loads(raw_body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -118,7 +133,8 @@ def parse_request(
     text = body.get("messages") if route == "/v1/chat/completions" else body.get("prompt", body.get("input", ""))
     prompt_tokens = math.ceil(_text_length(text) / policy.chars_per_token)
     return InferenceRequest(method, route, model=model, stream=bool(body.get("stream")), prompt_tokens=prompt_tokens,
-                            max_tokens=max_tokens, priority=priority)
+                            max_tokens=max_tokens, priority=priority,
+                            max_ttft_ms=max_ttft_ms or policy.model(model).max_ttft_ms, session=session)
 
 
 # -- the rules ------------------------------------------------------------------------------------------------------------
@@ -235,14 +251,18 @@ def model_list(fleet: Fleet) -> bytes:
 
 # -- the decision ---------------------------------------------------------------------------------------------------------
 def decide(
-    request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0
+    request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0,
+    affinity: str | None = None, pick: float = 0.5,
 ) -> Decision:
-    """Choose what happens to ``request`` (see the module docstring). ``queued_ahead``: parked requests of this model in
-    this request's priority class or a higher one."""
+    """Choose what happens to ``request`` (see the module docstring and route.py). ``queued_ahead``: parked requests of
+    this model in this request's priority class or a higher one; ``affinity``: the engine the request's session used last;
+    ``pick``: a uniform draw in [0, 1) for the satisficing band's weighted choice."""
     model = request.model
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, status=200, body=model_list(fleet))
-    serving = [e for e in fleet.engines if e.serves(model)]
+    serving = [e for e in fleet.engines if e.serves(model) and not e.drained]
+    if not serving and any(e.serves(model) for e in fleet.engines):
+        return shed(Reason.NO_READY_ENGINE, f"every engine serving {model} is drained", policy.retry_after_max_s)
     if not serving:
         return refuse(RequestError(404, Reason.UNKNOWN_MODEL, f"The model `{model}` does not exist.", "model_not_found"))
     floor = policy.floor_for(model)
@@ -252,7 +272,7 @@ def decide(
         return shed(Reason.VERSION_FLOOR, f"{model} needs engine version >= {floor}; engines serving it: {versions}",
                     policy.retry_after_max_s)
     fresh = [e for e in eligible if not e.stale]
-    admitted_reason = Reason.LEAST_LOADED
+    admitted_reason = Reason.FINISH_SOONEST
     if not fresh and fleet.admit_stale:
         # Fail-open (seed 004): an engine whose metrics went quiet may well be serving; admitting beats refusing.
         fresh, admitted_reason = eligible, Reason.STALE_FAIL_OPEN
@@ -273,21 +293,59 @@ def decide(
         return _wait(request, candidates, fleet, policy, now, queued_ahead, Reason.QUEUED_BEHIND,
                      f"{queued_ahead} parked ahead")
     blocked = {e.name: misfits(e, request, fleet, policy) for e in candidates}
-    fitting = [e for e in candidates if not blocked[e.name]]
-    if not fitting:
+    # Engines that fit now, and engines only short of a slot (worth waiting for if they finish sooner).
+    estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now)
+                 for e in candidates if not blocked[e.name] or blocked[e.name] == (Reason.CAP,)]
+    deadline_s = request.max_ttft_ms / 1000 if request.max_ttft_ms else None
+    if deadline_s is not None and estimates:
+        meeting = [x for x in estimates if x.ttft_s <= deadline_s]
+        if not meeting:
+            best = min(x.ttft_s for x in estimates)
+            return shed(Reason.TTFT_UNMEETABLE,
+                        f"no engine can start {model} within {request.max_ttft_ms} ms (best estimate "
+                        f"{best * 1000:.0f} ms)", retry_after(candidates, fleet, policy, now))
+        estimates = meeting
+        floor = policy.model(model).decode_floor_tokens_per_s or 0.0
+        band = [x for x in estimates if x.can_start and x.ttft_s <= deadline_s - policy.band_margin_ms / 1000
+                and x.decode_rate >= floor]
+        if band:
+            sticky = next((x for x in band if x.engine.name == affinity), None)
+            if sticky is not None:
+                return _admit(request, sticky, Reason.SESSION_AFFINITY, policy, now, fleet)
+            chosen = weighted_pick(band, fleet.recent_serves, pick)
+            return _admit(request, chosen, Reason.SATISFICING_BAND, policy, now, fleet)
+    free = [x for x in estimates if x.can_start]
+    if not free:
         first = next(iter(blocked.values()))[0]
         detail = "; ".join(f"{name}: {', '.join(r.value for r in reasons)}" for name, reasons in blocked.items())
         return _wait(request, candidates, fleet, policy, now, 0, first, detail)
 
-    def key(e: EngineView) -> tuple[float, float, str]:
-        load = effective_load(e, fleet)
-        return (load, load / e.cap if e.cap else load, e.name)
+    def soonest(x: Estimate) -> tuple[float, float, float, str]:
+        # Equal estimates (no rates measured yet) fall back to the lighter load, then more headroom, then the name.
+        load = effective_load(x.engine, fleet)
+        return (round(x.finish_s, 6), load, load / x.engine.cap if x.engine.cap else load, x.engine.name)
 
-    chosen = min(fitting, key=key)
+    best = min(estimates, key=soonest)
+    acceptable = [x for x in free if x.finish_s <= best.finish_s * (1 + policy.wait_for_faster_margin)]
+    sticky = next((x for x in acceptable if x.engine.name == affinity), None)
+    if sticky is not None:
+        return _admit(request, sticky, Reason.SESSION_AFFINITY, policy, now, fleet)
+    if request.priority == "sheddable" and not acceptable:
+        acceptable = free  # a sheddable request takes any free slot rather than being shed for want of a faster one
+    if best.can_start or acceptable:
+        chosen = best if best.can_start else min(acceptable, key=soonest)
+        return _admit(request, chosen, admitted_reason, policy, now, fleet)
+    return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
+                 f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait")
+
+
+def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: Policy, now: float,
+           fleet: Fleet) -> Decision:
     return Decision(
-        Verdict.ADMIT, admitted_reason, engine=chosen.name, reserved_tokens=need,
-        expected_done_at=now + expected_seconds(chosen, request, policy),
-        detail=f"load {effective_load(chosen, fleet):g} of {len(fitting)} fitting",
+        Verdict.ADMIT, reason, engine=chosen.engine.name, reserved_tokens=need_tokens(request, policy),
+        expected_done_at=now + chosen.finish_s, expected_ttft_s=chosen.ttft_s,
+        detail=f"expected TTFT {chosen.ttft_s:.2f} s, finish {chosen.finish_s:.2f} s, load "
+               f"{effective_load(chosen.engine, fleet):g}",
     )
 
 

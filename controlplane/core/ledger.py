@@ -41,12 +41,14 @@ class Ledger:
         self.expired_total = 0
 
     def admit(
-        self, ticket_id: str, engine: str, model: str, now: float, reserved_tokens: int = 0, expected_done_at: float = 0.0
+        self, ticket_id: str, engine: str, model: str, now: float, reserved_tokens: int = 0, expected_done_at: float = 0.0,
+        expected_ttft_s: float = 0.0,
     ) -> Ticket:
         if ticket_id in self._open:
             raise ValueError(f"ticket {ticket_id} already open")
         ticket = Ticket(ticket_id, engine, model, admitted_at=now, lease_deadline=now + self.lease_seconds,
-                        reserved_tokens=reserved_tokens, expected_done_at=expected_done_at or now)
+                        reserved_tokens=reserved_tokens, expected_done_at=expected_done_at or now,
+                        expected_ttft_s=expected_ttft_s)
         self._open[ticket_id] = ticket
         self._by_engine[engine].add(ticket_id)
         self.admitted_total += 1

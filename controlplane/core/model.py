@@ -57,6 +57,8 @@ class EngineRates:
     decode_tokens_per_s_each: float | None = None
     solo: bool = False
     """The decode rate was measured with exactly one request running (and none queued) for the whole interval."""
+    batch: int | None = None
+    """Requests running at both ends of the interval when that count did not change (the decode rate's batch size)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,12 @@ class EngineView:
     rates: EngineRates | None = None
     degraded: tuple[str, ...] = ()
     """Load gauges its flavour needs that the engine does not expose (empty = healthy observation)."""
+    drained: bool = False
+    """An operator drained it: no new admissions, no fallback weight; running requests finish."""
+    anchor_prefill_tokens_per_s: float | None = None
+    """Configured prefill rate until one is measured."""
+    anchor_decode_tokens_per_s: float | None = None
+    """Configured per-request decode rate until one is measured."""
 
     def serves(self, model: str) -> bool:
         return any(m.model_id == model for m in self.models)
@@ -113,6 +121,7 @@ class Ticket:
     """KV the request may grow to: estimated prompt tokens + max_tokens."""
     expected_done_at: float = 0.0
     """When the ledger expects the request to finish (for Retry-After)."""
+    expected_ttft_s: float = 0.0
 
 
 class Verdict(enum.Enum):
@@ -130,7 +139,9 @@ class Reason(enum.Enum):
     """Low-cardinality outcome codes (metrics labels, ``x-sluice-route-reason``, error ``code``); detail goes elsewhere."""
 
     # admitted
-    LEAST_LOADED = "least_loaded"
+    FINISH_SOONEST = "finish_soonest"
+    SATISFICING_BAND = "satisficing_band"
+    SESSION_AFFINITY = "session_affinity"
     STALE_FAIL_OPEN = "stale_fail_open"
     MODEL_LIST = "model_list"
     # refused: the request itself
@@ -147,12 +158,14 @@ class Reason(enum.Enum):
     BOX_POOL = "box_pool"
     QUALITY_CAP = "quality_cap"
     QUEUED_BEHIND = "queued_behind"
+    WAITING_FOR_FASTER = "waiting_for_faster"
     # shed
     NO_READY_ENGINE = "no_ready_engine"
     VERSION_FLOOR = "version_floor"
     SATURATED = "saturated"
     QUEUE_FULL = "queue_full"
     PARK_TIMEOUT = "park_timeout"
+    TTFT_UNMEETABLE = "ttft_unmeetable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +180,10 @@ class InferenceRequest:
     """As the client asked; None = the policy default is reserved."""
     priority: str = "standard"
     """critical | standard | sheddable (``x-sluice-priority``)."""
+    max_ttft_ms: int | None = None
+    """TTFT deadline (``x-sluice-max-ttft-ms``, else the model's default); None = no deadline."""
+    session: str | None = None
+    """Affinity key (``x-sluice-session``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +199,8 @@ class Decision:
     reserved_tokens: int = 0
     """KV reserved for an admitted request (prompt estimate + max_tokens)."""
     expected_done_at: float = 0.0
+    expected_ttft_s: float = 0.0
+    """The TTFT the decision expected (compared with the access log's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +232,12 @@ class Fleet:
     """Policy ``observe.on_stale``: open (True) still admits to a stale engine when no fresh one serves the model."""
     solo_decode: dict[tuple[str, str], float] = field(default_factory=dict)
     """Trusted solo decode medians per (model, chip class)."""
+    prefill_median: dict[tuple[str, str], float] = field(default_factory=dict)
+    """Trusted prefill medians per (model, chip class)."""
+    decode_by_batch: dict[tuple[str, int], float] = field(default_factory=dict)
+    """Trusted per-request decode medians per (engine, running requests)."""
+    recent_serves: dict[str, float] = field(default_factory=dict)
+    """Admissions per engine, decayed (satisficing band weights)."""
 
     def of(self, engine: str) -> EngineLedger:
         return self.ledger.get(engine, EngineLedger())

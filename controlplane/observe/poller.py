@@ -62,6 +62,8 @@ class EnginePoller:
             models=tuple(ServedModel(m) for m in engine.models),
             flavor=engine.flavor if self._configured_flavor else None,
             chip_class=engine.chip_class,
+            anchor_prefill_tokens_per_s=engine.prefill_tokens_per_s,
+            anchor_decode_tokens_per_s=engine.decode_tokens_per_s,
         )
         self._next_discovery = 0.0
         self._self_checked = False
@@ -71,6 +73,9 @@ class EnginePoller:
     @property
     def flavor(self) -> Flavor | None:
         return self._configured_flavor or (Flavor(self._view.flavor) if self._view.flavor else None)
+
+    def set_drained(self, drained: bool) -> None:
+        self._view = replace(self._view, drained=drained)
 
     def view(self, now: float) -> EngineView:
         """The engine as of ``now``: staleness is judged here, against the clock the caller passes."""

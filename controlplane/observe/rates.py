@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+from controlplane.core.admission import RateTables
 from controlplane.core.model import EngineRates, EngineSample
 
 
@@ -40,6 +41,7 @@ def rates_between(a: EngineSample, b: EngineSample) -> EngineRates | None:
     decode = _ratio(_delta(a.decode_tokens_total, b.decode_tokens_total),
                     _delta(a.decode_seconds_total, b.decode_seconds_total))
     solo = decode is not None and a.running == 1 and b.running == 1 and not a.waiting and not b.waiting
+    batch = int(b.running) if decode is not None and a.running == b.running and b.running else None
     return EngineRates(
         interval_s=dt,
         prompt_tokens_per_s=_ratio(_delta(a.prompt_tokens_total, b.prompt_tokens_total), dt),
@@ -48,6 +50,7 @@ def rates_between(a: EngineSample, b: EngineSample) -> EngineRates | None:
                                     _delta(a.prefill_seconds_total, b.prefill_seconds_total)),
         decode_tokens_per_s_each=decode,
         solo=solo,
+        batch=batch,
     )
 
 
@@ -75,25 +78,36 @@ class MedianRing:
 
 
 class RateBook:
-    """Prefill and solo-decode medians per (model, chip class), fed by every engine's probes."""
+    """Medians fed by every engine's probes: prefill and solo decode per (model, chip class), and each engine's per-request
+    decode rate per batch size (decode speed as a function of running requests)."""
 
     def __init__(self, capacity: int = 64, min_samples: int = 5) -> None:
         self.capacity = capacity
         self.min_samples = min_samples
         self._prefill: dict[tuple[str, str], MedianRing] = {}
         self._solo_decode: dict[tuple[str, str], MedianRing] = {}
+        self._decode_by_batch: dict[tuple[str, int], MedianRing] = {}
 
-    def _ring(self, table: dict[tuple[str, str], MedianRing], key: tuple[str, str]) -> MedianRing:
+    def _ring(self, table: dict, key: tuple) -> MedianRing:  # type: ignore[type-arg]
         if key not in table:
             table[key] = MedianRing(self.capacity, self.min_samples)
-        return table[key]
+        return table[key]  # type: ignore[no-any-return]
 
-    def record(self, model: str, chip_class: str, rates: EngineRates) -> None:
+    def record(self, model: str, chip_class: str, rates: EngineRates, engine: str = "") -> None:
         key = (model, chip_class)
         if rates.prefill_tokens_per_s is not None:
             self._ring(self._prefill, key).add(rates.prefill_tokens_per_s)
         if rates.solo and rates.decode_tokens_per_s_each is not None:
             self._ring(self._solo_decode, key).add(rates.decode_tokens_per_s_each)
+        if engine and rates.batch and rates.decode_tokens_per_s_each is not None:
+            self._ring(self._decode_by_batch, (engine, rates.batch)).add(rates.decode_tokens_per_s_each)
+
+    def tables(self) -> RateTables:
+        """Every trusted median, for the decision core."""
+        def trusted(table: dict) -> dict:  # type: ignore[type-arg]
+            return {k: ring.median for k, ring in table.items() if ring.median is not None}
+
+        return RateTables(trusted(self._solo_decode), trusted(self._prefill), trusted(self._decode_by_batch))
 
     def prefill_median(self, model: str, chip_class: str) -> float | None:
         ring = self._prefill.get((model, chip_class))

@@ -20,9 +20,11 @@ from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
+from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from envoy.type.matcher.v3 import string_pb2
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
@@ -33,6 +35,11 @@ LISTENER_NAME = "sluice_openai"
 ROUTE_CONFIG_NAME = "sluice_routes"
 CONTROLPLANE_CLUSTER = "sluice_controlplane"
 ENGINE_HEADER = "x-sluice-engine"
+MODEL_HEADER = "x-sluice-model"
+"""Set by Envoy itself (from the body's ``model``) so the fallback routes can match on it; clients' copies are stripped."""
+METADATA_NAMESPACE = "sluice"
+FAILURE_STATUS = 502
+"""ext_authz's status when the control plane cannot answer; only a local-reply mapper sees it (rewritten to 503)."""
 ACCESS_LOG_NAME = "sluice"
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 
@@ -93,43 +100,83 @@ end
 """
 
 
-def _json_error_mapper(
-    *, status: int | None, flags: tuple[str, ...] = (), message: str, err_type: str, code: str
-) -> hcm_pb2.ResponseMapper:
-    """A local-reply mapper that turns one kind of Envoy-generated error into the OpenAI error shape."""
-    if status is not None:
-        log_filter = accesslog_pb2.AccessLogFilter(
-            status_code_filter=accesslog_pb2.StatusCodeFilter(
-                comparison=accesslog_pb2.ComparisonFilter(
-                    op=accesslog_pb2.ComparisonFilter.EQ,
-                    value=base_pb2.RuntimeUInt32(default_value=status, runtime_key=f"sluice.local_reply.{status}"),
-                )
+_MODEL_HEADER_LUA = f"""
+function envoy_on_request(handle)
+  local found = handle:streamInfo():dynamicMetadata():get("{METADATA_NAMESPACE}")
+  if found ~= nil and found["model"] ~= nil then
+    handle:headers():replace("{MODEL_HEADER}", found["model"])
+  end
+end
+"""
+
+
+def _status_filter(status: int) -> accesslog_pb2.AccessLogFilter:
+    return accesslog_pb2.AccessLogFilter(
+        status_code_filter=accesslog_pb2.StatusCodeFilter(
+            comparison=accesslog_pb2.ComparisonFilter(
+                op=accesslog_pb2.ComparisonFilter.EQ,
+                value=base_pb2.RuntimeUInt32(default_value=status, runtime_key=f"sluice.local_reply.{status}"),
             )
         )
-    else:
-        log_filter = accesslog_pb2.AccessLogFilter(response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=list(flags)))
+    )
+
+
+def _flags_filter(*flags: str) -> accesslog_pb2.AccessLogFilter:
+    return accesslog_pb2.AccessLogFilter(response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=list(flags)))
+
+
+def _json_error_mapper(
+    log_filter: accesslog_pb2.AccessLogFilter, *, message: str, err_type: str, code: str, status: int | None = None,
+    headers: tuple[tuple[str, str], ...] = (),
+) -> hcm_pb2.ResponseMapper:
+    """A local-reply mapper that turns one kind of Envoy-generated error into the OpenAI error shape."""
     body = json.dumps({"error": {"message": message, "type": err_type, "param": None, "code": code}})
-    return hcm_pb2.ResponseMapper(
+    mapper = hcm_pb2.ResponseMapper(
         filter=log_filter,
         body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
             text_format_source=base_pb2.DataSource(inline_string=body),
             content_type="application/json",
         ),
+        headers_to_add=[
+            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, value=v),
+                                       append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+            for k, v in headers
+        ],
     )
+    if status is not None:
+        mapper.status_code.value = status
+    return mapper
 
 
 def build_listener(config: Config) -> listener_pb2.Listener:
     ev = config.envoy
+    fail_open = ev.on_controlplane_failure == "open"
     strip = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=_strip_headers_lua(ev.client_headers_kept)))
+    # The body's model, lifted into metadata and then into a header the fallback routes match on: when the control plane
+    # cannot answer (fail-open), Envoy still sends each request to an engine serving its model, by the last weights.
+    lift_model = json_to_metadata_pb2.JsonToMetadata(
+        request_rules=json_to_metadata_pb2.JsonToMetadata.MatchRules(
+            rules=[json_to_metadata_pb2.JsonToMetadata.Rule(
+                selectors=[json_to_metadata_pb2.JsonToMetadata.Selector(key="model")],
+                on_present=json_to_metadata_pb2.JsonToMetadata.KeyValuePair(
+                    metadata_namespace=METADATA_NAMESPACE, key="model",
+                    type=json_to_metadata_pb2.JsonToMetadata.STRING,
+                ),
+            )],
+            allow_empty_content_type=True,
+        )
+    )
+    model_header = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=_MODEL_HEADER_LUA),
+                               clear_route_cache=wrappers_pb2.BoolValue(value=True))
     authz = ext_authz_pb2.ExtAuthz(
         grpc_service=_controlplane_grpc(config.authz_timeout_seconds),
         transport_api_version=config_source_pb2.V3,
-        failure_mode_allow=False,
+        failure_mode_allow=fail_open,
         with_request_body=ext_authz_pb2.BufferSettings(
             max_request_bytes=ev.max_request_bytes, allow_partial_message=False, pack_as_bytes=True
         ),
         clear_route_cache=True,
-        status_on_error=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
+        status_on_error=http_status_pb2.HttpStatus(code=FAILURE_STATUS),  # type: ignore[arg-type]
     )
     access_log = als_pb2.HttpGrpcAccessLogConfig(
         common_config=als_pb2.CommonGrpcAccessLogConfig(
@@ -147,6 +194,8 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=ROUTE_CONFIG_NAME),
         http_filters=[
             hcm_pb2.HttpFilter(name="sluice.strip_client_headers", typed_config=_any(strip)),
+            hcm_pb2.HttpFilter(name="envoy.filters.http.json_to_metadata", typed_config=_any(lift_model)),
+            hcm_pb2.HttpFilter(name="sluice.model_header", typed_config=_any(model_header)),
             hcm_pb2.HttpFilter(name="envoy.filters.http.ext_authz", typed_config=_any(authz)),
             hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router())),
         ],
@@ -156,14 +205,23 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         local_reply_config=hcm_pb2.LocalReplyConfig(
             mappers=[
                 _json_error_mapper(
-                    status=413,
+                    _status_filter(413),
                     message=f"Request body exceeds the gateway limit of {ev.max_request_bytes} bytes",
                     err_type="invalid_request_error",
                     code="request_too_large",
                 ),
+                # Fail-closed: ext_authz could not reach the control plane (only then is FAILURE_STATUS produced).
                 _json_error_mapper(
-                    status=None,
-                    flags=("NC", "UH", "UF", "URX", "UO", "NR"),
+                    accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(
+                        filters=[_status_filter(FAILURE_STATUS), _flags_filter("UAEX")])),
+                    message="The admission control plane is unreachable; retry later",
+                    err_type="server_error",
+                    code="controlplane_unavailable",
+                    status=503,
+                    headers=(("retry-after", str(ev.failure_retry_after_seconds)),),
+                ),
+                _json_error_mapper(
+                    _flags_filter("NC", "UH", "UF", "URX", "UO", "NR"),
                     message="No engine could take the request (upstream unavailable)",
                     err_type="server_error",
                     code="upstream_unavailable",
@@ -188,8 +246,9 @@ def build_listener(config: Config) -> listener_pb2.Listener:
     )
 
 
-def build_routes(config: Config) -> route_pb2.RouteConfiguration:
-    """Pinned requests go where ext_authz put them; anything unpinned gets a JSON 503 (fallback weights come later)."""
+def build_routes(config: Config, weights: dict[str, dict[str, int]] | None = None) -> route_pb2.RouteConfiguration:
+    """Pinned requests go where ext_authz put them. Unpinned ones (the control plane unreachable, fail-open) go by their
+    model's capacity weights; anything else gets a JSON 503."""
     del config
     pinned = route_components_pb2.Route(
         name="pinned",
@@ -216,9 +275,29 @@ def build_routes(config: Config) -> route_pb2.RouteConfiguration:
             )
         ],
     )
+    fallback = [
+        route_components_pb2.Route(
+            name=f"fallback:{model}",
+            match=route_components_pb2.RouteMatch(
+                prefix="/",
+                headers=[route_components_pb2.HeaderMatcher(
+                    name=MODEL_HEADER, string_match=string_pb2.StringMatcher(exact=model))],
+            ),
+            route=route_components_pb2.RouteAction(
+                weighted_clusters=route_components_pb2.WeightedCluster(clusters=[
+                    route_components_pb2.WeightedCluster.ClusterWeight(
+                        name=engine, weight=wrappers_pb2.UInt32Value(value=weight))
+                    for engine, weight in engine_weights.items()
+                ]),
+                timeout=_seconds(0),
+            ),
+        )
+        for model, engine_weights in sorted((weights or {}).items()) if engine_weights
+    ]
     return route_pb2.RouteConfiguration(
         name=ROUTE_CONFIG_NAME,
-        virtual_hosts=[route_components_pb2.VirtualHost(name="openai", domains=["*"], routes=[pinned, unpinned])],
+        virtual_hosts=[route_components_pb2.VirtualHost(name="openai", domains=["*"],
+                                                         routes=[pinned, *fallback, unpinned])],
     )
 
 

@@ -52,7 +52,7 @@ class World:
         self.seq = 0
 
     def fleet(self):  # type: ignore[no-untyped-def]
-        return self.core.fleet(self.views.values())
+        return self.core.fleet(self.views.values(), self.now)
 
     def settle(self, outcomes: list[Outcome]) -> None:
         for o in outcomes:

@@ -1,0 +1,140 @@
+"""Choosing among engines where a request can run: finish-soonest, TTFT deadlines, the satisficing band, session affinity.
+
+Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in decide.py)::
+
+    n            = min(cap, load + 1)                       batch size while r runs (cap when r must wait for a slot)
+    slot_wait    = 0 if load < cap, else the (load - cap + 1)-th soonest expected finish among e's tickets - now
+    prefill_rate = trusted (model, chip class) median, else e's last measured rate, else e's configured anchor,
+                   else the policy anchor
+    decode_rate  = e's trusted per-request decode median at batch n (or the nearest batch measured), else its configured
+                   anchor, else the policy default
+    ttft(e)      = slot_wait + r.prompt_tokens / prefill_rate
+    finish(e)    = ttft(e) + r.max_tokens / decode_rate
+
+Without a deadline the request goes where ``finish`` is soonest, which may mean parking for a busy fast engine rather than
+taking a free slot on a slow one (reason ``waiting_for_faster``). Work-conserving margin: a free slot whose ``finish`` is
+within ``wait_for_faster_margin`` (25%) of the best is taken rather than waited out, because a request that waits also
+delays the queue behind it.
+
+With a deadline (``x-sluice-max-ttft-ms`` or the model's default) only engines whose ``ttft`` meets it count; none -> shed
+``ttft_unmeetable``. The **satisficing band** (seed 002) is every engine that can start now with ``ttft`` at least
+``band_margin_ms`` inside the deadline and a decode rate at or above the model's floor; the pick inside the band is weighted
+by ``1 / (1 + recent serves)`` (serves decay with a 5-minute half-life), so load spreads over every engine that is good
+enough instead of piling onto the fastest. A session (``x-sluice-session``) keeps its engine while that engine is in the band
+(prefix-cache affinity); without a deadline, while the engine is within the work-conserving margin of the best.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from controlplane.core.model import EngineView, Fleet, InferenceRequest
+from controlplane.core.policy import Policy
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    engine: EngineView
+    can_start: bool
+    """A slot is free now (the engine fits); otherwise the request would wait for one."""
+    slot_wait_s: float
+    ttft_s: float
+    finish_s: float
+    decode_rate: float
+
+
+def _load(engine: EngineView, fleet: Fleet) -> float:
+    ledger = fleet.of(engine.name)
+    probe = engine.sample.queue if engine.sample is not None else None
+    return max(0.0, (probe or 0.0) + ledger.unseen_load, float(ledger.open_tickets))
+
+
+def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) -> float:
+    measured = {n: rate for (name, n), rate in fleet.decode_by_batch.items() if name == engine.name}
+    if measured:
+        nearest = min(measured, key=lambda n: (abs(n - batch), n))
+        return measured[nearest]
+    return engine.anchor_decode_tokens_per_s or policy.default_decode_tokens_per_s
+
+
+def prefill_rate(engine: EngineView, model: str, fleet: Fleet, policy: Policy) -> float:
+    trusted = fleet.prefill_median.get((model, engine.chip_class))
+    if trusted:
+        return trusted
+    if engine.rates is not None and engine.rates.prefill_tokens_per_s:
+        return engine.rates.prefill_tokens_per_s
+    return engine.anchor_prefill_tokens_per_s or policy.default_prefill_tokens_per_s
+
+
+def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: Fleet, policy: Policy,
+             now: float) -> Estimate:
+    assert request.model is not None
+    load = _load(engine, fleet)
+    cap = engine.cap
+    wait = 0.0
+    if not fits:
+        done = fleet.of(engine.name).expected_done
+        k = int(load - cap + 1) if cap is not None else 1
+        if done:
+            wait = max(0.0, done[min(max(k, 1), len(done)) - 1] - now)
+    batch = min(cap, int(load) + 1) if cap is not None else int(load) + 1
+    rate = decode_rate(engine, max(1, batch), fleet, policy)
+    ttft = wait + request.prompt_tokens / prefill_rate(engine, request.model, fleet, policy)
+    tokens = request.max_tokens or policy.default_max_tokens
+    return Estimate(engine, fits, wait, ttft, ttft + tokens / rate, rate)
+
+
+def weighted_pick(estimates: list[Estimate], serves: dict[str, float], pick: float) -> Estimate:
+    """Weighted choice with weight 1 / (1 + recent serves); ``pick`` in [0, 1) is the caller's random draw."""
+    weights = [1.0 / (1.0 + serves.get(e.engine.name, 0.0)) for e in estimates]
+    target = pick * sum(weights)
+    for estimate_, weight in zip(estimates, weights):
+        if target < weight:
+            return estimate_
+        target -= weight
+    return estimates[-1]
+
+
+class ServeCounter:
+    """Per-engine count of recent admissions, decaying exponentially (``half_life_s``); pure, time passed in."""
+
+    def __init__(self, half_life_s: float = 300.0) -> None:
+        self.half_life_s = half_life_s
+        self._values: dict[str, tuple[float, float]] = {}
+
+    def _decayed(self, engine: str, now: float) -> float:
+        value, at = self._values.get(engine, (0.0, now))
+        return value * math.pow(0.5, max(0.0, now - at) / self.half_life_s)
+
+    def add(self, engine: str, now: float) -> None:
+        self._values[engine] = (self._decayed(engine, now) + 1.0, now)
+
+    def snapshot(self, now: float) -> dict[str, float]:
+        return {engine: self._decayed(engine, now) for engine in self._values}
+
+
+class SessionMap:
+    """Session key -> the engine that served it last; least recently used keys are forgotten past ``capacity``."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._map: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, session: str | None) -> str | None:
+        if not session or session not in self._map:
+            return None
+        self._map.move_to_end(session)
+        return self._map[session]
+
+    def set(self, session: str | None, engine: str) -> None:
+        if not session:
+            return
+        self._map[session] = engine
+        self._map.move_to_end(session)
+        while len(self._map) > self.capacity:
+            self._map.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._map)

@@ -1,0 +1,60 @@
+"""Fallback weights for Envoy's per-model ``weighted_clusters`` route, used only when no Check pinned the request (the
+control plane unreachable under ``on_controlplane_failure: open``). Pure.
+
+For each model, every engine that serves it, is not drained, meets the model's version floor and is admissible (fresh, or
+stale under ``on_stale: open``) gets::
+
+    free_throughput(e) = max(0, cap - load) x decode_rate(e, at batch cap)     (tokens/s it could still add)
+
+and the weights are those numbers scaled to integers summing to about 1000. When every engine is saturated (all zero), the
+weights fall back to each engine's full throughput (cap x decode rate) so the route always has somewhere to go. An engine
+below the floor or drained gets no weight at all. Weights are pushed only when one moves by more than the threshold.
+"""
+
+from __future__ import annotations
+
+from controlplane.core.decide import effective_load
+from controlplane.core.model import EngineView, Fleet
+from controlplane.core.policy import Policy, meets_floor
+from controlplane.core.route import decode_rate
+
+Weights = dict[str, dict[str, int]]
+SCALE = 1000
+
+
+def _eligible(engine: EngineView, model: str, fleet: Fleet, policy: Policy) -> bool:
+    return (engine.serves(model) and not engine.drained and meets_floor(engine.version, policy.floor_for(model))
+            and (not engine.stale or fleet.admit_stale))
+
+
+def compute_weights(fleet: Fleet, policy: Policy) -> Weights:
+    models = sorted({m.model_id for e in fleet.engines for m in e.models})
+    out: Weights = {}
+    for model in models:
+        engines = [e for e in fleet.engines if _eligible(e, model, fleet, policy)]
+        if not engines:
+            continue
+        full = {e.name: (e.cap or 1) * decode_rate(e, e.cap or 1, fleet, policy) for e in engines}
+        free = {e.name: max(0.0, (e.cap or 1) - effective_load(e, fleet)) * decode_rate(e, e.cap or 1, fleet, policy)
+                for e in engines}
+        raw = free if sum(free.values()) > 0 else full
+        total = sum(raw.values())
+        if total <= 0:
+            raw, total = {name: 1.0 for name in raw}, float(len(raw))
+        weights = {name: max(1, round(SCALE * value / total)) for name, value in raw.items() if value > 0}
+        out[model] = dict(sorted(weights.items()))
+    return out
+
+
+def moved(published: Weights, fresh: Weights, threshold: float) -> bool:
+    """True when the set of models or engines changed, or any weight moved by more than ``threshold`` (relative)."""
+    if published.keys() != fresh.keys():
+        return True
+    for model, weights in fresh.items():
+        old = published[model]
+        if old.keys() != weights.keys():
+            return True
+        for engine, weight in weights.items():
+            if abs(weight - old[engine]) > threshold * max(old[engine], 1):
+                return True
+    return False
