@@ -172,7 +172,7 @@ DEFAULTS: dict[str, Any] = {
         "quality_overcommit": 2.0,
         "default_decode_tokens_per_s": 20.0,
         "default_prefill_tokens_per_s": 1000.0,
-        "wait_for_faster_margin": 0.25,
+        "wait_for_faster_margin": 0.0,
         "band_margin_ms": 1000.0,
         "serve_half_life_seconds": 300.0,
     },

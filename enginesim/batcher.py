@@ -53,8 +53,11 @@ class SimRequest:
 
 
 class Batcher:
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, metrics_time_scale: float = 1.0) -> None:
         self.profile = profile
+        self.metrics_time_scale = metrics_time_scale
+        """Published durations = emulated durations x this (1 / speed: a sped-up simulator reports wall-clock time,
+        exactly what a real engine that fast would report)."""
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.free_blocks = profile.num_gpu_blocks
@@ -126,7 +129,7 @@ class Batcher:
                 continue
             budget -= chunk
             request.prefill_left -= chunk
-            self.prefill_seconds_total += chunk / self.profile.prefill_tokens_per_s
+            self.prefill_seconds_total += chunk / self.profile.prefill_tokens_per_s * self.metrics_time_scale
             if request.prefill_left == 0 and not request.prompt_counted:
                 request.prompt_counted = True  # a recompute after preemption is not new prompt work for the counter
                 self.prompt_tokens_total += request.prompt_tokens
@@ -138,8 +141,8 @@ class Batcher:
             request.generated += 1
             request.emitted.append(request.generated - 1)
             self.generation_tokens_total += 1
-            self.decode_seconds_total += duration
-            self.inter_token.observe(duration)
+            self.decode_seconds_total += duration * self.metrics_time_scale
+            self.inter_token.observe(duration * self.metrics_time_scale)
             if request.first_token_at is None:
                 request.first_token_at = now
             if request.done:

@@ -9,7 +9,8 @@ Request extensions (ignored by real engines, honoured here):
 Without it the prompt is counted as ``ceil(characters / 4)``, a common rule of thumb for English text.
 
 ``speed`` is emulated seconds per wall second: ``--speed 20`` runs the engine twenty times faster than the profile's rates.
-Every time the simulator reports (metrics, log) is emulated time.
+``/metrics`` publishes wall-clock durations (what a real engine that fast would report), so the control plane learns rates
+it can compare with real deadlines; ``/sim/log`` and ``/sim/stats`` are in emulated time, for benchmarks.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class EngineSimulator:
         self.name = name
         self.speed = speed
         self.flavor = flavor
-        self.batcher = Batcher(profile)
+        self.batcher = Batcher(profile, metrics_time_scale=1.0 / speed)
         self.stats = RequestStats()
         self.collector = SimCollector(flavor, profile.model, self.batcher, self.stats)
         self.metrics_fault = "ok"
@@ -303,14 +304,15 @@ class EngineSimulator:
         if r.finished_at is None:
             return
         st = self.stats
+        wall = 1.0 / self.speed
         st.success += 1
         st.prompt_tokens.observe(r.prompt_tokens)
         st.generation_tokens.observe(r.generated)
         if r.first_token_at is not None:
-            st.ttft.observe(r.first_token_at - r.arrived_at)
-        st.e2e.observe(r.finished_at - r.arrived_at)
+            st.ttft.observe((r.first_token_at - r.arrived_at) * wall)
+        st.e2e.observe((r.finished_at - r.arrived_at) * wall)
         if r.prefill_started_at is not None and r.first_token_at is not None:
-            st.prefill_time.observe(r.first_token_at - r.prefill_started_at)
+            st.prefill_time.observe((r.first_token_at - r.prefill_started_at) * wall)
 
     def _usage(self, r: SimRequest) -> dict[str, int]:
         return {

@@ -171,11 +171,11 @@ def stack_config(engines: list[dict[str, Any]], **sections: Any) -> Config:
 
 
 def start_stack(
-    engines: list[tuple[str, str] | dict[str, Any]], work_dir: Path, speed: float = 20.0, *, envoy: bool = True,
+    engines: list[tuple[str, str] | dict[str, Any]], work_dir: Path, speed: float = 20.0, *, with_envoy: bool = True,
     **sections: Any,
 ) -> Stack:
     """``engines``: (name, profile) pairs or engine config dicts with a ``sim`` profile, each started as a simulator on a free
-    port (dict keys ``sim_flavor`` and ``model`` reach the simulator too). ``envoy=False`` starts no Envoy (service tests)."""
+    port (dict keys ``sim_flavor`` and ``model`` reach the simulator too). ``with_envoy=False``: no Envoy (service tests)."""
     entries = [e if isinstance(e, dict) else {"name": e[0], "sim": e[1]} for e in engines]
     for entry in entries:
         entry.setdefault("url", f"http://127.0.0.1:{free_port()}")
@@ -187,7 +187,7 @@ def start_stack(
             extra = ["--flavor", engine.sim_flavor] + (["--model", entry["model"]] if "model" in entry else [])
             stack.sims[engine.name] = start_sim(entry["sim"], engine.port, engine.name, engine.sim_speed, work_dir, *extra)
         stack.controlplane = ThreadedControlPlane(config)
-        if envoy:
+        if with_envoy:
             stack.start_envoy()
             stack.wait_serving()
     except BaseException:

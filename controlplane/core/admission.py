@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from controlplane.core.decide import decide, retry_after, shed
 from controlplane.core.ledger import Ledger
@@ -133,8 +133,13 @@ class AdmissionCore:
                 blocked = False
                 while queue:
                     head = queue[0]
-                    decision = decide(head.request, fleet_of(), self.policy, now, 0,
-                                      self.sessions.get(head.request.session), self.draw())
+                    request = head.request
+                    if request.max_ttft_ms:
+                        # The deadline counts from arrival: what is left of it is what a wake can still promise.
+                        left = request.max_ttft_ms - round((now - head.parked_at) * 1000)
+                        request = replace(request, max_ttft_ms=max(1, left))
+                    decision = decide(request, fleet_of(), self.policy, now, 0,
+                                      self.sessions.get(request.session), self.draw())
                     if decision.verdict is Verdict.PARK:
                         blocked = True
                         break

@@ -294,7 +294,8 @@ def decide(
                      f"{queued_ahead} parked ahead")
     blocked = {e.name: misfits(e, request, fleet, policy) for e in candidates}
     # Engines that fit now, and engines only short of a slot (worth waiting for if they finish sooner).
-    estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now)
+    pressure = any(blocked.values())
+    estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure)
                  for e in candidates if not blocked[e.name] or blocked[e.name] == (Reason.CAP,)]
     deadline_s = request.max_ttft_ms / 1000 if request.max_ttft_ms else None
     if deadline_s is not None and estimates:
@@ -316,8 +317,11 @@ def decide(
             return _admit(request, chosen, Reason.SATISFICING_BAND, policy, now, fleet)
     free = [x for x in estimates if x.can_start]
     if not free:
-        first = next(iter(blocked.values()))[0]
-        detail = "; ".join(f"{name}: {', '.join(r.value for r in reasons)}" for name, reasons in blocked.items())
+        # Nothing can start now (or what could start misses the deadline while a busy engine would meet it).
+        reasons = [r for name, rs in blocked.items() for r in rs]
+        first = reasons[0] if reasons and not any(not rs for rs in blocked.values()) else Reason.WAITING_FOR_FASTER
+        detail = "; ".join(f"{name}: {', '.join(r.value for r in rs) or 'misses the deadline'}"
+                           for name, rs in blocked.items())
         return _wait(request, candidates, fleet, policy, now, 0, first, detail)
 
     def soonest(x: Estimate) -> tuple[float, float, float, str]:

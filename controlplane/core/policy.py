@@ -50,7 +50,7 @@ class Policy:
     """A request's decode rate when an engine has measured none (used to predict when tickets finish)."""
     default_prefill_tokens_per_s: float = 1000.0
     """Prefill anchor until an engine has measured its own."""
-    wait_for_faster_margin: float = 0.25
+    wait_for_faster_margin: float = 0.0
     """A free slot finishing within this fraction of the best (busy) engine's finish is taken rather than waited out."""
     band_margin_ms: float = 1000.0
     """Satisficing band: estimated TTFT at least this far inside the deadline."""

@@ -145,7 +145,7 @@ def test_park_timeout_sheds_with_retry_after(tmp_path: Path) -> None:
 
 
 def test_version_floor_sheds_and_names_the_versions(tmp_path: Path) -> None:
-    stack = start_stack([("thor", "thor")], tmp_path, envoy=True, version_floors={"cortex": "0.11"})
+    stack = start_stack([("thor", "thor")], tmp_path, version_floors={"cortex": "0.11"})
     try:
         status, headers, payload = post(stack, "/chat/completions", body())
         assert status == 503

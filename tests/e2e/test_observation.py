@@ -127,7 +127,7 @@ def test_self_check_flags_a_flavour_mismatch(tmp_path: Path, caplog: pytest.LogC
     """An engine configured as vLLM that really speaks SGLang: ERROR naming the missing gauges, degraded = 1."""
     caplog.set_level(logging.ERROR, logger="sluice.observe")
     stack = start_stack([{"name": "odd", "sim": "spark", "sim_flavor": "sglang", "flavor": "vllm"}], tmp_path,
-                        envoy=False)
+                        with_envoy=False)
     try:
         def checked():  # type: ignore[no-untyped-def]
             engine = stack.engines()["odd"]

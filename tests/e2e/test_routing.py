@@ -1,0 +1,117 @@
+"""Routing end to end: a TTFT deadline skips an engine too slow to prefill in time, sessions stick, and with the control
+plane killed traffic follows the configured failure mode (fail-open by the last capacity weights, or fail-closed 503)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_request_path import post
+from tests.harness import Stack, http_json, start_stack, wait_for
+
+
+def chat(content: str = "hi", max_tokens: int = 4) -> bytes:
+    return json.dumps({"model": "cortex", "messages": [{"role": "user", "content": content}],
+                       "max_tokens": max_tokens}).encode()
+
+
+def test_deadline_skips_the_engine_too_slow_to_prefill(tmp_path: Path) -> None:
+    """Anchors (wall-clock, simulators at x10): thor prefills 15k tok/s and decodes 500 tok/s; spark 40k and 75. A 20k-token
+    prompt with 100 tokens to write finishes soonest on thor (1.33 s + 0.2 s against 0.5 s + 1.33 s), but only spark starts
+    it within a 1.6 s deadline with the band's 1 s margin."""
+    engines = [
+        {"name": "thor", "sim": "thor", "prefill_tokens_per_s": 15_000, "decode_tokens_per_s": 500},
+        {"name": "spark", "sim": "spark", "prefill_tokens_per_s": 40_000, "decode_tokens_per_s": 75},
+    ]
+    stack = start_stack(engines, tmp_path, speed=10.0)
+    try:
+        prompt = "x" * (20_000 * 4)
+        status, headers, _ = post(stack, "/chat/completions", chat(prompt, max_tokens=100))
+        assert status == 200 and headers["x-sluice-engine"] == "thor"
+        assert headers["x-sluice-route-reason"] == "finish_soonest"
+        status, headers, _ = post(stack, "/chat/completions", chat(prompt, max_tokens=100),
+                                  {"x-sluice-max-ttft-ms": "1600"})
+        assert status == 200
+        assert headers["x-sluice-engine"] == "spark" and headers["x-sluice-route-reason"] == "satisficing_band"
+        status, headers, payload = post(stack, "/chat/completions", chat(prompt, max_tokens=100),
+                                        {"x-sluice-max-ttft-ms": "300"})
+        assert status == 503 and json.loads(payload)["error"]["code"] == "ttft_unmeetable"
+        assert 1 <= int(headers["retry-after"]) <= 60
+        status, _, payload = post(stack, "/chat/completions", chat(), {"x-sluice-max-ttft-ms": "soon"})
+        assert status == 400 and json.loads(payload)["error"]["code"] == "invalid_max_ttft_ms"
+    finally:
+        stack.close()
+
+
+def test_sessions_stick_to_their_engine(tmp_path: Path) -> None:
+    stack = start_stack([("a", "spark"), ("b", "spark"), ("c", "spark")], tmp_path, speed=20.0)
+    try:
+        def engine_for(session: str) -> tuple[str, str]:
+            status, headers, _ = post(stack, "/chat/completions", chat(),
+                                      {"x-sluice-session": session, "x-sluice-max-ttft-ms": "10000"})
+            assert status == 200
+            # A conversation's next turn comes after its answer: let the access log close this turn's ticket first.
+            wait_for(lambda: stack.status().open_tickets == 0, timeout=5, what="ticket released")
+            return headers["x-sluice-engine"], headers["x-sluice-route-reason"]
+
+        first, reason = engine_for("conversation-1")
+        assert reason == "satisficing_band"
+        for _ in range(6):
+            assert engine_for("conversation-1") == (first, "session_affinity")
+        others = {engine_for(f"other-{i}")[0] for i in range(12)}
+        assert len(others) > 1, "without a session the band spreads requests"
+    finally:
+        stack.close()
+
+
+def _kill_controlplane(stack: Stack) -> None:
+    assert stack.controlplane is not None
+    stack.controlplane.close()
+    stack.controlplane = None
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+def test_controlplane_killed_traffic_follows_the_failure_mode(tmp_path: Path, mode: str) -> None:
+    # Decode anchors (per request, wall-clock at x20): spark has ~1.7x thor's throughput, so it gets the larger weight.
+    engines = [{"name": "thor", "sim": "thor", "decode_tokens_per_s": 25.4 * 20},
+               {"name": "spark", "sim": "spark", "decode_tokens_per_s": 43.9 * 20}]
+    stack = start_stack(engines, tmp_path, speed=20.0, envoy={"on_controlplane_failure": mode})
+    try:
+        routes = lambda: http_json(stack.admin_url + "/config_dump?resource=dynamic_route_configs")  # noqa: E731
+        def has_fallback() -> bool:
+            return {c["name"] for c in _fallback_clusters(routes())} == {"thor", "spark"}
+
+        wait_for(has_fallback, what="fallback weights for both engines pushed over RDS")
+        weights = {c["name"]: c["weight"] for c in _fallback_clusters(routes())}
+        assert set(weights) == {"thor", "spark"} and weights["spark"] > weights["thor"]  # spark has more throughput
+
+        _kill_controlplane(stack)
+        served = []
+        for _ in range(10):
+            status, headers, payload = post(stack, "/chat/completions", chat())
+            served.append((status, headers, payload))
+        if mode == "open":
+            assert [s for s, _, _ in served] == [200] * 10
+            engines = {name for name in stack.sims if stack.sim_log(name)[-10:]}
+            assert engines, "requests reached engines by the last weights"
+            assert all("x-sluice-route-reason" not in h for _, h, _ in served)  # no Check answered them
+        else:
+            for status, headers, payload in served:
+                assert status == 503
+                assert json.loads(payload)["error"]["code"] == "controlplane_unavailable"
+                assert headers["retry-after"] == "5"
+        status, _, _ = post(stack, "/chat/completions", json.dumps({"model": "nope"}).encode())
+        assert status == (503 if mode == "open" else 503)  # an unknown model has no fallback route either way
+    finally:
+        stack.close()
+
+
+def _fallback_clusters(dump: dict) -> list[dict]:  # type: ignore[type-arg]
+    for config in dump["configs"]:
+        for vhost in config["route_config"]["virtual_hosts"]:
+            for route in vhost["routes"]:
+                if route.get("name") == "fallback:cortex":
+                    return route["route"]["weighted_clusters"]["clusters"]  # type: ignore[no-any-return]
+    return []
