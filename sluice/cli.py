@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", nargs="?", help="engine name (drain, undrain)")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
-    p.add_argument("scenario", choices=["observe", "cag4"])
+    p.add_argument("scenario", choices=["observe", "cag4", "t10"])
     p.add_argument("--engines", type=int, default=1000, help="observe: simulated engines to poll")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
 
@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             from sluice.bench.cag4 import run_cag4_bench
 
             return run_cag4_bench()
+        if args.scenario == "t10":
+            from sluice.bench.t10 import run_t10_bench
+
+            return run_t10_bench()
         from sluice.bench.observe import run_observe_bench
 
         return run_observe_bench(args.engines, args.cycles)
