@@ -31,7 +31,8 @@ class SluiceMetrics:
         self.authz_seconds = Histogram(
             "sluice_authz_check_seconds",
             "Time to answer one ext_authz Check (server side).",
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5),
+            buckets=(0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
+                     0.025, 0.05, 0.1, 0.5, 1, 5, 30, 130),
             registry=r,
         )
         self.tickets_open = Gauge("sluice_tickets_open", "Admission tickets not yet released.", ["engine"], registry=r)

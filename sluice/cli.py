@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed", type=float, default=1.0, help="emulated seconds per wall second (default 1)")
     p.add_argument("--flavor", default="vllm-v1", choices=["vllm-v1", "vllm-v0", "sglang", "llamacpp"],
                    help="which engine's metric names and endpoints to speak (default vllm-v1)")
+    p.add_argument("--max-num-seqs", type=int, help="override the profile's concurrency cap")
 
     p = sub.add_parser("admin", help="talk to a running control plane's admin API")
     p.add_argument("--target", default="127.0.0.1:18000", help="control plane gRPC address")
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", nargs="?", help="engine name (drain, undrain)")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
-    p.add_argument("scenario", choices=["observe", "cag4", "t10"])
+    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead"])
     p.add_argument("--engines", type=int, default=1000, help="observe: simulated engines to poll")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
 
@@ -59,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.profile not in PROFILES:
             parser.error(f"unknown profile {args.profile!r}; known: {', '.join(sorted(PROFILES))}")
-        serve(PROFILES[args.profile], name=args.name or args.profile, host=args.host, port=args.port,
+        profile = PROFILES[args.profile]
+        if args.max_num_seqs:
+            from dataclasses import replace
+
+            profile = replace(profile, max_num_seqs=args.max_num_seqs)
+        serve(profile, name=args.name or args.profile, host=args.host, port=args.port,
               speed=args.speed, model=args.model, flavor=args.flavor)
         return 0
     if args.command == "controlplane":
@@ -79,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             from sluice.bench.cag4 import run_cag4_bench
 
             return run_cag4_bench()
+        if args.scenario == "overhead":
+            from sluice.bench.overhead import run_overhead_bench
+
+            return run_overhead_bench()
         if args.scenario == "t10":
             from sluice.bench.t10 import run_t10_bench
 

@@ -156,9 +156,11 @@ def start_stack(config: Config, config_path: str | None, work_dir: Path) -> list
     try:
         for engine in config.engines:
             if engine.sim:
+                # A configured max_num_seqs is the simulated engine's own cap too (it defaults to the profile's).
+                cap = ["--max-num-seqs", str(engine.max_num_seqs)] if engine.max_num_seqs else []
                 children.append(_spawn(f"sim-{engine.name}", [
                     py, "-m", "sluice", "sim", "--profile", engine.sim, "--host", engine.host, "--port", str(engine.port),
-                    "--name", engine.name, "--speed", str(engine.sim_speed), "--flavor", engine.sim_flavor,
+                    "--name", engine.name, "--speed", str(engine.sim_speed), "--flavor", engine.sim_flavor, *cap,
                 ], work_dir))
         cp_args = [py, "-m", "sluice", "controlplane"] + (["--config", config_path] if config_path else [])
         children.append(_spawn("controlplane", cp_args, work_dir))
