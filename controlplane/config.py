@@ -114,6 +114,8 @@ class EngineConfig:
     """Operator's anchor for this engine's prefill rate, used until one is measured."""
     decode_tokens_per_s: float | None = None
     """Operator's anchor for one request's decode rate on this engine, used until measured."""
+    sim_model: str | None = None
+    """Model id a simulator serves instead of its profile's."""
 
 
 AUTHZ_TIMEOUT_GRACE_S = 10.0
@@ -388,7 +390,7 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
 
 
 _ENGINE_FIELDS = {"name", "url", "max_num_seqs", "models", "sim", "speed", "flavor", "chip_class", "sim_flavor",
-                  "prefill_tokens_per_s", "decode_tokens_per_s"}
+                  "prefill_tokens_per_s", "decode_tokens_per_s", "sim_model"}
 FLAVORS = ("auto", "vllm", "sglang", "llamacpp", "tgi")
 SIM_FLAVORS = ("vllm-v1", "vllm-v0", "sglang", "llamacpp")
 
@@ -440,8 +442,12 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
             seqs = PROFILES[sim].max_num_seqs  # vLLM cannot report it; SGLang and llama.cpp simulators do
         anchors = [float(c.number(f"{path}.{key}", item[key], minimum=0.001)) if item.get(key) is not None else None
                    for key in ("prefill_tokens_per_s", "decode_tokens_per_s")]
+        sim_model = item.get("sim_model")
+        if sim_model is not None and (not isinstance(sim_model, str) or not sim_model):
+            c.problems.append(f"{path}.sim_model: must be a model id")
+            sim_model = None
         engines.append(EngineConfig(name, url, host, port, seqs, tuple(models), sim, speed, flavor, chip_class,
-                                    sim_flavor, *anchors))
+                                    sim_flavor, *anchors, sim_model=sim_model))
     return tuple(engines)
 
 

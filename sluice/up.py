@@ -158,6 +158,7 @@ def start_stack(config: Config, config_path: str | None, work_dir: Path) -> list
             if engine.sim:
                 # A configured max_num_seqs is the simulated engine's own cap too (it defaults to the profile's).
                 cap = ["--max-num-seqs", str(engine.max_num_seqs)] if engine.max_num_seqs else []
+                cap += ["--model", engine.sim_model] if engine.sim_model else []
                 children.append(_spawn(f"sim-{engine.name}", [
                     py, "-m", "sluice", "sim", "--profile", engine.sim, "--host", engine.host, "--port", str(engine.port),
                     "--name", engine.name, "--speed", str(engine.sim_speed), "--flavor", engine.sim_flavor, *cap,

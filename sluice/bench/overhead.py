@@ -10,24 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
-import string
-import subprocess
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 
-from sluice.bench.common import free_port, median, pct, write_report
+from sluice.bench.common import median, pct, write_report
+from sluice.bench.plain import plain_envoy
 from sluice.bench.workload import gateway
-from sluice.envoyrun import envoy_binary
 
 RATES = (50, 200, 500)
 SECONDS = 8.0
 BODY = {"model": "cortex", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-PLAIN_TEMPLATE = Path(__file__).resolve().parents[2] / "envoy" / "bench-plain.yaml"
 
 
 async def open_loop(url: str, rate: int, seconds: float) -> tuple[list[float], int]:
@@ -95,26 +89,10 @@ def run_overhead_bench() -> int:
     rows, checks = [], []
     with gateway([engine], observe={"poll_interval_seconds": 1.0}) as config:
         engine_port = int(config["engines"][0]["url"].rsplit(":", 1)[1])
-        listen, admin = free_port(), free_port()
-        work = Path(tempfile.mkdtemp(prefix="sluice-plain-"))
-        bootstrap = work / "plain.yaml"
-        bootstrap.write_text(string.Template(PLAIN_TEMPLATE.read_text()).substitute(
-            listen_port=listen, admin_port=admin, engine_port=engine_port))
-        plain = subprocess.Popen([str(envoy_binary()), "-c", str(bootstrap), "--use-dynamic-base-id", "--concurrency",
-                                  "2", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            plain_url = f"http://127.0.0.1:{listen}/v1/chat/completions"
+        with plain_envoy([engine_port]) as plain_base:
+            plain_url = plain_base + "/v1/chat/completions"
             sluice_url = config["base_url"] + "/v1/chat/completions"
             metrics_url = f"http://127.0.0.1:{config['controlplane']['metrics_port']}/metrics"
-            deadline = time.monotonic() + 15
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1)
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
             for rate in RATES:
                 plain_ms, plain_failed = asyncio.run(open_loop(plain_url, rate, SECONDS))
                 before = _histogram(metrics_url)
@@ -128,9 +106,6 @@ def run_overhead_bench() -> int:
                     f"**{median(sluice_ms) - median(plain_ms):.2f}** | {check[0]:.3f} / {check[1]:.3f} | "
                     f"{plain_failed} / {sluice_failed} |"
                 )
-        finally:
-            plain.send_signal(signal.SIGTERM)
-            plain.wait(10)
     at200 = dict(checks)[200]
     body = f"""Open loop, {SECONDS:g} s per rate and path, non-streaming chat completions answered with one token.
 
