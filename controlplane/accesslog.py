@@ -43,3 +43,12 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
         ticket_id = metadata[AUTHZ_NAMESPACE].fields["ticket"].string_value
         ticket = plane.release_ticket(ticket_id)
         plane.metrics.access_log_entries.labels("released" if ticket else "unknown_ticket").inc()
+        props = entry.common_properties  # type: ignore[attr-defined]
+        if ticket is not None and ticket.expected_ttft_s > 0 and props.HasField("time_to_first_upstream_rx_byte") \
+                and entry.response.response_code.value == 200:  # type: ignore[attr-defined]
+            # TTFT as the engine delivered it: first upstream byte minus the moment the request was fully sent to it
+            # (after any park). Engines that flush headers before the first token make this a lower bound.
+            sent = props.time_to_last_upstream_tx_byte.ToTimedelta().total_seconds()
+            actual = props.time_to_first_upstream_rx_byte.ToTimedelta().total_seconds() - sent
+            if actual > 0:
+                plane.metrics.ttft_error.labels(ticket.engine).observe(actual / ticket.expected_ttft_s)

@@ -25,6 +25,11 @@ class SluiceMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300), registry=r,
         )
         self.parked_now = Gauge("sluice_parked_requests", "Requests parked right now.", registry=r)
+        self.ttft_error = Histogram(
+            "sluice_ttft_estimate_error_ratio",
+            "Access-log TTFT (engine's first byte after the request reached it) over the TTFT the decision estimated.",
+            ["engine"], buckets=(0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10), registry=r,
+        )
         self.park_cancelled = Counter(
             "sluice_admission_park_cancelled", "Parked requests whose client went away.", registry=r
         )

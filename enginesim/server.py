@@ -275,9 +275,12 @@ class EngineSimulator:
         try:
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                # Headers go out with the first token, so time-to-first-byte is the TTFT (the access log measures it).
+                first = await queue.get()
                 response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
                 await response.prepare(request)
-                async for chunk in self._sse_chunks(sim_request, queue, chat, completion_id, created, include_usage):
+                async for chunk in self._sse_chunks(sim_request, queue, chat, completion_id, created, include_usage,
+                                                    first):
                     await response.write(chunk)
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
@@ -337,7 +340,8 @@ class EngineSimulator:
         }
 
     async def _sse_chunks(
-        self, r: SimRequest, queue: asyncio.Queue[int | None], chat: bool, cid: str, created: int, include_usage: bool
+        self, r: SimRequest, queue: asyncio.Queue[int | None], chat: bool, cid: str, created: int, include_usage: bool,
+        first: int | None,
     ) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -350,7 +354,7 @@ class EngineSimulator:
 
         if chat:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        async for index in _tokens(queue):
+        async for index in _tokens(queue, first):
             last = index + 1 == r.max_tokens
             reason = "length" if last else None
             if chat:
@@ -361,7 +365,12 @@ class EngineSimulator:
             yield chunk([], self._usage(r))
 
 
-async def _tokens(queue: asyncio.Queue[int | None]) -> AsyncIterator[int]:
+async def _tokens(queue: asyncio.Queue[int | None], first: int | None = -1) -> AsyncIterator[int]:
+    """Token indexes until the end marker; ``first`` is one already taken off the queue (-1: none)."""
+    if first is None:
+        return
+    if first >= 0:
+        yield first
     while (index := await queue.get()) is not None:
         yield index
 

@@ -41,6 +41,8 @@ class Parked:
     request: InferenceRequest
     parked_at: float
     deadline: float
+    ttft_bound: bool = False
+    """The deadline comes from the request's TTFT deadline, not ``max_park_seconds``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +104,11 @@ class AdmissionCore:
             return Outcome(request_id, shed(Reason.QUEUE_FULL,
                                             f"{self.depth(model)} requests already parked for {model}", wait))
         klass = request.priority if request.priority in PARK_CLASSES else "standard"
+        limit = decision.park_limit_s
+        ttft_bound = limit is not None and limit < self.policy.max_park_seconds
+        wait = limit if ttft_bound and limit is not None else self.policy.max_park_seconds
         self._lot.setdefault(model, {c: deque() for c in PARK_CLASSES})[klass].append(
-            Parked(request_id, request, now, now + self.policy.max_park_seconds)
+            Parked(request_id, request, now, now + wait, ttft_bound)
         )
         self._where[request_id] = (model, klass)
         return Outcome(request_id, decision)
@@ -161,8 +166,12 @@ class AdmissionCore:
             model = parked.request.model
             candidates = [e for e in fleet.engines if model and e.serves(model)]
             wait = retry_after(candidates, fleet, self.policy, now, self.depth(model))
-            decision = shed(Reason.PARK_TIMEOUT,
-                            f"no capacity for {model} within {self.policy.max_park_seconds:g} s", wait)
+            if parked.ttft_bound:
+                decision = shed(Reason.TTFT_UNMEETABLE,
+                                f"no slot for {model} in time to meet {parked.request.max_ttft_ms} ms", wait)
+            else:
+                decision = shed(Reason.PARK_TIMEOUT,
+                                f"no capacity for {model} within {self.policy.max_park_seconds:g} s", wait)
             out.append(Outcome(parked.request_id, decision, parked_for=now - parked.parked_at))
         return out
 

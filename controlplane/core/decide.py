@@ -39,7 +39,7 @@ from typing import Any
 
 from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Verdict
 from controlplane.core.policy import PRIORITIES, Policy, meets_floor
-from controlplane.core.route import Estimate, estimate, weighted_pick
+from controlplane.core.route import Estimate, estimate, prefill_rate, weighted_pick
 
 #: Paths whose body names a model and is routed to an engine.
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -289,22 +289,33 @@ def decide(
                    f"({request.prompt_tokens} in the messages, {need - request.prompt_tokens} in the completion).")
         return refuse(RequestError(400, Reason.CONTEXT_LENGTH, message, "context_length_exceeded"))
 
+    deadline_s = request.max_ttft_ms / 1000 if request.max_ttft_ms else None
+    park_limit: float | None = None
+    if deadline_s is not None:
+        # Prefill alone, on an idle engine: if even that misses the deadline, nothing can meet it. Waits are uncertain
+        # (seed 002: a pessimistic estimate over-sheds), so a request that only needs a slot parks, for at most as long
+        # as its deadline leaves room for prefill, and real releases decide.
+        prefill_floor = min(request.prompt_tokens / prefill_rate(e, model, fleet, policy) for e in candidates)
+        if prefill_floor > deadline_s:
+            return shed(Reason.TTFT_UNMEETABLE,
+                        f"no engine can prefill {request.prompt_tokens} tokens of {model} within "
+                        f"{request.max_ttft_ms} ms (best {prefill_floor * 1000:.0f} ms on an idle engine)",
+                        retry_after(candidates, fleet, policy, now))
+        park_limit = deadline_s - prefill_floor
     if queued_ahead:
         return _wait(request, candidates, fleet, policy, now, queued_ahead, Reason.QUEUED_BEHIND,
-                     f"{queued_ahead} parked ahead")
+                     f"{queued_ahead} parked ahead", park_limit)
     blocked = {e.name: misfits(e, request, fleet, policy) for e in candidates}
     # Engines that fit now, and engines only short of a slot (worth waiting for if they finish sooner).
     pressure = any(blocked.values())
     estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure)
                  for e in candidates if not blocked[e.name] or blocked[e.name] == (Reason.CAP,)]
-    deadline_s = request.max_ttft_ms / 1000 if request.max_ttft_ms else None
     if deadline_s is not None and estimates:
         meeting = [x for x in estimates if x.ttft_s <= deadline_s]
         if not meeting:
             best = min(x.ttft_s for x in estimates)
-            return shed(Reason.TTFT_UNMEETABLE,
-                        f"no engine can start {model} within {request.max_ttft_ms} ms (best estimate "
-                        f"{best * 1000:.0f} ms)", retry_after(candidates, fleet, policy, now))
+            return _wait(request, candidates, fleet, policy, now, 0, Reason.CAP,
+                         f"estimated TTFT {best * 1000:.0f} ms after waiting for a slot", park_limit)
         estimates = meeting
         floor = policy.model(model).decode_floor_tokens_per_s or 0.0
         band = [x for x in estimates if x.can_start and x.ttft_s <= deadline_s - policy.band_margin_ms / 1000
@@ -322,7 +333,7 @@ def decide(
         first = reasons[0] if reasons and not any(not rs for rs in blocked.values()) else Reason.WAITING_FOR_FASTER
         detail = "; ".join(f"{name}: {', '.join(r.value for r in rs) or 'misses the deadline'}"
                            for name, rs in blocked.items())
-        return _wait(request, candidates, fleet, policy, now, 0, first, detail)
+        return _wait(request, candidates, fleet, policy, now, 0, first, detail, park_limit)
 
     def soonest(x: Estimate) -> tuple[float, float, float, str]:
         # Equal estimates (no rates measured yet) fall back to the lighter load, then more headroom, then the name.
@@ -340,7 +351,8 @@ def decide(
         chosen = best if best.can_start else min(acceptable, key=soonest)
         return _admit(request, chosen, admitted_reason, policy, now, fleet)
     return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
-                 f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait")
+                 f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
+                 park_limit)
 
 
 def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: Policy, now: float,
@@ -354,10 +366,10 @@ def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: 
 
 
 def _wait(request: InferenceRequest, candidates: list[EngineView], fleet: Fleet, policy: Policy, now: float,
-          queued_ahead: int, reason: Reason, detail: str) -> Decision:
+          queued_ahead: int, reason: Reason, detail: str, park_limit: float | None = None) -> Decision:
     if request.priority == "sheddable":
         # Under saturation a sheddable request is shed at once rather than holding a place in the queue.
         return shed(Reason.SATURATED, f"fleet saturated for {request.model}: {detail}",
                     retry_after(candidates, fleet, policy, now, queued_ahead))
-    return Decision(Verdict.PARK, reason, detail=detail,
+    return Decision(Verdict.PARK, reason, detail=detail, park_limit_s=park_limit,
                     retry_after_s=retry_after(candidates, fleet, policy, now, queued_ahead))

@@ -201,6 +201,8 @@ class Decision:
     expected_done_at: float = 0.0
     expected_ttft_s: float = 0.0
     """The TTFT the decision expected (compared with the access log's)."""
+    park_limit_s: float | None = None
+    """PARK with a TTFT deadline: the longest the request may wait and still prefill in time."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,9 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in decide.py):
     slot_wait    = 0 if load < cap, else the (load - cap + 1)-th soonest expected finish among e's tickets - now
     prefill_rate = trusted (model, chip class) median, else e's last measured rate, else e's configured anchor,
                    else the policy anchor
-    decode_rate  = e's trusted per-request decode median at batch n (or the nearest batch measured), else its configured
-                   anchor, else the policy default
-    ttft(e)      = slot_wait + r.prompt_tokens / prefill_rate
+    decode_rate  = e's trusted per-request decode median at batch n (or the nearest batch measured), else its last
+                   measured rate, else its configured anchor, else the policy default
+    ttft(e)      = slot_wait + r.prompt_tokens / prefill_rate + 1 / decode_rate     (the first token is one step)
     finish(e)    = ttft(e) + r.max_tokens / decode_rate
 
 Without a deadline the request goes where ``finish`` is soonest, which may mean parking for a busy fast engine rather than
@@ -57,6 +57,8 @@ def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) ->
     if measured:
         nearest = min(measured, key=lambda n: (abs(n - batch), n))
         return measured[nearest]
+    if engine.rates is not None and engine.rates.decode_tokens_per_s_each:
+        return engine.rates.decode_tokens_per_s_each  # one interval's measurement beats any guess
     return engine.anchor_decode_tokens_per_s or policy.default_decode_tokens_per_s
 
 
@@ -84,7 +86,7 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
     if cap is not None:
         batch = cap if pressure or not fits else min(cap, batch)
     rate = decode_rate(engine, max(1, batch), fleet, policy)
-    ttft = wait + request.prompt_tokens / prefill_rate(engine, request.model, fleet, policy)
+    ttft = wait + request.prompt_tokens / prefill_rate(engine, request.model, fleet, policy) + 1.0 / rate
     tokens = request.max_tokens or policy.default_max_tokens
     return Estimate(engine, fits, wait, ttft, ttft + tokens / rate, rate)
 

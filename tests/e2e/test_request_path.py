@@ -181,7 +181,6 @@ def test_burst_releases_every_ticket(stack: Stack) -> None:
     with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
         results = list(pool.map(lambda _: post(stack, "/chat/completions", body), range(24)))
     assert [status for status, _, _ in results] == [200] * 24
-    assert {headers["x-sluice-engine"] for _, headers, _ in results} == {"thor", "spark"}
     status = stack.status()
     assert status.tickets_admitted_total - admitted_before == 24
     wait_for(lambda: all(e.open_tickets == 0 for e in stack.engines().values()), timeout=10, what="tickets released")

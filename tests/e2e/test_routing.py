@@ -4,6 +4,8 @@ plane killed traffic follows the configured failure mode (fail-open by the last 
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,16 @@ def test_deadline_skips_the_engine_too_slow_to_prefill(tmp_path: Path) -> None:
         assert 1 <= int(headers["retry-after"]) <= 60
         status, _, payload = post(stack, "/chat/completions", chat(), {"x-sluice-max-ttft-ms": "soon"})
         assert status == 400 and json.loads(payload)["error"]["code"] == "invalid_max_ttft_ms"
+        # Every served request's TTFT, as the access log saw it, is compared with its estimate.
+        assert stack.controlplane is not None
+        port = stack.controlplane.plane.metrics_port
+
+        def compared() -> float:
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            counts = re.findall(r'sluice_ttft_estimate_error_ratio_count\{engine="(\w+)"\} (\S+)', metrics)
+            return sum(float(n) for _, n in counts)
+
+        wait_for(lambda: compared() == 2, timeout=5, what="both served requests' TTFT compared with the estimate")
     finally:
         stack.close()
 
