@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", nargs="?", help="engine name (drain, undrain)")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
-    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "load"])
+    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "load", "fleet"])
     p.add_argument("--engines", type=int, default=1000, help="observe: simulated engines to poll")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
 
@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             from sluice.bench.cag4 import run_cag4_bench
 
             return run_cag4_bench()
+        if args.scenario == "fleet":
+            from sluice.bench.fleet import run_fleet_bench
+
+            return run_fleet_bench()
         if args.scenario == "load":
             from sluice.bench.load import run_load_bench
 

@@ -30,7 +30,8 @@ class RateTables:
 
     solo_decode: dict[tuple[str, str], float] = field(default_factory=dict)
     prefill_median: dict[tuple[str, str], float] = field(default_factory=dict)
-    decode_by_batch: dict[tuple[str, int], float] = field(default_factory=dict)
+    decode_by_batch: dict[str, dict[int, float]] = field(default_factory=dict)
+    """engine -> running requests -> trusted per-request decode tokens/s."""
 
 PARK_CLASSES = ("critical", "standard")
 
@@ -144,7 +145,7 @@ class AdmissionCore:
                         left = request.max_ttft_ms - round((now - head.parked_at) * 1000)
                         request = replace(request, max_ttft_ms=max(1, left))
                     decision = decide(request, fleet_of(), self.policy, now, 0,
-                                      self.sessions.get(request.session), self.draw())
+                                      self.sessions.get(request.session), self.draw(), self.depth(model) - 1)
                     if decision.verdict is Verdict.PARK:
                         blocked = True
                         break

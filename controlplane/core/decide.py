@@ -252,11 +252,12 @@ def model_list(fleet: Fleet) -> bytes:
 # -- the decision ---------------------------------------------------------------------------------------------------------
 def decide(
     request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0,
-    affinity: str | None = None, pick: float = 0.5,
+    affinity: str | None = None, pick: float = 0.5, behind: int = 0,
 ) -> Decision:
     """Choose what happens to ``request`` (see the module docstring and route.py). ``queued_ahead``: parked requests of
     this model in this request's priority class or a higher one; ``affinity``: the engine the request's session used last;
-    ``pick``: a uniform draw in [0, 1) for the satisficing band's weighted choice."""
+    ``pick``: a uniform draw in [0, 1) for the satisficing band's weighted choice; ``behind``: parked requests of this
+    model queued after this one (a woken head's backlog)."""
     model = request.model
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, status=200, body=model_list(fleet))
@@ -308,7 +309,7 @@ def decide(
     blocked = {e.name: misfits(e, request, fleet, policy) for e in candidates}
     # Engines that fit now, and engines only short of a slot (worth waiting for if they finish sooner).
     pressure = any(blocked.values())
-    estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure)
+    estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure, behind)
                  for e in candidates if not blocked[e.name] or blocked[e.name] == (Reason.CAP,)]
     if deadline_s is not None and estimates:
         meeting = [x for x in estimates if x.ttft_s <= deadline_s]

@@ -36,6 +36,8 @@ class Ledger:
         self._by_engine: dict[str, set[str]] = defaultdict(set)
         self._recent_releases: dict[str, list[_Release]] = defaultdict(list)
         self._last_probe: dict[str, float] = {}
+        self._views: dict[str, EngineLedger] = {}
+        """``view`` results, dropped whenever that engine's tickets or probe change (a Check reads every engine's)."""
         self.admitted_total = 0
         self.released_total = 0
         self.expired_total = 0
@@ -51,6 +53,7 @@ class Ledger:
                         expected_ttft_s=expected_ttft_s)
         self._open[ticket_id] = ticket
         self._by_engine[engine].add(ticket_id)
+        self._views.pop(engine, None)
         self.admitted_total += 1
         return ticket
 
@@ -60,6 +63,7 @@ class Ledger:
         if ticket is None:
             return None
         self._by_engine[ticket.engine].discard(ticket_id)
+        self._views.pop(ticket.engine, None)
         self.released_total += 1
         if ticket.admitted_at < self._last_probe.get(ticket.engine, float("-inf")):
             self._recent_releases[ticket.engine].append(_Release(ticket.admitted_at, now, ticket.reserved_tokens))
@@ -71,12 +75,16 @@ class Ledger:
         for ticket in expired:
             del self._open[ticket.ticket_id]
             self._by_engine[ticket.engine].discard(ticket.ticket_id)
+            self._views.pop(ticket.engine, None)
         self.expired_total += len(expired)
         return expired
 
     def note_probe(self, engine: str, probe_sent_at: float) -> None:
         """A probe sent at ``probe_sent_at`` now stands for the engine: forget releases it already reflects."""
+        if self._last_probe.get(engine) == probe_sent_at:
+            return
         self._last_probe[engine] = probe_sent_at
+        self._views.pop(engine, None)
         self._recent_releases[engine] = [r for r in self._recent_releases[engine] if r.released_at > probe_sent_at]
 
     def open_tickets(self, engine: str | None = None) -> int:
@@ -99,14 +107,17 @@ class Ledger:
         return admitted_after - released_after
 
     def view(self, engine: str) -> EngineLedger:
-        """The engine's tickets as the decision core reads them."""
+        """The engine's tickets as the decision core reads them (cached until they change)."""
+        cached = self._views.get(engine)
+        if cached is not None:
+            return cached
         probe_at = self._last_probe.get(engine, float("-inf"))
         tickets = [self._open[t] for t in self._by_engine.get(engine, ())]
         by_model: dict[str, int] = {}
         for t in tickets:
             by_model[t.model] = by_model.get(t.model, 0) + 1
         released = [r for r in self._recent_releases.get(engine, ()) if r.admitted_at < probe_at < r.released_at]
-        return EngineLedger(
+        view = self._views[engine] = EngineLedger(
             open_tickets=len(tickets),
             unseen_load=self.unseen_load(engine),
             released_since_probe_tokens=sum(r.reserved_tokens for r in released),
@@ -115,3 +126,4 @@ class Ledger:
             open_by_model=tuple(sorted(by_model.items())),
             expected_done=tuple(sorted(t.expected_done_at for t in tickets)),
         )
+        return view

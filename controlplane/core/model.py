@@ -236,8 +236,8 @@ class Fleet:
     """Trusted solo decode medians per (model, chip class)."""
     prefill_median: dict[tuple[str, str], float] = field(default_factory=dict)
     """Trusted prefill medians per (model, chip class)."""
-    decode_by_batch: dict[tuple[str, int], float] = field(default_factory=dict)
-    """Trusted per-request decode medians per (engine, running requests)."""
+    decode_by_batch: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Trusted per-request decode medians: engine -> running requests -> tokens/s."""
     recent_serves: dict[str, float] = field(default_factory=dict)
     """Admissions per engine, decayed (satisficing band weights)."""
 

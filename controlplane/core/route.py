@@ -4,7 +4,9 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in decide.py):
 
     n            = min(cap, load + 1) while the fleet has room; cap under pressure (a candidate is full or requests
                    are parked: whatever starts now will share its engine with a full batch) and when r must wait
-    slot_wait    = 0 if load < cap, else the (load - cap + 1)-th soonest expected finish among e's tickets - now
+    slot_wait    = 0 if load < cap, else the (load - cap + 1 + behind)-th soonest expected finish among e's tickets - now,
+                   where ``behind`` counts the parked requests queued after r: waiting for a busy engine is only worth
+                   it if that engine could also absorb the backlog, else the whole queue idles behind r (fleet scale)
     prefill_rate = trusted (model, chip class) median, else e's last measured rate, else e's configured anchor,
                    else the policy anchor
     decode_rate  = e's trusted per-request decode median at batch n (or the nearest batch measured), else its last
@@ -53,7 +55,7 @@ def _load(engine: EngineView, fleet: Fleet) -> float:
 
 
 def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) -> float:
-    measured = {n: rate for (name, n), rate in fleet.decode_by_batch.items() if name == engine.name}
+    measured = fleet.decode_by_batch.get(engine.name)
     if measured:
         nearest = min(measured, key=lambda n: (abs(n - batch), n))
         return measured[nearest]
@@ -72,14 +74,14 @@ def prefill_rate(engine: EngineView, model: str, fleet: Fleet, policy: Policy) -
 
 
 def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: Fleet, policy: Policy,
-             now: float, pressure: bool = False) -> Estimate:
+             now: float, pressure: bool = False, behind: int = 0) -> Estimate:
     assert request.model is not None
     load = _load(engine, fleet)
     cap = engine.cap
     wait = 0.0
     if not fits:
         done = fleet.of(engine.name).expected_done
-        k = int(load - cap + 1) if cap is not None else 1
+        k = (int(load - cap + 1) if cap is not None else 1) + behind
         if done:
             wait = max(0.0, done[min(max(k, 1), len(done)) - 1] - now)
     batch = int(load) + 1

@@ -107,7 +107,10 @@ class RateBook:
         def trusted(table: dict) -> dict:  # type: ignore[type-arg]
             return {k: ring.median for k, ring in table.items() if ring.median is not None}
 
-        return RateTables(trusted(self._solo_decode), trusted(self._prefill), trusted(self._decode_by_batch))
+        by_engine: dict[str, dict[int, float]] = {}
+        for (engine, batch), rate in trusted(self._decode_by_batch).items():
+            by_engine.setdefault(engine, {})[batch] = rate
+        return RateTables(trusted(self._solo_decode), trusted(self._prefill), by_engine)
 
     def prefill_median(self, model: str, chip_class: str) -> float | None:
         ring = self._prefill.get((model, chip_class))

@@ -39,7 +39,7 @@ def chat(prompt: int = 10, max_tokens: int = 111, ttft_ms: int | None = None, se
 
 
 # Seed 000: per-request decode at 1 and 2 streams (aggregate 18.18 / 50.71 and 49.24 / 87.82 tok/s).
-SEED_000 = {("thor", 1): 18.18, ("thor", 2): 50.71 / 2, ("spark", 1): 49.24, ("spark", 2): 87.82 / 2}
+SEED_000 = {"thor": {1: 18.18, 2: 50.71 / 2}, "spark": {1: 49.24, 2: 87.82 / 2}}
 
 
 def t10_burst(n: int) -> Counter[str]:
