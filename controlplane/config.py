@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,17 @@ class _Checker:
     def port(self, path: str, value: Any) -> int:
         return int(self.number(path, value, minimum=1, maximum=65535, integer=True))
 
+    def entries(self, section: str, items: list[Any], fields: set[str]) -> Iterator[tuple[int, str, dict[str, Any]]]:
+        """(index, dotted path, mapping) for each mapping in a list section; non-mappings and unknown keys reported."""
+        for i, item in enumerate(items):
+            path = f"{section}[{i}]"
+            if not isinstance(item, dict):
+                self.problems.append(f"{path}: must be a mapping")
+                continue
+            for key in sorted(set(item) - fields):
+                self.problems.append(f"{path}.{key}: unknown field")
+            yield i, path, item
+
     def choice(self, path: str, value: Any, allowed: tuple[str, ...]) -> str:
         if value not in allowed:
             self.problems.append(f"{path}: must be one of {', '.join(allowed)}, got {value!r}")
@@ -359,13 +371,7 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
         c.problems.append("boxes: must be a list")
         raw_boxes = []
     placed: set[str] = set()
-    for i, item in enumerate(raw_boxes):
-        path = f"boxes[{i}]"
-        if not isinstance(item, dict):
-            c.problems.append(f"{path}: must be a mapping")
-            continue
-        for key in sorted(set(item) - _BOX_FIELDS):
-            c.problems.append(f"{path}.{key}: unknown field")
+    for i, path, item in c.entries("boxes", raw_boxes, _BOX_FIELDS):
         members = item.get("engines")
         if not isinstance(members, list) or not members:
             c.problems.append(f"{path}.engines: must be a non-empty list of engine names")
@@ -403,13 +409,7 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
 
     engines: list[EngineConfig] = []
     names: set[str] = set()
-    for i, item in enumerate(raw):
-        path = f"engines[{i}]"
-        if not isinstance(item, dict):
-            c.problems.append(f"{path}: must be a mapping")
-            continue
-        for key in sorted(set(item) - _ENGINE_FIELDS):
-            c.problems.append(f"{path}.{key}: unknown field")
+    for _, path, item in c.entries("engines", raw, _ENGINE_FIELDS):
         name = c.text(f"{path}.name", item.get("name"))
         if name and (not _NAME_RE.match(name) or name.startswith(_RESERVED_PREFIX)):
             c.problems.append(

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from sluice.bench.common import RESULTS, median, pct, write_report
+from sluice.bench.common import median, pct, pyplot, save_figure, write_report
 from sluice.bench.workload import Result, bare_sim, gateway, sample_stats, sim_stats, stream_chat
 
 SPEED = 100.0
@@ -73,11 +73,7 @@ def _ttft_rows(results: list[Result]) -> list[str]:
 
 
 def _plot(arms: dict[str, list[tuple[float, dict[str, Any]]]]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for label, samples in arms.items():
         t = [s[0] for s in samples]
@@ -89,12 +85,7 @@ def _plot(arms: dict[str, list[tuple[float, dict[str, Any]]]]) -> str:
     axes[1].set_xlabel(f"wall seconds (simulator x{SPEED:g})")
     axes[0].legend()
     axes[0].set_title("seed 004 on v100pp2: two 65k prompts + eight 8k prompts")
-    fig.tight_layout()
-    path = RESULTS / "cag4.png"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return save_figure(fig, "cag4")
 
 
 def run_cag4_bench() -> int:

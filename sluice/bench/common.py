@@ -33,6 +33,26 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def pyplot():  # type: ignore[no-untyped-def]
+    """matplotlib's pyplot on the file-only Agg backend (no display here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, name: str) -> str:  # type: ignore[no-untyped-def]
+    """Write ``fig`` as ``bench/results/<name>.png``; the file name, for the report's image link."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path.name
+
+
 def write_report(name: str, title: str, body: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.md"

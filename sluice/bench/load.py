@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from enginesim.profiles import PROFILES
-from sluice.bench.common import RESULTS, median, pct, write_report
+from sluice.bench.common import median, pct, pyplot, save_figure, write_report
 from sluice.bench.plain import plain_envoy
 from sluice.bench.workload import Result, gateway, sim_stats, stream_chat
 
@@ -95,11 +95,7 @@ def _wait_idle(urls: list[str]) -> None:
 
 
 def _plot(table: dict[tuple[str, str], dict[str, float]]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     arms = ["sluice", "LEAST_REQUEST", "ROUND_ROBIN"]
     loads = sorted({load for _, load in table})
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -111,11 +107,7 @@ def _plot(table: dict[tuple[str, str], dict[str, float]]) -> str:
         ax.set_ylabel(label)
     axes[0].legend()
     fig.suptitle("sluice bench load: heterogeneous fleet, Poisson arrivals")
-    fig.tight_layout()
-    path = RESULTS / "load.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return save_figure(fig, "load")
 
 
 def run_load_bench() -> int:

@@ -17,7 +17,7 @@ from collections import Counter
 import aiohttp
 
 from enginesim.profiles import PROFILES
-from sluice.bench.common import RESULTS, median, write_report
+from sluice.bench.common import median, pyplot, save_figure, write_report
 from sluice.bench.workload import bare_sim, gateway, stream_chat
 
 SPEED = 1.0
@@ -68,11 +68,7 @@ async def _burst(session: aiohttp.ClientSession, base: str, n: int) -> tuple[flo
 
 
 def _plot(runs: dict[str, list[float]], targets: dict[str, float]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = list(runs)
     for i, label in enumerate(labels):
@@ -84,12 +80,7 @@ def _plot(runs: dict[str, list[float]], targets: dict[str, float]) -> str:
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("tok/s (emulated)")
     ax.set_title("seed 000 t10: Thor + Spark, 111-token bursts")
-    fig.tight_layout()
-    path = RESULTS / "t10.png"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return save_figure(fig, "t10")
 
 
 def run_t10_bench() -> int:
