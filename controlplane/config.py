@@ -312,7 +312,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
 
 def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> Policy:
     ad = c.section(raw, "admission")
-    policy = dict(
+    policy: dict[str, Any] = dict(
         kv_high_watermark=float(c.number("admission.kv_high_watermark", ad["kv_high_watermark"], minimum=0.05,
                                          maximum=1.0)),
         default_max_tokens=int(c.number("admission.default_max_tokens", ad["default_max_tokens"], minimum=1,
@@ -446,8 +446,10 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
         if sim_model is not None and (not isinstance(sim_model, str) or not sim_model):
             c.problems.append(f"{path}.sim_model: must be a model id")
             sim_model = None
-        engines.append(EngineConfig(name, url, host, port, seqs, tuple(models), sim, speed, flavor, chip_class,
-                                    sim_flavor, *anchors, sim_model=sim_model))
+        engines.append(EngineConfig(
+            name, url, host, port, seqs, tuple(models), sim, speed, flavor, chip_class, sim_flavor,
+            prefill_tokens_per_s=anchors[0], decode_tokens_per_s=anchors[1], sim_model=sim_model,
+        ))
     return tuple(engines)
 
 
@@ -468,7 +470,7 @@ def _resolve(c: _Checker, path: str, url: str) -> tuple[str, int]:
     except ValueError:
         pass
     try:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0], port
+        return str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]), port
     except OSError as exc:
         c.problems.append(f"{path}: cannot resolve {host!r}: {exc}")
         return "", 0

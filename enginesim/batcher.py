@@ -152,7 +152,7 @@ class Batcher:
                 request.blocks = 0
                 self.finished.append(request)
 
-    def _grow(self, request: SimRequest, tokens: int) -> bool:
+    def _grow(self, request: SimRequest, tokens: float) -> bool:
         """Make room in KV for ``tokens`` more tokens of ``request``, preempting younger requests if needed."""
         need = math.ceil((request.computed_tokens + tokens) / self.profile.block_size) - request.blocks
         while need > self.free_blocks:

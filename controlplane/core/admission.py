@@ -107,9 +107,9 @@ class AdmissionCore:
         klass = request.priority if request.priority in PARK_CLASSES else "standard"
         limit = decision.park_limit_s
         ttft_bound = limit is not None and limit < self.policy.max_park_seconds
-        wait = limit if ttft_bound and limit is not None else self.policy.max_park_seconds
+        longest = limit if ttft_bound and limit is not None else self.policy.max_park_seconds
         self._lot.setdefault(model, {c: deque() for c in PARK_CLASSES})[klass].append(
-            Parked(request_id, request, now, now + wait, ttft_bound)
+            Parked(request_id, request, now, now + longest, ttft_bound)
         )
         self._where[request_id] = (model, klass)
         return Outcome(request_id, decision)
@@ -142,7 +142,7 @@ class AdmissionCore:
                     request = head.request
                     if request.max_ttft_ms:
                         # The deadline counts from arrival: what is left of it is what a wake can still promise.
-                        left = request.max_ttft_ms - round((now - head.parked_at) * 1000)
+                        left = request.max_ttft_ms - int((now - head.parked_at) * 1000)
                         request = replace(request, max_ttft_ms=max(1, left))
                     decision = decide(request, fleet_of(), self.policy, now, 0,
                                       self.sessions.get(request.session), self.draw(), self.depth(model) - 1)

@@ -314,13 +314,13 @@ def decide(
     if deadline_s is not None and estimates:
         meeting = [x for x in estimates if x.ttft_s <= deadline_s]
         if not meeting:
-            best = min(x.ttft_s for x in estimates)
+            soonest_ttft = min(x.ttft_s for x in estimates)
             return _wait(request, candidates, fleet, policy, now, 0, Reason.CAP,
-                         f"estimated TTFT {best * 1000:.0f} ms after waiting for a slot", park_limit)
+                         f"estimated TTFT {soonest_ttft * 1000:.0f} ms after waiting for a slot", park_limit)
         estimates = meeting
-        floor = policy.model(model).decode_floor_tokens_per_s or 0.0
+        decode_floor = policy.model(model).decode_floor_tokens_per_s or 0.0
         band = [x for x in estimates if x.can_start and x.ttft_s <= deadline_s - policy.band_margin_ms / 1000
-                and x.decode_rate >= floor]
+                and x.decode_rate >= decode_floor]
         if band:
             sticky = next((x for x in band if x.engine.name == affinity), None)
             if sticky is not None:
