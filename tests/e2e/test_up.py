@@ -79,3 +79,39 @@ def test_sluice_up_serves_streams_refuses_a_twin_and_stops_cleanly(tmp_path: Pat
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_sluice_up_fronts_an_engine_already_running_elsewhere(tmp_path: Path) -> None:
+    """An engine entry without ``sim:`` is not started by ``sluice up``: it is someone's running server, fronted as is."""
+    from tests.harness import start_sim, stop
+
+    engine_port = free_port()
+    engine = start_sim("spark", engine_port, "their-vllm", 20.0, tmp_path)
+    raw = {
+        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "engines": [{"name": "their-vllm", "url": f"http://localhost:{engine_port}", "max_num_seqs": 2}],
+    }
+    config = tmp_path / "external.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    up = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(config)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output = ""
+        while "Ctrl-C stops everything." not in output:
+            line = up.stdout.readline()  # type: ignore[union-attr]
+            assert line, f"sluice up ended early:\n{output}"
+            output += line
+        assert len(_children(up.pid)) == 2  # the control plane and Envoy only
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{raw['envoy']['listen_port']}/v1", api_key="unused",
+                               max_retries=0)
+        raw_response = client.chat.completions.with_raw_response.create(
+            model="cortex", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert raw_response.headers["x-sluice-engine"] == "their-vllm"
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=20) == 0
+        assert engine.poll() is None, "sluice up must not stop an engine it did not start"
+    finally:
+        if up.poll() is None:
+            up.kill()
+        stop(engine)
