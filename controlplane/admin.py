@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from controlplane.core.decide import effective_load
-from controlplane.core.model import EngineRates, EngineView, Fleet
+from controlplane.core.decide import decide, effective_load, explain
+from controlplane.core.model import EngineRates, EngineView, Fleet, InferenceRequest
+from controlplane.core.policy import PRIORITIES
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 
 if TYPE_CHECKING:
@@ -77,6 +78,37 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no engine named {request.name!r}")
         fleet = self.plane.fleet(self.plane.clock())
         return self._engine(next(e for e in fleet.engines if e.name == request.name), fleet)
+
+    async def ExplainDecision(  # noqa: N802
+        self, request: admin_pb2.ExplainDecisionRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ExplainDecisionResponse:
+        plane = self.plane
+        policy = plane.config.policy
+        priority = request.priority or "standard"
+        if priority not in PRIORITIES or not request.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"need a model and a priority in {PRIORITIES}")
+        now = plane.clock()
+        fleet = plane.fleet(now)
+        inference = InferenceRequest(
+            "POST", "/v1/chat/completions", request.model, prompt_tokens=max(0, request.prompt_tokens),
+            max_tokens=request.max_tokens or None, priority=priority,
+            max_ttft_ms=request.max_ttft_ms or policy.model(request.model).max_ttft_ms, session=request.session or None,
+        )
+        ahead = plane.admission.queued_ahead(request.model, priority)
+        decision = decide(inference, fleet, policy, now, ahead, plane.admission.sessions.get(inference.session))
+        engines = [
+            admin_pb2.EngineExplanation(
+                name=x.name, serves_model=x.serves_model, meets_version_floor=x.meets_floor, stale=x.stale,
+                drained=x.drained, misfits=[r.value for r in x.misfits], ttft_estimate_s=_or_unknown(x.ttft_s),
+                finish_estimate_s=_or_unknown(x.finish_s), effective_load=x.load,
+            )
+            for x in explain(inference, fleet, policy, now)
+        ]
+        return admin_pb2.ExplainDecisionResponse(
+            verdict=decision.verdict.value, reason=decision.reason.value, engine=decision.engine or "",
+            status=decision.status, retry_after_s=decision.retry_after_s or 0, detail=decision.detail,
+            queued_ahead=ahead, engines=engines,
+        )
 
     def _engine(self, e: EngineView, fleet: Fleet) -> admin_pb2.Engine:
         plane = self.plane

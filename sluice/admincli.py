@@ -58,11 +58,34 @@ def status_text(s: admin_pb2.GetStatusResponse) -> str:
     return "\n".join(lines)
 
 
-def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None) -> int:
+def explanation_text(r: admin_pb2.ExplainDecisionResponse) -> str:
+    head = f"{r.verdict} ({r.reason})" + (f" -> {r.engine}" if r.engine else "") + \
+        (f", retry-after {r.retry_after_s}s" if r.retry_after_s else "") + f", {r.queued_ahead} parked ahead"
+    rows = [("ENGINE", "SERVES", "FLOOR", "STALE", "DRAINED", "LOAD", "TTFT", "FINISH", "BLOCKED BY")]
+    for e in r.engines:
+        rows.append((e.name, _yes(e.serves_model), _yes(e.meets_version_floor), _yes(e.stale), _yes(e.drained),
+                     f"{e.effective_load:g}", _num(e.ttft_estimate_s, "{:.2f}s"), _num(e.finish_estimate_s, "{:.2f}s"),
+                     ",".join(e.misfits) or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    return f"{head}\n{r.detail}\n\n{table}"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None,
+              explain: admin_pb2.ExplainDecisionRequest | None = None) -> int:
     with grpc.insecure_channel(target) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         try:
-            if verb in ("drain", "undrain"):
+            if verb == "explain":
+                assert explain is not None
+                result = stub.ExplainDecision(explain, timeout=5)
+                text = (json.dumps(MessageToDict(result, always_print_fields_with_no_presence=True), indent=2)
+                        if as_json else explanation_text(result))
+            elif verb in ("drain", "undrain"):
                 if not name:
                     print(f"sluice admin {verb}: name the engine", file=sys.stderr)
                     return 2
@@ -78,7 +101,7 @@ def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None)
                 text = (json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True), indent=2)
                         if as_json else status_text(status))
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 print(f"sluice admin: {exc.details()}", file=sys.stderr)
             else:
                 print(f"sluice admin: cannot reach the control plane at {target}: {exc.code().name}", file=sys.stderr)

@@ -43,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("admin", help="talk to a running control plane's admin API")
     p.add_argument("--target", default="127.0.0.1:18000", help="control plane gRPC address")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("verb", choices=["status", "engines", "drain", "undrain"])
-    p.add_argument("name", nargs="?", help="engine name (drain, undrain)")
+    p.add_argument("verb", choices=["status", "engines", "drain", "undrain", "explain"])
+    p.add_argument("name", nargs="?", help="engine name (drain, undrain) or model (explain)")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="explain: the request's prompt size")
+    p.add_argument("--max-tokens", type=int, default=0, help="explain: its max_tokens (0: the policy default)")
+    p.add_argument("--priority", default="standard", help="explain: critical | standard | sheddable")
+    p.add_argument("--max-ttft-ms", type=int, default=0, help="explain: a TTFT deadline (0: none)")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
     p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "load", "fleet"])
@@ -107,7 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "admin":
         from sluice.admincli import run_admin
 
-        return run_admin(args.target, args.verb, as_json=args.json, name=args.name)
+        explain = None
+        if args.verb == "explain":
+            from sluice.admin.v1 import admin_pb2
+
+            explain = admin_pb2.ExplainDecisionRequest(
+                model=args.name or "", prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                priority=args.priority, max_ttft_ms=args.max_ttft_ms)
+        return run_admin(args.target, args.verb, as_json=args.json, name=args.name, explain=explain)
     parser.error("unknown command")
     return 2
 

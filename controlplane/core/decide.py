@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Verdict
@@ -374,3 +375,32 @@ def _wait(request: InferenceRequest, candidates: list[EngineView], fleet: Fleet,
                     retry_after(candidates, fleet, policy, now, queued_ahead))
     return Decision(Verdict.PARK, reason, detail=detail, park_limit_s=park_limit,
                     retry_after_s=retry_after(candidates, fleet, policy, now, queued_ahead))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineExplanation:
+    name: str
+    serves_model: bool
+    meets_floor: bool
+    stale: bool
+    drained: bool
+    misfits: tuple[Reason, ...]
+    ttft_s: float | None
+    finish_s: float | None
+    load: float
+
+
+def explain(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float) -> tuple[EngineExplanation, ...]:
+    """Every engine's standing for ``request``: the facts ``decide`` weighs, without deciding (for operators)."""
+    assert request.model is not None
+    floor = policy.floor_for(request.model)
+    blocked = {e.name: misfits(e, request, fleet, policy) for e in fleet.engines if e.serves(request.model)}
+    pressure = any(blocked.values())
+    out = []
+    for e in fleet.engines:
+        serves = e.serves(request.model)
+        reasons = blocked.get(e.name, ())
+        x = estimate(e, request, not reasons, fleet, policy, now, pressure) if serves else None
+        out.append(EngineExplanation(e.name, serves, meets_floor(e.version, floor), e.stale, e.drained, reasons,
+                                     x.ttft_s if x else None, x.finish_s if x else None, effective_load(e, fleet)))
+    return tuple(out)

@@ -153,6 +153,12 @@ def test_version_floor_sheds_and_names_the_versions(tmp_path: Path) -> None:
         error = json.loads(payload)["error"]
         assert error["code"] == "version_floor" and "thor=0.10.1" in error["message"]
         assert int(headers["retry-after"]) == 60
+        from sluice.admin.v1 import admin_pb2
+
+        why = stack.admin().ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", prompt_tokens=10),
+                                            timeout=5)
+        assert (why.verdict, why.reason) == ("shed", "version_floor")
+        assert [(e.name, e.serves_model, e.meets_version_floor) for e in why.engines] == [("thor", True, False)]
     finally:
         stack.close()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -130,6 +132,14 @@ def test_client_cannot_pick_its_engine(stack: Stack) -> None:
             chosen.append(headers["x-sluice-engine"])
         assert chosen == ["spark"] * 4
         assert len(stack.sim_log("thor")) == thor_before
+        # An operator asking why sees the drain.
+        explained = subprocess.run(
+            [sys.executable, "-m", "sluice", "admin", "explain", "cortex", "--prompt-tokens", "100", "--max-tokens",
+             "10", "--target", f"127.0.0.1:{stack.config.controlplane.grpc_port}", "--json"],
+            capture_output=True, text=True, timeout=30)
+        report = json.loads(explained.stdout)
+        assert (report["verdict"], report["engine"]) == ("admit", "spark")
+        assert {e["name"]: e["drained"] for e in report["engines"]} == {"thor": True, "spark": False}
         for entry in stack.sim_log("spark")[-4:]:
             # The engine saw exactly one x-sluice-engine value, its own: the client's was overwritten, not appended.
             assert entry["x_sluice_engine"] == ["spark"]
