@@ -8,7 +8,8 @@ free capacity; each returns the parked requests it could admit, in order.
 Parking lot: per model, one FIFO per priority class (critical, then standard). The heads are tried in that order each wake;
 the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard). Depth is
 bounded per model by ``max_queue_depth``: a request beyond it is shed (``queue_full``); a parked request whose deadline
-(``max_park_seconds``) passes is shed (``park_timeout``). Both sheds carry a Retry-After from the ledger.
+passes is shed: ``park_timeout`` after ``max_park_seconds``, or ``ttft_unmeetable`` once its TTFT deadline no longer leaves
+time to prefill. Every shed carries a Retry-After from the ledger. A woken head's TTFT deadline counts from its arrival.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class RateTables:
     prefill_median: dict[tuple[str, str], float] = field(default_factory=dict)
     decode_by_batch: dict[str, dict[int, float]] = field(default_factory=dict)
     """engine -> running requests -> trusted per-request decode tokens/s."""
+
 
 PARK_CLASSES = ("critical", "standard")
 
