@@ -225,6 +225,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
                     message="No engine could take the request (upstream unavailable)",
                     err_type="server_error",
                     code="upstream_unavailable",
+                    headers=(("retry-after", "1"),),  # an engine that died is noticed within a few polls
                 ),
             ]
         ),

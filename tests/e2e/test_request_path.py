@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import subprocess
 import sys
+from pathlib import Path
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -207,3 +208,22 @@ def test_every_served_request_was_pinned(stack: Stack) -> None:
     """Every request an engine served came through Envoy pinned by the control plane (never unpinned)."""
     for name, log in served_by(stack).items():
         assert all(entry["x_sluice_engine"] == [name] for entry in log), name
+
+
+def test_an_engine_that_dies_is_a_clear_503_and_leaks_nothing(tmp_path: Path) -> None:
+    """Between the engine dying and the probes noticing, a pinned request meets a closed port: the client gets an OpenAI
+    error with Retry-After, never a hang or an empty reply, and the ticket comes back through the access log."""
+    from tests.harness import stop
+
+    lone = start_stack([("only", "spark")], tmp_path)
+    try:
+        stop(lone.sims["only"])
+        status, headers, payload = post(lone, "/chat/completions", json.dumps(
+            {"model": "cortex", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).encode())
+        assert status == 503
+        assert json.loads(payload)["error"]["code"] in ("upstream_unavailable", "no_ready_engine")
+        assert headers["retry-after"] == "1" or int(headers["retry-after"]) >= 1
+        wait_for(lambda: lone.status().open_tickets == 0, timeout=5, what="the failed request's ticket released")
+        assert lone.status().tickets_expired_total == 0
+    finally:
+        lone.close()
