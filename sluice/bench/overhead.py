@@ -15,7 +15,7 @@ import urllib.request
 
 import aiohttp
 
-from sluice.bench.common import median, pct, write_report
+from sluice.bench.common import median, pct, pyplot, save_figure, write_report
 from sluice.bench.plain import plain_envoy
 from sluice.bench.workload import gateway
 
@@ -87,6 +87,7 @@ def _quantile(before: dict[float, float], after: dict[float, float], q: float) -
 def run_overhead_bench() -> int:
     engine = {"name": "fast", "sim": "spark", "speed": 1000, "max_num_seqs": 64}
     rows, checks = [], []
+    series: dict[str, list[tuple[int, float, float]]] = {"plain Envoy": [], "Envoy + sluice": []}
     with gateway([engine], observe={"poll_interval_seconds": 1.0}) as config:
         engine_port = int(config["engines"][0]["url"].rsplit(":", 1)[1])
         with plain_envoy([engine_port]) as plain_base:
@@ -100,6 +101,8 @@ def run_overhead_bench() -> int:
                 after = _histogram(metrics_url)
                 check = (_quantile(before, after, 0.5), _quantile(before, after, 0.99))
                 checks.append((rate, check))
+                series["plain Envoy"].append((rate, median(plain_ms), pct(plain_ms, 99)))
+                series["Envoy + sluice"].append((rate, median(sluice_ms), pct(sluice_ms, 99)))
                 rows.append(
                     f"| {rate} | {median(plain_ms):.2f} / {pct(plain_ms, 99):.2f} | "
                     f"{median(sluice_ms):.2f} / {pct(sluice_ms, 99):.2f} | "
@@ -107,6 +110,17 @@ def run_overhead_bench() -> int:
                     f"{plain_failed} / {sluice_failed} |"
                 )
     at200 = dict(checks)[200]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in series.items():
+        rates = [p[0] for p in points]
+        ax.plot(rates, [p[1] for p in points], marker="o", label=f"{label} p50")
+        ax.plot(rates, [p[2] for p in points], marker="x", linestyle="--", label=f"{label} p99")
+    ax.set_xlabel("requests/s")
+    ax.set_ylabel("end-to-end latency (ms)")
+    ax.set_title("what sluice adds to a one-token request")
+    ax.legend()
+    plot = save_figure(fig, "overhead")
     body = f"""Open loop, {SECONDS:g} s per rate and path, non-streaming chat completions answered with one token.
 
 | requests/s | plain Envoy p50 / p99 (ms) | Envoy + sluice p50 / p99 (ms) | added p50 (ms) | Check p50 / p99 (ms, server) | failures plain / sluice |
@@ -115,6 +129,8 @@ def run_overhead_bench() -> int:
 
 Targets at 200 requests/s: Check p50 <= 1 ms ({at200[0]:.3f}), p99 <= 5 ms ({at200[1]:.3f}); added end-to-end p50 <= 2 ms.
 For scale, llm-d's endpoint picker reports P50 0.69 ms / P95 ~4.5 ms with a random picker at 500 QPS.
+
+![latency by rate]({plot})
 """
     path = write_report("overhead", "sluice bench overhead: what the gateway adds", body)
     print(body)
