@@ -79,6 +79,8 @@ class ObserveConfig:
     """Samples kept per (model, chip class) for the prefill and solo-decode medians."""
     rate_min_samples: int
     """A median is trusted only from this many samples on."""
+    prefill_sample_min_tokens: int
+    """A prefill-rate sample needs at least this many prompt tokens in its interval (tiny prompts mislead)."""
 
     @property
     def stale_after_seconds(self) -> float:
@@ -162,6 +164,7 @@ DEFAULTS: dict[str, Any] = {
         "on_stale": "open",
         "rate_ring_size": 64,
         "rate_min_samples": 5,
+        "prefill_sample_min_tokens": 256,
     },
     "tickets": {"lease_seconds": 900.0, "reap_interval_seconds": 5.0},
     "admission": {
@@ -288,6 +291,8 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         on_stale=c.choice("observe.on_stale", ob["on_stale"], ("open", "closed")),
         rate_ring_size=int(c.number("observe.rate_ring_size", ob["rate_ring_size"], minimum=1, integer=True)),
         rate_min_samples=int(c.number("observe.rate_min_samples", ob["rate_min_samples"], minimum=1, integer=True)),
+        prefill_sample_min_tokens=int(c.number("observe.prefill_sample_min_tokens", ob["prefill_sample_min_tokens"],
+                                               minimum=0, integer=True)),
     )
     if observe.rate_min_samples > observe.rate_ring_size:
         c.problems.append("observe.rate_min_samples: must not exceed observe.rate_ring_size")

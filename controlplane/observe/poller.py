@@ -146,7 +146,7 @@ class EnginePoller:
         if not self._self_checked or bool(missing) != bool(self._view.degraded):
             self._report_health(flavor, missing)
         previous = self._view.sample
-        rates = rates_between(previous, sample) if previous is not None else None
+        rates = rates_between(previous, sample, self.observe.prefill_sample_min_tokens) if previous is not None else None
         self._view = replace(
             self._view, sample=sample, last_ok_at=self._clock(), last_error="", stale=False,
             flavor=flavor.value if flavor else None, degraded=missing, rates=rates or self._view.rates,

@@ -8,7 +8,9 @@ Pure: samples in, rates out. For probes ``a`` then ``b`` (``dt = b.taken_at - a.
     decode_tokens_per_s_each  = d(decode_tokens_total) / d(decode_seconds_total)        (one request's decode rate)
 
 A counter that went backwards means the engine restarted: no rate from that pair. A delta of zero is no new information and
-gives no rate (seed 002: a value that did not change since the last poll is not a new sample). A decode rate is **solo** only
+gives no rate (seed 002: a value that did not change since the last poll is not a new sample). A prefill rate needs at least
+``min_prefill_tokens`` prompt tokens in the interval: an engine's prefill time carries a fixed cost per request (scheduling,
+the first step), so a few tiny prompts would read as a prefill rate ten times too slow and inflate every TTFT estimate. A decode rate is **solo** only
 when the engine ran exactly one request and queued none at both ends of the interval (seed 002: quality caps need the model's
 own uncontended rate).
 """
@@ -34,7 +36,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
-def rates_between(a: EngineSample, b: EngineSample) -> EngineRates | None:
+def rates_between(a: EngineSample, b: EngineSample, min_prefill_tokens: float = 256) -> EngineRates | None:
     dt = b.taken_at - a.taken_at
     if dt <= 0:
         return None
@@ -42,12 +44,13 @@ def rates_between(a: EngineSample, b: EngineSample) -> EngineRates | None:
                     _delta(a.decode_seconds_total, b.decode_seconds_total))
     solo = decode is not None and a.running == 1 and b.running == 1 and not a.waiting and not b.waiting
     batch = int(b.running) if decode is not None and a.running == b.running and b.running else None
+    prefill_tokens = _delta(a.prefill_tokens_total, b.prefill_tokens_total)
     return EngineRates(
         interval_s=dt,
         prompt_tokens_per_s=_ratio(_delta(a.prompt_tokens_total, b.prompt_tokens_total), dt),
         generation_tokens_per_s=_ratio(_delta(a.generation_tokens_total, b.generation_tokens_total), dt),
-        prefill_tokens_per_s=_ratio(_delta(a.prefill_tokens_total, b.prefill_tokens_total),
-                                    _delta(a.prefill_seconds_total, b.prefill_seconds_total)),
+        prefill_tokens_per_s=_ratio(prefill_tokens, _delta(a.prefill_seconds_total, b.prefill_seconds_total))
+        if prefill_tokens is not None and prefill_tokens >= min_prefill_tokens else None,
         decode_tokens_per_s_each=decode,
         solo=solo,
         batch=batch,

@@ -26,7 +26,7 @@ async def _loop_lag(stop: asyncio.Event, lags: list[float], period: float = 0.01
 async def _measure(port: int, engines: int, cycles: int, spread_seconds: float = 5.0) -> dict[str, list[float]]:
     observe = ObserveConfig(poll_interval_seconds=1.0, poll_timeout_seconds=5.0, stale_after_polls=3,
                             models_refresh_seconds=3600, max_backoff_seconds=10, on_stale="open", rate_ring_size=64,
-                            rate_min_samples=5)
+                            rate_min_samples=5, prefill_sample_min_tokens=256)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         pollers = [
             EnginePoller(

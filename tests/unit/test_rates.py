@@ -19,6 +19,8 @@ def s(t: float, **kw: float) -> EngineSample:
          EngineRates(2, prompt_tokens_per_s=100, generation_tokens_per_s=20)),
         (s(0, prefill_tokens_total=0, prefill_seconds_total=0), s(1, prefill_tokens_total=2620, prefill_seconds_total=10),
          EngineRates(1, prefill_tokens_per_s=262)),
+        (s(0, prefill_tokens_total=0, prefill_seconds_total=0), s(1, prefill_tokens_total=2, prefill_seconds_total=0.02),
+         EngineRates(1)),
         (s(0, running=1, waiting=0, decode_tokens_total=10, decode_seconds_total=1),
          s(1, running=1, waiting=0, decode_tokens_total=28, decode_seconds_total=2),
          EngineRates(1, decode_tokens_per_s_each=18, solo=True, batch=1)),
@@ -34,7 +36,7 @@ def s(t: float, **kw: float) -> EngineSample:
         (s(0, prompt_tokens_total=500), s(1, prompt_tokens_total=20), EngineRates(1)),
         (s(0, prompt_tokens_total=None), s(1, prompt_tokens_total=20), EngineRates(1)),
     ],
-    ids=["throughput", "prefill", "solo-decode", "contended-start", "queue-at-start", "unchanged-is-no-sample",
+    ids=["throughput", "prefill", "tiny-prompts-give-no-prefill-rate", "solo-decode", "contended-start", "queue-at-start", "unchanged-is-no-sample",
          "counter-reset", "unknown-start"],
 )
 def test_rates_between(a: EngineSample, b: EngineSample, expected: EngineRates) -> None:
