@@ -159,8 +159,11 @@ class ControlPlane:
 
     def _on_probe(self, view: EngineView, rates: EngineRates | None) -> None:
         assert view.sample is not None
-        self.ledger.note_probe(view.name, view.sample.taken_at)
         s = view.sample
+        if s.running == 0 and s.waiting == 0:
+            self._expired(self.ledger.reap_idle(view.name, s.taken_at, self.config.tickets.idle_reap_grace_seconds),
+                          "its engine is idle")
+        self.ledger.note_probe(view.name, s.taken_at)
         m = self.metrics
         for gauge, value in (
             (m.engine_running, s.running),
@@ -273,13 +276,17 @@ class ControlPlane:
     async def _reap_leases(self) -> None:
         while True:
             await asyncio.sleep(self.config.tickets.reap_interval_seconds)
-            expired = self.ledger.expire(self.clock())
-            for ticket in expired:
-                log.warning("ticket %s on %s expired: its access-log entry never arrived", ticket.ticket_id, ticket.engine)
-                self.metrics.tickets_open.labels(ticket.engine).dec()
-                self.metrics.tickets_expired.labels(ticket.engine).inc()
-            if expired:
-                self.wake()
+            self._expired(self.ledger.expire(self.clock()), "its lease ran out")
+
+    def _expired(self, tickets: list[Ticket], why: str) -> None:
+        """Tickets closed without their access-log entry (counted in sluice_tickets_expired_total)."""
+        for ticket in tickets:
+            log.warning("ticket %s on %s reaped (%s): its access-log entry never arrived", ticket.ticket_id,
+                        ticket.engine, why)
+            self.metrics.tickets_open.labels(ticket.engine).dec()
+            self.metrics.tickets_expired.labels(ticket.engine).inc()
+        if tickets:
+            self.wake()
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -92,6 +92,8 @@ class TicketConfig:
     lease_seconds: float
     """A ticket whose access-log entry never arrives is reaped after this long (seconds)."""
     reap_interval_seconds: float
+    idle_reap_grace_seconds: float
+    """A ticket older than this is reaped when its engine reports nothing running and nothing waiting."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +168,7 @@ DEFAULTS: dict[str, Any] = {
         "rate_min_samples": 5,
         "prefill_sample_min_tokens": 256,
     },
-    "tickets": {"lease_seconds": 900.0, "reap_interval_seconds": 5.0},
+    "tickets": {"lease_seconds": 900.0, "reap_interval_seconds": 5.0, "idle_reap_grace_seconds": 5.0},
     "admission": {
         "kv_high_watermark": 0.90,
         "default_max_tokens": 1024,
@@ -302,6 +304,8 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     tickets = TicketConfig(
         lease_seconds=float(c.number("tickets.lease_seconds", tk["lease_seconds"], minimum=1)),
         reap_interval_seconds=float(c.number("tickets.reap_interval_seconds", tk["reap_interval_seconds"], minimum=0.01)),
+        idle_reap_grace_seconds=float(c.number("tickets.idle_reap_grace_seconds", tk["idle_reap_grace_seconds"],
+                                               minimum=0.1)),
     )
     engines = _parse_engines(c, raw.get("engines"))
     policy = _parse_policy(c, raw, {e.name for e in engines})

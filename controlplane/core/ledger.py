@@ -79,6 +79,19 @@ class Ledger:
         self.expired_total += len(expired)
         return expired
 
+    def reap_idle(self, engine: str, probe_sent_at: float, grace: float) -> list[Ticket]:
+        """The engine reported nothing running and nothing waiting at ``probe_sent_at``: every ticket admitted more than
+        ``grace`` seconds before that has finished, whether or not its access-log entry arrives (Envoy restarted, the log
+        stream broke). Reaped now instead of holding capacity until its lease runs out."""
+        done = [self._open[t] for t in self._by_engine.get(engine, ()) if self._open[t].admitted_at < probe_sent_at - grace]
+        for ticket in done:
+            del self._open[ticket.ticket_id]
+            self._by_engine[engine].discard(ticket.ticket_id)
+        if done:
+            self._views.pop(engine, None)
+        self.expired_total += len(done)
+        return done
+
     def note_probe(self, engine: str, probe_sent_at: float) -> None:
         """A probe sent at ``probe_sent_at`` now stands for the engine: forget releases it already reflects."""
         if self._last_probe.get(engine) == probe_sent_at:

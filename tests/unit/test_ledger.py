@@ -78,3 +78,14 @@ def test_no_ticket_leaks(ops: list[tuple[str, int]]) -> None:
             ledger.expire(now)
     assert ledger.admitted_total == ledger.open_tickets() + ledger.released_total + ledger.expired_total
     assert ledger.open_tickets() == ledger.open_tickets("e0") + ledger.open_tickets("e1")
+
+
+def test_an_idle_engine_reaps_tickets_whose_log_entry_was_lost() -> None:
+    ledger = Ledger(lease_seconds=900)
+    ledger.admit("lost", "thor", "m", now=0)
+    ledger.admit("in-flight", "thor", "m", now=9)  # admitted just before the probe: may not have reached the engine
+    ledger.admit("elsewhere", "spark", "m", now=0)
+    reaped = ledger.reap_idle("thor", probe_sent_at=10, grace=5)
+    assert [t.ticket_id for t in reaped] == ["lost"]
+    assert ledger.open_tickets("thor") == 1 and ledger.open_tickets("spark") == 1
+    assert ledger.expired_total == 1 and ledger.view("thor").open_tickets == 1
