@@ -91,12 +91,7 @@ def test_controlplane_killed_traffic_follows_the_failure_mode(tmp_path: Path, mo
                {"name": "spark", "sim": "spark", "decode_tokens_per_s": 43.9 * 20}]
     stack = start_stack(engines, tmp_path, speed=20.0, envoy={"on_controlplane_failure": mode})
     try:
-        routes = lambda: http_json(stack.admin_url + "/config_dump?resource=dynamic_route_configs")  # noqa: E731
-        def has_fallback() -> bool:
-            return {c["name"] for c in _fallback_clusters(routes())} == {"thor", "spark"}
-
-        wait_for(has_fallback, what="fallback weights for both engines pushed over RDS")
-        weights = {c["name"]: c["weight"] for c in _fallback_clusters(routes())}
+        weights = _wait_for_fallback(stack, {"thor", "spark"})
         assert set(weights) == {"thor", "spark"} and weights["spark"] > weights["thor"]  # spark has more throughput
 
         _kill_controlplane(stack)
@@ -120,6 +115,16 @@ def test_controlplane_killed_traffic_follows_the_failure_mode(tmp_path: Path, mo
         stack.close()
 
 
+def _wait_for_fallback(stack: Stack, engines: set[str]) -> dict[str, int]:
+    """Wait until Envoy holds fallback weights for ``engines``; return them."""
+    def weights() -> dict[str, int]:
+        dump = http_json(stack.admin_url + "/config_dump?resource=dynamic_route_configs")
+        return {c["name"]: c["weight"] for c in _fallback_clusters(dump)}
+
+    wait_for(lambda: set(weights()) == engines, what="fallback weights pushed over RDS")
+    return weights()
+
+
 def _fallback_clusters(dump: dict) -> list[dict]:  # type: ignore[type-arg]
     for config in dump["configs"]:
         for vhost in config["route_config"]["virtual_hosts"]:
@@ -127,3 +132,33 @@ def _fallback_clusters(dump: dict) -> list[dict]:  # type: ignore[type-arg]
                 if route.get("name") == "fallback:cortex":
                     return route["route"]["weighted_clusters"]["clusters"]  # type: ignore[no-any-return]
     return []
+
+
+def test_restarted_controlplane_takes_envoy_back(tmp_path: Path) -> None:
+    """Kill the control plane, start a new one on the same port: Envoy reconnects its ADS stream (same content, same
+    versions) and Checks pin requests again, with no request lost meanwhile under fail-open."""
+    from tests.harness import ThreadedControlPlane
+
+    stack = start_stack([("thor", "thor"), ("spark", "spark")], tmp_path, speed=20.0)
+    try:
+        _wait_for_fallback(stack, {"thor", "spark"})
+        # Clusters, endpoints and the listener are rebuilt byte for byte, so their versions match (routes carry weights,
+        # which the new control plane learns afresh).
+        def versions() -> dict[str, str]:
+            return {t.type_url: t.current_version for t in stack.status().xds if "RouteConfiguration" not in t.type_url}
+
+        versions_before = versions()
+        _kill_controlplane(stack)
+        status, headers, _ = post(stack, "/chat/completions", chat())
+        assert status == 200 and "x-sluice-route-reason" not in headers  # fail-open while it is down
+        stack.controlplane = ThreadedControlPlane(stack.config)
+        wait_for(lambda: stack.status().envoy_streams == 1, timeout=40, what="Envoy's ADS stream back")
+        assert versions() == versions_before
+
+        def pinned() -> bool:
+            status, headers, _ = post(stack, "/chat/completions", chat())
+            return status == 200 and headers.get("x-sluice-route-reason") in ("finish_soonest", "stale_fail_open")
+
+        wait_for(pinned, timeout=20, interval=0.2, what="Checks answered by the new control plane")
+    finally:
+        stack.close()
