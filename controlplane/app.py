@@ -57,8 +57,9 @@ class ControlPlane:
         self.config = config
         self.clock = clock
         self.version = _version()
-        self.metrics = SluiceMetrics()
         self.ledger = Ledger(config.tickets.lease_seconds)
+        self.metrics = SluiceMetrics(
+            open_tickets=lambda: {p.config.name: self.ledger.open_tickets(p.config.name) for p in self.pollers})
         self.admission = AdmissionCore(config.policy, self.ledger, admit_stale=config.observe.on_stale == "open",
                                        draw=random.random)
         self._parked: dict[str, asyncio.Future[Outcome]] = {}
@@ -134,7 +135,6 @@ class ControlPlane:
     def release_ticket(self, ticket_id: str) -> Ticket | None:
         ticket = self.admission.release(ticket_id, self.clock())
         if ticket is not None:
-            self.metrics.tickets_open.labels(ticket.engine).dec()
             self.metrics.tickets_released.labels(ticket.engine).inc()
             self.wake([ticket.model])
         return ticket
@@ -145,8 +145,6 @@ class ControlPlane:
         m.admission_decisions.labels(self.model_label(model), d.verdict.value, d.reason.value).inc()
         if d.verdict in (Verdict.SHED, Verdict.REJECT):
             m.admission_rejected.labels(d.reason.value).inc()
-        if outcome.ticket is not None:
-            m.tickets_open.labels(outcome.ticket.engine).inc()
         if outcome.parked_for > 0:
             m.park_seconds.observe(outcome.parked_for)
 
@@ -178,7 +176,7 @@ class ControlPlane:
         if rates is not None and view.models:
             # Rates are booked under the engine's first model: engine metrics are per process, not per model.
             self.rates.record(view.models[0].model_id, view.chip_class, rates, view.name)
-        self.wake([m.model_id for m in view.models])
+        self.wake([model.model_id for model in view.models])
 
     def check_staleness(self, now: float) -> None:
         """Count every fresh -> stale transition (``sluice_engine_state_stale_total``) and keep ``sluice_engine_up``."""
@@ -283,7 +281,6 @@ class ControlPlane:
         for ticket in tickets:
             log.warning("ticket %s on %s reaped (%s): its access-log entry never arrived", ticket.ticket_id,
                         ticket.engine, why)
-            self.metrics.tickets_open.labels(ticket.engine).dec()
             self.metrics.tickets_expired.labels(ticket.engine).inc()
         if tickets:
             self.wake()

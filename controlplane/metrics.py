@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class _OpenTickets(Collector):
+    """``sluice_tickets_open{engine}`` read from the ledger at scrape time, so it can never drift from it."""
+
+    def __init__(self, open_tickets: Callable[[], dict[str, int]]) -> None:
+        self._open_tickets = open_tickets
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("sluice_tickets_open", "Admission tickets not yet released.", labels=["engine"])
+        for engine, count in sorted(self._open_tickets().items()):
+            family.add_metric([engine], count)
+        yield family
 
 
 class SluiceMetrics:
-    def __init__(self) -> None:
+    def __init__(self, open_tickets: Callable[[], dict[str, int]] = dict) -> None:
         r = self.registry = CollectorRegistry()
+        r.register(_OpenTickets(open_tickets))
         self.xds_nacks = Counter("sluice_xds_nacks", "xDS responses Envoy rejected.", ["type_url"], registry=r)
         self.xds_streams = Gauge("sluice_xds_streams", "Open ADS streams.", registry=r)
         self.xds_responses = Counter("sluice_xds_responses", "xDS responses sent.", ["type_url"], registry=r)
@@ -40,7 +58,6 @@ class SluiceMetrics:
                      0.025, 0.05, 0.1, 0.5, 1, 5, 30, 130),
             registry=r,
         )
-        self.tickets_open = Gauge("sluice_tickets_open", "Admission tickets not yet released.", ["engine"], registry=r)
         self.tickets_released = Counter(
             "sluice_tickets_released", "Tickets released by an access-log entry.", ["engine"], registry=r
         )

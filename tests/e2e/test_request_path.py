@@ -197,6 +197,9 @@ def test_burst_releases_every_ticket(stack: Stack) -> None:
     wait_for(lambda: all(e.open_tickets == 0 for e in stack.engines().values()), timeout=10, what="tickets released")
     final = stack.status()
     assert final.open_tickets == 0 and final.tickets_expired_total == 0
+    assert stack.controlplane is not None
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.controlplane.plane.metrics_port}/metrics").read().decode()
+    assert 'sluice_tickets_open{engine="thor"} 0.0' in metrics and 'sluice_tickets_open{engine="spark"} 0.0' in metrics
 
 
 def test_unknown_path_is_404(stack: Stack) -> None:
