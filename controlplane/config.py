@@ -218,10 +218,13 @@ class _Checker:
     def port(self, path: str, value: Any) -> int:
         return int(self.number(path, value, minimum=1, maximum=65535, integer=True))
 
-    def entries(self, section: str, items: list[Any], fields: set[str]) -> Iterator[tuple[int, str, dict[str, Any]]]:
-        """(index, dotted path, mapping) for each mapping in a list section; non-mappings and unknown keys reported."""
-        for i, item in enumerate(items):
-            path = f"{section}[{i}]"
+    def entries(self, section: str, items: list[Any] | dict[str, Any],
+                fields: set[str]) -> Iterator[tuple[int | str, str, dict[str, Any]]]:
+        """(index or key, dotted path, mapping) for each mapping in a list section (``boxes[0]``) or a mapping section
+        (``models.cortex``); non-mappings and unknown keys are reported."""
+        pairs = items.items() if isinstance(items, dict) else enumerate(items)
+        for i, item in pairs:
+            path = f"{section}.{i}" if isinstance(items, dict) else f"{section}[{i}]"
             if not isinstance(item, dict):
                 self.problems.append(f"{path}: must be a mapping")
                 continue
@@ -351,13 +354,7 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
     if not isinstance(raw_models, dict):
         c.problems.append("models: must be a mapping of model id -> settings")
         raw_models = {}
-    for model_id, fields in raw_models.items():
-        path = f"models.{model_id}"
-        if not isinstance(fields, dict):
-            c.problems.append(f"{path}: must be a mapping")
-            continue
-        for key in sorted(set(fields) - _MODEL_FIELDS):
-            c.problems.append(f"{path}.{key}: unknown field")
+    for model_id, path, fields in c.entries("models", raw_models, _MODEL_FIELDS):
         values: dict[str, Any] = {}
         for key, integer in (("decode_floor_tokens_per_s", False), ("solo_decode_tokens_per_s", False),
                              ("kv_bytes_per_token", True), ("max_ttft_ms", True)):

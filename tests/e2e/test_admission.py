@@ -31,6 +31,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.close()
 
 
+def fill_slots(stack: Stack, pool: concurrent.futures.ThreadPoolExecutor, max_tokens: int) -> list:  # type: ignore[type-arg]
+    """Take all four slots of the fleet with requests of ``max_tokens``; their futures."""
+    holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=max_tokens)) for _ in range(4)]
+    wait_for(lambda: stack.status().open_tickets == 4, what="all four slots taken")
+    return holders
+
+
 def drained(stack: Stack) -> None:
     wait_for(lambda: stack.status().open_tickets == 0 and stack.controlplane.plane.admission.depth() == 0,  # type: ignore[union-attr]
              timeout=30, what="fleet drained")
@@ -55,8 +62,7 @@ def test_client_that_leaves_while_parked_leaves_nothing(stack: Stack) -> None:
     drained(stack)
     plane = stack.controlplane.plane  # type: ignore[union-attr]
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=60)) for _ in range(4)]
-        wait_for(lambda: stack.status().open_tickets == 4, what="four slots taken")
+        holders = fill_slots(stack, pool, max_tokens=60)
         served_before = sum(len(stack.sim_log(n)) for n in stack.sims)
         raw = body(max_tokens=5)
         sock = socket.create_connection(("127.0.0.1", stack.config.envoy.listen_port))
@@ -76,8 +82,7 @@ def test_queue_overflow_and_sheddable_get_503_with_retry_after(stack: Stack) -> 
     drained(stack)
     plane = stack.controlplane.plane  # type: ignore[union-attr]
     with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
-        long = [pool.submit(post, stack, "/chat/completions", body(max_tokens=200)) for _ in range(4)]
-        wait_for(lambda: stack.status().open_tickets == 4, what="slots full")
+        long = fill_slots(stack, pool, max_tokens=200)
         parked = [pool.submit(post, stack, "/chat/completions", body(max_tokens=5)) for _ in range(6)]
         wait_for(lambda: plane.admission.depth() == 6, what="queue full")
         status, headers, payload = post(stack, "/chat/completions", body(max_tokens=5))
@@ -106,8 +111,7 @@ def test_critical_jumps_the_standard_queue(stack: Stack) -> None:
         admitted_at[tag] = sent + int(response_headers["x-sluice-parked-ms"]) / 1000
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-        holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=80)) for _ in range(4)]
-        wait_for(lambda: stack.status().open_tickets == 4, what="slots full")
+        holders = fill_slots(stack, pool, max_tokens=80)
         standard = pool.submit(timed, "standard", {})
         wait_for(lambda: plane.admission.depth() == 1, what="standard parked")
         critical = pool.submit(timed, "critical", {"x-sluice-priority": "critical"})
