@@ -1,0 +1,73 @@
+"""Discovery documents per engine flavour parse into models, version, KV capacity and concurrency cap."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controlplane.core.model import ServedModel
+from controlplane.observe.discovery import Discovery, parse_discovery, parse_models, slots_kv_usage
+from controlplane.observe.parse import Flavor
+
+FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "engine-metrics"
+
+
+def test_vllm_models_with_a_lora_adapter() -> None:
+    """The captured vLLM /v1/models with LoRA adapters: the adapter names its base model and has no max_model_len."""
+    path = FIXTURES / "vllm-0.7.x-aibrix-runtime-docs-v1-models-lora.json"
+    if not path.exists():
+        pytest.fail(f"fixture {path} missing: shared/ must sit beside the repository")
+    models = parse_models(json.loads(path.read_text()))
+    bases = [m for m in models if m.parent is None]
+    adapters = [m for m in models if m.parent is not None]
+    assert bases and adapters
+    assert all(a.max_model_len is None for a in adapters)
+    assert all(b.max_model_len for b in bases)
+    assert {a.parent for a in adapters} <= {b.model_id for b in bases}
+
+
+M = (ServedModel("m", 8192),)
+
+
+@pytest.mark.parametrize(
+    ("flavor", "documents", "expected"),
+    [
+        (Flavor.VLLM, {"/version": {"version": "0.10.1"}}, Discovery(M, "0.10.1")),
+        (Flavor.VLLM, {}, Discovery(M, None)),
+        (Flavor.SGLANG, {"/server_info": {"version": "0.5.4", "max_running_requests": 48, "max_total_num_tokens": 90000}},
+         Discovery(M, "0.5.4", 90000, 48)),
+        (Flavor.SGLANG, {"/server_info": {"version": "0.5.4"},
+                         "/v1/loads": {"loads": [{"max_total_num_tokens": 50000, "max_running_requests": 16},
+                                                 {"max_total_num_tokens": 50000, "max_running_requests": 16}]}},
+         Discovery(M, "0.5.4", 100000, 32)),
+        (Flavor.LLAMACPP, {"/props": {"total_slots": 4, "default_generation_settings": {"n_ctx": 4096},
+                                      "build_info": "b6500-abc"}},
+         Discovery((ServedModel("m", 4096),), "b6500-abc", 16384, 4)),
+        (Flavor.TGI, {"/info": {"version": "3.0.1", "max_concurrent_requests": 128, "model_id": "x"}},
+         Discovery(M, "3.0.1", None, 128)),
+    ],
+    ids=["vllm", "vllm-no-version", "sglang-server-info", "sglang-dp-loads", "llamacpp-props", "tgi-info"],
+)
+def test_parse_discovery(flavor: Flavor, documents: dict, expected: Discovery) -> None:  # type: ignore[type-arg]
+    assert parse_discovery(flavor, M, documents) == expected
+
+
+def test_tgi_without_v1_models_takes_the_model_from_info() -> None:
+    found = parse_discovery(Flavor.TGI, (), {"/info": {"model_id": "bigscience/bloom", "max_total_tokens": 2048}})
+    assert found.models == (ServedModel("bigscience/bloom", 2048),)
+
+
+@pytest.mark.parametrize(
+    ("slots", "expected"),
+    [
+        ([{"n_ctx": 1000, "is_processing": True, "n_prompt_tokens": 300, "next_token": {"n_decoded": 100}},
+          {"n_ctx": 1000, "is_processing": False, "n_prompt_tokens": 900}], 0.2),
+        ([], None),
+        ([{"is_processing": True}], None),  # no n_ctx: unknown, not zero
+    ],
+    ids=["one-busy-slot", "no-slots", "no-context-size"],
+)
+def test_llamacpp_kv_usage_from_slots(slots: list, expected: float | None) -> None:  # type: ignore[type-arg]
+    assert slots_kv_usage(slots) == expected
