@@ -183,6 +183,8 @@ DEFAULTS: dict[str, Any] = {
         "wait_for_faster_margin": 0.0,
         "band_margin_ms": 1000.0,
         "serve_half_life_seconds": 300.0,
+        "backfill": False,
+        "backfill_scan": 16,
     },
 }
 _MODEL_FIELDS = {"decode_floor_tokens_per_s", "solo_decode_tokens_per_s", "kv_bytes_per_token", "max_ttft_ms"}
@@ -231,6 +233,12 @@ class _Checker:
             for key in sorted(set(item) - fields):
                 self.problems.append(f"{path}.{key}: unknown field")
             yield i, path, item
+
+    def flag(self, path: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            self.problems.append(f"{path}: must be true or false, got {value!r}")
+            return False
+        return value
 
     def choice(self, path: str, value: Any, allowed: tuple[str, ...]) -> str:
         if value not in allowed:
@@ -346,6 +354,8 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
         band_margin_ms=float(c.number("admission.band_margin_ms", ad["band_margin_ms"], minimum=0)),
         serve_half_life_s=float(c.number("admission.serve_half_life_seconds", ad["serve_half_life_seconds"],
                                          minimum=1)),
+        backfill=c.flag("admission.backfill", ad["backfill"]),
+        backfill_scan=int(c.number("admission.backfill_scan", ad["backfill_scan"], minimum=1, integer=True)),
     )
     if policy["retry_after_min_s"] > policy["retry_after_max_s"]:
         c.problems.append("admission.retry_after_min_seconds: must not exceed admission.retry_after_max_seconds")

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from controlplane.core.decide import decide, retry_after, shed
+from controlplane.core.decide import decide, earliest_fit, retry_after, shed
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Ticket, Verdict
 from controlplane.core.policy import Policy
@@ -96,6 +96,8 @@ class AdmissionCore:
         model = request.model
         ahead = self.queued_ahead(model, request.priority) if model else 0
         decision = decide(request, fleet, self.policy, now, ahead, self.sessions.get(request.session), self.draw())
+        if decision.verdict is Verdict.PARK and ahead and self.policy.backfill and model is not None:
+            decision = self._backfill_arrival(request, model, fleet, now, decision)
         if decision.verdict is Verdict.ADMIT:
             return self._admit(request_id, request, decision, now, parked_for=0.0)
         if decision.verdict is not Verdict.PARK:
@@ -106,7 +108,7 @@ class AdmissionCore:
             wait = retry_after(candidates, fleet, self.policy, now, self.depth(model))
             return Outcome(request_id, shed(Reason.QUEUE_FULL,
                                             f"{self.depth(model)} requests already parked for {model}", wait))
-        klass = request.priority if request.priority in PARK_CLASSES else "standard"
+        klass = _class_of(request)
         limit = decision.park_limit_s
         ttft_bound = limit is not None and limit < self.policy.max_park_seconds
         longest = limit if ttft_bound and limit is not None else self.policy.max_park_seconds
@@ -150,6 +152,8 @@ class AdmissionCore:
                                       self.sessions.get(request.session), self.draw(), self.depth(model) - 1)
                     if decision.verdict is Verdict.PARK:
                         blocked = True
+                        if self.policy.backfill:
+                            out.extend(self._backfill(model, klass, head, fleet_of, now))
                         break
                     queue.popleft()
                     del self._where[head.request_id]
@@ -178,6 +182,37 @@ class AdmissionCore:
             out.append(Outcome(parked.request_id, decision, parked_for=now - parked.parked_at))
         return out
 
+    def _backfill_arrival(self, request: InferenceRequest, model: str, fleet: Fleet, now: float,
+                          parked: Decision) -> Decision:
+        """A new arrival behind parked requests may start at once if it finishes before every head ahead of it could."""
+        heads = [q[0] for k, q in self._lot.get(model, {}).items()
+                 if q and PARK_CLASSES.index(k) <= PARK_CLASSES.index(_class_of(request))]
+        starts = [earliest_fit(h.request, fleet, self.policy, now) for h in heads]
+        if not starts or any(s is None for s in starts):
+            return parked
+        decision = decide(request, fleet, self.policy, now, 0, self.sessions.get(request.session), self.draw())
+        if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= min(s for s in starts if s is not None):
+            return decision
+        return parked
+
+    def _backfill(self, model: str, klass: str, head: Parked, fleet_of: Callable[[], Fleet],
+                  now: float) -> list[Outcome]:
+        """EASY backfilling behind a blocked head: admit a later request of the class that fits now and is expected to
+        finish before the head could start, so the head's start is not pushed back."""
+        head_start = earliest_fit(head.request, fleet_of(), self.policy, now)
+        if head_start is None:
+            return []
+        out = []
+        queue = self._lot[model][klass]
+        for parked in list(queue)[1:self.policy.backfill_scan + 1]:
+            decision = decide(parked.request, fleet_of(), self.policy, now, 0,
+                              self.sessions.get(parked.request.session), self.draw())
+            if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= head_start:
+                queue.remove(parked)
+                del self._where[parked.request_id]
+                out.append(self._admit(parked.request_id, parked.request, decision, now, now - parked.parked_at))
+        return out
+
     def _admit(self, request_id: str, request: InferenceRequest, decision: Decision, now: float,
                parked_for: float) -> Outcome:
         assert decision.engine is not None and request.model is not None
@@ -187,3 +222,7 @@ class AdmissionCore:
         self.serves.add(decision.engine, now)
         self.sessions.set(request.session, decision.engine)
         return Outcome(request_id, decision, ticket, parked_for)
+
+
+def _class_of(request: InferenceRequest) -> str:
+    return request.priority if request.priority in PARK_CLASSES else "standard"

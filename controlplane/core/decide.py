@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Verdict
@@ -404,3 +404,31 @@ def explain(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float)
         out.append(EngineExplanation(e.name, serves, meets_floor(e.version, floor), e.stale, e.drained, reasons,
                                      x.ttft_s if x else None, x.finish_s if x else None, effective_load(e, fleet)))
     return tuple(out)
+
+
+def earliest_fit(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float) -> float | None:
+    """When ``request`` could start at the earliest if open tickets finish when the ledger expects: per engine, release
+    its tickets soonest first until no fit rule blocks; the soonest engine's time (``now`` if one fits already). None when
+    no candidate frees up within its open tickets (backfill then has no bound to respect)."""
+    assert request.model is not None
+    floor = policy.floor_for(request.model)
+    best: float | None = None
+    for engine in fleet.engines:
+        if not engine.serves(request.model) or engine.drained or not meets_floor(engine.version, floor):
+            continue
+        if engine.stale and not fleet.admit_stale:
+            continue
+        if not misfits(engine, request, fleet, policy):
+            return now
+        ledger = fleet.of(engine.name)
+        tokens = 0
+        for freed, (done_at, reserved) in enumerate(ledger.finishing, start=1):
+            tokens += reserved
+            what_if = replace(ledger, open_tickets=ledger.open_tickets - freed, unseen_load=ledger.unseen_load - freed,
+                              committed_tokens=ledger.committed_tokens - tokens,
+                              released_since_probe_tokens=ledger.released_since_probe_tokens + tokens)
+            if not misfits(engine, request, replace(fleet, ledger={**fleet.ledger, engine.name: what_if}), policy):
+                at = max(now, done_at)
+                best = at if best is None else min(best, at)
+                break
+    return best

@@ -221,6 +221,8 @@ class EngineLedger:
     open_by_model: tuple[tuple[str, int], ...] = ()
     expected_done: tuple[float, ...] = ()
     """Expected finish times of open tickets, soonest first."""
+    finishing: tuple[tuple[float, int], ...] = ()
+    """(expected finish time, reserved tokens) of open tickets, soonest first (for backfill's what-if)."""
 
     def open_for(self, model: str) -> int:
         return dict(self.open_by_model).get(model, 0)

@@ -56,6 +56,11 @@ class Policy:
     """Satisficing band: estimated TTFT at least this far inside the deadline."""
     serve_half_life_s: float = 300.0
     """Half-life of the recent-serves count that weights the band."""
+    backfill: bool = False
+    """Off: strict FIFO within a class. On: a parked request behind a blocked head may start now if it is expected to
+    finish before the head could start (EASY backfilling), so the head is not delayed."""
+    backfill_scan: int = 16
+    """How far behind a blocked head backfill looks."""
     models: dict[str, ModelPolicy] = field(default_factory=dict)
     version_floors: tuple[tuple[str, str], ...] = ()
     """(pattern, minimum version): a model whose id contains ``pattern`` (case-insensitive) needs engines at or above it."""
