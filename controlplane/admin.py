@@ -110,6 +110,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             queued_ahead=ahead, engines=engines,
         )
 
+    async def ReloadConfig(  # noqa: N802
+        self, request: admin_pb2.ReloadConfigRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ReloadConfigResponse:
+        applied, problems, changed, source = await self.plane.reload(request.path or None)
+        return admin_pb2.ReloadConfigResponse(applied=applied, problems=problems, changed=changed, source=str(source))
+
     def _engine(self, e: EngineView, fleet: Fleet) -> admin_pb2.Engine:
         plane = self.plane
         now = plane.clock()

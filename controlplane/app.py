@@ -8,6 +8,7 @@ import random
 import signal
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 
 import aiohttp
@@ -22,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from controlplane.accesslog import AccessLogServicer
 from controlplane.admin import AdminServicer
 from controlplane.authz import AuthorizationServicer
-from controlplane.config import Config, ConfigError, load_config
+from controlplane.config import RELOADABLE, Config, ConfigError, load_config
 from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineRates, EngineView, Fleet, Ticket, Verdict
@@ -114,6 +115,34 @@ class ControlPlane:
                 self.release_ticket(outcome.ticket.ticket_id)
         if outcomes:
             self.metrics.parked_now.set(self.admission.depth())
+
+    async def reload(self, path: str | None = None) -> tuple[bool, list[str], list[str], str]:
+        """Apply a config file's policy, all or nothing: (applied, problems, changed sections, source read)."""
+        source = path or (None if self.config.source.startswith("bundled:") else self.config.source)
+        if source == "<memory>":
+            return False, ["(file): this control plane was not started from a file; name one"], [], source
+        try:
+            fresh = load_config(source)
+        except ConfigError as exc:
+            return False, exc.problems, [], str(source)
+        restart = self.config.restart_needed(fresh)
+        if restart:
+            problems = [f"{name}: changed, which needs a restart (a reload applies only {', '.join(RELOADABLE)})"
+                        for name in restart]
+            return False, problems, [], fresh.source
+        old = self.config
+        changed = [name for name in ("admission", "models", "version_floors", "boxes") if _policy_section(old, name)
+                   != _policy_section(fresh, name)]
+        if old.observe.on_stale != fresh.observe.on_stale:
+            changed.append("observe.on_stale")
+        self.config = replace(old, policy=fresh.policy, observe=fresh.observe, source=fresh.source)
+        self.admission.policy = fresh.policy
+        self.admission.admit_stale = fresh.observe.on_stale == "open"
+        self.admission.serves.half_life_s = fresh.policy.serve_half_life_s
+        log.warning("policy reloaded from %s; changed: %s", fresh.source, ", ".join(changed) or "nothing")
+        await self.refresh_weights()
+        self.wake()
+        return True, [], changed, fresh.source
 
     async def set_drained(self, name: str, drained: bool) -> bool:
         poller = next((p for p in self.pollers if p.config.name == name), None)
@@ -298,6 +327,17 @@ class ControlPlane:
             await self._metrics_runner.cleanup()
 
 
+def _policy_section(config: Config, name: str) -> object:
+    p = config.policy
+    if name == "models":
+        return p.models
+    if name == "version_floors":
+        return p.version_floors
+    if name == "boxes":
+        return p.boxes
+    return replace(p, models={}, version_floors=(), boxes=())
+
+
 async def serve_until_signalled(config: Config) -> None:
     plane = ControlPlane(config)
     await plane.start()
@@ -305,6 +345,13 @@ async def serve_until_signalled(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    async def reload_on_hup() -> None:
+        applied, problems, _, source = await plane.reload()
+        if not applied:
+            log.error("reload of %s refused; the running policy stays:\n  %s", source, "\n  ".join(problems))
+
+    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(reload_on_hup()))
     await stop.wait()
     log.info("stopping control plane")
     await plane.stop()

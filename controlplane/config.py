@@ -13,7 +13,7 @@ import ipaddress
 import re
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -124,7 +124,11 @@ class EngineConfig:
 
 
 AUTHZ_TIMEOUT_GRACE_S = 10.0
-"""Envoy waits this much longer than the longest park for a Check answer, so a full park never becomes an authz error."""
+"""Margin between the longest park and Envoy's limits, so a full park never becomes an authz error or a stream reset."""
+
+#: Sections a running control plane can take from a reloaded file; the others shape processes, ports or Envoy's
+#: listener (changing the listener would drain every open stream) and need a restart.
+RELOADABLE = ("admission", "models", "version_floors", "boxes", "observe.on_stale")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +143,17 @@ class Config:
 
     @property
     def authz_timeout_seconds(self) -> float:
-        return self.policy.max_park_seconds + AUTHZ_TIMEOUT_GRACE_S
+        """Envoy's ext_authz timeout: tied to the stream idle timeout, not to the (reloadable) park bound, so the listener
+        never changes on a policy reload. Validation keeps ``max_park_seconds + grace`` below it."""
+        return self.envoy.stream_idle_timeout_seconds - AUTHZ_TIMEOUT_GRACE_S
+
+    def restart_needed(self, other: Config) -> list[str]:
+        """Sections that differ between this config and ``other`` outside ``RELOADABLE``."""
+        changed = [name for name in ("controlplane", "envoy", "tickets", "engines")
+                   if getattr(self, name) != getattr(other, name)]
+        if replace(self.observe, on_stale=other.observe.on_stale) != other.observe:
+            changed.append("observe")
+        return changed
 
 
 DEFAULTS: dict[str, Any] = {
@@ -320,10 +334,11 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     )
     engines = _parse_engines(c, raw.get("engines"))
     policy = _parse_policy(c, raw, {e.name for e in engines})
-    if envoy.stream_idle_timeout_seconds <= policy.max_park_seconds + AUTHZ_TIMEOUT_GRACE_S:
+    if envoy.stream_idle_timeout_seconds < policy.max_park_seconds + 2 * AUTHZ_TIMEOUT_GRACE_S:
         c.problems.append(
-            "envoy.stream_idle_timeout_seconds: must exceed admission.max_park_seconds + "
-            f"{AUTHZ_TIMEOUT_GRACE_S:g} (a parked request is a silent stream; Envoy would reset it)"
+            f"admission.max_park_seconds: must stay {2 * AUTHZ_TIMEOUT_GRACE_S:g} s below "
+            f"envoy.stream_idle_timeout_seconds ({envoy.stream_idle_timeout_seconds:g}): a parked request is a silent "
+            "stream, and Envoy's Check timeout is the idle timeout less 10 s"
         )
     if c.problems:
         raise ConfigError(c.problems)

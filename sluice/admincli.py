@@ -80,7 +80,17 @@ def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None,
     with grpc.insecure_channel(target) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         try:
-            if verb == "explain":
+            if verb == "reload":
+                result = stub.ReloadConfig(admin_pb2.ReloadConfigRequest(path=name or ""), timeout=10)
+                if as_json:
+                    text = json.dumps(MessageToDict(result, always_print_fields_with_no_presence=True), indent=2)
+                elif result.applied:
+                    text = f"reloaded {result.source}; changed: {', '.join(result.changed) or 'nothing'}"
+                else:
+                    print(f"sluice admin reload: refused, the running policy stays:\n  " + "\n  ".join(result.problems),
+                          file=sys.stderr)
+                    return 1
+            elif verb == "explain":
                 assert explain is not None
                 result = stub.ExplainDecision(explain, timeout=5)
                 text = (json.dumps(MessageToDict(result, always_print_fields_with_no_presence=True), indent=2)

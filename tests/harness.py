@@ -100,6 +100,8 @@ class ThreadedControlPlane:
 class Stack:
     config: Config
     work_dir: Path
+    raw: dict[str, Any] = field(default_factory=dict)
+    """The YAML-shaped mapping the config was parsed from (tests write variants of it to reload)."""
     sims: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     controlplane: ThreadedControlPlane | None = None
     envoy: subprocess.Popen[bytes] | None = None
@@ -156,6 +158,10 @@ def set_metrics_fault(url: str, fault: str) -> None:
 
 
 def stack_config(engines: list[dict[str, Any]], **sections: Any) -> Config:
+    return parse_config(stack_raw(engines, **sections))
+
+
+def stack_raw(engines: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
     raw: dict[str, Any] = {
         "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
@@ -167,7 +173,7 @@ def stack_config(engines: list[dict[str, Any]], **sections: Any) -> Config:
             raw.setdefault(key, {}).update(value)
         else:
             raw[key] = value
-    return parse_config(raw)
+    return raw
 
 
 def start_stack(
@@ -180,8 +186,9 @@ def start_stack(
     for entry in entries:
         entry.setdefault("url", f"http://127.0.0.1:{free_port()}")
         entry.setdefault("speed", speed)
-    config = stack_config(entries, **sections)
-    stack = Stack(config, work_dir)
+    raw = stack_raw(entries, **sections)
+    config = parse_config(raw)
+    stack = Stack(config, work_dir, raw)
     try:
         for entry, engine in zip(entries, config.engines):
             extra = ["--flavor", engine.sim_flavor] + (["--model", entry["model"]] if "model" in entry else [])

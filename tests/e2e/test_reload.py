@@ -1,0 +1,56 @@
+"""Runtime policy changes: a reloaded file's policy applies at once, all or nothing; a file with a problem, or one that
+changes what needs a restart, leaves the running policy untouched and says why."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.e2e.test_request_path import post
+from tests.harness import Stack, start_stack
+
+BODY = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+
+
+def reload(stack: Stack, raw: dict[str, Any], tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return subprocess.run(
+        [sys.executable, "-m", "sluice", "admin", "reload", str(path), "--target",
+         f"127.0.0.1:{stack.config.controlplane.grpc_port}"], capture_output=True, text=True, timeout=30)
+
+
+def test_reload_applies_policy_all_or_nothing(tmp_path: Path) -> None:
+    stack = start_stack([("thor", "thor")], tmp_path)
+    try:
+        assert post(stack, "/chat/completions", BODY)[0] == 200
+
+        floored = copy.deepcopy(stack.raw)
+        floored["version_floors"] = {"cortex": "0.11"}
+        done = reload(stack, floored, tmp_path, "floored")
+        assert done.returncode == 0 and "changed: version_floors" in done.stdout
+        status, _, payload = post(stack, "/chat/completions", BODY)
+        assert status == 503 and json.loads(payload)["error"]["code"] == "version_floor"
+
+        broken = copy.deepcopy(floored)
+        broken["version_floors"] = {}
+        broken["admission"] = {"kv_high_watermark": 2}
+        refused = reload(stack, broken, tmp_path, "broken")
+        assert refused.returncode == 1 and "admission.kv_high_watermark" in refused.stderr
+        assert post(stack, "/chat/completions", BODY)[0] == 503  # the running policy (with its floor) stays
+
+        moved = copy.deepcopy(stack.raw)
+        moved["envoy"]["listen_port"] += 1
+        refused = reload(stack, moved, tmp_path, "moved")
+        assert refused.returncode == 1 and "envoy: changed, which needs a restart" in refused.stderr
+
+        assert reload(stack, stack.raw, tmp_path, "original").returncode == 0
+        assert post(stack, "/chat/completions", BODY)[0] == 200
+    finally:
+        stack.close()
