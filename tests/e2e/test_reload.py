@@ -54,3 +54,41 @@ def test_reload_applies_policy_all_or_nothing(tmp_path: Path) -> None:
         assert post(stack, "/chat/completions", BODY)[0] == 200
     finally:
         stack.close()
+
+
+def test_sighup_reloads_the_control_planes_own_file(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    import grpc
+
+    from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
+    from tests.harness import free_port, wait_for
+
+    raw: dict[str, Any] = {
+        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+        "engines": [{"name": "far", "url": f"http://127.0.0.1:{free_port()}", "models": ["cortex"]}],
+    }
+    path = tmp_path / "sluice.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    plane = subprocess.Popen([sys.executable, "-m", "sluice", "controlplane", "--config", str(path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{raw['controlplane']['grpc_port']}"))
+
+    def verdict() -> str:
+        why = stub.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", prompt_tokens=10), timeout=2)
+        return f"{why.verdict}/{why.reason}"
+
+    try:
+        assert wait_for(verdict, what="control plane up") == "admit/stale_fail_open"  # unreachable engine, fail-open
+        path.write_text(yaml.safe_dump({**raw, "version_floors": {"cortex": "1.0"}}))
+        plane.send_signal(signal.SIGHUP)
+        wait_for(lambda: verdict() == "shed/version_floor", what="the floor applied on SIGHUP")
+        path.write_text("engines: [")  # broken: the running policy must stay
+        plane.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert verdict() == "shed/version_floor"
+    finally:
+        plane.terminate()
+        output = plane.communicate(timeout=10)[0]
+    assert "reload of" in output and "refused" in output
