@@ -64,6 +64,8 @@ class EnvoyConfig:
     """Retry-After on the fail-closed 503."""
     weight_change_threshold: float
     """Fallback weights are re-pushed over RDS only when one moves by more than this fraction."""
+    max_downstream_connections: int
+    """Client connections Envoy accepts at once; more are refused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +172,7 @@ DEFAULTS: dict[str, Any] = {
         "on_controlplane_failure": "open",
         "failure_retry_after_seconds": 5,
         "weight_change_threshold": 0.10,
+        "max_downstream_connections": 50000,
     },
     "observe": {
         "poll_interval_seconds": 1.0,
@@ -307,6 +310,8 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
                                                  minimum=1, integer=True)),
         weight_change_threshold=float(c.number("envoy.weight_change_threshold", ev["weight_change_threshold"],
                                                minimum=0)),
+        max_downstream_connections=int(c.number("envoy.max_downstream_connections", ev["max_downstream_connections"],
+                                                minimum=1, integer=True)),
     )
     ob = c.section(raw, "observe")
     observe = ObserveConfig(

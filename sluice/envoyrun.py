@@ -28,6 +28,7 @@ def render_bootstrap(config: Config, node_id: str = "sluice-envoy") -> str:
         admin_port=config.envoy.admin_port,
         controlplane_host=config.controlplane.host,
         controlplane_port=config.controlplane.grpc_port,
+        max_connections=config.envoy.max_downstream_connections,
     )
 
 
