@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from controlplane.core.decide import decide, effective_load, explain
+from controlplane.core.decide import decide, explain
+from controlplane.core.route import effective_load
 from controlplane.core.model import EngineRates, EngineView, Fleet, InferenceRequest
 from controlplane.core.policy import PRIORITIES
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc

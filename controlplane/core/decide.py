@@ -40,7 +40,7 @@ from typing import Any
 
 from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Verdict
 from controlplane.core.policy import PRIORITIES, Policy, meets_floor
-from controlplane.core.route import Estimate, estimate, prefill_rate, weighted_pick
+from controlplane.core.route import Estimate, effective_load, estimate, prefill_rate, weighted_pick
 
 #: Paths whose body names a model and is routed to an engine.
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -141,14 +141,6 @@ def parse_request(
 # -- the rules ------------------------------------------------------------------------------------------------------------
 def need_tokens(request: InferenceRequest, policy: Policy) -> int:
     return request.prompt_tokens + (request.max_tokens or policy.default_max_tokens)
-
-
-def effective_load(engine: EngineView, fleet: Fleet) -> float:
-    """``max(probe running + waiting + unseen_load, open tickets)``: the probe sees traffic that bypasses sluice, the
-    ledger sees what the probe cannot have counted yet."""
-    ledger = fleet.of(engine.name)
-    probe = engine.sample.queue if engine.sample is not None else None
-    return max(0.0, (probe or 0.0) + ledger.unseen_load, float(ledger.open_tickets))
 
 
 def held_tokens(engine: EngineView, fleet: Fleet) -> float:

@@ -48,7 +48,9 @@ class Estimate:
     decode_rate: float
 
 
-def _load(engine: EngineView, fleet: Fleet) -> float:
+def effective_load(engine: EngineView, fleet: Fleet) -> float:
+    """``max(probe running + waiting + unseen_load, open tickets)``: the probe sees traffic that bypasses sluice, the
+    ledger sees what the probe cannot have counted yet."""
     ledger = fleet.of(engine.name)
     probe = engine.sample.queue if engine.sample is not None else None
     return max(0.0, (probe or 0.0) + ledger.unseen_load, float(ledger.open_tickets))
@@ -76,7 +78,7 @@ def prefill_rate(engine: EngineView, model: str, fleet: Fleet, policy: Policy) -
 def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: Fleet, policy: Policy,
              now: float, pressure: bool = False, behind: int = 0) -> Estimate:
     assert request.model is not None
-    load = _load(engine, fleet)
+    load = effective_load(engine, fleet)
     cap = engine.cap
     wait = 0.0
     if not fits:

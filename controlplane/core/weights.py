@@ -13,7 +13,7 @@ below the floor or drained gets no weight at all. Weights are pushed only when o
 
 from __future__ import annotations
 
-from controlplane.core.decide import effective_load
+from controlplane.core.route import effective_load
 from controlplane.core.model import EngineView, Fleet
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.route import decode_rate
