@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from controlplane.accesslog import AccessLogServicer
 from controlplane.admin import AdminServicer
 from controlplane.authz import AuthorizationServicer
-from controlplane.config import RELOADABLE, Config, ConfigError, load_config
+from controlplane.config import RELOADABLE, Config, ConfigError, EngineConfig, load_config
 from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineRates, EngineView, Fleet, Ticket, Verdict
@@ -77,6 +77,7 @@ class ControlPlane:
         self._session: aiohttp.ClientSession | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._poll_tasks: dict[str, asyncio.Task[None]] = {}
 
     # -- state the servicers read ----------------------------------------------------------------------------------------
     def fleet(self, now: float) -> Fleet:
@@ -135,14 +136,34 @@ class ControlPlane:
                    != _policy_section(fresh, name)]
         if old.observe.on_stale != fresh.observe.on_stale:
             changed.append("observe.on_stale")
-        self.config = replace(old, policy=fresh.policy, observe=fresh.observe, source=fresh.source)
+        if old.engines != fresh.engines:
+            changed.append("engines")
+        self.config = replace(old, policy=fresh.policy, observe=fresh.observe, engines=fresh.engines,
+                              source=fresh.source)
+        self._apply_engines(old.engines, fresh.engines)
         self.admission.policy = fresh.policy
         self.admission.admit_stale = fresh.observe.on_stale == "open"
         self.admission.serves.half_life_s = fresh.policy.serve_half_life_s
         log.warning("policy reloaded from %s; changed: %s", fresh.source, ", ".join(changed) or "nothing")
+        if "engines" in changed:
+            await self.publish()  # clusters and endpoints first-class over CDS/EDS; the listener does not move
         await self.refresh_weights()
         self.wake()
         return True, [], changed, fresh.source
+
+    def _apply_engines(self, before: tuple[EngineConfig, ...], after: tuple[EngineConfig, ...]) -> None:
+        """Start pollers for engines a reload added, stop those it removed, restart those it changed. A removed engine's
+        open tickets stay in the ledger until their log entries (or leases) close them."""
+        old = {e.name: e for e in before}
+        new = {e.name: e for e in after}
+        for name, engine in old.items():
+            if new.get(name) != engine:
+                self._stop_poller(name)
+        for engine in after:
+            if old.get(engine.name) != engine:
+                self._start_poller(engine, 0.0)
+        order = {e.name: i for i, e in enumerate(after)}
+        self.pollers.sort(key=lambda p: order[p.config.name])
 
     async def set_drained(self, name: str, drained: bool) -> bool:
         poller = next((p for p in self.pollers if p.config.name == name), None)
@@ -271,10 +292,7 @@ class ControlPlane:
         # One pooled session for every poller, unbounded: a poller holds at most one connection, so none waits on another.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         for index, engine in enumerate(cfg.engines):
-            poller = EnginePoller(engine, cfg.observe, self._session, self._on_probe, clock=self.clock)
-            self.pollers.append(poller)
-            offset = 0.0 if index == 0 else cfg.observe.poll_interval_seconds * index / len(cfg.engines)
-            self._tasks.append(asyncio.create_task(poller.run(offset), name=f"poll-{engine.name}"))
+            self._start_poller(engine, cfg.observe.poll_interval_seconds * index / len(cfg.engines))
         self._tasks.append(asyncio.create_task(self._reap_leases(), name="lease-reaper"))
         self._tasks.append(asyncio.create_task(self._watch_staleness(), name="staleness"))
         self._tasks.append(asyncio.create_task(self._expire_parked(), name="park-deadlines"))
@@ -283,6 +301,25 @@ class ControlPlane:
             "control plane on %s:%d (ADS, ext_authz, ALS, admin), metrics on :%d, %d engines",
             cfg.controlplane.host, self.grpc_port, self.metrics_port, len(cfg.engines),
         )
+
+    def _start_poller(self, engine: EngineConfig, offset: float) -> None:
+        assert self._session is not None
+        poller = EnginePoller(engine, self.config.observe, self._session, self._on_probe, clock=self.clock)
+        self.pollers.append(poller)
+        self._poll_tasks[engine.name] = asyncio.create_task(poller.run(offset), name=f"poll-{engine.name}")
+
+    def _stop_poller(self, name: str) -> None:
+        self.pollers = [p for p in self.pollers if p.config.name != name]
+        task = self._poll_tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+        m = self.metrics
+        for gauge in (m.engine_running, m.engine_waiting, m.engine_kv_usage, m.engine_up, m.observer_degraded,
+                      m.engine_prefill_rate, m.engine_decode_rate):
+            try:
+                gauge.remove(name)
+            except KeyError:
+                pass  # never set for this engine
 
     async def _start_metrics_http(self) -> None:
         async def metrics(_: web.Request) -> web.Response:
@@ -315,10 +352,12 @@ class ControlPlane:
             self.wake()
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._poll_tasks.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        self._poll_tasks.clear()
         if self._server is not None:
             await self._server.stop(grace=0.5)
         if self._session is not None:

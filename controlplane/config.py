@@ -129,8 +129,9 @@ AUTHZ_TIMEOUT_GRACE_S = 10.0
 """Margin between the longest park and Envoy's limits, so a full park never becomes an authz error or a stream reset."""
 
 #: Sections a running control plane can take from a reloaded file; the others shape processes, ports or Envoy's
-#: listener (changing the listener would drain every open stream) and need a restart.
-RELOADABLE = ("admission", "models", "version_floors", "boxes", "observe.on_stale")
+#: listener (changing the listener would drain every open stream) and need a restart. Engines added or removed by a
+#: reload reach Envoy over CDS/EDS; ``sluice up`` does not start or stop simulators for them.
+RELOADABLE = ("admission", "models", "version_floors", "boxes", "observe.on_stale", "engines")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +152,7 @@ class Config:
 
     def restart_needed(self, other: Config) -> list[str]:
         """Sections that differ between this config and ``other`` outside ``RELOADABLE``."""
-        changed = [name for name in ("controlplane", "envoy", "tickets", "engines")
-                   if getattr(self, name) != getattr(other, name)]
+        changed = [name for name in ("controlplane", "envoy", "tickets") if getattr(self, name) != getattr(other, name)]
         if replace(self.observe, on_stale=other.observe.on_stale) != other.observe:
             changed.append("observe")
         return changed

@@ -92,3 +92,33 @@ def test_sighup_reloads_the_control_planes_own_file(tmp_path: Path) -> None:
         plane.terminate()
         output = plane.communicate(timeout=10)[0]
     assert "reload of" in output and "refused" in output
+
+
+def test_reload_adds_and_removes_engines_over_xds(tmp_path: Path) -> None:
+    from tests.harness import free_port, http_json, start_sim, stop, wait_for
+
+    stack = start_stack([("a", "spark")], tmp_path)
+    b_port = free_port()
+    b = start_sim("spark", b_port, "b", 20.0, tmp_path)
+    try:
+        def clusters() -> set[str]:
+            dump = http_json(stack.admin_url + "/config_dump?resource=dynamic_active_clusters")
+            return {c["cluster"]["name"] for c in dump["configs"]}
+
+        both = copy.deepcopy(stack.raw)
+        both["engines"].append({"name": "b", "url": f"http://127.0.0.1:{b_port}"})
+        done = reload(stack, both, tmp_path, "both")
+        assert done.returncode == 0 and "engines" in done.stdout
+        wait_for(lambda: clusters() == {"a", "b"}, what="engine b's cluster in Envoy")
+        wait_for(lambda: stack.engines()["b"].ready, what="engine b probed")
+
+        only_b = copy.deepcopy(both)
+        only_b["engines"] = [e for e in only_b["engines"] if e["name"] == "b"]
+        assert reload(stack, only_b, tmp_path, "only-b").returncode == 0
+        wait_for(lambda: clusters() == {"b"}, what="engine a's cluster removed")
+        assert set(stack.engines()) == {"b"}
+        status, headers, _ = post(stack, "/chat/completions", BODY)
+        assert status == 200 and headers["x-sluice-engine"] == "b"
+    finally:
+        stack.close()
+        stop(b)
