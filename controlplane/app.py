@@ -85,7 +85,7 @@ class ControlPlane:
 
     def model_label(self, model: str | None) -> str:
         """A metrics label for ``model``: only models some engine serves, so clients cannot grow label cardinality."""
-        if model and any(p.view(self.clock()).serves(model) for p in self.pollers):
+        if model and any(p.serves(model) for p in self.pollers):
             return model
         return "-"
 

@@ -87,7 +87,7 @@ def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None,
                 elif result.applied:
                     text = f"reloaded {result.source}; changed: {', '.join(result.changed) or 'nothing'}"
                 else:
-                    print(f"sluice admin reload: refused, the running policy stays:\n  " + "\n  ".join(result.problems),
+                    print("sluice admin reload: refused, the running policy stays:\n  " + "\n  ".join(result.problems),
                           file=sys.stderr)
                     return 1
             elif verb == "explain":

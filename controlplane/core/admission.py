@@ -16,23 +16,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from controlplane.core.decide import decide, earliest_fit, retry_after, shed
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Ticket, Verdict
+from controlplane.core.model import (
+    Decision, EngineView, Fleet, InferenceRequest, RateTables, Reason, Ticket, Verdict,
+)
 from controlplane.core.policy import Policy
 from controlplane.core.route import ServeCounter, SessionMap
-
-
-@dataclass(frozen=True, slots=True)
-class RateTables:
-    """Trusted medians the observation layer has learned (empty until enough samples)."""
-
-    solo_decode: dict[tuple[str, str], float] = field(default_factory=dict)
-    prefill_median: dict[tuple[str, str], float] = field(default_factory=dict)
-    decode_by_batch: dict[str, dict[int, float]] = field(default_factory=dict)
-    """engine -> running requests -> trusted per-request decode tokens/s."""
 
 
 PARK_CLASSES = ("critical", "standard")
@@ -73,9 +65,8 @@ class AdmissionCore:
     # -- views -------------------------------------------------------------------------------------------------------
     def fleet(self, engines: Iterable[EngineView], now: float, rates: RateTables | None = None) -> Fleet:
         engines = tuple(engines)
-        rates = rates or RateTables()
-        return Fleet(engines, {e.name: self.ledger.view(e.name) for e in engines}, self.admit_stale, rates.solo_decode,
-                     rates.prefill_median, rates.decode_by_batch, self.serves.snapshot(now))
+        return Fleet(engines, {e.name: self.ledger.view(e.name) for e in engines}, self.admit_stale,
+                     rates or RateTables(), self.serves.snapshot(now))
 
     def depth(self, model: str | None = None) -> int:
         if model is None:

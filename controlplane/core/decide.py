@@ -161,7 +161,7 @@ def quality_cap(engine: EngineView, model: str, fleet: Fleet, policy: Policy) ->
     floor = policy.model(model).decode_floor_tokens_per_s
     if not floor:
         return None
-    solo = fleet.solo_decode.get((model, engine.chip_class)) or policy.model(model).solo_decode_tokens_per_s
+    solo = fleet.rates.solo_decode.get((model, engine.chip_class)) or policy.model(model).solo_decode_tokens_per_s
     if not solo:
         return None
     return max(1, math.floor(solo * policy.quality_overcommit / floor))

@@ -229,17 +229,24 @@ class EngineLedger:
 
 
 @dataclass(frozen=True, slots=True)
+class RateTables:
+    """Trusted medians the observation layer has learned (empty until enough samples)."""
+
+    solo_decode: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(model, chip class) -> solo decode tokens/s."""
+    prefill_median: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(model, chip class) -> prefill tokens/s."""
+    decode_by_batch: dict[str, dict[int, float]] = field(default_factory=dict)
+    """engine -> running requests -> per-request decode tokens/s."""
+
+
+@dataclass(frozen=True, slots=True)
 class Fleet:
     engines: tuple[EngineView, ...]
     ledger: dict[str, EngineLedger] = field(default_factory=dict)
     admit_stale: bool = True
     """Policy ``observe.on_stale``: open (True) still admits to a stale engine when no fresh one serves the model."""
-    solo_decode: dict[tuple[str, str], float] = field(default_factory=dict)
-    """Trusted solo decode medians per (model, chip class)."""
-    prefill_median: dict[tuple[str, str], float] = field(default_factory=dict)
-    """Trusted prefill medians per (model, chip class)."""
-    decode_by_batch: dict[str, dict[int, float]] = field(default_factory=dict)
-    """Trusted per-request decode medians: engine -> running requests -> tokens/s."""
+    rates: RateTables = field(default_factory=RateTables)
     recent_serves: dict[str, float] = field(default_factory=dict)
     """Admissions per engine, decayed (satisficing band weights)."""
 

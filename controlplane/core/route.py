@@ -57,7 +57,7 @@ def effective_load(engine: EngineView, fleet: Fleet) -> float:
 
 
 def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) -> float:
-    measured = fleet.decode_by_batch.get(engine.name)
+    measured = fleet.rates.decode_by_batch.get(engine.name)
     if measured:
         nearest = min(measured, key=lambda n: (abs(n - batch), n))
         return measured[nearest]
@@ -67,7 +67,7 @@ def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) ->
 
 
 def prefill_rate(engine: EngineView, model: str, fleet: Fleet, policy: Policy) -> float:
-    trusted = fleet.prefill_median.get((model, engine.chip_class))
+    trusted = fleet.rates.prefill_median.get((model, engine.chip_class))
     if trusted:
         return trusted
     if engine.rates is not None and engine.rates.prefill_tokens_per_s:

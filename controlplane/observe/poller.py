@@ -74,6 +74,10 @@ class EnginePoller:
     def flavor(self) -> Flavor | None:
         return self._configured_flavor or (Flavor(self._view.flavor) if self._view.flavor else None)
 
+    def serves(self, model: str) -> bool:
+        """Whether the engine lists ``model`` (no staleness judgement: cheap enough for every Check's metrics label)."""
+        return self._view.serves(model)
+
     def set_drained(self, drained: bool) -> None:
         self._view = replace(self._view, drained=drained)
 

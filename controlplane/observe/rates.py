@@ -20,8 +20,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from controlplane.core.admission import RateTables
-from controlplane.core.model import EngineRates, EngineSample
+from controlplane.core.model import EngineRates, EngineSample, RateTables
 
 
 def _delta(a: float | None, b: float | None) -> float | None:

@@ -8,7 +8,8 @@ import pytest
 
 from controlplane.core.decide import RequestError, decide, parse_request, retry_after
 from controlplane.core.model import (
-    EngineLedger, EngineRates, EngineSample, EngineView, Fleet, InferenceRequest, Reason, ServedModel, Verdict,
+    EngineLedger, EngineRates, EngineSample, EngineView, Fleet, InferenceRequest, RateTables, Reason, ServedModel,
+    Verdict,
 )
 from controlplane.core.policy import Box, ModelPolicy, Policy, meets_floor
 
@@ -29,7 +30,7 @@ def engine(name: str, running: float | None = 0, waiting: float | None = 0, *, k
 
 def fleet(*engines: EngineView, ledger: dict[str, EngineLedger] | None = None, admit_stale: bool = True,
           solo: dict[tuple[str, str], float] | None = None) -> Fleet:
-    return Fleet(tuple(engines), ledger or {}, admit_stale, solo or {})
+    return Fleet(tuple(engines), ledger or {}, admit_stale, RateTables(solo_decode=solo or {}))
 
 
 def chat(prompt_tokens: int = 10, max_tokens: int | None = 100, priority: str = "standard",
