@@ -40,6 +40,14 @@ class ControlPlaneConfig:
     host: str
     grpc_port: int
     metrics_port: int
+    max_check_queue_ms: float
+    """A Check whose handler starts more than this long after Envoy sent it (read from the gRPC deadline Envoy sets) is
+    shed at once with 503 ``controlplane_overloaded``: an overloaded control plane answers, it never times out."""
+    overload_retry_after_seconds: int
+    """Retry-After on ``controlplane_overloaded``."""
+    max_pending_rpcs: int
+    """grpc-core's pending-call limits (soft and hard): calls beyond them are cancelled by gRPC itself, which Envoy would
+    treat as an ext_authz error. Sized well above every parking lot together."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +74,16 @@ class EnvoyConfig:
     """Fallback weights are re-pushed over RDS only when one moves by more than this fraction."""
     max_downstream_connections: int
     """Client connections Envoy accepts at once; more are refused."""
+    engine_overflow_headroom: int
+    """Envoy's per-engine circuit breaker allows the engine's cap plus this many requests at once; beyond it Envoy answers
+    503 ``engine_overloaded`` + retry-after itself. Admitted traffic never reaches it: it bounds the fail-open path."""
+    engine_max_requests_unknown_cap: int
+    """The per-engine circuit breaker for an engine whose cap is neither configured nor reported."""
+    request_headers_timeout_seconds: float
+    """A client must finish sending its request headers within this long (slow-header connections are closed, 408)."""
+    retry_on_engine_failure: bool
+    """An engine that fails before its first byte (connect failure, reset, 503) is retried once on another engine through
+    a new Check (an internal redirect), never on the same engine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +177,8 @@ class Config:
 
 
 DEFAULTS: dict[str, Any] = {
-    "controlplane": {"host": "127.0.0.1", "grpc_port": 18000, "metrics_port": 9090},
+    "controlplane": {"host": "127.0.0.1", "grpc_port": 18000, "metrics_port": 9090, "max_check_queue_ms": 1000.0,
+                     "overload_retry_after_seconds": 1, "max_pending_rpcs": 100000},
     "envoy": {
         "listen_host": "127.0.0.1",
         "listen_port": 8080,
@@ -173,6 +192,10 @@ DEFAULTS: dict[str, Any] = {
         "failure_retry_after_seconds": 5,
         "weight_change_threshold": 0.10,
         "max_downstream_connections": 50000,
+        "engine_overflow_headroom": 2,
+        "engine_max_requests_unknown_cap": 256,
+        "request_headers_timeout_seconds": 10.0,
+        "retry_on_engine_failure": True,
     },
     "observe": {
         "poll_interval_seconds": 1.0,
@@ -283,6 +306,11 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         host=c.text("controlplane.host", cp["host"]),
         grpc_port=c.port("controlplane.grpc_port", cp["grpc_port"]),
         metrics_port=c.port("controlplane.metrics_port", cp["metrics_port"]),
+        max_check_queue_ms=float(c.number("controlplane.max_check_queue_ms", cp["max_check_queue_ms"], minimum=1)),
+        overload_retry_after_seconds=int(c.number("controlplane.overload_retry_after_seconds",
+                                                  cp["overload_retry_after_seconds"], minimum=1, integer=True)),
+        max_pending_rpcs=int(c.number("controlplane.max_pending_rpcs", cp["max_pending_rpcs"], minimum=1000,
+                                      integer=True)),
     )
     ev = c.section(raw, "envoy")
     kept = ev["client_headers_kept"]
@@ -312,6 +340,13 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
                                                minimum=0)),
         max_downstream_connections=int(c.number("envoy.max_downstream_connections", ev["max_downstream_connections"],
                                                 minimum=1, integer=True)),
+        engine_overflow_headroom=int(c.number("envoy.engine_overflow_headroom", ev["engine_overflow_headroom"],
+                                              minimum=0, integer=True)),
+        engine_max_requests_unknown_cap=int(c.number("envoy.engine_max_requests_unknown_cap",
+                                                     ev["engine_max_requests_unknown_cap"], minimum=1, integer=True)),
+        request_headers_timeout_seconds=float(c.number("envoy.request_headers_timeout_seconds",
+                                                       ev["request_headers_timeout_seconds"], minimum=0.1)),
+        retry_on_engine_failure=c.flag("envoy.retry_on_engine_failure", ev["retry_on_engine_failure"]),
     )
     ob = c.section(raw, "observe")
     observe = ObserveConfig(
