@@ -36,6 +36,7 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
 
     def _record(self, entry: object) -> None:
         plane = self.plane
+        self._note_engine_failure(entry)
         metadata = entry.common_properties.metadata.filter_metadata  # type: ignore[attr-defined]
         if AUTHZ_NAMESPACE not in metadata or "ticket" not in metadata[AUTHZ_NAMESPACE].fields:
             plane.metrics.access_log_entries.labels("no_ticket").inc()
@@ -52,3 +53,22 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
             actual = props.time_to_first_upstream_rx_byte.ToTimedelta().total_seconds() - sent
             if actual > 0:
                 plane.metrics.ttft_error.labels(ticket.engine).observe(actual / ticket.expected_ttft_s)
+
+    def _note_engine_failure(self, entry: object) -> None:
+        """An engine that failed a request before its first byte leaves the candidates at once (``note_engine_failure``),
+        whether the request was admitted or went by the fail-open weights."""
+        props = entry.common_properties  # type: ignore[attr-defined]
+        engine = props.upstream_cluster
+        if not engine or props.HasField("time_to_first_upstream_rx_byte") and \
+                entry.response.response_code.value != 503:  # type: ignore[attr-defined]
+            return  # the engine answered (a 503 from the engine itself counts as a failure)
+        f = props.response_flags
+        flags = [name for name, seen in (("UF", f.upstream_connection_failure), ("UR", f.upstream_remote_reset),
+                                         ("UC", f.upstream_connection_termination), ("UH", f.no_healthy_upstream))
+                 if seen]
+        if not flags and entry.response.response_code.value == 503 and \
+                props.HasField("time_to_first_upstream_rx_byte"):  # type: ignore[attr-defined]
+            flags = ["503"]
+        if flags and any(p.config.name == engine for p in self.plane.pollers):
+            self.plane.metrics.engine_failures.labels(engine, ",".join(flags)).inc()
+            self.plane.note_engine_failure(engine, "request failed before its first byte (" + ",".join(flags) + ")")

@@ -31,7 +31,9 @@ from controlplane.core.weights import Weights, compute_weights, moved
 from controlplane.metrics import SluiceMetrics
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import RateBook
-from controlplane.xds.resources import build_cluster, build_listener, build_load_assignment, build_routes
+from controlplane.xds.resources import (
+    AVOID_PARAM, ENGINE_HEADER, TICKET_HEADER, build_cluster, build_listener, build_load_assignment, build_routes,
+)
 from controlplane.xds.server import AdsServicer
 from controlplane.xds.snapshot import Snapshot, SnapshotCache, make_snapshot
 from sluice.admin.v1 import admin_pb2_grpc
@@ -78,6 +80,7 @@ class ControlPlane:
         self._metrics_runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._poll_tasks: dict[str, asyncio.Task[None]] = {}
+        self._published_caps: dict[str, int | None] = {}
 
     # -- state the servicers read ----------------------------------------------------------------------------------------
     def fleet(self, now: float) -> Fleet:
@@ -212,6 +215,10 @@ class ControlPlane:
             self._expired(self.ledger.reap_idle(view.name, s.taken_at, self.config.tickets.idle_reap_grace_seconds),
                           "its engine is idle")
         self.ledger.note_probe(view.name, s.taken_at)
+        if self._published_caps.get(view.name) != view.discovered_concurrency and self._server is not None:
+            # The engine's circuit breaker follows the cap it reports (llama.cpp slots, SGLang max_running_requests).
+            self._published_caps[view.name] = view.discovered_concurrency
+            self._tasks.append(asyncio.create_task(self.publish(), name="publish-caps"))
         m = self.metrics
         for gauge, value in (
             (m.engine_running, s.running),
@@ -261,11 +268,12 @@ class ControlPlane:
     # -- xDS -------------------------------------------------------------------------------------------------------------
     def build_snapshot(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
         cfg = self.config
+        redirector = (cfg.controlplane.host, self.metrics_port) if cfg.envoy.retry_on_engine_failure else None
         return make_snapshot(
             listeners=[build_listener(cfg)],
             routes=[build_routes(cfg, self.published_weights)],
-            clusters=[*(build_cluster(e, cfg) for e in cfg.engines), *extra_clusters],
-            endpoints=[build_load_assignment(e) for e in cfg.engines],
+            clusters=[*(build_cluster(e, cfg, self._published_caps.get(e.name)) for e in cfg.engines), *extra_clusters],
+            endpoints=[build_load_assignment(e, redirector) for e in cfg.engines],
         )
 
     async def publish(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
@@ -276,6 +284,7 @@ class ControlPlane:
     # -- lifecycle -------------------------------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        await self._start_metrics_http()  # its port is the retry redirector's endpoint in every engine cluster
         await self.publish()
         server = grpc.aio.server(
             options=[*GRPC_OPTIONS, ("grpc.max_receive_message_length", cfg.envoy.max_request_bytes + 1024 * 1024)]
@@ -296,7 +305,6 @@ class ControlPlane:
         self._tasks.append(asyncio.create_task(self._reap_leases(), name="lease-reaper"))
         self._tasks.append(asyncio.create_task(self._watch_staleness(), name="staleness"))
         self._tasks.append(asyncio.create_task(self._expire_parked(), name="park-deadlines"))
-        await self._start_metrics_http()
         log.info(
             "control plane on %s:%d (ADS, ext_authz, ALS, admin), metrics on :%d, %d engines",
             cfg.controlplane.host, self.grpc_port, self.metrics_port, len(cfg.engines),
@@ -331,11 +339,38 @@ class ControlPlane:
         app = web.Application()
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/healthz", healthz)
+        app.router.add_route("*", "/v1/{tail:.*}", self._retry_redirect)
         self._metrics_runner = web.AppRunner(app, access_log=None)
         await self._metrics_runner.setup()
         site = web.TCPSite(self._metrics_runner, self.config.controlplane.host, self.config.controlplane.metrics_port)
         await site.start()
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def _retry_redirect(self, request: web.Request) -> web.Response:
+        """Envoy's retry of a request whose engine failed before its first byte lands here (the priority-1 endpoint of
+        every engine cluster). The failed attempt's ticket is released, the engine leaves the candidates until a probe
+        succeeds, and a 307 to the same URL with ``sluice_avoid=<engine>`` makes Envoy run the request again through a
+        new Check (an internal redirect) that will not choose that engine.
+
+        Only a request carrying an open ticket of that engine counts as a failure: the ticket id is never shown to
+        clients, so nobody can mark an engine failing by calling this port."""
+        engine = request.headers.get(ENGINE_HEADER, "")
+        ticket = self.release_ticket(request.headers.get(TICKET_HEADER, ""))
+        if ticket is None or ticket.engine != engine:
+            return web.Response(status=404, content_type="application/json",
+                                text='{"error": {"message": "not a retry", "type": "invalid_request_error", '
+                                     '"param": null, "code": "unknown_url"}}')
+        self.note_engine_failure(engine, "failed before its first byte; retried elsewhere")
+        self.metrics.engine_retries.labels(engine).inc()
+        separator = "&" if request.query_string else "?"
+        location = f"http://{request.host}{request.path_qs}{separator}{AVOID_PARAM}={engine}"
+        return web.Response(status=307, headers={"location": location})
+
+    def note_engine_failure(self, engine: str, why: str) -> None:
+        poller = next((p for p in self.pollers if p.config.name == engine), None)
+        if poller is not None:
+            poller.note_failure(self.clock(), why)
+            self.metrics.engine_up.labels(engine).set(0)
 
     async def _reap_leases(self) -> None:
         while True:

@@ -51,6 +51,15 @@ class SluiceMetrics:
         self.park_cancelled = Counter(
             "sluice_admission_park_cancelled", "Parked requests whose client went away.", registry=r
         )
+        self.engine_retries = Counter(
+            "sluice_engine_retries", "Requests whose engine failed before the first byte and were retried elsewhere.",
+            ["engine"], registry=r,
+        )
+        self.engine_failures = Counter(
+            "sluice_engine_request_failures",
+            "Requests Envoy could not get a first byte for from an engine (connect failure, reset, 503).",
+            ["engine", "flags"], registry=r,
+        )
         self.authz_seconds = Histogram(
             "sluice_authz_check_seconds",
             "Time to answer one ext_authz Check (server side).",

@@ -66,6 +66,8 @@ class EnginePoller:
             anchor_decode_tokens_per_s=engine.decode_tokens_per_s,
         )
         self._next_discovery = 0.0
+        self._failed_at: float | None = None
+        self._failure = ""
         self._self_checked = False
         self.failures = 0
         self.probes = 0
@@ -81,10 +83,25 @@ class EnginePoller:
     def set_drained(self, drained: bool) -> None:
         self._view = replace(self._view, drained=drained)
 
+    def note_failure(self, at: float, why: str) -> None:
+        """A request to this engine failed before its first byte (seen by Envoy): treat the engine as stale at once, not
+        after ``stale_after_polls`` missed probes, until a probe sent after the failure succeeds."""
+        if self._failed_at is None:
+            log.warning("engine %s failed a request (%s): out of the candidates until a probe succeeds", self.config.name,
+                        why)
+        self._failed_at = at
+        self._failure = why
+
+    @property
+    def failing(self) -> bool:
+        return self._failed_at is not None
+
     def view(self, now: float) -> EngineView:
         """The engine as of ``now``: staleness is judged here, against the clock the caller passes."""
         v = self._view
-        stale = v.last_ok_at is None or now - v.last_ok_at > self.observe.stale_after_seconds
+        stale = v.last_ok_at is None or now - v.last_ok_at > self.observe.stale_after_seconds or self.failing
+        if self.failing and v.last_error != self._failure:
+            v = replace(v, last_error=self._failure)
         return v if v.stale == stale else replace(v, stale=stale)
 
     async def run(self, start_offset: float = 0.0) -> None:
@@ -144,6 +161,9 @@ class EnginePoller:
             await self._discover(flavor)
             self._next_discovery = sent_at + self.observe.models_refresh_seconds
         sample = sample_from_series(series, sent_at, flavor)
+        if self._failed_at is not None and sent_at > self._failed_at:
+            log.info("engine %s answers probes again after a failed request", self.config.name)
+            self._failed_at = None
         if flavor is Flavor.LLAMACPP and sample.kv_usage is None:
             sample = replace(sample, kv_usage=slots_kv_usage(await self._get("/slots", as_json=True, optional=True)))
         missing = missing_gauges(series, flavor) if flavor else ("no engine metrics recognised",)

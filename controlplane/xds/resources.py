@@ -24,8 +24,10 @@ from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_p
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
+from envoy.type.matcher.v3 import regex_pb2
 from envoy.type.matcher.v3 import string_pb2
-from envoy.type.v3 import http_status_pb2
+from envoy.type.v3 import http_status_pb2, percent_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
@@ -41,6 +43,13 @@ METADATA_NAMESPACE = "sluice"
 FAILURE_STATUS = 502
 """ext_authz's status when the control plane cannot answer; only a local-reply mapper sees it (rewritten to 503)."""
 ACCESS_LOG_NAME = "sluice"
+TICKET_HEADER = "x-sluice-ticket"
+"""Set on the upstream request by an admission (never seen by clients): the retry redirector releases the ticket it names."""
+AVOID_PARAM = "sluice_avoid"
+"""Query parameter the retry redirector adds: the engine that failed, which the new Check must not choose again."""
+INFERENCE_PATH_REGEX = "^/v1/(chat/completions|completions|embeddings)$"
+"""The OpenAI paths that carry a model and are routed to an engine (the same set ``parse_request`` accepts)."""
+MODELS_PATH = "/v1/models"
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -110,6 +119,15 @@ end
 """
 
 
+def openai_error_json(message: str, err_type: str, code: str) -> str:
+    return json.dumps({"error": {"message": message, "type": err_type, "param": None, "code": code}})
+
+
+def _json_header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, value=value),
+                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
 def _status_filter(status: int) -> accesslog_pb2.AccessLogFilter:
     return accesslog_pb2.AccessLogFilter(
         status_code_filter=accesslog_pb2.StatusCodeFilter(
@@ -130,18 +148,14 @@ def _json_error_mapper(
     headers: tuple[tuple[str, str], ...] = (),
 ) -> hcm_pb2.ResponseMapper:
     """A local-reply mapper that turns one kind of Envoy-generated error into the OpenAI error shape."""
-    body = json.dumps({"error": {"message": message, "type": err_type, "param": None, "code": code}})
+    body = openai_error_json(message, err_type, code)
     mapper = hcm_pb2.ResponseMapper(
         filter=log_filter,
         body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
             text_format_source=base_pb2.DataSource(inline_string=body),
             content_type="application/json",
         ),
-        headers_to_add=[
-            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, value=v),
-                                       append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-            for k, v in headers
-        ],
+        headers_to_add=[_json_header(k, v) for k, v in headers],
     )
     if status is not None:
         mapper.status_code.value = status
@@ -201,7 +215,10 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         ],
         access_log=[accesslog_pb2.AccessLog(name="envoy.access_loggers.http_grpc", typed_config=_any(access_log))],
         stream_idle_timeout=_seconds(ev.stream_idle_timeout_seconds),
-        request_timeout=_seconds(0),
+        # Slow-header clients are closed (408) instead of holding a connection slot forever; the whole request, a park
+        # included, is bounded by the idle timeout (a park is at most the idle timeout less 20 s, config validation).
+        request_headers_timeout=_seconds(ev.request_headers_timeout_seconds),
+        request_timeout=_seconds(ev.stream_idle_timeout_seconds),
         local_reply_config=hcm_pb2.LocalReplyConfig(
             mappers=[
                 _json_error_mapper(
@@ -220,8 +237,37 @@ def build_listener(config: Config) -> listener_pb2.Listener:
                     status=503,
                     headers=(("retry-after", str(ev.failure_retry_after_seconds)),),
                 ),
+                # An engine's circuit breaker (its cap + envoy.engine_overflow_headroom) overflowed: only the fail-open
+                # path can get here, admitted traffic never exceeds the cap.
                 _json_error_mapper(
-                    _flags_filter("NC", "UH", "UF", "URX", "UO", "NR"),
+                    _flags_filter("UO"),
+                    message="The engine is at its concurrency limit; retry later",
+                    err_type="server_error",
+                    code="engine_overloaded",
+                    status=503,
+                    headers=(("retry-after", "1"),),
+                ),
+                _json_error_mapper(
+                    _status_filter(431),
+                    message="Request headers are too large",
+                    err_type="invalid_request_error",
+                    code="request_header_fields_too_large",
+                ),
+                _json_error_mapper(
+                    _status_filter(408),
+                    message="The request was not received in time",
+                    err_type="invalid_request_error",
+                    code="request_timeout",
+                ),
+                # Codec errors (conflicting Content-Length, malformed framing) are downstream protocol errors.
+                _json_error_mapper(
+                    _flags_filter("DPE"),
+                    message="Malformed HTTP request",
+                    err_type="invalid_request_error",
+                    code="invalid_http_request",
+                ),
+                _json_error_mapper(
+                    _flags_filter("NC", "UH", "UF", "URX", "NR", "UC", "UR"),
                     message="No engine could take the request (upstream unavailable)",
                     err_type="server_error",
                     code="upstream_unavailable",
@@ -247,40 +293,69 @@ def build_listener(config: Config) -> listener_pb2.Listener:
     )
 
 
+def _inference_paths() -> route_components_pb2.RouteMatch:
+    return route_components_pb2.RouteMatch(safe_regex=regex_pb2.RegexMatcher(regex=INFERENCE_PATH_REGEX))
+
+
+def _direct_error(name: str, match: route_components_pb2.RouteMatch, status: int, message: str, code: str,
+                  headers: tuple[tuple[str, str], ...] = (), *, skip_authz: bool = False) -> route_components_pb2.Route:
+    err_type = "invalid_request_error" if status < 500 else "server_error"
+    route = route_components_pb2.Route(
+        name=name, match=match,
+        direct_response=route_components_pb2.DirectResponseAction(
+            status=status, body=base_pb2.DataSource(inline_string=openai_error_json(message, err_type, code))),
+        response_headers_to_add=[_json_header("content-type", "application/json"),
+                                 *(_json_header(k, v) for k, v in headers)],
+    )
+    if skip_authz:
+        route.typed_per_filter_config["envoy.filters.http.ext_authz"].Pack(ext_authz_pb2.ExtAuthzPerRoute(disabled=True))
+    return route
+
+
+def _retry_elsewhere() -> tuple[route_components_pb2.RetryPolicy, route_components_pb2.InternalRedirectPolicy]:
+    """Engine failure before the first byte -> one retry, which goes to the engine cluster's priority-1 endpoint (the
+    control plane's retry redirector, never the engine again) -> a 307 back to the same URL with ``sluice_avoid`` ->
+    Envoy's internal redirect runs the whole filter chain again: a new Check, a new ticket, another engine."""
+    priorities = previous_priorities_config_pb2.PreviousPrioritiesConfig(update_frequency=1)
+    retry = route_components_pb2.RetryPolicy(
+        retry_on="connect-failure,refused-stream,reset,retriable-status-codes",
+        retriable_status_codes=[503],
+        num_retries=wrappers_pb2.UInt32Value(value=1),
+        retry_priority=route_components_pb2.RetryPolicy.RetryPriority(
+            name="envoy.retry_priorities.previous_priorities", typed_config=_any(priorities)),
+    )
+    redirect = route_components_pb2.InternalRedirectPolicy(
+        max_internal_redirects=wrappers_pb2.UInt32Value(value=1), redirect_response_codes=[307])
+    return retry, redirect
+
+
 def build_routes(config: Config, weights: dict[str, dict[str, int]] | None = None) -> route_pb2.RouteConfiguration:
-    """Pinned requests go where ext_authz put them. Unpinned ones (the control plane unreachable, fail-open) go by their
-    model's capacity weights; anything else gets a JSON 503."""
-    del config
+    """Only the OpenAI paths reach an engine, whether the control plane is up or down:
+
+    1. ``pinned``: an inference path that ext_authz pinned (``x-sluice-engine``) -> that engine's cluster.
+    2. ``fallback:<model>``: an inference path ext_authz let through unanswered (fail-open: the control plane is
+       unreachable) -> the model's engines by their last capacity weights, each behind its per-engine circuit breaker.
+    3. ``models``: ``GET /v1/models`` is answered by the control plane; reaching the route means it could not answer.
+    4. ``unpinned``: an inference path with no model to route by -> 503 ``not_admitted``.
+    5. ``unknown``: every other path -> 404 ``unknown_url`` from Envoy itself, without a Check.
+    """
+    retry, redirect = _retry_elsewhere()
     pinned = route_components_pb2.Route(
         name="pinned",
         match=route_components_pb2.RouteMatch(
-            prefix="/",
+            safe_regex=regex_pb2.RegexMatcher(regex=INFERENCE_PATH_REGEX),
             headers=[route_components_pb2.HeaderMatcher(name=ENGINE_HEADER, present_match=True)],
         ),
         route=route_components_pb2.RouteAction(cluster_header=ENGINE_HEADER, timeout=_seconds(0)),
     )
-    unpinned_body = json.dumps(
-        {"error": {"message": "No engine was chosen for this request", "type": "server_error", "param": None,
-                   "code": "not_admitted"}}
-    )
-    unpinned = route_components_pb2.Route(
-        name="unpinned",
-        match=route_components_pb2.RouteMatch(prefix="/"),
-        direct_response=route_components_pb2.DirectResponseAction(
-            status=503, body=base_pb2.DataSource(inline_string=unpinned_body)
-        ),
-        response_headers_to_add=[
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key="content-type", value="application/json"),
-                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-            )
-        ],
-    )
+    if config.envoy.retry_on_engine_failure:
+        pinned.route.retry_policy.CopyFrom(retry)
+        pinned.route.internal_redirect_policy.CopyFrom(redirect)
     fallback = [
         route_components_pb2.Route(
             name=f"fallback:{model}",
             match=route_components_pb2.RouteMatch(
-                prefix="/",
+                safe_regex=regex_pb2.RegexMatcher(regex=INFERENCE_PATH_REGEX),
                 headers=[route_components_pb2.HeaderMatcher(
                     name=MODEL_HEADER, string_match=string_pb2.StringMatcher(exact=model))],
             ),
@@ -295,47 +370,71 @@ def build_routes(config: Config, weights: dict[str, dict[str, int]] | None = Non
         )
         for model, engine_weights in sorted((weights or {}).items()) if engine_weights
     ]
+    unavailable = (("retry-after", str(config.envoy.failure_retry_after_seconds)),)
+    models = _direct_error("models", route_components_pb2.RouteMatch(path=MODELS_PATH), 503,
+                           "The admission control plane is unreachable; retry later", "controlplane_unavailable",
+                           unavailable)
+    unpinned = _direct_error("unpinned", _inference_paths(), 503, "No engine was chosen for this request",
+                             "not_admitted", unavailable)
+    unknown = _direct_error("unknown", route_components_pb2.RouteMatch(prefix="/"), 404,
+                            "Unknown request URL (sluice routes only /v1/chat/completions, /v1/completions, "
+                            "/v1/embeddings and /v1/models)", "unknown_url", skip_authz=True)
     return route_pb2.RouteConfiguration(
         name=ROUTE_CONFIG_NAME,
         virtual_hosts=[route_components_pb2.VirtualHost(name="openai", domains=["*"],
-                                                         routes=[pinned, *fallback, unpinned])],
+                                                         routes=[pinned, *fallback, models, unpinned, unknown])],
     )
 
 
-def build_cluster(engine: EngineConfig, config: Config) -> cluster_pb2.Cluster:
-    """An EDS cluster per engine. Envoy's circuit breakers are opened wide: the cap is the control plane's, cluster-wide."""
-    wide = circuit_breaker_pb2.CircuitBreakers.Thresholds(
+def engine_max_requests(engine: EngineConfig, config: Config, reported_cap: int | None = None) -> int:
+    """Envoy's per-engine circuit breaker: the engine's cap (configured, else reported) plus the configured headroom."""
+    cap = engine.max_num_seqs or reported_cap
+    if cap is None:
+        return config.envoy.engine_max_requests_unknown_cap
+    return cap + config.envoy.engine_overflow_headroom
+
+
+def build_cluster(engine: EngineConfig, config: Config, reported_cap: int | None = None) -> cluster_pb2.Cluster:
+    """An EDS cluster per engine, behind a circuit breaker of the engine's cap plus headroom.
+
+    Admitted traffic never reaches the breaker (the control plane's cap is exact and cluster-wide); it bounds what the
+    fail-open path, or a client that somehow got past a Check, can pile onto one engine. Overflow is Envoy's local 503
+    (flag ``UO``), rewritten to ``engine_overloaded`` + retry-after. Connections and pending requests stay wide so that
+    only concurrent requests are counted.
+    """
+    limit = engine_max_requests(engine, config, reported_cap)
+    thresholds = circuit_breaker_pb2.CircuitBreakers.Thresholds(
         max_connections=wrappers_pb2.UInt32Value(value=100000),
         max_pending_requests=wrappers_pb2.UInt32Value(value=100000),
-        max_requests=wrappers_pb2.UInt32Value(value=100000),
-        max_retries=wrappers_pb2.UInt32Value(value=3),
+        max_requests=wrappers_pb2.UInt32Value(value=limit),
+        max_retries=wrappers_pb2.UInt32Value(value=100000),
     )
     return cluster_pb2.Cluster(
         name=engine.name,
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads()),
         connect_timeout=_seconds(config.envoy.connect_timeout_seconds),
-        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[wide]),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(thresholds=[thresholds]),
+        # The retry redirector at priority 1 must never take first attempts: no panic spill-over to it.
+        common_lb_config=cluster_pb2.Cluster.CommonLbConfig(
+            healthy_panic_threshold=percent_pb2.Percent(value=0.0)),
     )
 
 
-def build_load_assignment(engine: EngineConfig) -> endpoint_pb2.ClusterLoadAssignment:
-    return endpoint_pb2.ClusterLoadAssignment(
-        cluster_name=engine.name,
-        endpoints=[
-            endpoint_components_pb2.LocalityLbEndpoints(
-                lb_endpoints=[
-                    endpoint_components_pb2.LbEndpoint(
-                        endpoint=endpoint_components_pb2.Endpoint(
-                            address=address_pb2.Address(
-                                socket_address=address_pb2.SocketAddress(address=engine.host, port_value=engine.port)
-                            )
-                        )
-                    )
-                ]
-            )
-        ],
-    )
+def _lb_endpoint(host: str, port: int) -> endpoint_components_pb2.LbEndpoint:
+    return endpoint_components_pb2.LbEndpoint(endpoint=endpoint_components_pb2.Endpoint(
+        address=address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port))))
+
+
+def build_load_assignment(engine: EngineConfig,
+                          redirector: tuple[str, int] | None = None) -> endpoint_pb2.ClusterLoadAssignment:
+    """The engine at priority 0; the control plane's retry redirector (when given) at priority 1, which only a retry
+    reaches (``previous_priorities``)."""
+    localities = [endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[_lb_endpoint(engine.host, engine.port)])]
+    if redirector is not None:
+        localities.append(endpoint_components_pb2.LocalityLbEndpoints(
+            priority=1, lb_endpoints=[_lb_endpoint(*redirector)]))
+    return endpoint_pb2.ClusterLoadAssignment(cluster_name=engine.name, endpoints=localities)
 
 
 def authz_metadata(ticket_id: str, engine: str) -> struct_pb2.Struct:
