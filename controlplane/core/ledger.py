@@ -65,17 +65,24 @@ class Ledger:
         self._by_engine[ticket.engine].discard(ticket_id)
         self._views.pop(ticket.engine, None)
         self.released_total += 1
-        if ticket.admitted_at < self._last_probe.get(ticket.engine, float("-inf")):
-            self._recent_releases[ticket.engine].append(_Release(ticket.admitted_at, now, ticket.reserved_tokens))
+        self._note_closed(ticket, now)
         return ticket
 
+    def _note_closed(self, ticket: Ticket, now: float) -> None:
+        """Remember a ticket the last probe counted as running that has closed since (its load and KV are gone)."""
+        if ticket.admitted_at < self._last_probe.get(ticket.engine, float("-inf")):
+            self._recent_releases[ticket.engine].append(_Release(ticket.admitted_at, now, ticket.reserved_tokens))
+
     def expire(self, now: float) -> list[Ticket]:
-        """Reap tickets whose lease ran out (their completion signal was lost)."""
+        """Reap tickets whose lease ran out (their completion signal was lost). A reaped ticket is presumed finished, so
+        like a release it is subtracted from the last probe's gauges when that probe counted it: otherwise the probe's
+        ``running`` keeps holding the slot until the next probe arrives (forever, if the engine stops answering)."""
         expired = [t for t in self._open.values() if t.lease_deadline <= now]
         for ticket in expired:
             del self._open[ticket.ticket_id]
             self._by_engine[ticket.engine].discard(ticket.ticket_id)
             self._views.pop(ticket.engine, None)
+            self._note_closed(ticket, now)
         self.expired_total += len(expired)
         return expired
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.admission import AdmissionCore, Outcome
@@ -138,6 +138,9 @@ class World:
 
 @settings(max_examples=400, deadline=None)
 @given(st.lists(op, max_size=80))
+# Leases expire after the probes that counted their tickets: the expiry must free the probe's slots as a release does.
+@example([("submit", 100, "critical", 5), ("probe", "a"), ("probe", "b"), ("tick", 20.0), ("tick", 40.0), ("tick", 40.0),
+          ("submit", 100, "critical", 1)])
 def test_admission_invariants(steps: list[tuple]) -> None:  # type: ignore[type-arg]
     world = run_and_drain(World(), steps)
     # FIFO within a class: parked requests were admitted in the order they parked.
