@@ -28,6 +28,8 @@ class SimRequest:
     prompt_tokens: int
     max_tokens: int
     arrived_at: float
+    output_tokens: int | None = None
+    """Tokens until end of sequence (the engine stops there, ``finish_reason`` stop); None: it runs to ``max_tokens``."""
     prefill_left: float = 0.0
     """Tokens still to prefill; fractional, so a step's prefill budget is spent exactly."""
     generated: int = 0
@@ -44,8 +46,20 @@ class SimRequest:
         self.prefill_left = self.prompt_tokens
 
     @property
+    def target_tokens(self) -> int:
+        """What the request will generate: its natural length, cut at ``max_tokens``."""
+        if self.output_tokens is None:
+            return self.max_tokens
+        return min(self.output_tokens, self.max_tokens)
+
+    @property
     def done(self) -> bool:
-        return self.generated >= self.max_tokens
+        return self.generated >= self.target_tokens
+
+    @property
+    def finish_reason(self) -> str:
+        """``length`` when max_tokens cuts it off, ``stop`` when it reaches end of sequence first (OpenAI's values)."""
+        return "length" if self.target_tokens >= self.max_tokens else "stop"
 
     @property
     def computed_tokens(self) -> float:

@@ -6,11 +6,23 @@
   assumptions in the same ratio as decode, stated here so nobody mistakes them for data.
 - ``v100pp2``: seed 004 (Qwen3-32B-GPTQ-Int4 on 2x V100, pipeline parallel 2, ``max_num_seqs=4``): 9527 blocks x 16 tokens =
   152,432 KV tokens, uncached prefill 262 tok/s contended. Decode is shaped to the measured fleet aggregate (~30.9 tok/s).
+
+Output lengths (``output_model="eos"``, the default): a real engine stops at end of sequence, usually long before
+``max_tokens``. Each request's natural length is drawn from a lognormal (``exp(N(ln median, sigma))``, at least one token), then
+capped by ``max_tokens`` (or the engine's own limit, ``max_model_len - prompt``, when the request sets none). The medians and
+spreads are assumptions, not measurements (seed 000 and 004 fixed ``max_tokens`` and ignored EOS), picked to resemble chat
+traffic: ``cortex`` (thor, spark) median 180 tokens, sigma 0.8 (p90 ~500, p99 ~1,150); the ``reasoning`` model (v100pp2)
+median 300, sigma 1.0 (p90 ~1,080, p99 ~3,070: thinking traces run long). ``output_model="max_tokens"`` is the old behaviour:
+every request generates exactly ``max_tokens`` (64 when it names none), for benchmarks written before EOS existed here.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
+
+OUTPUT_MODELS = ("eos", "max_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +39,20 @@ class Profile:
     """Aggregate generation rate with 1, 2, ... requests decoding; beyond the last entry the aggregate stays flat."""
     max_model_len: int
     version: str
+    output_median_tokens: float = 180.0
+    """Median natural output length (tokens until end of sequence) under the ``eos`` output model."""
+    output_sigma: float = 0.8
+    """Spread of the lognormal output length (the standard deviation of its log)."""
+    output_model: str = "eos"
+    """``eos``: requests stop at a drawn natural length (capped by max_tokens); ``max_tokens``: exactly max_tokens."""
+
+    def __post_init__(self) -> None:
+        if self.output_model not in OUTPUT_MODELS:
+            raise ValueError(f"output_model must be one of {', '.join(OUTPUT_MODELS)}, not {self.output_model!r}")
+
+    def draw_output_tokens(self, rng: random.Random) -> int:
+        """A natural output length (before any max_tokens cap): lognormal around ``output_median_tokens``."""
+        return max(1, round(rng.lognormvariate(math.log(self.output_median_tokens), self.output_sigma)))
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -75,6 +101,8 @@ PROFILES: dict[str, Profile] = {
             decode_aggregate_tokens_per_s=(12.0, 20.0, 26.0, 30.9),
             max_model_len=131072,
             version="0.11.0",
+            output_median_tokens=300.0,
+            output_sigma=1.0,
         ),
     )
 }

@@ -6,7 +6,15 @@ it ever ran at once.
 
 Request extensions (ignored by real engines, honoured here):
 - ``sim_prompt_tokens``: the prompt's token count, so a 65k-token prompt fits in a small body.
-Without it the prompt is counted as ``ceil(characters / 4)``, a common rule of thumb for English text.
+  Without it the prompt is counted as ``ceil(characters / 4)``, a common rule of thumb for English text.
+- ``sim_output_tokens``: the request's natural output length (where it stops, ``finish_reason: stop``), still capped by
+  ``max_tokens``.
+
+Output length, like a real engine: each request stops at end of sequence, at a natural length drawn from the profile's
+lognormal (profiles.py; seeded per simulator, so a run replays) unless ``sim_output_tokens`` forces one, and never beyond
+``max_tokens`` (``finish_reason: length``) or, when the request names none, the engine's own limit ``max_model_len - prompt``.
+``ignore_eos: true`` (vLLM's sampling parameter) generates exactly the limit. ``output_model="max_tokens"`` (constructor, or
+the profile's field) restores the simulator's old behaviour for every request: exactly ``max_tokens``, 64 when absent.
 
 ``speed`` is emulated seconds per wall second: ``--speed 20`` runs the engine twenty times faster than the profile's rates.
 ``/metrics`` publishes wall-clock durations (what a real engine that fast would report), so the control plane learns rates
@@ -19,8 +27,10 @@ import asyncio
 import json
 import logging
 import math
+import random
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -28,11 +38,12 @@ from typing import Any
 from aiohttp import web
 from enginesim.batcher import Batcher, SimRequest
 from enginesim.exposition import FLAVORS, RequestStats, SimCollector, render
-from enginesim.profiles import Profile
+from enginesim.profiles import OUTPUT_MODELS, Profile
 
 log = logging.getLogger("sluice.sim")
 
 DEFAULT_MAX_TOKENS = 64
+"""Output tokens without ``max_tokens`` under the old ``max_tokens`` output model only."""
 WORDS = ("the", "quick", "river", "runs", "through", "a", "narrow", "sluice", "and", "turns", "the", "mill")
 
 
@@ -46,14 +57,22 @@ FAULTS = ("ok", "hang", "error")
 
 class EngineSimulator:
     def __init__(
-        self, profile: Profile, *, name: str, speed: float = 1.0, model: str | None = None, flavor: str = "vllm-v1"
+        self, profile: Profile, *, name: str, speed: float = 1.0, model: str | None = None, flavor: str = "vllm-v1",
+        output_model: str | None = None, seed: int | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
         if flavor not in FLAVORS:
             raise ValueError(f"unknown flavour {flavor!r}; known: {', '.join(FLAVORS)}")
+        if output_model is not None and output_model not in OUTPUT_MODELS:
+            raise ValueError(f"unknown output model {output_model!r}; known: {', '.join(OUTPUT_MODELS)}")
         if model:
             profile = replace(profile, model=model)
+        if output_model:
+            profile = replace(profile, output_model=output_model)
+        self.rng = random.Random(zlib.crc32(name.encode()) if seed is None else seed)
+        """Natural output lengths; seeded by the engine's name unless told, so two engines of one profile differ but a
+        rerun replays."""
         self.profile = profile
         self.name = name
         self.speed = speed
@@ -239,18 +258,12 @@ class EngineSimulator:
         if body.get("model") != self.profile.model:
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model_not_found")
         prompt_tokens = _prompt_tokens(body, chat=chat)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            return _error(400, "max_tokens must be a positive integer", "BadRequestError")
-        if prompt_tokens + max_tokens > self.profile.max_model_len:
-            return _error(
-                400,
-                f"This model's maximum context length is {self.profile.max_model_len} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion).",
-                "BadRequestError",
-                "context_length_exceeded",
-            )
-        sim_request = SimRequest(uuid.uuid4().hex, prompt_tokens, max_tokens, arrived_at=self.now())
+        planned = self.plan_output(body, prompt_tokens)
+        if isinstance(planned, web.Response):
+            return planned
+        max_tokens, output_tokens = planned
+        sim_request = SimRequest(uuid.uuid4().hex, prompt_tokens, max_tokens, arrived_at=self.now(),
+                                 output_tokens=output_tokens)
         entry: dict[str, Any] = {
             "id": sim_request.request_id,
             "engine": self.name,
@@ -259,6 +272,8 @@ class EngineSimulator:
             "stream": bool(body.get("stream")),
             "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens,
+            "output_tokens": sim_request.target_tokens,
+            "finish_reason": sim_request.finish_reason,
             "completion_tokens": 0,
             "x_sluice_engine": request.headers.getall("x-sluice-engine", []),
             "x_sluice_headers": sorted(k.lower() for k in request.headers if k.lower().startswith("x-sluice-")),
@@ -303,6 +318,35 @@ class EngineSimulator:
             self._record_finish(sim_request)
             self._streams.pop(sim_request, None)
 
+    def plan_output(self, body: dict[str, Any], prompt_tokens: int) -> tuple[int, int | None] | web.Response:
+        """``(max_tokens, natural output length or None to run to max_tokens)`` for a request body, or its 400."""
+        legacy = self.profile.output_model == "max_tokens"
+        # Draw for every request, used or not, so the n-th request's length does not depend on earlier requests' flags.
+        natural = self.profile.draw_output_tokens(self.rng)
+        requested = body.get("max_completion_tokens") or body.get("max_tokens")
+        if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 1):
+            return _error(400, "max_tokens must be a positive integer", "BadRequestError")
+        if requested is None:
+            # vLLM's default is whatever context is left; the old output model kept a short fixed default.
+            max_tokens = DEFAULT_MAX_TOKENS if legacy else self.profile.max_model_len - prompt_tokens
+        else:
+            max_tokens = requested
+        if max_tokens < 1 or prompt_tokens + max_tokens > self.profile.max_model_len:
+            return _error(
+                400,
+                f"This model's maximum context length is {self.profile.max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + max(max_tokens, 1)} tokens ({prompt_tokens} in the messages, {max(max_tokens, 1)} in "
+                f"the completion).",
+                "BadRequestError",
+                "context_length_exceeded",
+            )
+        forced = body.get("sim_output_tokens")
+        if isinstance(forced, int) and not isinstance(forced, bool) and forced > 0:
+            return max_tokens, forced
+        if legacy or body.get("ignore_eos") is True:
+            return max_tokens, None
+        return max_tokens, natural
+
     def _record_finish(self, r: SimRequest) -> None:
         if r.finished_at is None:
             return
@@ -327,9 +371,10 @@ class EngineSimulator:
     def _full_body(self, r: SimRequest, chat: bool, cid: str, created: int, text: str) -> dict[str, Any]:
         choice: dict[str, Any]
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": "length"}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": r.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": r.finish_reason}
         return {
             "id": cid,
             "object": "chat.completion" if chat else "text_completion",
@@ -355,8 +400,8 @@ class EngineSimulator:
         if chat:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         async for index in _tokens(queue, first):
-            last = index + 1 == r.max_tokens
-            reason = "length" if last else None
+            last = index + 1 == r.target_tokens
+            reason = r.finish_reason if last else None
             if chat:
                 yield chunk([{"index": 0, "delta": {"content": _word(index)}, "logprobs": None, "finish_reason": reason}])
             else:
@@ -392,8 +437,11 @@ def _prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
 
 
 def serve(
-    profile: Profile, *, name: str, host: str, port: int, speed: float, model: str | None = None, flavor: str = "vllm-v1"
+    profile: Profile, *, name: str, host: str, port: int, speed: float, model: str | None = None, flavor: str = "vllm-v1",
+    output_model: str | None = None, seed: int | None = None,
 ) -> None:
-    sim = EngineSimulator(profile, name=name, speed=speed, model=model, flavor=flavor)
-    log.info("simulated engine %s (%s, %s) on http://%s:%d speed x%g", name, profile.name, flavor, host, port, speed)
+    sim = EngineSimulator(profile, name=name, speed=speed, model=model, flavor=flavor, output_model=output_model,
+                          seed=seed)
+    log.info("simulated engine %s (%s, %s, output model %s) on http://%s:%d speed x%g", name, profile.name, flavor,
+             sim.profile.output_model, host, port, speed)
     web.run_app(sim.app(), host=host, port=port, print=None, access_log=None, handle_signals=True, handler_cancellation=True)

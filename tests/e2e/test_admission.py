@@ -18,8 +18,9 @@ from tests.e2e.test_request_path import post
 
 
 def body(max_tokens: int = 20, content: str = "hello", **extra: object) -> bytes:
+    # ignore_eos: these requests hold their slots for exactly max_tokens (the simulator otherwise stops at a drawn length).
     return json.dumps({"model": "cortex", "messages": [{"role": "user", "content": content}],
-                       "max_tokens": max_tokens, **extra}).encode()
+                       "max_tokens": max_tokens, "ignore_eos": True, **extra}).encode()
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,8 @@ def test_sluice_up_serves_streams_refuses_a_twin_and_stops_cleanly(tmp_path: Pat
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         stream = client.chat.completions.create(
-            model="cortex", messages=[{"role": "user", "content": "hello"}], max_tokens=6, stream=True
+            model="cortex", messages=[{"role": "user", "content": "hello"}], max_tokens=6, stream=True,
+            extra_body={"ignore_eos": True},
         )
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
             "the quick river runs through a"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import random
 
 import pytest
 
@@ -84,3 +86,110 @@ async def test_sim_metrics_parse_as_vllm_v1() -> None:
     assert (sample.running, sample.waiting, sample.kv_usage, sample.preemptions_total) == (0, 0, 0, 0)
     assert sample.kv_capacity_tokens == 9527 * 16 == 152_432
     assert math.isclose(PROFILES["v100pp2"].kv_capacity_tokens, 152_432)
+
+
+# -- output lengths: an engine stops at end of sequence ----------------------------------------------------------------
+def draws(profile: str, seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [PROFILES[profile].draw_output_tokens(rng) for _ in range(n)]
+
+
+def test_output_lengths_are_seeded() -> None:
+    assert draws("thor", 7, 50) == draws("thor", 7, 50)
+    assert draws("thor", 7, 50) != draws("thor", 8, 50)
+
+
+@pytest.mark.parametrize("profile", ["thor", "spark", "v100pp2"])
+def test_output_length_median_and_long_tail(profile: str) -> None:
+    lengths = sorted(draws(profile, 1, 4_000))
+    median = PROFILES[profile].output_median_tokens
+    assert 150 <= median <= 300
+    assert lengths[len(lengths) // 2] == pytest.approx(median, rel=0.08)
+    assert min(lengths) >= 1
+    assert lengths[int(len(lengths) * 0.99)] > 5 * median  # a long tail, as chat traffic has
+    assert sum(lengths) / len(lengths) > median  # so the mean sits above the median
+
+
+def plan(body: dict[str, object], prompt: int = 10, **kwargs: object) -> tuple[int, int | None]:
+    from enginesim.server import EngineSimulator
+
+    sim = EngineSimulator(PROFILES["thor"], name="t", seed=3, **kwargs)  # type: ignore[arg-type]
+    out = sim.plan_output({"model": "cortex", **body}, prompt)
+    assert isinstance(out, tuple), out
+    return out
+
+
+def test_output_plan_caps_forces_and_ignores_eos() -> None:
+    limit, natural = plan({})
+    assert limit == 32_768 - 10 and natural is not None  # no max_tokens: the engine's own limit applies
+    assert plan({"max_tokens": 5}) == (5, natural)  # the same draw, cut at max_tokens by the request
+    assert plan({"max_tokens": 50, "sim_output_tokens": 12}) == (50, 12)
+    assert plan({"max_tokens": 50, "ignore_eos": True}) == (50, None)  # exactly max_tokens
+    assert plan({"max_tokens": 50}, output_model="max_tokens") == (50, None)
+    assert plan({}, output_model="max_tokens") == (64, None)  # the old default
+
+
+def test_output_plan_refuses_what_does_not_fit() -> None:
+    from enginesim.server import EngineSimulator
+
+    sim = EngineSimulator(PROFILES["thor"], name="t")
+    assert sim.plan_output({"max_tokens": 0.5}, 10).status == 400  # type: ignore[union-attr]
+    assert sim.plan_output({"max_tokens": 100}, 32_700).status == 400  # type: ignore[union-attr]
+    assert sim.plan_output({}, 32_768).status == 400  # type: ignore[union-attr]
+    with pytest.raises(ValueError):
+        EngineSimulator(PROFILES["thor"], name="t", output_model="sometimes")
+
+
+def test_a_request_stops_at_its_natural_length() -> None:
+    b = Batcher(PROFILES["spark"])
+    stops = SimRequest("stop", prompt_tokens=5, max_tokens=100, arrived_at=0, output_tokens=7)
+    cut = SimRequest("cut", prompt_tokens=5, max_tokens=20, arrived_at=0, output_tokens=70)
+    for r in (stops, cut):
+        b.submit(r)
+    run_to_completion(b)
+    assert (stops.generated, stops.finish_reason) == (7, "stop")
+    assert (cut.generated, cut.finish_reason) == (20, "length")
+    assert b.generation_tokens_total == 27
+
+
+async def _post(sim: object, path: str, body: dict[str, object]) -> tuple[dict[str, object] | None, list[dict]]:  # type: ignore[type-arg]
+    from aiohttp.test_utils import TestClient, TestServer
+
+    client = TestClient(TestServer(sim.app()))  # type: ignore[attr-defined]
+    await client.start_server()
+    try:
+        response = await client.post(path, json=body)
+        assert response.status == 200, await response.text()
+        if not body.get("stream"):
+            return await response.json(), []
+        chunks = [json.loads(line[6:]) for line in (await response.text()).splitlines()
+                  if line.startswith("data: {")]
+        return None, chunks
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(("extra", "tokens", "reason"), [
+    ({"sim_output_tokens": 3}, 3, "stop"),
+    ({"sim_output_tokens": 30}, 6, "length"),
+    ({"ignore_eos": True}, 6, "length"),
+])
+async def test_finish_reason_over_http(stream: bool, path: str, extra: dict[str, object], tokens: int,
+                                       reason: str) -> None:
+    from enginesim.server import EngineSimulator
+
+    sim = EngineSimulator(PROFILES["spark"], name="s", speed=1000)
+    content = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    body = {"model": "cortex", "max_tokens": 6, "stream": stream, "stream_options": {"include_usage": True},
+            **content, **extra}
+    full, chunks = await _post(sim, path, body)
+    if full is not None:
+        assert full["choices"][0]["finish_reason"] == reason  # type: ignore[index]
+        assert full["usage"]["completion_tokens"] == tokens  # type: ignore[index]
+    else:
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert reasons[-1] == reason and reasons.count(reason) == 1
+        assert chunks[-1]["usage"]["completion_tokens"] == tokens
+    assert sim.served[-1]["completion_tokens"] == tokens and sim.served[-1]["finish_reason"] == reason
