@@ -287,7 +287,17 @@ class ControlPlane:
         await self._start_metrics_http()  # its port is the retry redirector's endpoint in every engine cluster
         await self.publish()
         server = grpc.aio.server(
-            options=[*GRPC_OPTIONS, ("grpc.max_receive_message_length", cfg.envoy.max_request_bytes + 1024 * 1024)]
+            options=[
+                *GRPC_OPTIONS,
+                ("grpc.max_receive_message_length", cfg.envoy.max_request_bytes + 1024 * 1024),
+                # grpc-core cancels calls it cannot hand to Python in time (more pending than these limits, 1000/3000 by
+                # default, or unrequested for 30 s) and Envoy fails a cancelled Check open. Raised so that a backlog reaches
+                # the handler, which answers it 503 controlplane_overloaded (authz.py) instead. The unrequested limit is in
+                # seconds: a day, longer than any Check's deadline.
+                ("grpc.server.max_pending_requests", cfg.controlplane.max_pending_rpcs),
+                ("grpc.server.max_pending_requests_hard_limit", cfg.controlplane.max_pending_rpcs),
+                ("grpc.server_max_unrequested_time_in_server", 24 * 3600),
+            ]
         )
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.ads, server)
         external_auth_pb2_grpc.add_AuthorizationServicer_to_server(AuthorizationServicer(self), server)

@@ -67,6 +67,17 @@ class SluiceMetrics:
                      0.025, 0.05, 0.1, 0.5, 1, 5, 30, 130),
             registry=r,
         )
+        self.authz_internal_errors = Counter(
+            "sluice_authz_internal_errors",
+            "Checks that failed inside the control plane, answered 500 internal_error (never left to Envoy's fail-open).",
+            registry=r,
+        )
+        self.authz_overloaded = Counter(
+            "sluice_authz_overloaded",
+            "Checks that waited longer than controlplane.max_check_queue_ms before their handler ran, answered 503 "
+            "controlplane_overloaded at once.",
+            registry=r,
+        )
         self.tickets_released = Counter(
             "sluice_tickets_released", "Tickets released by an access-log entry.", ["engine"], registry=r
         )

@@ -3,7 +3,9 @@
 The gRPC shell calls ``check`` for every request and gets back an ``Outcome``: admitted (with its ticket), parked (the shell
 holds the Check open until ``wake``/``expire_parked`` returns an outcome for that id, or the client leaves and the shell calls
 ``cancel``), or answered (refused, shed, the model list). ``release`` (access log), ``expire_leases`` (lease TTL) and new probes
-free capacity; each returns the parked requests it could admit, in order.
+free capacity; each returns the parked requests it could admit, in order. ``record_output`` (access log: a finished
+request's completion tokens) teaches the core how long each model's answers really are (output_length.py); every fleet the
+core builds carries those means so time estimates use them.
 
 Parking lot: per model, one FIFO per priority class (critical, then standard). The heads are tried in that order each wake;
 the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard). Depth is
@@ -23,6 +25,7 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.model import (
     Decision, EngineView, Fleet, InferenceRequest, RateTables, Reason, Ticket, Verdict,
 )
+from controlplane.core.output_length import OutputLengthBook
 from controlplane.core.policy import Policy
 from controlplane.core.route import ServeCounter, SessionMap
 
@@ -59,6 +62,7 @@ class AdmissionCore:
         """Uniform draws in [0, 1) for the satisficing band (the shell passes a real RNG; tests a seeded one)."""
         self.serves = ServeCounter(policy.serve_half_life_s)
         self.sessions = SessionMap()
+        self.output_lengths = OutputLengthBook()
         self._lot: dict[str, dict[str, deque[Parked]]] = {}
         self._where: dict[str, tuple[str, str]] = {}
 
@@ -66,7 +70,7 @@ class AdmissionCore:
     def fleet(self, engines: Iterable[EngineView], now: float, rates: RateTables | None = None) -> Fleet:
         engines = tuple(engines)
         return Fleet(engines, {e.name: self.ledger.view(e.name) for e in engines}, self.admit_stale,
-                     rates or RateTables(), self.serves.snapshot(now))
+                     rates or RateTables(), self.serves.snapshot(now), self.output_lengths.snapshot())
 
     def depth(self, model: str | None = None) -> int:
         if model is None:
@@ -121,6 +125,11 @@ class AdmissionCore:
 
     def release(self, ticket_id: str, now: float) -> Ticket | None:
         return self.ledger.release(ticket_id, now)
+
+    def record_output(self, model: str, completion_tokens: int) -> None:
+        """A request of ``model`` finished after generating ``completion_tokens`` (the access log's count, or the engine's
+        generation counter split over the requests it finished): later estimates expect that many, on average."""
+        self.output_lengths.record(model, completion_tokens)
 
     def wake(self, fleet_of: Callable[[], Fleet], now: float, models: Iterable[str] | None = None) -> list[Outcome]:
         """Admit parked heads that fit now, in order. ``fleet_of()`` gives the current fleet (it changes as we admit)."""

@@ -2,7 +2,9 @@
 
 Refusals come first and cost nothing: unknown path 404, malformed body 400, unknown model 404, every engine below the model's
 version floor 503 (``version_floor``), prompt + max_tokens beyond every candidate's ``max_model_len`` (or KV budget) 400
-``context_length_exceeded``.
+``context_length_exceeded``. Reading a request is total and bounded (a Check that raises would be failed open by Envoy):
+``MAX_JSON_DEPTH`` (64 levels, checked before parsing, 400 ``json_too_deep``), ``MAX_TOKENS_LIMIT`` (10,000,000, 400
+``invalid_max_tokens``), ``MAX_TTFT_DIGITS`` (9 ASCII digits, 400 ``invalid_max_ttft_ms``).
 
 Candidates: engines serving the model, at or above its version floor, fresh (or stale when ``on_stale: open`` and no fresh
 one exists). A candidate **fits** when none of these holds (each is a named ``Reason``)::
@@ -34,8 +36,10 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Any
 
 from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Verdict
@@ -48,6 +52,15 @@ PRIORITY_HEADER = "x-sluice-priority"
 TTFT_HEADER = "x-sluice-max-ttft-ms"
 SESSION_HEADER = "x-sluice-session"
 MAX_SESSION_KEY = 256
+#: Parsing is total (issue 8): Envoy fails a Check error open, so every header and body either parses within these bounds
+#: or is refused 400 before any decision; none may make parse_request raise anything but ``RequestError``.
+MAX_TTFT_DIGITS = 9
+"""``x-sluice-max-ttft-ms`` is 1 to 9 ASCII digits (up to 999,999,999 ms); more -> 400 ``invalid_max_ttft_ms``."""
+MAX_TOKENS_LIMIT = 10_000_000
+"""``max_tokens`` / ``max_completion_tokens`` above this (no engine has such a context) -> 400 ``invalid_max_tokens``."""
+MAX_JSON_DEPTH = 64
+"""Arrays/objects nested deeper than this -> 400 ``json_too_deep``, found by a scan that runs before ``json.loads`` (whose
+decoder recurses once per level and raises ``RecursionError`` near 1000)."""
 
 
 class RequestError(Exception):
@@ -83,20 +96,75 @@ def shed(reason: Reason, detail: str, retry_after_s: int) -> Decision:
 
 # -- reading the request ------------------------------------------------------------------------------------------------
 def _text_length(value: Any) -> int:
-    """Characters of prompt text in a message content, a prompt, or a list of either (OpenAI content parts included)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return sum(_text_length(v) for v in value)
-    if isinstance(value, dict):
-        return _text_length(value.get("text", "")) + _text_length(value.get("content", ""))
-    return 0
+    """Characters of prompt text in a message content, a prompt, or a list of either (OpenAI content parts included).
+    Iterative: a body's nesting is bounded by ``MAX_JSON_DEPTH`` already, but this must not depend on it."""
+    total = 0
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.append(item.get("text", ""))
+            pending.append(item.get("content", ""))
+    return total
+
+
+# Bytes of a JSON text that matter for nesting: brackets become +1/-1 depth steps (0xff reads as -1 in a signed array) and
+# quotes stay to mark strings; every other byte is deleted.
+_DEPTH_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b'[]{}"')))
+
+
+def _check_nesting(text: str) -> None:
+    """Refuse ``text`` when its arrays/objects nest deeper than ``MAX_JSON_DEPTH`` (400 ``json_too_deep``), without parsing
+    it, so ``json.loads`` (whose decoder recurses once per level) never sees such a body. Linear, in C, never recursive:
+    escaped backslashes and quotes are cut, then every byte but brackets and quotes; adjacent quote pairs (strings without
+    brackets) go; brackets still inside a string are dropped; a running sum (``accumulate``) of the steps is the depth.
+    An odd number of quotes is an unterminated string: 400 ``invalid_json``."""
+    raw = text.encode("utf-8", "surrogatepass")
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:  # too few brackets to nest past the limit: most bodies
+        return
+    if b'\\"' in raw:  # an escaped quote (possibly after escaped backslashes) does not end a string
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    # Removing two adjacent quotes never moves a bracket in or out of a string: nothing lies between them.
+    structure = raw.translate(_DEPTH_STEP, _NOT_STRUCTURE).replace(b'""', b"")
+    if b'"' in structure:
+        pieces = structure.split(b'"')
+        if len(pieces) % 2 == 0:
+            raise _malformed("unterminated string")
+        structure = b"".join(pieces[::2])  # the even pieces lie outside strings
+    if max(accumulate(array("b", structure)), default=0) > MAX_JSON_DEPTH:
+        raise RequestError(400, Reason.MALFORMED_JSON, f"Request body nests deeper than {MAX_JSON_DEPTH} levels",
+                           "json_too_deep")
+
+
+def _token_limit(body: dict[str, Any], key: str) -> int | None:
+    """A token-count field: absent or null is None; anything else must be an integer in 1..``MAX_TOKENS_LIMIT``."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS_LIMIT:
+        raise RequestError(400, Reason.INVALID_FIELD, f"{key} must be an integer from 1 to {MAX_TOKENS_LIMIT}",
+                           "invalid_max_tokens")
+    return value
+
+
+def _malformed(detail: str) -> RequestError:
+    return RequestError(400, Reason.MALFORMED_JSON, f"Request body is not valid JSON: {detail}", "invalid_json")
 
 
 def parse_request(
     method: str, path: str, raw_body: bytes, headers: Mapping[str, str] | None = None, policy: Policy | None = None
 ) -> InferenceRequest:
-    """Read what the decision needs from an HTTP request; raise ``RequestError`` for anything malformed."""
+    """Read what the decision needs from an HTTP request; raise ``RequestError`` for anything malformed.
+
+    Total: for any method, path, headers and body this returns or raises ``RequestError`` (400/404), never anything else
+    (a Check that raises is an ext_authz error, which Envoy fails open). Bounds: ``x-sluice-max-ttft-ms`` is 1 to
+    ``MAX_TTFT_DIGITS`` ASCII digits; token counts are at most ``MAX_TOKENS_LIMIT``; the body nests at most
+    ``MAX_JSON_DEPTH`` levels (400 ``json_too_deep``), checked before it is parsed."""
     policy = policy or Policy()
     headers = headers or {}
     route = path.split("?", 1)[0]
@@ -111,28 +179,41 @@ def parse_request(
     deadline = headers.get(TTFT_HEADER)
     max_ttft_ms: int | None = None
     if deadline is not None:
-        if not deadline.strip().isdigit() or int(deadline) < 1:
-            raise RequestError(400, Reason.INVALID_FIELD, f"{TTFT_HEADER} must be a positive integer (milliseconds)",
-                               "invalid_max_ttft_ms")
-        max_ttft_ms = int(deadline)
+        # ASCII digits only: str.isdigit() also accepts "①" and other digits int() refuses, and length bounds int().
+        digits = deadline.strip()
+        if not (0 < len(digits) <= MAX_TTFT_DIGITS and digits.isascii() and digits.isdigit()) or int(digits) < 1:
+            raise RequestError(400, Reason.INVALID_FIELD,
+                               f"{TTFT_HEADER} must be a positive integer of at most {MAX_TTFT_DIGITS} digits "
+                               "(milliseconds)", "invalid_max_ttft_ms")
+        max_ttft_ms = int(digits)
     session = headers.get(SESSION_HEADER) or None
     if session is not None and len(session) > MAX_SESSION_KEY:
         raise RequestError(400, Reason.INVALID_FIELD, f"{SESSION_HEADER} is longer than {MAX_SESSION_KEY} characters",
                            "invalid_session")
     try:
-        body: Any = json.loads(raw_body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(400, Reason.MALFORMED_JSON, f"Request body is not valid JSON: {exc}", "invalid_json") from None
+        # json.loads(bytes) would decode the same way (UTF-8, -16 or -32, detected); the depth scan needs the text first.
+        text = raw_body.decode(json.detect_encoding(raw_body), "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise _malformed(str(exc)) from None
+    _check_nesting(text)
+    try:
+        body: Any = json.loads(text)
+    except ValueError as exc:  # JSONDecodeError, and a UTF-8 BOM left in the text
+        raise _malformed(str(exc)) from None
+    except RecursionError:  # unreachable past the depth scan; kept so a scan defect is a 400, never a failed Check
+        raise RequestError(400, Reason.MALFORMED_JSON, f"Request body nests deeper than {MAX_JSON_DEPTH} levels",
+                           "json_too_deep") from None
     if not isinstance(body, dict):
         raise RequestError(400, Reason.MALFORMED_JSON, "Request body must be a JSON object", "invalid_json")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(400, Reason.MISSING_MODEL, "You must provide a model parameter", "missing_model")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise RequestError(400, Reason.INVALID_FIELD, "max_tokens must be a positive integer", "invalid_max_tokens")
-    text = body.get("messages") if route == "/v1/chat/completions" else body.get("prompt", body.get("input", ""))
-    prompt_tokens = math.ceil(_text_length(text) / policy.chars_per_token)
+    # Read the way engines read them: max_completion_tokens when it is a non-null value, else max_tokens (a null
+    # max_completion_tokens must not hide max_tokens, or sluice would reserve its default while the engine runs long).
+    completion_limit, legacy_limit = _token_limit(body, "max_completion_tokens"), _token_limit(body, "max_tokens")
+    max_tokens = completion_limit if completion_limit is not None else legacy_limit
+    prompt = body.get("messages") if route == "/v1/chat/completions" else body.get("prompt", body.get("input", ""))
+    prompt_tokens = math.ceil(_text_length(prompt) / policy.chars_per_token)
     return InferenceRequest(method, route, model=model, stream=bool(body.get("stream")), prompt_tokens=prompt_tokens,
                             max_tokens=max_tokens, priority=priority,
                             max_ttft_ms=max_ttft_ms or policy.model(model).max_ttft_ms, session=session)

@@ -143,6 +143,8 @@ class Reason(enum.Enum):
     SATISFICING_BAND = "satisficing_band"
     SESSION_AFFINITY = "session_affinity"
     STALE_FAIL_OPEN = "stale_fail_open"
+    WORK_CONSERVING = "work_conserving"
+    """A free slot taken although a busy engine would finish sooner: its slot wait exceeded the work-conserving bound."""
     MODEL_LIST = "model_list"
     # refused: the request itself
     MALFORMED_JSON = "malformed_json"
@@ -249,6 +251,9 @@ class Fleet:
     rates: RateTables = field(default_factory=RateTables)
     recent_serves: dict[str, float] = field(default_factory=dict)
     """Admissions per engine, decayed (satisficing band weights)."""
+    expected_output: dict[str, float] = field(default_factory=dict)
+    """model -> tokens its requests are expected to generate, learned from completed requests (output_length.py); a
+    model missing here uses ``Policy.default_expected_output_tokens``."""
 
     def of(self, engine: str) -> EngineLedger:
         return self.ledger.get(engine, EngineLedger())

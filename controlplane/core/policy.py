@@ -36,7 +36,10 @@ class Policy:
     kv_high_watermark: float = 0.90
     """An engine whose KV usage is at or above this fraction takes nothing new; also the share of KV sluice commits."""
     default_max_tokens: int = 1024
-    """Tokens reserved for a request that names no ``max_tokens``."""
+    """Tokens reserved for a request that names no ``max_tokens`` (KV only: time estimates use the expected length)."""
+    default_expected_output_tokens: int = 256
+    """Tokens a request is expected to generate until its model has learned a length from completed requests (never
+    more than the request's ``max_tokens``). Time estimates only: slot waits, finish-soonest, expected finish times."""
     chars_per_token: float = 4.0
     """Prompt tokens are estimated as characters / this."""
     max_park_seconds: float = 120.0
@@ -52,6 +55,9 @@ class Policy:
     """Prefill anchor until an engine has measured its own."""
     wait_for_faster_margin: float = 0.0
     """A free slot finishing within this fraction of the best (busy) engine's finish is taken rather than waited out."""
+    max_wait_for_faster_services: float = 0.5
+    """Work conservation: a request waits for a busy faster engine while a free slot is idle only if that engine's slot
+    wait is at most this many of the request's service times on it (0: never wait while a slot is free)."""
     band_margin_ms: float = 1000.0
     """Satisficing band: estimated TTFT at least this far inside the deadline."""
     serve_half_life_s: float = 300.0

@@ -4,23 +4,45 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in decide.py):
 
     n            = min(cap, load + 1) while the fleet has room; cap under pressure (a candidate is full or requests
                    are parked: whatever starts now will share its engine with a full batch) and when r must wait
-    slot_wait    = 0 if load < cap, else the (load - cap + 1 + behind)-th soonest expected finish among e's tickets - now,
-                   where ``behind`` counts the parked requests queued after r: waiting for a busy engine is only worth
-                   it if that engine could also absorb the backlog, else the whole queue idles behind r (fleet scale)
     prefill_rate = trusted (model, chip class) median, else e's last measured rate, else e's configured anchor,
                    else the policy anchor
     decode_rate  = e's trusted per-request decode median at batch n (or the nearest batch measured), else its last
                    measured rate, else its configured anchor, else the policy default
+    out          = expected output tokens: the model's mean over recent completed requests (output_length.py, trusted
+                   after 20), else ``default_expected_output_tokens``; at most r.max_tokens. Time only: KV still reserves
+                   max_tokens (or ``default_max_tokens``), the worst case
+    service      = r.prompt_tokens / prefill_rate + out / decode_rate        (one request of r's shape at batch n)
+    k            = load - cap + 1 + behind, where ``behind`` counts the parked requests queued after r: waiting for a busy
+                   engine is only worth it if that engine could also absorb the backlog, else the whole queue idles
+                   behind r (fleet scale)
+    slot_wait    = 0 if load < cap; else, with D = e's open tickets' expected finishes (soonest first):
+                   D[k] - now when k <= |D|, else max(0, D[-1] - now) + ceil((k - |D|) / cap) x service
+                   (the engine drains a backlog deeper than its tickets in waves of cap: no clamp)
     ttft(e)      = slot_wait + r.prompt_tokens / prefill_rate + 1 / decode_rate     (the first token is one step)
-    finish(e)    = ttft(e) + r.max_tokens / decode_rate
+    finish(e)    = ttft(e) + out / decode_rate
 
 Without a deadline the request goes where ``finish`` is soonest, which may mean parking for a busy fast engine rather than
 taking a free slot on a slow one (reason ``waiting_for_faster``). Pricing free slots at the full-batch rate under pressure is
 what makes this split a burst the way the best assignment does (seed 000: 2/2 for four requests, Spark 6 / Thor 2 for eight).
 ``wait_for_faster_margin`` (default 0) optionally prefers a free slot whose ``finish`` is within that fraction of the best.
 
-With a deadline (``x-sluice-max-ttft-ms`` or the model's default) only engines whose ``ttft`` meets it count; none -> shed
-``ttft_unmeetable``. The **satisficing band** (seed 002) is every engine that can start now with ``ttft`` at least
+**Work conservation.** While some engine has a free slot, r waits for a busy faster one only if (a) that engine's ``finish``
+beats every free slot's by more than ``wait_for_faster_margin`` and (b) its ``slot_wait`` is at most
+``max_wait_for_faster_services`` (default 0.5) of r's service time there; otherwise r takes the free slot that finishes soonest
+(reason ``work_conserving``). Why: estimates err (outputs are guessed, probes lag) and a wait long compared with the work
+itself is where an error costs most; and a waiting head holds the FIFO queue behind it, so a wait that gains the head a
+little costs everyone behind it its full length. Issue 9 (4 req/s of 30-token answers to Thor + Spark, ~87% load) replayed
+through the core (tests/unit/test_wait_estimates.py): bound 1 gives TTFT p50 0.45 s / p90 0.64 s, bound 0.5 gives 0.18 s /
+0.33 s and a lower mean end-to-end time too; before this rule and the unclamped waits, Spark took 115 of 120 while Thor
+idled. Failure mode: an engine much slower than the rest (more than about
+``1 + max_wait_for_faster_services`` times slower in service time) gets work whenever the fast ones are a wave deep, and
+those requests finish later than waiting would have; keep such an engine out with the model's decode floor (band and quality
+cap), a larger bound, or drain it. With bound 0 the router never waits while a slot is free.
+
+With a deadline (``x-sluice-max-ttft-ms`` or the model's default) only engines whose ``ttft`` meets it count. None: shed
+``ttft_unmeetable`` when even an idle engine's prefill misses it, or when a slot is free and no engine meets it even
+without its wait (parking would idle that slot until the park limit sheds anyway); else park while a release might still
+come in time (waits are uncertain, real releases decide). The **satisficing band** (seed 002) is every engine that can start now with ``ttft`` at least
 ``band_margin_ms`` inside the deadline and a decode rate at or above the model's floor; the pick inside the band is weighted
 by ``1 / (1 + recent serves)`` (serves decay with a 5-minute half-life), so load spreads over every engine that is good
 enough instead of piling onto the fastest. A session (``x-sluice-session``) keeps its engine while that engine is in the band
@@ -75,24 +97,52 @@ def prefill_rate(engine: EngineView, model: str, fleet: Fleet, policy: Policy) -
     return engine.anchor_prefill_tokens_per_s or policy.default_prefill_tokens_per_s
 
 
+def expected_output_tokens(request: InferenceRequest, fleet: Fleet, policy: Policy) -> float:
+    """Tokens ``request`` is expected to generate: its model's learned mean, else the policy default, never more than its
+    ``max_tokens``. For time only; KV reserves ``max_tokens`` (or ``default_max_tokens``), the worst case."""
+    assert request.model is not None
+    typical = fleet.expected_output.get(request.model) or float(policy.default_expected_output_tokens)
+    return min(typical, float(request.max_tokens)) if request.max_tokens else typical
+
+
+def slot_wait(engine: EngineView, position: int, service_s: float, fleet: Fleet, now: float) -> float:
+    """Seconds until the ``position``-th slot (1-based, soonest first) frees on a full engine. Within its open tickets it is
+    that ticket's expected finish; beyond them the engine drains the rest in waves of ``cap`` requests, each wave one
+    ``service_s`` after the last known finish (no clamp: a backlog deeper than the batch costs its waves)."""
+    done = fleet.of(engine.name).expected_done
+    position = max(1, position)
+    if position <= len(done):
+        return max(0.0, done[position - 1] - now)
+    last_known = max(0.0, done[-1] - now) if done else 0.0
+    parallel = engine.cap or max(1, len(done))
+    return last_known + math.ceil((position - len(done)) / parallel) * service_s
+
+
 def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: Fleet, policy: Policy,
              now: float, pressure: bool = False, behind: int = 0) -> Estimate:
     assert request.model is not None
     load = effective_load(engine, fleet)
     cap = engine.cap
-    wait = 0.0
-    if not fits:
-        done = fleet.of(engine.name).expected_done
-        k = (int(load - cap + 1) if cap is not None else 1) + behind
-        if done:
-            wait = max(0.0, done[min(max(k, 1), len(done)) - 1] - now)
     batch = int(load) + 1
     if cap is not None:
         batch = cap if pressure or not fits else min(cap, batch)
     rate = decode_rate(engine, max(1, batch), fleet, policy)
-    ttft = wait + request.prompt_tokens / prefill_rate(engine, request.model, fleet, policy) + 1.0 / rate
-    tokens = request.max_tokens or policy.default_max_tokens
-    return Estimate(engine, fits, wait, ttft, ttft + tokens / rate, rate)
+    prefill_s = request.prompt_tokens / prefill_rate(engine, request.model, fleet, policy)
+    decode_s = expected_output_tokens(request, fleet, policy) / rate
+    wait = 0.0
+    if not fits:
+        # Everyone queued for this engine ahead of r, r itself, and the parked requests behind r: each costs one service
+        # of r's shape at the full-batch rate (the best guess for requests whose own lengths sluice cannot know).
+        position = (int(load - cap + 1) if cap is not None else 1) + behind
+        wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
+    ttft = wait + prefill_s + 1.0 / rate
+    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate)
+
+
+def waits_too_long(busy: Estimate, policy: Policy) -> bool:
+    """Work conservation: waiting for ``busy`` (a faster engine without a free slot) is only allowed while its slot wait is
+    at most ``max_wait_for_faster_services`` of the request's own service time there (``finish - slot_wait``)."""
+    return busy.slot_wait_s > policy.max_wait_for_faster_services * (busy.finish_s - busy.slot_wait_s)
 
 
 def weighted_pick(estimates: list[Estimate], serves: dict[str, float], pick: float) -> Estimate:

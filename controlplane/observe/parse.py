@@ -1,4 +1,7 @@
-"""Turn an engine's ``/metrics`` text into an ``EngineSample`` (prometheus_client's parser, never by hand).
+"""Turn an engine's ``/metrics`` text into an ``EngineSample``: scan for the few sample lines sluice reads, read only those.
+
+The lines are read as prometheus_client's parser reads them (the usual shape by a small exact reader, anything unusual by
+prometheus_client itself, line by line); tests/unit/test_parse_scan.py holds the two to the same result.
 
 Rules (../shared/docs/engine-metrics.md, learned from other routers' breakages):
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -115,40 +119,91 @@ def _wanted_samples() -> frozenset[str]:
 
 
 _WANTED = _wanted_samples()
-#: Family names as ``# TYPE``/``# HELP`` lines spell them (counters drop ``_total``, histograms their suffixes).
-_WANTED_FAMILIES = frozenset(
-    n.removesuffix("_total").removesuffix("_sum").removesuffix("_count") for n in _WANTED
-) | _WANTED
 
 
-def _relevant_lines(text: str) -> str:
-    """Only the lines of metrics sluice reads. Histogram buckets and unrelated families are most of an engine's exposition
-    (about 80% of vLLM's); dropping them before prometheus_client parses the rest makes a probe several times cheaper.
-    This selects whole lines by metric name; the parsing itself stays prometheus_client's."""
-    kept = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[2] in _WANTED_FAMILIES:
-                kept.append(line)
-            continue
-        end = len(line)
-        for sep in ("{", " "):
-            at = line.find(sep)
-            if 0 <= at < end:
-                end = at
-        if line[:end] in _WANTED:
-            kept.append(line)
-    return "\n".join(kept) + "\n"
+def _trie_pattern(words: list[str]) -> str:
+    """A regex alternation of ``words`` as a trie, so a line that matches none fails within a few characters."""
+    root: dict[str, dict] = {}  # type: ignore[type-arg]
+    for word in words:
+        node = root
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def emit(node: dict) -> str:  # type: ignore[type-arg]
+        alternatives = [re.escape(ch) + emit(sub) for ch, sub in sorted(node.items()) if ch]
+        if not alternatives:
+            return ""
+        if len(alternatives) == 1 and "" not in node:
+            return alternatives[0]
+        return "(?:" + "|".join(alternatives) + ")" + ("?" if "" in node else "")
+
+    return emit(root)
+
+
+def _scanner() -> re.Pattern[str]:
+    r"""One regex matching exactly the sample lines sluice reads: ``\n`` + a wanted name + ``{`` or a blank, to the end of
+    the line (names as a trie per engine prefix). ``# HELP``/``# TYPE`` lines, buckets, ``_created`` series and every other
+    family never match; the regex engine tests each line start in C and gives up within a few characters."""
+    alternatives = []
+    for prefix, _ in _PREFIXES:
+        names = sorted(n[len(prefix):] for n in _WANTED if n.startswith(prefix))
+        alternatives.append(re.escape(prefix) + _trie_pattern(names))
+    assert sum(1 for n in _WANTED for p, _ in _PREFIXES if n.startswith(p)) == len(_WANTED), "a name without prefix"
+    return re.compile("\n((?:" + "|".join(alternatives) + "))([{ \t][^\n]*)")
+
+
+_SCANNER = _scanner()
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*(?:\\.[^"\\\n]*)*"'
+#: The usual shape of a kept line after its name: labels (escaped quotes allowed), a value, an optional timestamp.
+_SAMPLE_TAIL = re.compile(r"(?:\{((?:" + _LABEL + r")(?:," + _LABEL + r")*,?)?\})?[ \t]+([^ \t\r]+)(?:[ \t]+[^ \t\r]+)?"
+                          r"[ \t\r]*")
+_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\\n]*(?:\\.[^"\\\n]*)*)"')
+_ESCAPE = re.compile(r'\\[\\n"]')
+_UNESCAPED = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
+
+
+def _unescape(match: re.Match[str]) -> str:
+    return _UNESCAPED[match.group(0)]
+
+
+def _value(token: str) -> float:
+    """prometheus_client's rule: no underscores, an int if it reads as one, else a float (``NaN``, ``+Inf``, ``1e+09``)."""
+    if "_" in token:
+        raise ValueError(f"Invalid value: {token!r}")
+    return int(token) if token.isascii() and token.isdigit() else float(token)
+
+
+def _parse_line(name: str, tail: str) -> list[tuple[dict[str, str], float]]:
+    """One kept sample line (``name`` + ``tail``) as prometheus_client would read it. The common shape is read here; anything
+    else (exemplars, several values, blanks in the label set, duplicate or reserved label names) goes to prometheus_client's
+    own parser, that line alone."""
+    m = _SAMPLE_TAIL.fullmatch(tail)
+    if m is not None:
+        labels: dict[str, str] = {}
+        block = m.group(1)
+        for key, raw in _LABEL_PAIR.findall(block) if block else ():
+            if key in labels or key.startswith("__"):
+                break
+            labels[key] = _ESCAPE.sub(_unescape, raw) if "\\" in raw else raw
+        else:
+            return [(labels, _value(m.group(2)))]
+    out = []
+    for family in text_string_to_metric_families(name + tail + "\n"):
+        out.extend((sample.labels, sample.value) for sample in family.samples if sample.name == name)
+    return out
 
 
 def read_series(text: str) -> Series:
+    r"""The samples sluice reads, by name: ``{name: [(labels, value), ...]}`` in text order.
+
+    Cost is a scan of the text, not a parse of it: one compiled regex finds the wanted lines in C, and only those lines (a
+    dozen or so of the ~560 in a vLLM V1 exposition: buckets, ``# HELP``/``# TYPE`` and unrelated families are most of it)
+    become Python objects. Values and labels read exactly as prometheus_client reads them (escaped quotes, ``NaN``, ``+Inf``,
+    exponents); a malformed kept line raises ValueError."""
     out: Series = defaultdict(list)
-    for family in text_string_to_metric_families(_relevant_lines(text)):
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
-            out[sample.name].append((sample.labels, sample.value))
+    for name, tail in _SCANNER.findall("\n" + text):
+        out[name].extend(_parse_line(name, tail))
     return out
 
 

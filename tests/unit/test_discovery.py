@@ -11,14 +11,14 @@ from controlplane.core.model import ServedModel
 from controlplane.observe.discovery import Discovery, parse_discovery, parse_models, slots_kv_usage
 from controlplane.observe.parse import Flavor
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "engine-metrics"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"
 
 
 def test_vllm_models_with_a_lora_adapter() -> None:
     """The captured vLLM /v1/models with LoRA adapters: the adapter names its base model and has no max_model_len."""
     path = FIXTURES / "vllm-0.7.x-aibrix-runtime-docs-v1-models-lora.json"
     if not path.exists():
-        pytest.fail(f"fixture {path} missing: shared/ must sit beside the repository")
+        pytest.fail(f"fixture {path} missing (a copy of shared/fixtures/engine-metrics, see its SOURCES.md)")
     models = parse_models(json.loads(path.read_text()))
     bases = [m for m in models if m.parent is None]
     adapters = [m for m in models if m.parent is not None]

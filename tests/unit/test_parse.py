@@ -9,13 +9,13 @@ import pytest
 from controlplane.core.model import EngineSample
 from controlplane.observe.parse import Flavor, detect_flavor, missing_gauges, parse_metrics, read_series
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "engine-metrics"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"
 
 
 def _fixture(name: str) -> str:
     path = FIXTURES / name
-    if not path.exists():  # CI lays shared/ beside the clone
-        pytest.fail(f"fixture {path} missing: shared/ must sit beside the repository")
+    if not path.exists():
+        pytest.fail(f"fixture {path} missing (a copy of shared/fixtures/engine-metrics, see its SOURCES.md)")
     return path.read_text()
 
 
