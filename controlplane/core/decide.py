@@ -28,8 +28,8 @@ nothing is worth waiting for: ``sheddable`` requests are shed (503 ``saturated``
 blocking rule). A request with parked requests ahead of it in its class or a higher one parks behind them (FIFO).
 
 Retry-After (shed) is when the ledger expects the ``(queued_ahead + 1)``-th slot among the candidates to free: open tickets'
-expected finish times (``expected_done_at = admitted_at + prompt / prefill rate + max_tokens / decode rate``) sorted, that
-entry's distance from now, clamped to ``[retry_after_min_s, retry_after_max_s]``.
+expected finish times (``expected_done_at = admitted_at + finish`` as route.py estimates it, with the *expected* output length,
+not max_tokens) sorted, that entry's distance from now, clamped to ``[retry_after_min_s, retry_after_max_s]``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 
 from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Verdict
 from controlplane.core.policy import PRIORITIES, Policy, meets_floor
-from controlplane.core.route import Estimate, effective_load, estimate, prefill_rate, weighted_pick
+from controlplane.core.route import Estimate, effective_load, estimate, prefill_rate, waits_too_long, weighted_pick
 
 #: Paths whose body names a model and is routed to an engine.
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -389,6 +389,12 @@ def decide(
         meeting = [x for x in estimates if x.ttft_s <= deadline_s]
         if not meeting:
             soonest_ttft = min(x.ttft_s for x in estimates)
+            if any(x.can_start for x in estimates) and all(x.ttft_s - x.slot_wait_s > deadline_s for x in estimates):
+                # Even without any wait no engine meets it, and a slot is free now: parking would only idle that slot
+                # until the park limit sheds the request anyway.
+                return shed(Reason.TTFT_UNMEETABLE,
+                            f"no engine can start {request.prompt_tokens} tokens of {model} within {request.max_ttft_ms} "
+                            f"ms (best {soonest_ttft * 1000:.0f} ms)", retry_after(candidates, fleet, policy, now))
             return _wait(request, candidates, fleet, policy, now, 0, Reason.CAP,
                          f"estimated TTFT {soonest_ttft * 1000:.0f} ms after waiting for a slot", park_limit)
         estimates = meeting
@@ -417,6 +423,11 @@ def decide(
 
     best = min(estimates, key=soonest)
     acceptable = [x for x in free if x.finish_s <= best.finish_s * (1 + policy.wait_for_faster_margin)]
+    if not best.can_start and not acceptable and waits_too_long(best, policy):
+        # Work conservation (route.py): the faster engine's wait is unbounded enough that a free slot is taken instead.
+        acceptable = free
+        if admitted_reason is Reason.FINISH_SOONEST:
+            admitted_reason = Reason.WORK_CONSERVING
     sticky = next((x for x in acceptable if x.engine.name == affinity), None)
     if sticky is not None:
         return _admit(request, sticky, Reason.SESSION_AFFINITY, policy, now, fleet)
