@@ -57,16 +57,22 @@ def rates_between(a: EngineSample, b: EngineSample, min_prefill_tokens: float = 
 
 
 class MedianRing:
-    """The last ``capacity`` samples of one rate; its median is trusted only from ``min_samples`` on."""
+    """The last ``capacity`` samples of one rate; its median is trusted only from ``min_samples`` on. The median is computed
+    once per change (at the first read after an ``add``), never per read."""
+
+    __slots__ = ("_values", "min_samples", "_median", "_fresh")
 
     def __init__(self, capacity: int, min_samples: int) -> None:
         if capacity < 1 or not 1 <= min_samples <= capacity:
             raise ValueError("need capacity >= 1 and 1 <= min_samples <= capacity")
         self._values: deque[float] = deque(maxlen=capacity)
         self.min_samples = min_samples
+        self._median: float | None = None
+        self._fresh = True
 
     def add(self, value: float) -> None:
         self._values.append(value)
+        self._fresh = False
 
     def __len__(self) -> int:
         return len(self._values)
@@ -74,14 +80,20 @@ class MedianRing:
     @property
     def median(self) -> float | None:
         """The median when trusted (enough samples), else None."""
-        if len(self._values) < self.min_samples:
-            return None
-        return statistics.median(self._values)
+        if not self._fresh:
+            self._median = statistics.median(self._values) if len(self._values) >= self.min_samples else None
+            self._fresh = True
+        return self._median
 
 
 class RateBook:
     """Medians fed by every engine's probes: prefill and solo decode per (model, chip class), and each engine's per-request
-    decode rate per batch size (decode speed as a function of running requests)."""
+    decode rate per batch size (decode speed as a function of running requests).
+
+    ``tables()`` is called on every Check, so the book keeps its ``RateTables`` up to date as it records: a ring's median is
+    recomputed when the ring changes, and a new ``RateTables`` is built only after a trusted median changed; until then
+    ``tables()`` returns the same object. A returned ``RateTables`` is never mutated afterwards (its dicts are copied on
+    write), so callers may hold it."""
 
     def __init__(self, capacity: int = 64, min_samples: int = 5) -> None:
         self.capacity = capacity
@@ -89,30 +101,58 @@ class RateBook:
         self._prefill: dict[tuple[str, str], MedianRing] = {}
         self._solo_decode: dict[tuple[str, str], MedianRing] = {}
         self._decode_by_batch: dict[tuple[str, int], MedianRing] = {}
+        # Trusted medians as the next tables will hold them; inner per-engine dicts are replaced, never changed in place.
+        self._solo_medians: dict[tuple[str, str], float] = {}
+        self._prefill_medians: dict[tuple[str, str], float] = {}
+        self._by_engine: dict[str, dict[int, float]] = {}
+        self._tables = RateTables()
+        self._stale = False
 
     def _ring(self, table: dict, key: tuple) -> MedianRing:  # type: ignore[type-arg]
         if key not in table:
             table[key] = MedianRing(self.capacity, self.min_samples)
         return table[key]  # type: ignore[no-any-return]
 
+    def _add(self, rings: dict, medians: dict, key: tuple, value: float) -> None:  # type: ignore[type-arg]
+        ring = self._ring(rings, key)
+        ring.add(value)
+        median = ring.median
+        if medians.get(key) != median:
+            if median is None:
+                medians.pop(key, None)
+            else:
+                medians[key] = median
+            self._stale = True
+
+    def _add_by_batch(self, engine: str, batch: int, value: float) -> None:
+        ring = self._ring(self._decode_by_batch, (engine, batch))
+        ring.add(value)
+        median = ring.median
+        current = self._by_engine.get(engine, {})
+        if current.get(batch) == median:
+            return
+        updated = {**current, batch: median} if median is not None else {b: r for b, r in current.items() if b != batch}
+        if updated:
+            self._by_engine[engine] = updated
+        else:
+            self._by_engine.pop(engine, None)
+        self._stale = True
+
     def record(self, model: str, chip_class: str, rates: EngineRates, engine: str = "") -> None:
         key = (model, chip_class)
         if rates.prefill_tokens_per_s is not None:
-            self._ring(self._prefill, key).add(rates.prefill_tokens_per_s)
+            self._add(self._prefill, self._prefill_medians, key, rates.prefill_tokens_per_s)
         if rates.solo and rates.decode_tokens_per_s_each is not None:
-            self._ring(self._solo_decode, key).add(rates.decode_tokens_per_s_each)
+            self._add(self._solo_decode, self._solo_medians, key, rates.decode_tokens_per_s_each)
         if engine and rates.batch and rates.decode_tokens_per_s_each is not None:
-            self._ring(self._decode_by_batch, (engine, rates.batch)).add(rates.decode_tokens_per_s_each)
+            self._add_by_batch(engine, rates.batch, rates.decode_tokens_per_s_each)
 
     def tables(self) -> RateTables:
-        """Every trusted median, for the decision core."""
-        def trusted(table: dict) -> dict:  # type: ignore[type-arg]
-            return {k: ring.median for k, ring in table.items() if ring.median is not None}
-
-        by_engine: dict[str, dict[int, float]] = {}
-        for (engine, batch), rate in trusted(self._decode_by_batch).items():
-            by_engine.setdefault(engine, {})[batch] = rate
-        return RateTables(trusted(self._solo_decode), trusted(self._prefill), by_engine)
+        """Every trusted median, for the decision core: the same object until a median changes (O(1) per call)."""
+        if self._stale:
+            self._tables = RateTables(dict(self._solo_medians), dict(self._prefill_medians), dict(self._by_engine))
+            self._stale = False
+        return self._tables
 
     def prefill_median(self, model: str, chip_class: str) -> float | None:
         ring = self._prefill.get((model, chip_class))

@@ -70,3 +70,66 @@ def test_rate_book_keys_by_model_and_chip_and_records_only_solo_decode() -> None
     assert book.prefill_median("cortex", "thor") == 1500
     assert book.solo_decode_median("cortex", "thor") is None
     assert book.counts("cortex", "gb10") == (2, 2)
+
+
+def test_tables_is_the_same_object_until_a_median_changes_and_its_medians_stay_right() -> None:
+    import random
+    import statistics
+
+    book = RateBook(capacity=6, min_samples=3)
+    empty = book.tables()
+    assert book.tables() is empty and empty.decode_by_batch == {} and empty.prefill_median == {}
+    rng = random.Random(7)
+    history: dict[tuple, list[float]] = {}  # type: ignore[type-arg]
+    held = []
+    for step in range(400):
+        engine, batch = f"e{rng.randrange(3)}", rng.choice((1, 2, 4))
+        rate = float(rng.randrange(10, 60))
+        model, chip = "m", rng.choice(("gb10", "thor"))
+        solo = batch == 1 and rng.random() < 0.5
+        prefill = float(rng.randrange(1000, 5000)) if rng.random() < 0.3 else None
+        before = book.tables()
+        held.append((before, {k: dict(v) for k, v in before.decode_by_batch.items()}, dict(before.prefill_median)))
+        book.record(model, chip, EngineRates(1, prefill_tokens_per_s=prefill, decode_tokens_per_s_each=rate, solo=solo,
+                                             batch=batch), engine)
+        history.setdefault(("batch", engine, batch), []).append(rate)
+        if solo:
+            history.setdefault(("solo", model, chip), []).append(rate)
+        if prefill is not None:
+            history.setdefault(("prefill", model, chip), []).append(prefill)
+
+        def expected(kind: str) -> dict:  # type: ignore[type-arg]
+            out = {}
+            for (k, a, b), values in history.items():
+                if k == kind and len(values) >= 3:
+                    out[(a, b)] = statistics.median(values[-6:])
+            return out
+
+        by_batch: dict[str, dict[int, float]] = {}
+        for (engine_name, b), m in expected("batch").items():
+            by_batch.setdefault(engine_name, {})[b] = m
+        tables = book.tables()
+        assert tables.decode_by_batch == by_batch
+        assert tables.solo_decode == expected("solo")
+        assert tables.prefill_median == expected("prefill")
+        assert book.tables() is tables  # no record in between: the same object
+        changed = (tables.decode_by_batch, tables.solo_decode, tables.prefill_median) != (
+            before.decode_by_batch, before.solo_decode, before.prefill_median)
+        assert (tables is not before) == changed, step
+    # a RateTables once handed out is never changed afterwards
+    for tables, by_batch_then, prefill_then in held:
+        assert tables.decode_by_batch == by_batch_then and tables.prefill_median == prefill_then
+
+
+def test_a_record_that_leaves_every_median_unchanged_keeps_the_tables() -> None:
+    book = RateBook(capacity=8, min_samples=2)
+    for _ in range(2):
+        book.record("m", "gb10", EngineRates(1, decode_tokens_per_s_each=20, batch=2), "e0")
+    tables = book.tables()
+    assert tables.decode_by_batch == {"e0": {2: 20}}
+    book.record("m", "gb10", EngineRates(1, decode_tokens_per_s_each=20, batch=2), "e0")
+    assert book.tables() is tables
+    for _ in range(3):  # 20 20 20 50 50 50
+        book.record("m", "gb10", EngineRates(1, decode_tokens_per_s_each=50, batch=2), "e0")
+    assert book.tables() is not tables and book.tables().decode_by_batch == {"e0": {2: 35}}
+    assert tables.decode_by_batch == {"e0": {2: 20}}
