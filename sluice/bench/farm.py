@@ -1,6 +1,9 @@
 """A farm of simulated engine metric endpoints for ``sluice bench observe``: one aiohttp process answering ``/e/<i>/...``
-for ``N`` engines with real vLLM V1 exposition text (rendered by the simulator's collector, a few load levels, pre-rendered
-so the farm itself costs little CPU)."""
+for ``N`` engines with vLLM V1 exposition text, a few variants pre-rendered so the farm itself costs little CPU.
+
+``--exposition vllm-v1`` (the default): real-size vLLM 0.11 text, every histogram bucket kept, about 54 KB
+(``sluice/bench/vllm_exposition.py``; ``--data-parallel 2`` doubles the vLLM series, about 91 KB). ``--exposition sim``: the
+simulator's collector, about 14 KB (it exposes only the families sluice and its tests use)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,15 @@ from enginesim.exposition import RequestStats, SimCollector, render
 from enginesim.profiles import PROFILES
 
 
-def _variants(count: int = 8) -> list[bytes]:
+def _variants(count: int = 8, exposition: str = "vllm-v1", data_parallel: int = 1) -> list[bytes]:
+    if exposition == "vllm-v1":
+        from sluice.bench.vllm_exposition import variants
+
+        return variants(count, data_parallel=data_parallel)
+    return _sim_variants(count)
+
+
+def _sim_variants(count: int = 8) -> list[bytes]:
     out = []
     for level in range(count):
         batcher = Batcher(PROFILES["v100pp2"])
@@ -26,8 +37,8 @@ def _variants(count: int = 8) -> list[bytes]:
     return out
 
 
-def build_app(engines: int) -> web.Application:
-    variants = _variants()
+def build_app(engines: int, exposition: str = "vllm-v1", data_parallel: int = 1) -> web.Application:
+    variants = _variants(8, exposition, data_parallel)
     models = json.dumps({"object": "list", "data": [{"id": "reasoning", "object": "model", "max_model_len": 131072}]})
     hits = [0]
 
@@ -55,8 +66,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--engines", type=int, default=1000)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--exposition", choices=["vllm-v1", "sim"], default="vllm-v1")
+    parser.add_argument("--data-parallel", type=int, default=1)
     args = parser.parse_args()
-    web.run_app(build_app(args.engines), host="127.0.0.1", port=args.port, print=None, access_log=None)
+    web.run_app(build_app(args.engines, args.exposition, args.data_parallel), host="127.0.0.1", port=args.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

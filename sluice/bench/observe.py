@@ -1,19 +1,141 @@
-"""``sluice bench observe``: poll N simulated engines' ``/metrics`` the way the control plane does, and report the
-poll-cycle time (all N probed once, concurrently), the CPU each engine's probe costs, and how late the event loop that also
-answers Checks ran meanwhile (so a slow cycle can be told apart from a blocked loop)."""
+"""``sluice bench observe``: poll N simulated engines' ``/metrics`` the way the control plane does, and report the CPU each
+probe costs (parsing alone, and the whole probe through the real poller), the poll-cycle time (all N probed once,
+concurrently), how late the event loop that also answers Checks ran meanwhile, and what ``RateBook.tables()`` costs per
+Check. Old and new parsing are measured in the same run: the previous reader (filter lines in Python, then
+prometheus_client) is kept here as ``old_read_series`` and swapped into the poller for the "old" arm."""
 
 from __future__ import annotations
 
 import asyncio
+import random
+import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
+import controlplane.observe.poller as poller_module
 from controlplane.config import EngineConfig, ObserveConfig
+from controlplane.core.model import EngineRates, RateTables
+from controlplane.observe.parse import _WANTED, Series, read_series
 from controlplane.observe.poller import EnginePoller
+from controlplane.observe.rates import RateBook
 from sluice.bench.common import free_port, median, pct, write_report
+from sluice.bench.vllm_exposition import vllm_v1_exposition
+
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "engine-metrics"
+LARGEST_REAL = "vllm-0.4.3-datadog-integrations-core.prom"
+
+# --- the previous reader (commit 345f6f1's parse.py), kept callable for the comparison ---------------------------------
+_OLD_WANTED_FAMILIES = frozenset(
+    n.removesuffix("_total").removesuffix("_sum").removesuffix("_count") for n in _WANTED
+) | _WANTED
+
+
+def _old_relevant_lines(text: str) -> str:
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[2] in _OLD_WANTED_FAMILIES:
+                kept.append(line)
+            continue
+        end = len(line)
+        for sep in ("{", " "):
+            at = line.find(sep)
+            if 0 <= at < end:
+                end = at
+        if line[:end] in _WANTED:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
+def old_read_series(text: str) -> Series:
+    out: Series = defaultdict(list)
+    for family in text_string_to_metric_families(_old_relevant_lines(text)):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            out[sample.name].append((sample.labels, sample.value))
+    return out
+
+
+def _old_tables(book: RateBook) -> RateTables:
+    """The previous ``RateBook.tables()``: every ring's median recomputed (twice) on every call."""
+    def trusted(table: dict) -> dict:  # type: ignore[type-arg]
+        def med(ring) -> float | None:  # type: ignore[no-untyped-def]
+            return statistics.median(ring._values) if len(ring) >= ring.min_samples else None
+        return {k: med(ring) for k, ring in table.items() if med(ring) is not None}
+
+    by_engine: dict[str, dict[int, float]] = {}
+    for (engine, batch), rate in trusted(book._decode_by_batch).items():
+        by_engine.setdefault(engine, {})[batch] = rate
+    return RateTables(trusted(book._solo_decode), trusted(book._prefill), by_engine)
+
+
+@contextmanager
+def _poller_reads_with(reader: Callable[[str], Series]) -> Iterator[None]:
+    saved = poller_module.read_series
+    poller_module.read_series = reader  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        poller_module.read_series = saved  # type: ignore[assignment]
+
+
+# --- measurements -------------------------------------------------------------------------------------------------------
+def _cpu_us(fn: Callable[[], object], seconds: float = 0.6) -> float:
+    """Median CPU microseconds per call over a few batches (the machine is shared: process time, not wall)."""
+    fn()
+    per_batch = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(per_batch) < 3:
+        n, t0 = 0, time.process_time()
+        while n < 20 or time.process_time() - t0 < 0.05:
+            fn()
+            n += 1
+        per_batch.append((time.process_time() - t0) / n * 1e6)
+    return median(per_batch)
+
+
+def _parse_figures() -> list[tuple[str, int, float, float]]:
+    texts = [
+        (f"largest real capture ({LARGEST_REAL})", (FIXTURES / LARGEST_REAL).read_text()),
+        ("real-size vLLM 0.11 V1 (generated, 1 data-parallel rank)", vllm_v1_exposition(0).decode()),
+        ("real-size vLLM 0.11 V1 (generated, 2 data-parallel ranks)", vllm_v1_exposition(0, data_parallel=2).decode()),
+    ]
+    out = []
+    for label, text in texts:
+        assert {k: v for k, v in old_read_series(text).items() if v} == {k: v for k, v in read_series(text).items() if v}, \
+            "old and new read the same samples"
+        out.append((label, len(text.encode()), _cpu_us(lambda t=text: old_read_series(t)),
+                    _cpu_us(lambda t=text: read_series(t))))
+    return out
+
+
+def _tables_figures(engines: int = 200, batch_sizes: int = 8) -> tuple[float, float, float]:
+    book, rng = RateBook(64, 5), random.Random(1)
+    for e in range(engines):
+        for b in range(1, batch_sizes + 1):
+            for _ in range(64):
+                book.record("m", "gb10", EngineRates(1, prefill_tokens_per_s=rng.uniform(1000, 5000),
+                                                     decode_tokens_per_s_each=rng.uniform(10, 60), solo=b == 1, batch=b),
+                            f"e{e}")
+    assert _old_tables(book) == book.tables()
+    i = [0]
+
+    def record_then_tables() -> None:
+        i[0] += 1
+        book.record("m", "gb10", EngineRates(1, decode_tokens_per_s_each=rng.uniform(10, 60), batch=3), f"e{i[0] % engines}")
+        book.tables()
+
+    return _cpu_us(lambda: _old_tables(book), 1.0), _cpu_us(book.tables), _cpu_us(record_then_tables)
 
 
 async def _loop_lag(stop: asyncio.Event, lags: list[float], period: float = 0.01) -> None:
@@ -23,10 +145,11 @@ async def _loop_lag(stop: asyncio.Event, lags: list[float], period: float = 0.01
         lags.append(time.perf_counter() - before - period)
 
 
-async def _measure(port: int, engines: int, cycles: int, spread_seconds: float = 5.0) -> dict[str, list[float]]:
+async def _measure(port: int, engines: int, cycles: int, spread_seconds: float) -> dict[str, dict[str, list[float]]]:
     observe = ObserveConfig(poll_interval_seconds=1.0, poll_timeout_seconds=5.0, stale_after_polls=3,
                             models_refresh_seconds=3600, max_backoff_seconds=10, on_stale="open", rate_ring_size=64,
                             rate_min_samples=5, prefill_sample_min_tokens=256)
+    out: dict[str, dict[str, list[float]]] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         pollers = [
             EnginePoller(
@@ -37,84 +160,111 @@ async def _measure(port: int, engines: int, cycles: int, spread_seconds: float =
             for i in range(engines)
         ]
         await asyncio.gather(*(p.poll_once() for p in pollers))  # warm-up: connections, discovery
-        cycle_s, cpu_per_engine_ms, lags = [], [], []
-        stop = asyncio.Event()
-        lag_task = asyncio.create_task(_loop_lag(stop, lags))
-        for _ in range(cycles):
-            cpu0, t0 = time.process_time(), time.perf_counter()
-            await asyncio.gather(*(p.poll_once() for p in pollers))
-            cycle_s.append(time.perf_counter() - t0)
-            cpu_per_engine_ms.append((time.process_time() - cpu0) / engines * 1000)
-            await asyncio.sleep(0.2)
-        stop.set()
-        await lag_task
-        assert all(p.probes == cycles + 1 for p in pollers), "every engine answered every cycle"
-        # As the control plane runs them: each engine on its own 1 s schedule, starts staggered over the interval.
-        spread_lags: list[float] = []
-        stop = asyncio.Event()
-        lag_task = asyncio.create_task(_loop_lag(stop, spread_lags))
-        probes0, cpu0, t0 = sum(p.probes for p in pollers), time.process_time(), time.perf_counter()
-        tasks = [asyncio.create_task(p.run(i / engines)) for i, p in enumerate(pollers)]
-        await asyncio.sleep(spread_seconds)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        stop.set()
-        await lag_task
-        spread_probes = sum(p.probes for p in pollers) - probes0
-        return {
-            "cycle_s": cycle_s, "cpu_ms": cpu_per_engine_ms, "lag_ms": [x * 1000 for x in lags],
-            "spread_lag_ms": [x * 1000 for x in spread_lags],
-            "spread_rate": [spread_probes / (time.perf_counter() - t0)],
-            "spread_cpu": [(time.process_time() - cpu0) / (time.perf_counter() - t0)],
-        }
+        for arm, reader in (("old", old_read_series), ("new", read_series)):
+            with _poller_reads_with(reader):
+                cycle_s, cpu_per_engine_ms, lags = [], [], []
+                stop = asyncio.Event()
+                lag_task = asyncio.create_task(_loop_lag(stop, lags))
+                for _ in range(cycles):
+                    probes0 = sum(p.probes for p in pollers)
+                    cpu0, t0 = time.process_time(), time.perf_counter()
+                    await asyncio.gather(*(p.poll_once() for p in pollers))
+                    cycle_s.append(time.perf_counter() - t0)
+                    cpu_per_engine_ms.append((time.process_time() - cpu0) / engines * 1000)
+                    assert sum(p.probes for p in pollers) - probes0 == engines, "every engine answered every cycle"
+                    await asyncio.sleep(0.2)
+                stop.set()
+                await lag_task
+                # As the control plane runs them: each engine on its own 1 s schedule, starts staggered over the interval.
+                spread_lags: list[float] = []
+                stop = asyncio.Event()
+                lag_task = asyncio.create_task(_loop_lag(stop, spread_lags))
+                probes0, cpu0, t0 = sum(p.probes for p in pollers), time.process_time(), time.perf_counter()
+                tasks = [asyncio.create_task(p.run(i / engines)) for i, p in enumerate(pollers)]
+                await asyncio.sleep(spread_seconds)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                elapsed = time.perf_counter() - t0
+                stop.set()
+                await lag_task
+                out[arm] = {
+                    "cycle_s": cycle_s, "cpu_ms": cpu_per_engine_ms, "lag_ms": [x * 1000 for x in lags],
+                    "spread_lag_ms": [x * 1000 for x in spread_lags],
+                    "spread_rate": [(sum(p.probes for p in pollers) - probes0) / elapsed],
+                    "spread_cpu": [(time.process_time() - cpu0) / elapsed],
+                }
+            await asyncio.sleep(0.5)
+    return out
 
 
-def run_observe_bench(engines: int = 1000, cycles: int = 10) -> int:
+def _start_farm(engines: int, data_parallel: int) -> tuple[subprocess.Popen, int]:  # type: ignore[type-arg]
+    import urllib.request
+
     port = free_port()
-    farm = subprocess.Popen([sys.executable, "-m", "sluice.bench.farm", "--engines", str(engines), "--port", str(port)])
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                import urllib.request
+    farm = subprocess.Popen([sys.executable, "-m", "sluice.bench.farm", "--engines", str(engines), "--port", str(port),
+                             "--exposition", "vllm-v1", "--data-parallel", str(data_parallel)])
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/e/0/metrics", timeout=1).read()
+            return farm, port
+        except OSError:
+            if time.monotonic() > deadline:
+                farm.terminate()
+                raise
+            time.sleep(0.2)
 
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/e/0/metrics", timeout=1).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        figures = asyncio.run(_measure(port, engines, cycles))
+
+def run_observe_bench(engines: int = 1000, cycles: int = 10, spread_seconds: float = 4.0) -> int:
+    parse = _parse_figures()
+    tables_old, tables_new, tables_changed = _tables_figures()
+    farm, port = _start_farm(engines, 1)
+    try:
+        figures = asyncio.run(_measure(port, engines, cycles, spread_seconds))
     finally:
         farm.terminate()
         farm.wait(5)
-    cycle, cpu, lag = figures["cycle_s"], figures["cpu_ms"], figures["lag_ms"]
-    spread_lag = figures["spread_lag_ms"]
-    budget = 1.0 / (median(cpu) / 1000) if median(cpu) else float("inf")
-    body = f"""{engines} simulated engines (vLLM V1 exposition, about {len(_sample_text())} bytes each) served by one
-aiohttp process on loopback; the control plane's own `EnginePoller.poll_once` (aiohttp GET + prometheus_client parse +
-normalisation + rates), all engines concurrently, {cycles} cycles after a warm-up. The farm shares the 2 cores.
+    size = len(vllm_v1_exposition(0))
+    rows = "\n".join(f"| {label} | {size_b / 1000:.1f} KB | {old:.0f} | {new:.0f} | {old / new:.1f}x |"
+                     for label, size_b, old, new in parse)
+    probe_rows = []
+    for arm in ("old", "new"):
+        f = figures[arm]
+        cycle, cpu, lag, spread_lag = f["cycle_s"], f["cpu_ms"], f["lag_ms"], f["spread_lag_ms"]
+        probe_rows.append(
+            f"| {arm} | {median(cpu):.3f} | {max(cpu):.3f} | {median(cycle):.3f} | {max(cycle):.3f} | "
+            f"{pct(lag, 95):.1f} / {max(lag):.0f} | {f['spread_rate'][0]:.0f} | {f['spread_cpu'][0] * 100:.0f}% | "
+            f"{pct(spread_lag, 95):.1f} / {max(spread_lag):.0f} |")
+    new_cpu = median(figures["new"]["cpu_ms"])
+    body = f"""Every figure below is CPU time of the measuring process (`time.process_time`), so the farm and the other engineers'
+work sharing this 2-core machine inflate wall times but not these CPU figures much; figures of one run, not an average.
 
-| figure | median | p95 | max |
-|---|---|---|---|
-| poll-cycle time, all {engines} engines (s) | {median(cycle):.3f} | {pct(cycle, 95):.3f} | {max(cycle):.3f} |
-| CPU per engine per probe (ms) | {median(cpu):.3f} | {pct(cpu, 95):.3f} | {max(cpu):.3f} |
-| event-loop lag, all engines probed at once (ms, 10 ms ticker) | {median(lag):.2f} | {pct(lag, 95):.2f} | {max(lag):.2f} |
+**Parsing alone** (`read_series` on one exposition; the old reader filters lines in Python, then prometheus_client parses
+the kept lines; the new one finds the kept lines with one compiled regex and reads only those), CPU µs per probe:
 
-As the control plane runs them (every engine on its own 1 s schedule, starts staggered over the interval), for 5 s:
-{figures["spread_rate"][0]:.0f} probes/s, {figures["spread_cpu"][0] * 100:.0f}% of one core, event-loop lag median
-{median(spread_lag):.2f} ms, p95 {pct(spread_lag, 95):.2f} ms, max {max(spread_lag):.2f} ms.
+| exposition | size | old µs | new µs | old / new |
+|---|---|---|---|---|
+{rows}
 
-At the default 1 s poll interval one core can probe about {budget:.0f} engines (1 s / median CPU per probe).
+**Whole probe through the real poller** (`EnginePoller.poll_once`: aiohttp GET + read + normalisation + rates), {engines}
+engines served by one aiohttp farm process on loopback, each answering real-size vLLM 0.11 V1 text (about {size} bytes,
+every bucket; 8 pre-rendered variants), both arms in this same run against the same farm. Cycle: all {engines} probed
+concurrently, {cycles} cycles after a warm-up. Spread: as the control plane runs them (every engine on its own 1 s schedule,
+starts staggered over the interval) for {spread_seconds:.0f} s.
+
+| reader | CPU per probe, median (ms) | max | cycle time, median (s) | max | loop lag during cycles p95 / max (ms) | spread: probes/s | spread: CPU of one core | spread: loop lag p95 / max (ms) |
+|---|---|---|---|---|---|---|---|---|
+{chr(10).join(probe_rows)}
+
+At the default 1 s poll interval one core can probe about {1000 / new_cpu:.0f} engines with the new reader (1 s / median CPU
+per probe; the aiohttp client is now most of a probe's cost).
+
+**`RateBook.tables()`** per Check, 200 engines x 8 batch sizes (1600 decode rings of 64, plus prefill and solo rings):
+old (every median recomputed, twice, per call) {tables_old:.0f} µs; new (cached) {tables_new:.2f} µs per call; a `record`
+that changes one median followed by `tables()`: {tables_changed:.1f} µs.
 """
     path = write_report("observe", "sluice bench observe: polling many engines", body)
     print(body)
     print(f"report: {path}")
     return 0
-
-
-def _sample_text() -> bytes:
-    from sluice.bench.farm import _variants
-
-    return _variants(1)[0]
