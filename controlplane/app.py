@@ -33,6 +33,7 @@ from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import RateBook
 from controlplane.xds.resources import (
     AVOID_PARAM, ENGINE_HEADER, TICKET_HEADER, build_cluster, build_listener, build_load_assignment, build_routes,
+    openai_error_json,
 )
 from controlplane.xds.server import AdsServicer
 from controlplane.xds.snapshot import Snapshot, SnapshotCache, make_snapshot
@@ -367,9 +368,11 @@ class ControlPlane:
         engine = request.headers.get(ENGINE_HEADER, "")
         ticket = self.release_ticket(request.headers.get(TICKET_HEADER, ""))
         if ticket is None or ticket.engine != engine:
-            return web.Response(status=404, content_type="application/json",
-                                text='{"error": {"message": "not a retry", "type": "invalid_request_error", '
-                                     '"param": null, "code": "unknown_url"}}')
+            # Not a retry this control plane admitted (a restart forgot the ticket, or a stray caller): the engine's
+            # failure stands as the answer, with the shape Envoy gives it.
+            return web.Response(status=503, content_type="application/json", headers={"retry-after": "1"},
+                                text=openai_error_json("No engine could take the request (upstream unavailable)",
+                                                       "server_error", "upstream_unavailable"))
         self.note_engine_failure(engine, "failed before its first byte; retried elsewhere")
         self.metrics.engine_retries.labels(engine).inc()
         separator = "&" if request.query_string else "?"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from urllib.parse import parse_qs
 from typing import TYPE_CHECKING
 
 import grpc
@@ -33,7 +34,7 @@ from google.rpc import code_pb2, status_pb2
 from controlplane.core.admission import Outcome
 from controlplane.core.decide import RequestError, error_body, parse_request, refuse
 from controlplane.core.model import Verdict
-from controlplane.xds.resources import ENGINE_HEADER, authz_metadata
+from controlplane.xds.resources import AVOID_PARAM, ENGINE_HEADER, TICKET_HEADER, authz_metadata
 
 if TYPE_CHECKING:
     from controlplane.app import ControlPlane
@@ -57,6 +58,12 @@ def queued_seconds(context: grpc.aio.ServicerContext, authz_timeout_seconds: flo
     deadline (a caller other than Envoy), which is never shed."""
     remaining = context.time_remaining()
     return None if remaining is None else max(0.0, authz_timeout_seconds - remaining)
+
+
+def avoided_engine(path: str) -> str | None:
+    """The engine a retried request must not go back to (``?sluice_avoid=<engine>``, added by the retry redirector)."""
+    query = path.partition("?")[2]
+    return next((values[0] for key, values in parse_qs(query).items() if key == AVOID_PARAM and values), None)
 
 
 class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
@@ -90,7 +97,14 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
                     plane.metrics.admission_parked.labels(plane.model_label(model)).inc()
                     outcome = await plane.wait_parked(request_id)
                 plane.record_outcome(model, outcome)
-                response = _admit(outcome) if outcome.ticket is not None else _deny(outcome)
+                avoided = avoided_engine(http.path)
+                if outcome.ticket is not None and outcome.decision.engine == avoided:
+                    # A retry of a request this engine just failed: never the same engine twice.
+                    plane.release_ticket(outcome.ticket.ticket_id)
+                    response = _error(503, "upstream_unavailable", f"Engine {avoided} failed this request and no other "
+                                      "engine could take it; retry later", 1)
+                else:
+                    response = _admit(outcome) if outcome.ticket is not None else _deny(outcome)
             except Exception:  # not BaseException: a cancelled Check (CancelledError) must still end the RPC
                 response = self._internal_error(request_id, outcome)
         plane.metrics.authz_seconds.observe(time.perf_counter() - started)
@@ -137,7 +151,8 @@ def _admit(outcome: Outcome) -> external_auth_pb2.CheckResponse:
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.OK),
         ok_response=external_auth_pb2.OkHttpResponse(
-            headers=[_header(ENGINE_HEADER, decision.engine)],
+            # The ticket rides to the engine (never back to the client) so the retry redirector can release it.
+            headers=[_header(ENGINE_HEADER, decision.engine), _header(TICKET_HEADER, ticket.ticket_id)],
             response_headers_to_add=response_headers,
         ),
         dynamic_metadata=authz_metadata(ticket.ticket_id, decision.engine),

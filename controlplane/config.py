@@ -81,6 +81,9 @@ class EnvoyConfig:
     """The per-engine circuit breaker for an engine whose cap is neither configured nor reported."""
     request_headers_timeout_seconds: float
     """A client must finish sending its request headers within this long (slow-header connections are closed, 408)."""
+    delayed_close_timeout_seconds: float
+    """How long Envoy waits for a client to close a connection Envoy is closing (Envoy's default is 1 s: a stream cut by
+    a dying engine then ends for the client a second late)."""
     retry_on_engine_failure: bool
     """An engine that fails before its first byte (connect failure, reset, 503) is retried once on another engine through
     a new Check (an internal redirect), never on the same engine."""
@@ -196,6 +199,7 @@ DEFAULTS: dict[str, Any] = {
         "engine_max_requests_unknown_cap": 256,
         "request_headers_timeout_seconds": 10.0,
         "retry_on_engine_failure": True,
+        "delayed_close_timeout_seconds": 0.1,
     },
     "observe": {
         "poll_interval_seconds": 1.0,
@@ -319,8 +323,9 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     if not isinstance(kept, list) or not all(isinstance(h, str) and h.lower().startswith("x-sluice-") for h in kept):
         c.problems.append("envoy.client_headers_kept: must be a list of x-sluice-* header names")
         kept = []
-    if "x-sluice-engine" in [h.lower() for h in kept]:
-        c.problems.append("envoy.client_headers_kept: x-sluice-engine can never come from a client")
+    for internal in ("x-sluice-engine", "x-sluice-ticket"):
+        if internal in [h.lower() for h in kept]:
+            c.problems.append(f"envoy.client_headers_kept: {internal} can never come from a client")
     envoy = EnvoyConfig(
         listen_host=c.text("envoy.listen_host", ev["listen_host"]),
         listen_port=c.port("envoy.listen_port", ev["listen_port"]),
@@ -348,6 +353,8 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
                                                      ev["engine_max_requests_unknown_cap"], minimum=1, integer=True)),
         request_headers_timeout_seconds=float(c.number("envoy.request_headers_timeout_seconds",
                                                        ev["request_headers_timeout_seconds"], minimum=0.1)),
+        delayed_close_timeout_seconds=float(c.number("envoy.delayed_close_timeout_seconds",
+                                                     ev["delayed_close_timeout_seconds"], minimum=0)),
         retry_on_engine_failure=c.flag("envoy.retry_on_engine_failure", ev["retry_on_engine_failure"]),
     )
     ob = c.section(raw, "observe")

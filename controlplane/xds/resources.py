@@ -219,6 +219,10 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         # included, is bounded by the idle timeout (a park is at most the idle timeout less 20 s, config validation).
         request_headers_timeout=_seconds(ev.request_headers_timeout_seconds),
         request_timeout=_seconds(ev.stream_idle_timeout_seconds),
+        # When Envoy closes a client connection (an engine died mid-stream, a local reply with connection: close) it
+        # waits this long for the client to close first, so the client reads what was written before the RST. Envoy's
+        # 1 s default made a client learn of a dead engine a full second late.
+        delayed_close_timeout=_seconds(ev.delayed_close_timeout_seconds),
         local_reply_config=hcm_pb2.LocalReplyConfig(
             mappers=[
                 _json_error_mapper(
@@ -259,9 +263,15 @@ def build_listener(config: Config) -> listener_pb2.Listener:
                     err_type="invalid_request_error",
                     code="request_timeout",
                 ),
-                # Codec errors (conflicting Content-Length, malformed framing) are downstream protocol errors.
+                # Codec errors (conflicting Content-Length, malformed framing): a 400 for a request whose headers never
+                # reached the filters. ext_authz's own 400s (which carry their own body) always have a :path.
                 _json_error_mapper(
-                    _flags_filter("DPE"),
+                    accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=[
+                        _status_filter(400),
+                        accesslog_pb2.AccessLogFilter(header_filter=accesslog_pb2.HeaderFilter(
+                            header=route_components_pb2.HeaderMatcher(name=":path", present_match=True,
+                                                                      invert_match=True))),
+                    ])),
                     message="Malformed HTTP request",
                     err_type="invalid_request_error",
                     code="invalid_http_request",
