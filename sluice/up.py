@@ -1,6 +1,26 @@
 """``sluice up``: the embedded default. Starts the simulated engines a config lists, the control plane and Envoy; waits until
-Envoy answers; prints where to point a client; supervises until Ctrl-C/SIGTERM or until any child dies; then stops every child
-it started (Envoy first, so no request is cut at an engine while Envoy still accepts new ones).
+Envoy answers; prints where to point a client; supervises until Ctrl-C/SIGTERM; then stops every child it started (Envoy
+first, so no request is cut at an engine while Envoy still accepts new ones).
+
+Supervision. Envoy is the data plane: when the control plane goes away it keeps its last xDS config and every stream it
+carries (and serves new requests per ``envoy.on_controlplane_failure``); when a simulator goes away only that engine's
+streams are cut. So those two are restarted while Envoy keeps serving:
+
+- the control plane and each simulator are restarted whenever they exit (a crash, kill -9, even exit code 0: only
+  ``sluice up`` itself stops them), after an exponential backoff: ``RESTART_INITIAL_DELAY_S`` (0.5 s) doubling per restart up
+  to ``RESTART_MAX_DELAY_S`` (10 s). A child that stayed up ``RESTART_RESET_AFTER_S`` (30 s) or longer before it exited
+  starts the sequence over (0.5 s again). Every exit and every restart is written to stderr with the child's name, its exit
+  code (or signal), the attempt and the delay; the child's log file is appended to, with a marker line per restart.
+- a child that would need more than ``CRASH_LOOP_RESTARTS`` (5) restarts within ``CRASH_LOOP_WINDOW_S`` (60 s) is
+  crash-looping: ``sluice up`` gives up, says so, stops everything and exits 1.
+- Envoy exiting is fatal: stop everything, exit 1, saying so. Every stream through it is already cut, so a restart saves
+  no work, and it is the process clients talk to: a gateway that silently reappears on its port hides the failure from
+  whoever runs it. Run ``sluice up`` under a service manager (systemd ``Restart=on-failure``) to restart the whole stack.
+- a child exiting before the stack first answers (start-up) is fatal too: that is a port or config problem, not a crash.
+- Ctrl-C/SIGTERM stops every running child (Envoy first) and cancels any restart still waiting out its backoff.
+
+The restart policy is pure (``RestartPolicy``, ``RestartHistory``, ``next_restart``): the delay or the give-up follows from the
+history and the time alone; ``Supervisor`` is the process loop around it.
 
 Only one ``sluice up`` per Envoy listen port: a second one fails at once with a message naming the first (an exclusive
 ``flock`` on a lock file in ``$XDG_RUNTIME_DIR`` or the temp dir, released by the kernel however the first one dies).
@@ -20,7 +40,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -34,6 +55,18 @@ log = logging.getLogger("sluice.up")
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0
 
+RESTART_INITIAL_DELAY_S = 0.5
+"""Backoff before the first restart of a child that exited."""
+RESTART_MAX_DELAY_S = 10.0
+"""The backoff doubles per restart up to this."""
+RESTART_RESET_AFTER_S = 30.0
+"""A child up at least this long before it exited restarts after the initial delay again."""
+CRASH_LOOP_RESTARTS = 5
+CRASH_LOOP_WINDOW_S = 60.0
+"""More than ``CRASH_LOOP_RESTARTS`` restarts of one child within ``CRASH_LOOP_WINDOW_S``: give up, stop everything."""
+SUPERVISE_TICK_S = 0.1
+"""How often the supervisor looks at its children (and at Ctrl-C/SIGTERM)."""
+
 
 class AlreadyRunning(RuntimeError):
     pass
@@ -43,10 +76,154 @@ class NotReady(RuntimeError):
     pass
 
 
+# -- restart policy (pure) --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    initial_delay_s: float = RESTART_INITIAL_DELAY_S
+    max_delay_s: float = RESTART_MAX_DELAY_S
+    reset_after_s: float = RESTART_RESET_AFTER_S
+    max_restarts: int = CRASH_LOOP_RESTARTS
+    window_s: float = CRASH_LOOP_WINDOW_S
+
+
+@dataclass(frozen=True, slots=True)
+class RestartHistory:
+    """One child's restarts so far: ``streak`` counts the exits since it last stayed up ``reset_after_s``; ``restarts`` are
+    the times (of the exits that caused them) of its restarts inside the crash-loop window."""
+
+    streak: int = 0
+    restarts: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RestartDecision:
+    attempt: int
+    """1-based position in the current streak (the delay doubles with it)."""
+    delay_s: float | None
+    """Seconds to wait before starting the child again; ``None``: it is crash-looping, give up."""
+    history: RestartHistory
+    """The history to keep for the child's next exit."""
+
+    @property
+    def give_up(self) -> bool:
+        return self.delay_s is None
+
+
+def next_restart(policy: RestartPolicy, history: RestartHistory, up_since: float, now: float) -> RestartDecision:
+    """A child started at ``up_since`` exited at ``now``: when to start it again, or to give up.
+
+    ``delay = min(max_delay_s, initial_delay_s x 2^(attempt - 1))`` where ``attempt`` is 1 when the child stayed up at least
+    ``reset_after_s``, else one more than last time. Give up when ``max_restarts`` restarts already happened within the last
+    ``window_s`` (this exit would be one more)."""
+    recent = tuple(t for t in history.restarts if now - t < policy.window_s)
+    attempt = 1 if now - up_since >= policy.reset_after_s else history.streak + 1
+    if len(recent) >= policy.max_restarts:
+        return RestartDecision(attempt, None, RestartHistory(attempt, recent))
+    delay = min(policy.max_delay_s, policy.initial_delay_s * 2.0 ** min(attempt - 1, 60))
+    return RestartDecision(attempt, delay, RestartHistory(attempt, (*recent, now)))
+
+
+# -- processes ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class Child:
     name: str
-    process: subprocess.Popen[bytes]
+    command: list[str]
+    log_path: Path
+    restart: bool = True
+    """False: its exit ends ``sluice up`` (Envoy)."""
+    process: subprocess.Popen[bytes] | None = None
+    """None while waiting out a restart backoff."""
+    started_at: float = 0.0
+    history: RestartHistory = field(default_factory=RestartHistory)
+    restart_at: float | None = None
+    """When a pending restart is due (monotonic)."""
+    restarts: int = 0
+
+    def start(self, clock: Callable[[], float] = time.monotonic, marker: str = "") -> None:
+        with self.log_path.open("ab" if marker else "wb") as out:
+            if marker:
+                out.write(marker.encode())
+                out.flush()
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.started_at = clock()
+        self.restart_at = None
+        log.info("started %s (pid %d), log %s", self.name, self.process.pid, self.log_path)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"signal {-returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"code {returncode}"
+
+
+def _say(message: str) -> None:
+    print(f"sluice up: {message}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    """Restarts children that exit (``Child.restart``) by ``next_restart``; ``check`` is one pass, ``run`` loops it."""
+
+    def __init__(
+        self, children: list[Child], policy: RestartPolicy = RestartPolicy(),
+        clock: Callable[[], float] = time.monotonic, say: Callable[[str], None] = _say,
+    ) -> None:
+        self.children = children
+        self.policy = policy
+        self.clock = clock
+        self.say = say
+
+    def check(self) -> str | None:
+        """Notice exits, schedule restarts, start the ones due. Returns why supervision must end, or None."""
+        for child in self.children:
+            now = self.clock()
+            if child.process is not None and child.process.poll() is not None:
+                fatal = self._exited(child, child.process.returncode, now)
+                if fatal:
+                    return fatal
+            if child.process is None and child.restart_at is not None and now >= child.restart_at:
+                child.restarts += 1
+                try:
+                    child.start(self.clock, marker=f"\n--- sluice up: restart {child.restarts} of {child.name} ---\n")
+                except OSError as exc:
+                    return f"cannot restart {child.name}: {exc}; stopping everything"
+                self.say(f"{child.name} restarted (pid {child.pid}, attempt {child.history.streak})")
+        return None
+
+    def _exited(self, child: Child, returncode: int, now: float) -> str | None:
+        how = describe_exit(returncode)
+        up_for = now - child.started_at
+        child.process = None
+        if not child.restart:
+            return (f"{child.name} exited with {how} after {up_for:.1f} s (log: {child.log_path}); it is the data plane, so "
+                    "every stream through it is gone; stopping everything")
+        decision = next_restart(self.policy, child.history, child.started_at, now)
+        child.history = decision.history
+        if decision.give_up:
+            return (f"{child.name} exited with {how} after {up_for:.1f} s, after {self.policy.max_restarts} restarts "
+                    f"within {self.policy.window_s:g} s: it is crash-looping (log: {child.log_path}); giving up, stopping "
+                    "everything")
+        assert decision.delay_s is not None
+        child.restart_at = now + decision.delay_s
+        self.say(f"{child.name} exited with {how} after {up_for:.1f} s; restart attempt {decision.attempt} in "
+                 f"{decision.delay_s:g} s (log: {child.log_path})")
+        return None
+
+    def run(self, stopping: Callable[[], bool], tick: float = SUPERVISE_TICK_S) -> int:
+        """Supervise until ``stopping()`` (0) or a fatal exit (1, said). Stopping the children is the caller's job."""
+        while not stopping():
+            fatal = self.check()
+            if fatal:
+                self.say(fatal)
+                return 1
+            time.sleep(tick)
+        return 0
 
 
 def _lock_path(config: Config) -> Path:
@@ -96,11 +273,10 @@ def check_ports(config: Config) -> None:
         raise AlreadyRunning("ports already in use: " + "; ".join(busy))
 
 
-def _spawn(name: str, command: list[str], log_dir: Path) -> Child:
-    out = (log_dir / f"{name}.log").open("wb")
-    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    log.info("started %s (pid %d), log %s", name, process.pid, out.name)
-    return Child(name, process)
+def _spawn(name: str, command: list[str], log_dir: Path, *, restart: bool = True) -> Child:
+    child = Child(name, command, log_dir / f"{name}.log", restart=restart)
+    child.start()
+    return child
 
 
 def _fetch_models(base: str) -> list[str]:
@@ -120,8 +296,9 @@ def wait_ready(base: str, children: list[Child], timeout: float = READY_TIMEOUT_
 
     def attempt() -> list[str]:
         for child in children:
-            if child.process.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with {child.process.returncode} during start-up")
+            if child.process is not None and child.process.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with {describe_exit(child.process.returncode)} during start-up "
+                                   f"(log: {child.log_path})")
         return _fetch_models(base)
 
     try:
@@ -136,11 +313,16 @@ def wait_ready(base: str, children: list[Child], timeout: float = READY_TIMEOUT_
 
 
 def stop_children(children: list[Child]) -> None:
+    """SIGTERM every running child in order, then wait for each (SIGKILL after ``STOP_GRACE_S``). A child waiting out a
+    restart backoff has no process: its restart is simply dropped."""
     for child in children:
-        if child.process.poll() is None:
+        child.restart_at = None
+        if child.process is not None and child.process.poll() is None:
             child.process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     for child in children:
+        if child.process is None:
+            continue
         try:
             child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -166,7 +348,7 @@ def start_stack(config: Config, config_path: str | None, work_dir: Path) -> list
         cp_args = [py, "-m", "sluice", "controlplane"] + (["--config", config_path] if config_path else [])
         children.append(_spawn("controlplane", cp_args, work_dir))
         bootstrap = write_bootstrap(config, work_dir)
-        children.append(_spawn("envoy", envoy_command(config, bootstrap), work_dir))
+        children.append(_spawn("envoy", envoy_command(config, bootstrap), work_dir, restart=False))
     except BaseException:
         stop_children(list(reversed(children)))
         raise
@@ -202,15 +384,10 @@ def run_up(config_path: str | None) -> int:
         models = wait_ready(base, children)
         print(f"sluice is up.\n  base URL: {base}\n  model:    {', '.join(models)}\n"
               f"  admin:    sluice admin engines --target {config.controlplane.host}:{config.controlplane.grpc_port}\n"
-              f"  logs:     {work_dir}\nCtrl-C stops everything.", flush=True)
-        while not stopping:
-            dead = [c for c in children if c.process.poll() is not None]
-            if dead:
-                print(f"sluice up: {dead[0].name} exited with {dead[0].process.returncode} "
-                      f"(log: {work_dir / (dead[0].name + '.log')}); stopping everything", file=sys.stderr)
-                code = 1
-                break
-            time.sleep(0.2)
+              f"  logs:     {work_dir}\n"
+              "The control plane and simulators are restarted if they exit; Envoy keeps serving meanwhile.\n"
+              "Ctrl-C stops everything.", flush=True)
+        code = Supervisor(children).run(lambda: stopping)
     except (NotReady, RuntimeError) as exc:
         print(f"sluice up: {exc} (logs: {work_dir})", file=sys.stderr)
         code = 1
