@@ -49,6 +49,10 @@ GRPC_OPTIONS = [
 ]
 
 
+OUTPUT_SAMPLES_PER_PROBE = 32
+"""At most this many output-length samples per probe, so one busy engine cannot flush the whole ring at once."""
+
+
 def _version() -> str:
     try:
         return version("sluice")
@@ -234,6 +238,11 @@ class ControlPlane:
         if rates is not None and view.models:
             # Rates are booked under the engine's first model: engine metrics are per process, not per model.
             self.rates.record(view.models[0].model_id, view.chip_class, rates, view.name)
+            if rates.finished_requests and rates.mean_output_tokens is not None:
+                # What the engine really generated per finished request (end of sequence included): each finished
+                # request counts once, at the interval's mean (the book averages, so the mean is what matters).
+                for _ in range(min(rates.finished_requests, OUTPUT_SAMPLES_PER_PROBE)):
+                    self.admission.record_output(view.models[0].model_id, round(rates.mean_output_tokens))
         self.wake([model.model_id for model in view.models])
 
     def check_staleness(self, now: float) -> None:

@@ -30,6 +30,10 @@ class EngineSample:
     """Tokens that ``decode_seconds_total`` covers (the histogram's ``_count``)."""
     prefill_seconds_total: float | None = None
     prefill_tokens_total: float | None = None
+    finished_requests_total: float | None = None
+    """Requests the engine finished (its per-request output-length histogram's ``_count``)."""
+    finished_output_tokens_total: float | None = None
+    """Tokens those finished requests generated (the same histogram's ``_sum``)."""
 
     @property
     def queue(self) -> float | None:
@@ -59,6 +63,10 @@ class EngineRates:
     """The decode rate was measured with exactly one request running (and none queued) for the whole interval."""
     batch: int | None = None
     """Requests running at both ends of the interval when that count did not change (the decode rate's batch size)."""
+    finished_requests: int = 0
+    """Requests that finished in the interval."""
+    mean_output_tokens: float | None = None
+    """Their mean output length (what the engine really generated, end of sequence included)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,8 @@ class FlavorSpec:
     prefill_histograms: tuple[str, str] | None = None
     """(prompt-tokens histogram, prefill-seconds histogram): their ``_sum`` deltas give prefill tokens/s."""
     prefill_counters: tuple[str, str] | None = None
+    output_length_histograms: tuple[str, ...] = ()
+    """Per finished request, the tokens it generated: ``_sum`` over ``_count`` is the real mean answer length."""
     required: tuple[str, ...] = ()
     """Load gauges this flavour must expose; missing ones make the engine degraded (the startup self-check)."""
 
@@ -68,6 +70,7 @@ SPECS: dict[Flavor, FlavorSpec] = {
         generation_tokens=("vllm:generation_tokens_total",),
         decode_latency_histograms=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
         prefill_histograms=("vllm:request_prompt_tokens", "vllm:request_prefill_time_seconds"),
+        output_length_histograms=("vllm:request_generation_tokens",),
         required=("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
     ),
     Flavor.SGLANG: FlavorSpec(
@@ -98,6 +101,7 @@ SPECS: dict[Flavor, FlavorSpec] = {
         kv_used_tokens=("tgi_batch_current_max_tokens",),
         prompt_tokens=("tgi_request_input_length_sum",),
         generation_tokens=("tgi_request_generated_tokens_sum",),
+        output_length_histograms=("tgi_request_generated_tokens",),
         decode_latency_histograms=("tgi_request_mean_time_per_token_duration",),
         required=("tgi_batch_current_size", "tgi_queue_size"),
     ),
@@ -113,7 +117,8 @@ def _wanted_samples() -> frozenset[str]:
                       spec.preemptions, spec.prompt_tokens, spec.generation_tokens, spec.decode_counters or (),
                       spec.prefill_counters or ()):
             names.update(group)
-        for histogram in (*spec.decode_latency_histograms, *(spec.prefill_histograms or ())):
+        for histogram in (*spec.decode_latency_histograms, *(spec.prefill_histograms or ()),
+                          *spec.output_length_histograms):
             names.update((histogram + "_sum", histogram + "_count"))
     return frozenset(names)
 
@@ -298,8 +303,11 @@ def sample_from_series(series: Series, taken_at: float, flavor: Flavor | None) -
     if spec.prefill_counters is not None:
         prefill_tokens = _pick(flavor, series, spec.prefill_counters[:1])
         prefill_seconds = _pick(flavor, series, spec.prefill_counters[1:])
+    output_tokens, finished = _histogram(flavor, series, spec.output_length_histograms)
     return EngineSample(
         taken_at=taken_at,
+        finished_requests_total=finished,
+        finished_output_tokens_total=output_tokens,
         running=_pick(flavor, series, spec.running),
         waiting=_pick(flavor, series, spec.waiting),
         kv_usage=kv_usage,

@@ -6,6 +6,7 @@ Pure: samples in, rates out. For probes ``a`` then ``b`` (``dt = b.taken_at - a.
     generation_tokens_per_s   = d(generation_tokens_total) / dt
     prefill_tokens_per_s      = d(prefill_tokens_total) / d(prefill_seconds_total)      (tokens per second of prefill)
     decode_tokens_per_s_each  = d(decode_tokens_total) / d(decode_seconds_total)        (one request's decode rate)
+    mean_output_tokens        = d(finished_output_tokens_total) / d(finished_requests_total)  (real answer lengths)
 
 A counter that went backwards means the engine restarted: no rate from that pair. A delta of zero is no new information and
 gives no rate (seed 002: a value that did not change since the last poll is not a new sample). A prefill rate needs at least
@@ -44,6 +45,8 @@ def rates_between(a: EngineSample, b: EngineSample, min_prefill_tokens: float = 
     solo = decode is not None and a.running == 1 and b.running == 1 and not a.waiting and not b.waiting
     batch = int(b.running) if decode is not None and a.running == b.running and b.running else None
     prefill_tokens = _delta(a.prefill_tokens_total, b.prefill_tokens_total)
+    finished = _delta(a.finished_requests_total, b.finished_requests_total)
+    output = _delta(a.finished_output_tokens_total, b.finished_output_tokens_total)
     return EngineRates(
         interval_s=dt,
         prompt_tokens_per_s=_ratio(_delta(a.prompt_tokens_total, b.prompt_tokens_total), dt),
@@ -53,6 +56,8 @@ def rates_between(a: EngineSample, b: EngineSample, min_prefill_tokens: float = 
         decode_tokens_per_s_each=decode,
         solo=solo,
         batch=batch,
+        finished_requests=int(finished or 0),
+        mean_output_tokens=_ratio(output, finished),
     )
 
 

@@ -133,3 +133,13 @@ def test_a_record_that_leaves_every_median_unchanged_keeps_the_tables() -> None:
         book.record("m", "gb10", EngineRates(1, decode_tokens_per_s_each=50, batch=2), "e0")
     assert book.tables() is not tables and book.tables().decode_by_batch == {"e0": {2: 35}}
     assert tables.decode_by_batch == {"e0": {2: 20}}
+
+
+def test_mean_output_length_comes_from_the_finished_requests_histogram() -> None:
+    """Three requests finished between the probes with 40 + 200 + 60 tokens: the real answers average 100 tokens."""
+    a = EngineSample(0.0, finished_requests_total=5, finished_output_tokens_total=900)
+    b = EngineSample(2.0, finished_requests_total=8, finished_output_tokens_total=1200)
+    rates = rates_between(a, b)
+    assert rates is not None and rates.finished_requests == 3 and rates.mean_output_tokens == 100
+    idle = rates_between(b, EngineSample(3.0, finished_requests_total=8, finished_output_tokens_total=1200))
+    assert idle is not None and idle.finished_requests == 0 and idle.mean_output_tokens is None
