@@ -29,7 +29,7 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineRates, EngineView, Fleet, Ticket, Verdict
 from controlplane.core.weights import Weights, compute_weights, moved
 from controlplane.metrics import SluiceMetrics
-from controlplane.observe.poller import EnginePoller
+from controlplane.observe.poller import EnginePoller, ProbeError
 from controlplane.observe.rates import RateBook
 from controlplane.xds.resources import (
     AVOID_PARAM, ENGINE_HEADER, TICKET_HEADER, build_cluster, build_listener, build_load_assignment, build_routes,
@@ -295,6 +295,13 @@ class ControlPlane:
     async def start(self) -> None:
         cfg = self.config
         await self._start_metrics_http()  # its port is the retry redirector's endpoint in every engine cluster
+        # One pooled session for every poller, unbounded: a poller holds at most one connection, so none waits on another.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        interval = cfg.observe.poll_interval_seconds
+        for index, engine in enumerate(cfg.engines):
+            # The regular schedule starts one interval after the first round, staggered over the interval.
+            self._start_poller(engine, interval * (1 + index / len(cfg.engines)))
+        await self._first_probe_round()
         await self.publish()
         server = grpc.aio.server(
             options=[
@@ -318,10 +325,6 @@ class ControlPlane:
             raise OSError(f"cannot bind gRPC on {cfg.controlplane.host}:{cfg.controlplane.grpc_port}")
         await server.start()
         self._server = server
-        # One pooled session for every poller, unbounded: a poller holds at most one connection, so none waits on another.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        for index, engine in enumerate(cfg.engines):
-            self._start_poller(engine, cfg.observe.poll_interval_seconds * index / len(cfg.engines))
         self._tasks.append(asyncio.create_task(self._reap_leases(), name="lease-reaper"))
         self._tasks.append(asyncio.create_task(self._watch_staleness(), name="staleness"))
         self._tasks.append(asyncio.create_task(self._expire_parked(), name="park-deadlines"))
@@ -329,6 +332,24 @@ class ControlPlane:
             "control plane on %s:%d (ADS, ext_authz, ALS, admin), metrics on :%d, %d engines",
             cfg.controlplane.host, self.grpc_port, self.metrics_port, len(cfg.engines),
         )
+
+    async def _first_probe_round(self) -> None:
+        """Probe every engine once (bounded by the probe timeout) before the first Check is answered and the first
+        weights are published. A restarted control plane's ledger is empty: without this round an engine not yet probed
+        serves no models (404 ``model_not_found`` for its models) and its pre-crash streams count as zero load, and Envoy
+        gets a snapshot with no fallback weights. While the round runs Envoy keeps failing open on its old weights."""
+        timeout = self.config.observe.poll_timeout_seconds
+
+        async def probe(poller: EnginePoller) -> None:
+            try:
+                await asyncio.wait_for(poller.poll_once(), timeout)
+            except (ProbeError, asyncio.TimeoutError) as exc:
+                log.warning("engine %s: first probe failed: %s", poller.config.name, exc or "timed out")
+
+        await asyncio.gather(*(probe(p) for p in self.pollers))
+        now = self.clock()
+        self._published_caps = {p.config.name: p.view(now).discovered_concurrency for p in self.pollers}
+        self.published_weights = compute_weights(self.fleet(now), self.config.policy)
 
     def _start_poller(self, engine: EngineConfig, offset: float) -> None:
         assert self._session is not None
