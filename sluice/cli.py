@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flavor", default="vllm-v1", choices=["vllm-v1", "vllm-v0", "sglang", "llamacpp"],
                    help="which engine's metric names and endpoints to speak (default vllm-v1)")
     p.add_argument("--max-num-seqs", type=int, help="override the profile's concurrency cap")
+    p.add_argument("--output-model", choices=["eos", "max_tokens"],
+                   help="eos (default): each request ends at a drawn natural length capped by max_tokens; max_tokens: "
+                        "every request generates exactly its max_tokens (the old behaviour)")
+    p.add_argument("--seed", type=int, help="seed of the output-length draws (default: derived from the name)")
 
     p = sub.add_parser("admin", help="talk to a running control plane's admin API")
     p.add_argument("--target", default="127.0.0.1:18000", help="control plane gRPC address")
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-ttft-ms", type=int, default=0, help="explain: a TTFT deadline (0: none)")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
-    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "load", "fleet"])
+    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "load", "fleet", "chaos"])
     p.add_argument("--engines", type=int, default=1000, help="observe: simulated engines to poll")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
 
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
             profile = replace(profile, max_num_seqs=args.max_num_seqs)
         serve(profile, name=args.name or args.profile, host=args.host, port=args.port,
-              speed=args.speed, model=args.model, flavor=args.flavor)
+              speed=args.speed, model=args.model, flavor=args.flavor, output_model=args.output_model, seed=args.seed)
         return 0
     if args.command == "controlplane":
         from controlplane.app import run_controlplane
@@ -85,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_up(args.config)
     if args.command == "bench":
+        if args.scenario == "chaos":
+            from sluice.bench.chaos import run_chaos_bench
+
+            return run_chaos_bench()
         if args.scenario == "cag4":
             from sluice.bench.cag4 import run_cag4_bench
 

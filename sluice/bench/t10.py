@@ -2,7 +2,8 @@
 
 Both boxes run ``max_num_seqs=2``; per-request decode rates are the measured ones (Thor 18.18 tok/s alone, 50.71 aggregate
 at two streams; Spark 49.24 and 87.82). Each run is a burst of N concurrent streamed requests of 111 completion tokens;
-throughput is completion tokens over the burst's makespan, in emulated time (wall x SPEED). The control plane learns the
+throughput is completion tokens over the burst's makespan, in emulated time (wall x SPEED). Output-length model: every
+request generates exactly its 111 tokens (``ignore_eos``), as in the seed's experiment. The control plane learns the
 boxes' rates from their metrics during a warm-up; nothing about them is configured.
 
 Also reported: the direct-to-Thor baseline (the same burst straight to one box), the even-split ceiling, and the best
@@ -59,7 +60,8 @@ async def bursts(base: str, n: int, count: int) -> list[tuple[float, Counter[str
 
 async def _burst(session: aiohttp.ClientSession, base: str, n: int) -> tuple[float, Counter[str], int]:
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(stream_chat(session, base, "t10", "cortex", "Write about rivers.", TOKENS)
+    results = await asyncio.gather(*(stream_chat(session, base, "t10", "cortex", "Write about rivers.", TOKENS,
+                                                     ignore_eos=True)
                                      for _ in range(n)))
     wall = time.perf_counter() - t0
     tokens = sum(r.completion_tokens for r in results)

@@ -94,10 +94,13 @@ def bare_sim(profile: str, speed: float, name: str = "bare", flavor: str = "vllm
 
 
 async def stream_chat(session: aiohttp.ClientSession, base: str, tag: str, model: str, content: str, max_tokens: int,
-                      headers: dict[str, str] | None = None, t0: float = 0.0) -> Result:
-    """One streamed chat completion; TTFT is the first content chunk."""
-    payload = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-               "stream": True, "stream_options": {"include_usage": True}}
+                      headers: dict[str, str] | None = None, t0: float = 0.0, *, ignore_eos: bool = False) -> Result:
+    """One streamed chat completion; TTFT is the first content chunk. ``ignore_eos`` (vLLM's sampling parameter, honoured
+    by the simulator) generates exactly ``max_tokens``: for benches whose reference figures assume fixed lengths."""
+    payload: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}],
+                               "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        payload["ignore_eos"] = True
     started = time.perf_counter()
     result = Result(tag, 0, started - t0)
     async with session.post(base + "/v1/chat/completions", json=payload, headers=headers or {}) as response:
