@@ -28,7 +28,7 @@ $(STUBS): proto/sluice/admin/v1/admin.proto $(STAMP)
 stubs: $(STUBS)
 
 # Every benchmark, one after another (about 15 minutes): each prints its figures and writes bench/results/<scenario>.md.
-BENCHES := observe overhead t10 load cag4 fleet
+BENCHES := observe overhead t10 load cag4 fleet chaos
 bench: install
 	for b in $(BENCHES); do $(VENV)/bin/sluice bench $$b || exit 1; done
 

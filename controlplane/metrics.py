@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -22,10 +23,30 @@ class _OpenTickets(Collector):
         yield family
 
 
+class _EventLoopTasks(Collector):
+    """``sluice_event_loop_tasks``: ``len(asyncio.all_tasks())`` on the control plane's event loop at scrape time (a
+    task leak shows as growth). The loop is the one the last in-loop scrape ran on (``/metrics`` is served on it); a
+    scrape from another thread before any in-loop one finds no loop and leaves the gauge out."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        if self._loop is None or self._loop.is_closed():
+            return
+        yield GaugeMetricFamily("sluice_event_loop_tasks", "Tasks alive on the control plane's event loop.",
+                                value=len(asyncio.all_tasks(self._loop)))
+
+
 class SluiceMetrics:
     def __init__(self, open_tickets: Callable[[], dict[str, int]] = dict) -> None:
         r = self.registry = CollectorRegistry()
         r.register(_OpenTickets(open_tickets))
+        r.register(_EventLoopTasks())
         self.xds_nacks = Counter("sluice_xds_nacks", "xDS responses Envoy rejected.", ["type_url"], registry=r)
         self.xds_streams = Gauge("sluice_xds_streams", "Open ADS streams.", registry=r)
         self.xds_responses = Counter("sluice_xds_responses", "xDS responses sent.", ["type_url"], registry=r)
