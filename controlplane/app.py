@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import random
 import signal
@@ -27,7 +28,7 @@ from controlplane.config import RELOADABLE, Config, ConfigError, EngineConfig, l
 from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineRates, EngineView, Fleet, Ticket, Verdict
-from controlplane.core.weights import Weights, compute_weights, moved
+from controlplane.core.weights import Weights, compute_weights, should_push
 from controlplane.metrics import SluiceMetrics
 from controlplane.observe.poller import EnginePoller, ProbeError
 from controlplane.observe.rates import RateBook
@@ -86,10 +87,45 @@ class ControlPlane:
         self._tasks: list[asyncio.Task[None]] = []
         self._poll_tasks: dict[str, asyncio.Task[None]] = {}
         self._published_caps: dict[str, int | None] = {}
+        self._by_name: dict[str, EnginePoller] = {}
+        self._indexed_pollers: list[EnginePoller] | None = None
+        self._stale_at: list[tuple[float, str]] = []
+        self._weights_pushed_at: float | None = None
+        self.weight_pushes = 0
+        """Route tables pushed because fallback weights changed (benchmarks count them)."""
 
     # -- state the servicers read ----------------------------------------------------------------------------------------
     def fleet(self, now: float) -> Fleet:
-        return self.admission.fleet((p.view(now) for p in self.pollers), now, self.rates.tables())
+        """The fleet as of ``now``, with its index. Views are pushed to the core when they change (a probe, a drain, a
+        failure mark, a staleness flip found on ``_stale_at``), so a Check copies a few dicts instead of rebuilding every
+        engine's view and ledger view (issue 9: 17 ms a Check at 200 engines)."""
+        if self._indexed_pollers is not self.pollers or len(self._by_name) != len(self.pollers):
+            self._sync_engines(now)
+        heap = self._stale_at
+        while heap and heap[0][0] < now:
+            _, name = heapq.heappop(heap)
+            poller = self._by_name.get(name)
+            if poller is not None:
+                view = poller.view(now)
+                current = self.admission.index.views.get(name)
+                if current is None or current.stale != view.stale:
+                    self.admission.note_view(view)
+        return self.admission.indexed_fleet(now, self.rates.tables())
+
+    def _sync_engines(self, now: float) -> None:
+        """Pollers were added, removed or reordered (start, reload): the index follows, every view noted afresh."""
+        self._indexed_pollers = self.pollers
+        self._by_name = {p.config.name: p for p in self.pollers}
+        self.admission.set_engines(self._by_name)
+        for poller in self.pollers:
+            self._note_view(poller, now)
+
+    def _note_view(self, poller: EnginePoller, now: float) -> None:
+        view = poller.view(now)
+        self.admission.note_view(view)
+        if view.last_ok_at is not None and not view.stale:
+            # When this view turns stale unless a probe lands first (EnginePoller.view: strictly older than the window).
+            heapq.heappush(self._stale_at, (view.last_ok_at + self.config.observe.stale_after_seconds, view.name))
 
     def model_label(self, model: str | None) -> str:
         """A metrics label for ``model``: only models some engine serves, so clients cannot grow label cardinality."""
@@ -126,7 +162,13 @@ class ControlPlane:
             self.metrics.parked_now.set(self.admission.depth())
 
     async def reload(self, path: str | None = None) -> tuple[bool, list[str], list[str], str]:
-        """Apply a config file's policy, all or nothing: (applied, problems, changed sections, source read)."""
+        """Apply a config file's policy, all or nothing: (applied, problems, changed sections, source read). Every attempt
+        is counted in ``sluice_config_reloads_total{result}``."""
+        outcome = await self._reload(path)
+        self.metrics.config_reloads.labels("applied" if outcome[0] else "refused").inc()
+        return outcome
+
+    async def _reload(self, path: str | None) -> tuple[bool, list[str], list[str], str]:
         source = path or (None if self.config.source.startswith("bundled:") else self.config.source)
         if source == "<memory>":
             return False, ["(file): this control plane was not started from a file; name one"], [], source
@@ -178,6 +220,7 @@ class ControlPlane:
         if poller is None:
             return False
         poller.set_drained(drained)
+        self._note_view(poller, self.clock())
         log.warning("engine %s %s by an operator", name, "drained" if drained else "undrained")
         await self.refresh_weights()
         self.wake()
@@ -188,6 +231,10 @@ class ControlPlane:
         if not self.admission.depth():
             return
         now = self.clock()
+        if models is not None:
+            models = [m for m in models if self.admission.depth(m)]  # a probe of an engine whose models have no queue
+            if not models:
+                return
         self._resolve(self.admission.wake(lambda: self.fleet(now), now, models))
 
     def release_ticket(self, ticket_id: str) -> Ticket | None:
@@ -220,6 +267,9 @@ class ControlPlane:
             self._expired(self.ledger.reap_idle(view.name, s.taken_at, self.config.tickets.idle_reap_grace_seconds),
                           "its engine is idle")
         self.ledger.note_probe(view.name, s.taken_at)
+        poller = self._by_name.get(view.name)
+        if poller is not None:
+            self._note_view(poller, self.clock())
         if self._published_caps.get(view.name) != view.discovered_concurrency and self._server is not None:
             # The engine's circuit breaker follows the cap it reports (llama.cpp slots, SGLang max_running_requests).
             self._published_caps[view.name] = view.discovered_concurrency
@@ -266,13 +316,18 @@ class ControlPlane:
             await asyncio.sleep(self.config.observe.poll_interval_seconds / 2)
 
     async def refresh_weights(self) -> bool:
-        """Recompute the fallback weights; push a new route table only when one moved past the threshold."""
-        fresh = compute_weights(self.fleet(self.clock()), self.config.policy)
-        if not moved(self.published_weights, fresh, self.config.envoy.weight_change_threshold):
+        """Recompute the fallback weights; push a new route table only on a real change (weights.should_push): an engine
+        or model appearing or leaving at once, a drift of the split past the threshold at most every 10 s."""
+        now = self.clock()
+        fresh = compute_weights(self.fleet(now), self.config.policy)
+        if not should_push(self.published_weights, fresh, self.config.envoy.weight_change_threshold, now,
+                           self._weights_pushed_at):
             return False
         self.published_weights = fresh
+        self._weights_pushed_at = now
+        self.weight_pushes += 1
         await self.publish()
-        log.info("fallback weights now %s", fresh)
+        log.info("fallback weights now %s", fresh if len(fresh) < 20 else f"{sum(map(len, fresh.values()))} entries")
         return True
 
     # -- xDS -------------------------------------------------------------------------------------------------------------
@@ -413,6 +468,7 @@ class ControlPlane:
         poller = next((p for p in self.pollers if p.config.name == engine), None)
         if poller is not None:
             poller.note_failure(self.clock(), why)
+            self._note_view(poller, self.clock())
             self.metrics.engine_up.labels(engine).set(0)
 
     async def _reap_leases(self) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from controlplane.core.decide import decide, earliest_fit, retry_after, shed
+from controlplane.core.fleetindex import DecayedServes, FleetIndex
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import (
     Decision, EngineView, Fleet, InferenceRequest, RateTables, Reason, Ticket, Verdict,
@@ -63,14 +64,36 @@ class AdmissionCore:
         self.serves = ServeCounter(policy.serve_half_life_s)
         self.sessions = SessionMap()
         self.output_lengths = OutputLengthBook()
+        self.index = FleetIndex()
         self._lot: dict[str, dict[str, deque[Parked]]] = {}
         self._where: dict[str, tuple[str, str]] = {}
 
     # -- views -------------------------------------------------------------------------------------------------------
     def fleet(self, engines: Iterable[EngineView], now: float, rates: RateTables | None = None) -> Fleet:
+        """A fleet of exactly ``engines`` (no index: ``decide`` scans every candidate). For tests and tools."""
         engines = tuple(engines)
         return Fleet(engines, {e.name: self.ledger.view(e.name) for e in engines}, self.admit_stale,
-                     rates or RateTables(), self.serves.snapshot(now), self.output_lengths.snapshot())
+                     rates or RateTables(), self._serves_at(now), self.output_lengths.snapshot())
+
+    def note_view(self, view: EngineView) -> None:
+        """The shell's latest view of an engine (probe, drain, failure, staleness flip): the index refreshes its rows."""
+        self.index.update(view)
+
+    def set_engines(self, names: Iterable[str]) -> None:
+        """The fleet's engines, in order (start, reload)."""
+        self.index.set_order(names)
+
+    def indexed_fleet(self, now: float, rates: RateTables | None = None) -> Fleet:
+        """The fleet as noted through ``note_view``, with its index: only rows whose engine's view, tickets or serve count
+        changed since the last call are recomputed, so a Check costs a few copies, not a pass over every engine."""
+        engines, ledger, index = self.index.snapshot(
+            self.ledger.view, self.ledger.changed, self.serves.values(), self.policy, self.admit_stale,
+            rates or RateTables(), now, self.serves.half_life_s)
+        return Fleet(engines, ledger, self.admit_stale, rates or RateTables(), self._serves_at(now),
+                     self.output_lengths.snapshot(), index)
+
+    def _serves_at(self, now: float) -> DecayedServes:
+        return DecayedServes(dict(self.serves.values()), now, self.serves.half_life_s)
 
     def depth(self, model: str | None = None) -> int:
         if model is None:
@@ -220,6 +243,7 @@ class AdmissionCore:
                                    reserved_tokens=decision.reserved_tokens, expected_done_at=decision.expected_done_at,
                                    expected_ttft_s=decision.expected_ttft_s)
         self.serves.add(decision.engine, now)
+        self.index.note_serve(decision.engine)
         self.sessions.set(request.session, decision.engine)
         return Outcome(request_id, decision, ticket, parked_for)
 

@@ -42,9 +42,13 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
+import numpy as np
+
 from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, Verdict
 from controlplane.core.policy import PRIORITIES, Policy, meets_floor
-from controlplane.core.route import Estimate, effective_load, estimate, prefill_rate, waits_too_long, weighted_pick
+from controlplane.core.route import (
+    Estimate, effective_load, estimate, expected_output_tokens, prefill_rate, waits_too_long, weighted_pick,
+)
 
 #: Paths whose body names a model and is routed to an engine.
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -335,6 +339,10 @@ def decide(
     model = request.model
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, status=200, body=model_list(fleet))
+    if fleet.index is not None:
+        indexed = _indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind)
+        if indexed is not None:
+            return indexed
     serving = [e for e in fleet.engines if e.serves(model) and not e.drained]
     if not serving and any(e.serves(model) for e in fleet.engines):
         return shed(Reason.NO_READY_ENGINE, f"every engine serving {model} is drained", policy.retry_after_max_s)
@@ -416,10 +424,26 @@ def decide(
                            for name, rs in blocked.items())
         return _wait(request, candidates, fleet, policy, now, 0, first, detail, park_limit)
 
+    admitted = _finish_soonest(request, estimates, free, fleet, policy, now, affinity, admitted_reason)
+    if admitted is not None:
+        return admitted
+    best = min(estimates, key=lambda x: _soonest(x, fleet))
+    return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
+                 f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
+                 park_limit)
+
+
+def _soonest(x: Estimate, fleet: Fleet) -> tuple[float, float, float, str]:
+    # Equal estimates (no rates measured yet) fall back to the lighter load, then more headroom, then the name.
+    load = effective_load(x.engine, fleet)
+    return (round(x.finish_s, 6), load, load / x.engine.cap if x.engine.cap else load, x.engine.name)
+
+
+def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: list[Estimate], fleet: Fleet,
+                    policy: Policy, now: float, affinity: str | None, admitted_reason: Reason) -> Decision | None:
+    """Without a deadline: the engine where the request finishes soonest (route.py), or None when that means waiting."""
     def soonest(x: Estimate) -> tuple[float, float, float, str]:
-        # Equal estimates (no rates measured yet) fall back to the lighter load, then more headroom, then the name.
-        load = effective_load(x.engine, fleet)
-        return (round(x.finish_s, 6), load, load / x.engine.cap if x.engine.cap else load, x.engine.name)
+        return _soonest(x, fleet)
 
     best = min(estimates, key=soonest)
     acceptable = [x for x in free if x.finish_s <= best.finish_s * (1 + policy.wait_for_faster_margin)]
@@ -436,9 +460,90 @@ def decide(
     if best.can_start or acceptable:
         chosen = best if best.can_start else min(acceptable, key=soonest)
         return _admit(request, chosen, admitted_reason, policy, now, fleet)
-    return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
-                 f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
-                 park_limit)
+    return None
+
+
+def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int,
+             affinity: str | None, pick: float, behind: int) -> Decision | None:
+    """``decide`` on the fleet's index (fleetindex.py): the fit rules and the no-wait estimate of every candidate at once
+    (numpy over the model's rows), then real ``Estimate`` objects only for the engines that can be chosen: the band (its
+    weighted pick on a cumulative sum), or the soonest free slot, the busy engines whose no-wait lower bound could beat it,
+    and the session's engine. Returns the same decision as the full scan below, or None when the full scan must decide
+    (boxes, parked requests ahead, nothing fits now, an empty band, any refusal or shed)."""
+    index = fleet.index
+    model = request.model
+    if index is None or queued_ahead or policy.boxes or index.policy is not policy or index.admit_stale != fleet.admit_stale:
+        return None
+    rows = index.models.get(model)
+    if rows is None:
+        return None
+    need = need_tokens(request, policy)
+    candidate = rows.ok & (rows.model_len >= need)
+    if not candidate.any():
+        return None
+    capacity = rows.capacity
+    watermark = policy.kv_high_watermark
+    if (capacity[candidate] > 0).all() and need > float((capacity[candidate] * watermark).max()):
+        return None  # context_length_exceeded: the full scan words the refusal
+    deadline_s = request.max_ttft_ms / 1000 if request.max_ttft_ms else None
+    if deadline_s is not None and request.prompt_tokens / float(rows.prefill[candidate].max()) > deadline_s:
+        return None  # ttft_unmeetable
+    cap_block = rows.load >= rows.cap
+    other = (rows.usage >= watermark) | ((capacity > 0) & (rows.held + need > capacity * watermark)) | rows.quality_block
+    fits = candidate & ~(cap_block | other)
+    if not fits.any():
+        return None
+    busy = candidate & cap_block & ~other
+    pressure = bool((candidate & (cap_block | other)).any())
+    rate = rows.d_press if pressure else rows.d_free
+    prefill_s = request.prompt_tokens / rows.prefill
+    out = expected_output_tokens(request, fleet, policy)
+    ttft = prefill_s + 1.0 / rate  # route.estimate with no wait (0.0 + x is x)
+
+    def exact(i: int, can_start: bool) -> Estimate:
+        return estimate(rows.views[i], request, can_start, fleet, policy, now, pressure, behind)
+
+    at = rows.position.get(affinity) if affinity is not None else None
+    if deadline_s is not None:
+        floor = policy.model(model).decode_floor_tokens_per_s or 0.0
+        band = fits & (ttft <= deadline_s - policy.band_margin_ms / 1000) & (rate >= floor)
+        if not band.any():
+            return None
+        if at is not None and band[at]:
+            return _admit(request, exact(at, True), Reason.SESSION_AFFINITY, policy, now, fleet)
+        members = np.flatnonzero(band)
+        serves = rows.serve_value[members] * np.power(
+            0.5, np.maximum(0.0, index.now - rows.serve_at[members]) / index.half_life_s)
+        cumulative = np.cumsum(1.0 / (1.0 + serves))
+        chosen = int(np.searchsorted(cumulative, pick * float(cumulative[-1]), side="right"))
+        return _admit(request, exact(int(members[min(chosen, len(members) - 1)]), True), Reason.SATISFICING_BAND,
+                      policy, now, fleet)
+    finish = ttft + out / rate
+    free_rows = np.flatnonzero(fits)
+    free_finish = finish[free_rows]
+    # The soonest free slot by _soonest's key: finish rounded to 1 us (Python's round, on the few distinct values near the
+    # minimum), then the lighter load, the more headroom, the name.
+    near = free_finish <= float(free_finish.min()) + 1e-6
+    rounded = {float(v): round(float(v), 6) for v in np.unique(free_finish[near])}
+    lowest = min(rounded.values())
+    tied = free_rows[near & np.isin(free_finish, [v for v, r in rounded.items() if r == lowest])]
+    load = rows.load[tied]
+    cap = rows.cap[tied]
+    headroom = np.where(np.isfinite(cap) & (cap > 0), load / np.where(np.isfinite(cap) & (cap > 0), cap, 1.0), load)
+    best_free = int(tied[np.lexsort((rows.name_rank[tied], headroom, load))[0]])
+    estimates = [exact(best_free, True)]
+    bound = estimates[0].finish_s + 1e-6
+    # A busy engine runs the request at its full batch after its slot wait, which is at least until its soonest ticket's
+    # expected finish (or one service when it has none): beyond the bound even so, it cannot win.
+    service = prefill_s + out / rows.d_press
+    first_done = rows.first_done
+    wait = np.where(np.isnan(first_done), service, np.maximum(0.0, np.nan_to_num(first_done) - now))
+    lower = wait + prefill_s + 1.0 / rows.d_press + out / rows.d_press
+    estimates += [exact(int(i), False) for i in np.flatnonzero(busy & (lower <= bound))]
+    if at is not None and (fits[at] or busy[at]) and all(x.engine.name != affinity for x in estimates):
+        estimates.append(exact(at, bool(fits[at])))
+    return _finish_soonest(request, estimates, [x for x in estimates if x.can_start], fleet, policy, now, affinity,
+                           Reason.FINISH_SOONEST)
 
 
 def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: Policy, now: float,

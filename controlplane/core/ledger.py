@@ -38,9 +38,15 @@ class Ledger:
         self._last_probe: dict[str, float] = {}
         self._views: dict[str, EngineLedger] = {}
         """``view`` results, dropped whenever that engine's tickets or probe change (a Check reads every engine's)."""
+        self.changed: set[str] = set()
+        """Engines whose view changed since a reader last cleared this (the fleet index refreshes only those rows)."""
         self.admitted_total = 0
         self.released_total = 0
         self.expired_total = 0
+
+    def _dirty(self, engine: str) -> None:
+        self._views.pop(engine, None)
+        self.changed.add(engine)
 
     def admit(
         self, ticket_id: str, engine: str, model: str, now: float, reserved_tokens: int = 0, expected_done_at: float = 0.0,
@@ -53,7 +59,7 @@ class Ledger:
                         expected_ttft_s=expected_ttft_s)
         self._open[ticket_id] = ticket
         self._by_engine[engine].add(ticket_id)
-        self._views.pop(engine, None)
+        self._dirty(engine)
         self.admitted_total += 1
         return ticket
 
@@ -63,7 +69,7 @@ class Ledger:
         if ticket is None:
             return None
         self._by_engine[ticket.engine].discard(ticket_id)
-        self._views.pop(ticket.engine, None)
+        self._dirty(ticket.engine)
         self.released_total += 1
         self._note_closed(ticket, now)
         return ticket
@@ -81,7 +87,7 @@ class Ledger:
         for ticket in expired:
             del self._open[ticket.ticket_id]
             self._by_engine[ticket.engine].discard(ticket.ticket_id)
-            self._views.pop(ticket.engine, None)
+            self._dirty(ticket.engine)
             self._note_closed(ticket, now)
         self.expired_total += len(expired)
         return expired
@@ -95,7 +101,7 @@ class Ledger:
             del self._open[ticket.ticket_id]
             self._by_engine[engine].discard(ticket.ticket_id)
         if done:
-            self._views.pop(engine, None)
+            self._dirty(engine)
         self.expired_total += len(done)
         return done
 
@@ -104,7 +110,7 @@ class Ledger:
         if self._last_probe.get(engine) == probe_sent_at:
             return
         self._last_probe[engine] = probe_sent_at
-        self._views.pop(engine, None)
+        self._dirty(engine)
         self._recent_releases[engine] = [r for r in self._recent_releases[engine] if r.released_at > probe_sent_at]
 
     def open_tickets(self, engine: str | None = None) -> int:

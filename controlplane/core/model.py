@@ -6,7 +6,9 @@ Everything here is a frozen dataclass. Times are seconds on the control plane's 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,11 +259,14 @@ class Fleet:
     admit_stale: bool = True
     """Policy ``observe.on_stale``: open (True) still admits to a stale engine when no fresh one serves the model."""
     rates: RateTables = field(default_factory=RateTables)
-    recent_serves: dict[str, float] = field(default_factory=dict)
+    recent_serves: Mapping[str, float] = field(default_factory=dict)
     """Admissions per engine, decayed (satisficing band weights)."""
     expected_output: dict[str, float] = field(default_factory=dict)
     """model -> tokens its requests are expected to generate, learned from completed requests (output_length.py); a
     model missing here uses ``Policy.default_expected_output_tokens``."""
+    index: Any = None
+    """A ``fleetindex.IndexSnapshot`` describing exactly these engines and ledger views per model (the control plane's
+    fleets carry one; ``decide`` then chooses among hundreds of candidates without estimating each). None: full scan."""
 
     def of(self, engine: str) -> EngineLedger:
         return self.ledger.get(engine, EngineLedger())

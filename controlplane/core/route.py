@@ -173,6 +173,10 @@ class ServeCounter:
     def snapshot(self, now: float) -> dict[str, float]:
         return {engine: self._decayed(engine, now) for engine in self._values}
 
+    def values(self) -> dict[str, tuple[float, float]]:
+        """engine -> (count, when it was last added): decayed by the reader (fleetindex.DecayedServes)."""
+        return self._values
+
 
 class SessionMap:
     """Session key -> the engine that served it last; least recently used keys are forgotten past ``capacity``."""

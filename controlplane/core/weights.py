@@ -8,7 +8,8 @@ stale under ``on_stale: open``) gets::
 
 and the weights are those numbers scaled to integers summing to about 1000. When every engine is saturated (all zero), the
 weights fall back to each engine's full throughput (cap x decode rate) so the route always has somewhere to go. An engine
-below the floor or drained gets no weight at all. Weights are pushed only when one moves by more than the threshold.
+below the floor or drained gets no weight at all. Weights are pushed only on a real change (``should_push``): an engine or
+model appearing or leaving at once; a drift of the traffic split past the threshold at most every ``MIN_PUSH_INTERVAL_S``.
 """
 
 from __future__ import annotations
@@ -46,15 +47,39 @@ def compute_weights(fleet: Fleet, policy: Policy) -> Weights:
     return out
 
 
+MIN_PUSH_INTERVAL_S = 10.0
+"""Weights that only drift are pushed at most this often (a new or vanished engine or model is pushed at once): every push
+rebuilds and resends the whole snapshot, and fallback weights matter only while the control plane is unreachable."""
+
+
 def moved(published: Weights, fresh: Weights, threshold: float) -> bool:
-    """True when the set of models or engines changed, or any weight moved by more than ``threshold`` (relative)."""
+    """True when the set of models or engines changed, or some model's traffic split moved by at least ``threshold``: the
+    share of its fallback traffic that would go to a different engine (half the summed absolute change of each engine's
+    share). Per-engine relative moves were the previous rule; at 200 engines each weight is about 5 of 1000, so one
+    unit of rounding is a 20% move and probes jittering by a request republished the route table every few seconds."""
     if published.keys() != fresh.keys():
         return True
     for model, weights in fresh.items():
         old = published[model]
         if old.keys() != weights.keys():
             return True
-        for engine, weight in weights.items():
-            if abs(weight - old[engine]) > threshold * max(old[engine], 1):
-                return True
+        old_total, new_total = sum(old.values()) or 1, sum(weights.values()) or 1
+        shifted = sum(abs(w / new_total - old[e] / old_total) for e, w in weights.items()) / 2
+        if shifted >= threshold - 1e-12:
+            return True
     return False
+
+
+def membership_changed(published: Weights, fresh: Weights) -> bool:
+    """A model or an engine appeared or left (drained, floored, removed): pushed without waiting for the interval."""
+    return published.keys() != fresh.keys() or any(published[m].keys() != w.keys() for m, w in fresh.items())
+
+
+def should_push(published: Weights, fresh: Weights, threshold: float, now: float, last_push_at: float | None,
+                min_interval_s: float = MIN_PUSH_INTERVAL_S) -> bool:
+    """Push on a membership change at once; on a drift past ``threshold`` at most once per ``min_interval_s``."""
+    if membership_changed(published, fresh):
+        return True
+    if last_push_at is not None and now - last_push_at < min_interval_s:
+        return False
+    return moved(published, fresh, threshold)

@@ -1,0 +1,133 @@
+"""The fleet index (fleetindex.py) and ``decide``'s indexed choice: the same decisions as the full scan, on random fleets."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.decide import decide
+from controlplane.core.ledger import Ledger
+from controlplane.core.model import (
+    EngineRates, EngineSample, EngineView, InferenceRequest, RateTables, ServedModel, Verdict,
+)
+from controlplane.core.policy import ModelPolicy, Policy
+
+MODELS = ("m", "n")
+
+
+def random_view(rng: random.Random, i: int) -> EngineView:
+    cap = rng.choice([None, 1, 2, 4, 8])
+    models = tuple(ServedModel(m, rng.choice([None, 4096, 32768])) for m in MODELS if rng.random() < 0.8) or (
+        ServedModel("m", None),)
+    sample = EngineSample(0.0, running=rng.choice([None, 0, 1, 2, 3, 6]), waiting=rng.choice([None, 0, 1]),
+                          kv_usage=rng.choice([None, 0.0, 0.3, 0.85, 0.95]),
+                          kv_capacity_tokens=rng.choice([None, 20_000, 200_000]))
+    rates = None if rng.random() < 0.3 else EngineRates(1.0, prefill_tokens_per_s=rng.choice([None, 2000.0, 9000.0]),
+                                                        decode_tokens_per_s_each=rng.uniform(10, 90))
+    return EngineView(
+        name=f"e{i}", url="", max_num_seqs=cap, models=models, version=rng.choice(["0.10.0", "0.11.0", None]),
+        sample=sample, last_ok_at=0.0, stale=rng.random() < 0.1, chip_class=f"c{rng.randint(0, 3)}",
+        drained=rng.random() < 0.05, rates=rates, anchor_decode_tokens_per_s=rng.choice([None, 30.0]),
+    )
+
+
+def random_policy(rng: random.Random) -> Policy:
+    return Policy(
+        default_max_tokens=rng.choice([128, 1024]),
+        wait_for_faster_margin=rng.choice([0.0, 0.2]),
+        max_wait_for_faster_services=rng.choice([0.0, 0.5, 2.0]),
+        band_margin_ms=rng.choice([200.0, 1000.0]),
+        version_floors=(("n", "0.11.0"),) if rng.random() < 0.3 else (),
+        models={"m": ModelPolicy(decode_floor_tokens_per_s=rng.choice([None, 10.0]), solo_decode_tokens_per_s=40.0)},
+    )
+
+
+def build(seed: int) -> tuple[AdmissionCore, RateTables, list[EngineView], Policy, random.Random]:
+    rng = random.Random(seed)
+    policy = random_policy(rng)
+    core = AdmissionCore(policy, Ledger(3600), admit_stale=rng.random() < 0.7)
+    views = [random_view(rng, i) for i in range(rng.randint(1, 40))]
+    core.set_engines(v.name for v in views)
+    for v in views:
+        core.note_view(v)
+    tables = RateTables(
+        solo_decode={("m", f"c{c}"): 50.0 for c in range(2)},
+        prefill_median={(m, f"c{c}"): rng.uniform(1000, 12000) for m in MODELS for c in range(0, 4, 2)},
+        decode_by_batch={v.name: {b: rng.uniform(10, 60) for b in rng.sample(range(1, 9), 3)}
+                         for v in views if rng.random() < 0.6},
+    )
+    return core, tables, views, policy, rng
+
+
+def random_request(rng: random.Random) -> InferenceRequest:
+    return InferenceRequest(
+        "POST", "/v1/chat/completions", rng.choice(MODELS), prompt_tokens=rng.choice([0, 50, 2000, 30000]),
+        max_tokens=rng.choice([None, 16, 300, 5000]), priority=rng.choice(["critical", "standard", "sheddable"]),
+        max_ttft_ms=rng.choice([None, None, 500, 3000, 20000]), session=None,
+    )
+
+
+def same(a, b) -> None:  # type: ignore[no-untyped-def]
+    assert (a.verdict, a.reason, a.engine, a.status) == (b.verdict, b.reason, b.engine, b.status)
+    assert a.expected_done_at == pytest.approx(b.expected_done_at)
+    assert a.reserved_tokens == b.reserved_tokens
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_indexed_choice_equals_full_scan(seed: int) -> None:
+    core, tables, views, policy, rng = build(seed)
+    now = 10.0
+    for step in range(30):
+        fleet = core.indexed_fleet(now, tables)
+        assert fleet.index is not None
+        request = random_request(rng)
+        affinity = rng.choice([None, *(v.name for v in views)])
+        pick = rng.random()
+        behind = rng.choice([0, 0, 3])
+        indexed = decide(request, fleet, policy, now, 0, affinity, pick, behind)
+        full = decide(request, replace(fleet, index=None), policy, now, 0, affinity, pick, behind)
+        same(indexed, full)
+        # The world moves: admit what was admitted, release something, re-probe an engine, advance time.
+        if indexed.verdict is Verdict.ADMIT:
+            core.check(f"r{seed}-{step}", request, fleet, now)
+        open_ids = list(core.ledger._open)
+        if open_ids and rng.random() < 0.4:
+            core.release(rng.choice(open_ids), now)
+        if rng.random() < 0.3:
+            i = rng.randrange(len(views))
+            views[i] = replace(random_view(rng, i), sample=replace(views[i].sample, taken_at=now))  # type: ignore[arg-type]
+            core.note_view(views[i])
+            core.ledger.note_probe(views[i].name, now)
+        now += rng.choice([0.0, 0.05, 1.0])
+
+
+def test_index_rows_follow_views_and_tickets() -> None:
+    core = AdmissionCore(Policy(), Ledger(3600))
+    view = EngineView("a", "", 2, (ServedModel("m"),), "1", EngineSample(0.0, running=0, waiting=0), 0.0, stale=False)
+    core.set_engines(["a"])
+    core.note_view(view)
+    first = core.indexed_fleet(1.0).index.models["m"]
+    core.ledger.admit("t", "a", "m", 1.0)
+    second = core.indexed_fleet(1.0).index.models["m"]
+    assert (first.load[0], second.load[0]) == (0.0, 1.0)  # the handed-out snapshot did not change under its holder
+    core.note_view(replace(view, drained=True))
+    assert not core.indexed_fleet(1.0).index.models["m"].ok[0]
+
+
+def test_weights_jitter_at_scale_is_not_a_change() -> None:
+    from controlplane.core.weights import moved, should_push
+
+    rng = random.Random(3)
+    published = {"m": {f"e{i}": 5 for i in range(200)}}
+    jittered = {"m": {f"e{i}": 5 + rng.choice([-1, 0, 1]) for i in range(200)}}
+    assert not moved(published, jittered, 0.10)  # one unit of rounding on every engine moves ~7% of the traffic
+    assert not should_push(published, jittered, 0.10, now=100.0, last_push_at=0.0)
+    half = {"m": {f"e{i}": (9 if i < 100 else 1) for i in range(200)}}
+    assert moved(published, half, 0.10)
+    assert not should_push(published, half, 0.10, now=5.0, last_push_at=0.0)  # drift waits for the interval
+    assert should_push(published, half, 0.10, now=10.0, last_push_at=0.0)
+    gone = {"m": {f"e{i}": 5 for i in range(199)}}
+    assert should_push(published, gone, 0.10, now=1.0, last_push_at=0.0)  # an engine left: at once
