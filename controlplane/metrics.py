@@ -72,6 +72,10 @@ class SluiceMetrics:
         self.park_cancelled = Counter(
             "sluice_admission_park_cancelled", "Parked requests whose client went away.", registry=r
         )
+        self.config_reloads = Counter(
+            "sluice_config_reloads", "Policy reloads (admin ReloadConfig or SIGHUP), applied or refused.", ["result"],
+            registry=r,
+        )
         self.engine_retries = Counter(
             "sluice_engine_retries", "Requests whose engine failed before the first byte and were retried elsewhere.",
             ["engine"], registry=r,

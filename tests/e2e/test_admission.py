@@ -112,7 +112,10 @@ def test_critical_jumps_the_standard_queue(stack: Stack) -> None:
         admitted_at[tag] = sent + int(response_headers["x-sluice-parked-ms"]) / 1000
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-        holders = fill_slots(stack, pool, max_tokens=80)
+        # One holder much shorter than the others: its release frees exactly one slot, long before the next, so the two
+        # parked requests are admitted at clearly different moments and the order cannot blur into one wake.
+        holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=n)) for n in (300, 1500, 1500, 1500)]
+        wait_for(lambda: stack.status().open_tickets == 4, what="all four slots taken")
         standard = pool.submit(timed, "standard", {})
         wait_for(lambda: plane.admission.depth() == 1, what="standard parked")
         critical = pool.submit(timed, "critical", {"x-sluice-priority": "critical"})
@@ -142,7 +145,10 @@ def test_park_timeout_sheds_with_retry_after(tmp_path: Path) -> None:
             status, headers, payload = post(stack, "/chat/completions", body(max_tokens=5))
             waited = time.monotonic() - started
             assert status == 503 and json.loads(payload)["error"]["code"] == "park_timeout"
-            assert 1.0 <= waited < 3.0
+            assert waited >= 1.0
+            # The server's own measure, immune to this client's scheduling: shed at the park deadline (the expiry
+            # sweep runs every 0.1 s), not seconds later.
+            assert 1000 <= int(headers["x-sluice-parked-ms"]) < 1500
             assert int(headers["x-sluice-parked-ms"]) >= 1000
             assert 1 <= int(headers["retry-after"]) <= 60
             assert [f.result()[0] for f in holders] == [200, 200]

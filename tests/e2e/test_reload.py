@@ -58,7 +58,7 @@ def test_reload_applies_policy_all_or_nothing(tmp_path: Path) -> None:
 
 def test_sighup_reloads_the_control_planes_own_file(tmp_path: Path) -> None:
     import signal
-    import time
+    import urllib.request
 
     import grpc
 
@@ -86,7 +86,9 @@ def test_sighup_reloads_the_control_planes_own_file(tmp_path: Path) -> None:
         wait_for(lambda: verdict() == "shed/version_floor", what="the floor applied on SIGHUP")
         path.write_text("engines: [")  # broken: the running policy must stay
         plane.send_signal(signal.SIGHUP)
-        time.sleep(0.5)
+        metrics = f"http://127.0.0.1:{raw['controlplane']['metrics_port']}/metrics"
+        wait_for(lambda: 'sluice_config_reloads_total{result="refused"} 1.0' in urllib.request.urlopen(
+            metrics, timeout=2).read().decode(), what="the broken reload refused")
         assert verdict() == "shed/version_floor"
     finally:
         plane.terminate()

@@ -109,8 +109,11 @@ def test_controlplane_killed_traffic_follows_the_failure_mode(tmp_path: Path, mo
                 assert status == 503
                 assert json.loads(payload)["error"]["code"] == "controlplane_unavailable"
                 assert headers["retry-after"] == "5"
-        status, _, _ = post(stack, "/chat/completions", json.dumps({"model": "nope"}).encode())
-        assert status == (503 if mode == "open" else 503)  # an unknown model has no fallback route either way
+        status, _, payload = post(stack, "/chat/completions", json.dumps({"model": "nope"}).encode())
+        # An unknown model has no fallback route: fail-open lets it through to the "unpinned" route, fail-closed never
+        # gets past ext_authz.
+        assert status == 503
+        assert json.loads(payload)["error"]["code"] == ("not_admitted" if mode == "open" else "controlplane_unavailable")
     finally:
         stack.close()
 

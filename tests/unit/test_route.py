@@ -149,11 +149,22 @@ def test_band_never_holds_an_engine_that_misses_the_deadline(
 ) -> None:
     engines = tuple(engine(f"e{i}", running=min(r, 2), prefill=pf, decode=dec) for i, (r, pf, dec) in enumerate(specs))
     decision = decide(chat(prompt=prompt, ttft_ms=deadline_ms), Fleet(engines), P, now=0.0, pick=pick)
+    deadline_s = deadline_ms / 1000
+
+    def ttft_now(e: EngineView) -> float:
+        """Computed here, not by decide: prefill at the engine's anchor, then one decode step."""
+        assert e.anchor_prefill_tokens_per_s and e.anchor_decode_tokens_per_s
+        return prompt / e.anchor_prefill_tokens_per_s + 1 / e.anchor_decode_tokens_per_s
+
+    free = [e for e in engines if e.sample is not None and (e.sample.running or 0) < 2]
     if decision.verdict is Verdict.ADMIT:
         chosen = next(e for e in engines if e.name == decision.engine)
-        assert decision.expected_ttft_s <= deadline_ms / 1000
+        assert chosen in free  # with a deadline, only an engine that can start now is admitted to
+        assert ttft_now(chosen) <= deadline_s + 1e-9
         if decision.reason is Reason.SATISFICING_BAND:
-            assert prompt / chosen.anchor_prefill_tokens_per_s <= deadline_ms / 1000 - P.band_margin_ms / 1000 + 1e-9
+            assert ttft_now(chosen) <= deadline_s - P.band_margin_ms / 1000 + 1e-9
+    if any(ttft_now(e) <= deadline_s - P.band_margin_ms / 1000 for e in free):
+        assert decision.verdict is Verdict.ADMIT  # an engine comfortably inside the deadline is free: no over-shed
 
 
 def test_serve_counter_halves_every_half_life() -> None:
