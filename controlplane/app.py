@@ -28,7 +28,7 @@ from controlplane.config import RELOADABLE, Config, ConfigError, EngineConfig, l
 from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineRates, EngineView, Fleet, Ticket, Verdict
-from controlplane.core.weights import Weights, compute_weights, should_push
+from controlplane.core.weights import Weights, compute_weights, eligible_engines, should_push
 from controlplane.metrics import SluiceMetrics
 from controlplane.observe.poller import EnginePoller, ProbeError
 from controlplane.observe.rates import RateBook
@@ -91,6 +91,7 @@ class ControlPlane:
         self._indexed_pollers: list[EnginePoller] | None = None
         self._stale_at: list[tuple[float, str]] = []
         self._weights_pushed_at: float | None = None
+        self._published_eligible: dict[str, frozenset[str]] | None = None
         self.weight_pushes = 0
         """Route tables pushed because fallback weights changed (benchmarks count them)."""
 
@@ -319,11 +320,14 @@ class ControlPlane:
         """Recompute the fallback weights; push a new route table only on a real change (weights.should_push): an engine
         or model appearing or leaving at once, a drift of the split past the threshold at most every 10 s."""
         now = self.clock()
-        fresh = compute_weights(self.fleet(now), self.config.policy)
+        fleet = self.fleet(now)
+        fresh = compute_weights(fleet, self.config.policy)
+        eligible = eligible_engines(fleet, self.config.policy)
         if not should_push(self.published_weights, fresh, self.config.envoy.weight_change_threshold, now,
-                           self._weights_pushed_at):
+                           self._weights_pushed_at, eligible_before=self._published_eligible, eligible_now=eligible):
             return False
         self.published_weights = fresh
+        self._published_eligible = eligible
         self._weights_pushed_at = now
         self.weight_pushes += 1
         await self.publish()
@@ -405,6 +409,7 @@ class ControlPlane:
         now = self.clock()
         self._published_caps = {p.config.name: p.view(now).discovered_concurrency for p in self.pollers}
         self.published_weights = compute_weights(self.fleet(now), self.config.policy)
+        self._published_eligible = eligible_engines(self.fleet(now), self.config.policy)
 
     def _start_poller(self, engine: EngineConfig, offset: float) -> None:
         assert self._session is not None

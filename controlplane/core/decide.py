@@ -508,7 +508,9 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         floor = policy.model(model).decode_floor_tokens_per_s or 0.0
         band = fits & (ttft <= deadline_s - policy.band_margin_ms / 1000) & (rate >= floor)
         if not band.any():
-            return None
+            # No band: finish-soonest among the engines that meet the deadline (busy ones filtered once estimated).
+            return _soonest_indexed(request, rows, fits & (ttft <= deadline_s), busy, ttft + out / rate, prefill_s, out,
+                                    exact, at, affinity, deadline_s, fleet, policy, now)
         if at is not None and band[at]:
             return _admit(request, exact(at, True), Reason.SESSION_AFFINITY, policy, now, fleet)
         members = np.flatnonzero(band)
@@ -518,8 +520,18 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         chosen = int(np.searchsorted(cumulative, pick * float(cumulative[-1]), side="right"))
         return _admit(request, exact(int(members[min(chosen, len(members) - 1)]), True), Reason.SATISFICING_BAND,
                       policy, now, fleet)
-    finish = ttft + out / rate
-    free_rows = np.flatnonzero(fits)
+    return _soonest_indexed(request, rows, fits, busy, ttft + out / rate, prefill_s, out, exact, at, affinity, None,
+                            fleet, policy, now)
+
+
+def _soonest_indexed(request: InferenceRequest, rows: Any, free: Any, busy: Any, finish: Any, prefill_s: Any, out: float,
+                     exact: Any, at: int | None, affinity: str | None, deadline_s: float | None, fleet: Fleet,
+                     policy: Policy, now: float) -> Decision | None:
+    """Finish-soonest on the index: ``free`` rows can start now (with a deadline, those meeting it), ``busy`` rows are only
+    short of a slot; None when no free row is left (the full scan parks or sheds)."""
+    if not free.any():
+        return None
+    free_rows = np.flatnonzero(free)
     free_finish = finish[free_rows]
     # The soonest free slot by _soonest's key: finish rounded to 1 us (Python's round, on the few distinct values near the
     # minimum), then the lighter load, the more headroom, the name.
@@ -539,9 +551,12 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     first_done = rows.first_done
     wait = np.where(np.isnan(first_done), service, np.maximum(0.0, np.nan_to_num(first_done) - now))
     lower = wait + prefill_s + 1.0 / rows.d_press + out / rows.d_press
-    estimates += [exact(int(i), False) for i in np.flatnonzero(busy & (lower <= bound))]
-    if at is not None and (fits[at] or busy[at]) and all(x.engine.name != affinity for x in estimates):
-        estimates.append(exact(at, bool(fits[at])))
+    estimates += [x for x in (exact(int(i), False) for i in np.flatnonzero(busy & (lower <= bound)))
+                  if deadline_s is None or x.ttft_s <= deadline_s]
+    if at is not None and (free[at] or busy[at]) and all(x.engine.name != affinity for x in estimates):
+        sticky = exact(at, bool(free[at]))
+        if deadline_s is None or sticky.ttft_s <= deadline_s:
+            estimates.append(sticky)
     return _finish_soonest(request, estimates, [x for x in estimates if x.can_start], fleet, policy, now, affinity,
                            Reason.FINISH_SOONEST)
 

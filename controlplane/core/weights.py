@@ -70,16 +70,37 @@ def moved(published: Weights, fresh: Weights, threshold: float) -> bool:
     return False
 
 
+def eligible_engines(fleet: Fleet, policy: Policy) -> dict[str, frozenset[str]]:
+    """Per model, the engines the route may use at all (serving, not drained, at the floor, admissible): a change here is
+    an engine appearing or leaving, unlike an engine whose free throughput touched zero (its weight only drifted)."""
+    models = sorted({m.model_id for e in fleet.engines for m in e.models})
+    return {model: frozenset(e.name for e in fleet.engines if _eligible(e, model, fleet, policy)) for model in models}
+
+
 def membership_changed(published: Weights, fresh: Weights) -> bool:
-    """A model or an engine appeared or left (drained, floored, removed): pushed without waiting for the interval."""
+    """A model or an engine appeared in or left the weights."""
     return published.keys() != fresh.keys() or any(published[m].keys() != w.keys() for m, w in fresh.items())
 
 
+def _shifted(old: dict[str, int], new: dict[str, int]) -> float:
+    """Share of the traffic that would go to a different engine (an engine missing on one side has share 0)."""
+    old_total, new_total = sum(old.values()) or 1, sum(new.values()) or 1
+    return sum(abs(new.get(e, 0) / new_total - old.get(e, 0) / old_total) for e in old.keys() | new.keys()) / 2
+
+
 def should_push(published: Weights, fresh: Weights, threshold: float, now: float, last_push_at: float | None,
-                min_interval_s: float = MIN_PUSH_INTERVAL_S) -> bool:
-    """Push on a membership change at once; on a drift past ``threshold`` at most once per ``min_interval_s``."""
-    if membership_changed(published, fresh):
+                min_interval_s: float = MIN_PUSH_INTERVAL_S, eligible_before: dict[str, frozenset[str]] | None = None,
+                eligible_now: dict[str, frozenset[str]] | None = None) -> bool:
+    """Push at once when a model or an eligible engine appeared or left (``eligible_*``; without them, any change of the
+    weights' keys counts); a drift of some model's split by at least ``threshold`` at most once per ``min_interval_s``
+    (a saturated engine's weight falling to nothing is drift: it comes back when a request finishes)."""
+    if published.keys() != fresh.keys():
+        return True
+    if eligible_before is not None or eligible_now is not None:
+        if eligible_before != eligible_now:
+            return True
+    elif membership_changed(published, fresh):
         return True
     if last_push_at is not None and now - last_push_at < min_interval_s:
         return False
-    return moved(published, fresh, threshold)
+    return any(_shifted(published[m], w) >= threshold - 1e-12 for m, w in fresh.items())
