@@ -130,7 +130,8 @@ class ControlPlane:
 
     def model_label(self, model: str | None) -> str:
         """A metrics label for ``model``: only models some engine serves, so clients cannot grow label cardinality."""
-        if model and any(p.serves(model) for p in self.pollers):
+        if model and (self.admission.index.serves(model) if self._indexed_pollers is self.pollers
+                      else any(p.serves(model) for p in self.pollers)):
             return model
         return "-"
 
@@ -331,7 +332,8 @@ class ControlPlane:
         self._weights_pushed_at = now
         self.weight_pushes += 1
         await self.publish()
-        log.info("fallback weights now %s", fresh if len(fresh) < 20 else f"{sum(map(len, fresh.values()))} entries")
+        entries = sum(map(len, fresh.values()))
+        log.info("fallback weights now %s", fresh if entries <= 20 else f"{entries} entries over {len(fresh)} models")
         return True
 
     # -- xDS -------------------------------------------------------------------------------------------------------------

@@ -509,8 +509,8 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         band = fits & (ttft <= deadline_s - policy.band_margin_ms / 1000) & (rate >= floor)
         if not band.any():
             # No band: finish-soonest among the engines that meet the deadline (busy ones filtered once estimated).
-            return _soonest_indexed(request, rows, fits & (ttft <= deadline_s), busy, ttft + out / rate, prefill_s, out,
-                                    exact, at, affinity, deadline_s, fleet, policy, now)
+            return _soonest_indexed(request, rows, candidate, fits & (ttft <= deadline_s), busy, ttft + out / rate,
+                                    prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now)
         if at is not None and band[at]:
             return _admit(request, exact(at, True), Reason.SESSION_AFFINITY, policy, now, fleet)
         members = np.flatnonzero(band)
@@ -520,15 +520,16 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         chosen = int(np.searchsorted(cumulative, pick * float(cumulative[-1]), side="right"))
         return _admit(request, exact(int(members[min(chosen, len(members) - 1)]), True), Reason.SATISFICING_BAND,
                       policy, now, fleet)
-    return _soonest_indexed(request, rows, fits, busy, ttft + out / rate, prefill_s, out, exact, at, affinity, None,
-                            fleet, policy, now)
+    return _soonest_indexed(request, rows, candidate, fits, busy, ttft + out / rate, prefill_s, out, exact, at, affinity,
+                            None, fleet, policy, now)
 
 
-def _soonest_indexed(request: InferenceRequest, rows: Any, free: Any, busy: Any, finish: Any, prefill_s: Any, out: float,
-                     exact: Any, at: int | None, affinity: str | None, deadline_s: float | None, fleet: Fleet,
-                     policy: Policy, now: float) -> Decision | None:
+def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free: Any, busy: Any, finish: Any,
+                     prefill_s: Any, out: float, exact: Any, at: int | None, affinity: str | None,
+                     deadline_s: float | None, fleet: Fleet, policy: Policy, now: float) -> Decision | None:
     """Finish-soonest on the index: ``free`` rows can start now (with a deadline, those meeting it), ``busy`` rows are only
-    short of a slot; None when no free row is left (the full scan parks or sheds)."""
+    short of a slot; None when no free row is left (the full scan parks or sheds). Waiting for a faster busy engine parks
+    here, as the full scan would."""
     if not free.any():
         return None
     free_rows = np.flatnonzero(free)
@@ -557,8 +558,18 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, free: Any, busy: Any,
         sticky = exact(at, bool(free[at]))
         if deadline_s is None or sticky.ttft_s <= deadline_s:
             estimates.append(sticky)
-    return _finish_soonest(request, estimates, [x for x in estimates if x.can_start], fleet, policy, now, affinity,
-                           Reason.FINISH_SOONEST)
+    admitted = _finish_soonest(request, estimates, [x for x in estimates if x.can_start], fleet, policy, now, affinity,
+                               Reason.FINISH_SOONEST)
+    if admitted is not None:
+        return admitted
+    best = min(estimates, key=lambda x: _soonest(x, fleet))
+    park_limit = None
+    if deadline_s is not None:
+        park_limit = deadline_s - request.prompt_tokens / float(rows.prefill[candidate].max())
+    candidates = [rows.views[i] for i in np.flatnonzero(candidate)]
+    return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
+                 f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
+                 park_limit)
 
 
 def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: Policy, now: float,

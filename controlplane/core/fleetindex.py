@@ -146,6 +146,7 @@ class FleetIndex:
         self._ledger: dict[str, EngineLedger] = {}
         self._rows: dict[str, _Rows] = {}
         self._members_dirty = True
+        self._models: frozenset[str] | None = None
         self._dirty: set[str] = set()
         self._serve_dirty: set[str] = set()
         self._chips: dict[str, int] = {}
@@ -163,6 +164,7 @@ class FleetIndex:
         self.order = order
         self._relist()
         self._members_dirty = True
+        self._models = None
 
     def _relist(self) -> None:
         self._list = [self.views[n] for n in self.order if n in self.views]
@@ -185,12 +187,19 @@ class FleetIndex:
         self._engines = None
         if old is None or old.models != view.models:
             self._members_dirty = True
+            self._models = None
         self._dirty.add(view.name)
 
     def note_serve(self, engine: str) -> None:
         self._serve_dirty.add(engine)
 
     # -- reading ---------------------------------------------------------------------------------------------------
+    def serves(self, model: str) -> bool:
+        """Whether any engine lists ``model`` (every Check's metrics label asks; a set lookup, not a pass over engines)."""
+        if self._models is None:
+            self._models = frozenset(m.model_id for v in self.views.values() for m in v.models)
+        return model in self._models
+
     def engines(self) -> tuple[EngineView, ...]:
         if self._engines is None:
             self._engines = tuple(self._list)

@@ -74,3 +74,88 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# -- one engine per port, with a chat endpoint (``sluice bench scale``) --------------------------------------------------
+def build_engine_app(exposition: str = "vllm-v1", model: str = "reasoning") -> web.Application:
+    """Every engine of the farm on its own port (Envoy's EDS needs a host:port per engine): real-size ``/metrics``,
+    ``/v1/models``, ``/version`` and a ``/v1/chat/completions`` that answers at once (a one-token non-streaming completion,
+    or a two-chunk SSE stream), naming the engine that answered in ``x-farm-engine`` so a bench can check Envoy went where
+    the Check said. The engine is known from the local port the request arrived on."""
+    variants = _variants(8, exposition)
+    models = json.dumps({"object": "list", "data": [{"id": model, "object": "model", "max_model_len": 131072}]})
+    hits = [0]
+    index_of: dict[int, int] = {}
+
+    def engine(request: web.Request) -> int:
+        return index_of[request.transport.get_extra_info("sockname")[1]]  # type: ignore[union-attr]
+
+    async def metrics(request: web.Request) -> web.Response:
+        hits[0] += 1
+        return web.Response(body=variants[(engine(request) + hits[0]) % len(variants)], content_type="text/plain")
+
+    async def v1_models(request: web.Request) -> web.Response:
+        return web.Response(text=models, content_type="application/json")
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.11.0"})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        name = f"e{engine(request)}"
+        headers = {"x-farm-engine": name}
+        created = {"id": "chatcmpl-farm", "created": 0, "model": body.get("model", model)}
+        if body.get("stream"):
+            response = web.StreamResponse(headers={**headers, "content-type": "text/event-stream"})
+            await response.prepare(request)
+            chunk = {**created, "object": "chat.completion.chunk",
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}, "finish_reason": None}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            done = {**created, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {},
+                                                                            "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+            await response.write(f"data: {json.dumps(done)}\n\ndata: [DONE]\n\n".encode())
+            await response.write_eof()
+            return response
+        return web.json_response({**created, "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}, headers=headers)
+
+    app = web.Application()
+    app["index_of"] = index_of
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", v1_models)
+    app.router.add_get("/version", version)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+async def serve_engines(engines: int, exposition: str = "vllm-v1") -> None:
+    """Listen on ``engines`` free ports of 127.0.0.1 (engine i on the i-th); print the ports as one JSON line, then serve
+    until killed."""
+    import asyncio
+    import sys
+
+    app = build_engine_app(exposition)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    ports = []
+    for i in range(engines):
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=512)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        app["index_of"][port] = i
+        ports.append(port)
+    sys.stdout.write(json.dumps({"ports": ports}) + "\n")
+    sys.stdout.flush()
+    await asyncio.Event().wait()
+
+
+def main_engines() -> None:
+    import asyncio
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engines", type=int, default=200)
+    parser.add_argument("--exposition", choices=["vllm-v1", "sim"], default="vllm-v1")
+    args = parser.parse_args()
+    asyncio.run(serve_engines(args.engines, args.exposition))

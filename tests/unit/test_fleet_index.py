@@ -90,6 +90,8 @@ def test_indexed_choice_equals_full_scan(seed: int) -> None:
         indexed = decide(request, fleet, policy, now, 0, affinity, pick, behind)
         full = decide(request, replace(fleet, index=None), policy, now, 0, affinity, pick, behind)
         same(indexed, full)
+        assert indexed.detail == full.detail and indexed.park_limit_s == full.park_limit_s
+        assert indexed.retry_after_s == full.retry_after_s
         # The world moves: admit what was admitted, release something, re-probe an engine, advance time.
         if indexed.verdict is Verdict.ADMIT:
             core.check(f"r{seed}-{step}", request, fleet, now)

@@ -1,0 +1,196 @@
+"""``sluice bench scale``: the whole gateway (real Envoy, the control plane as ``sluice up`` runs it) in front of 2, 200 and
+1000 engines, at 100 requests/s, in one run. Issue 9: at 200 engines Checks took 17 ms, queued for up to 30 s, and Envoy's
+fail-open let about 70% of requests through undecided.
+
+Engines: one farm process (``sluice/bench/farm.py``, ``serve_engines``) listening on one port per engine, each with real-size
+vLLM 0.11 ``/metrics`` (54 KB, every bucket; the control plane polls every engine once a second, so 1000 engines are 54 MB/s
+of exposition to parse) and a ``/v1/chat/completions`` that answers a one-token completion at once and names itself in
+``x-farm-engine``. So nearly all of a request's time is the gateway's, and what grows with the fleet is what sluice does
+per engine: polling and parsing, the per-Check fleet, the choice, weights and xDS.
+
+Per size: the farm and ``sluice up`` start, a warm-up, then an open loop of RATE requests/s (fixed intervals) for SECONDS s.
+Measured: end-to-end latency at the client (p50, p99), the Check's own latency from ``sluice_authz_check_seconds`` (two
+scrapes), and whether every request was decided by a Check: each 200 carries ``x-sluice-engine`` (set only by an admitting
+Check) equal to the farm's ``x-farm-engine`` (Envoy went where the Check said), and ``sluice_admission_decisions_total``
+grew by exactly the number of requests sent. Client, Envoy, control plane and farm share this machine's 2 cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from typing import Any
+
+import aiohttp
+import yaml
+
+from sluice.bench.common import median, pct, write_report
+from sluice.bench.overhead import _histogram, _quantile
+from sluice.bench.workload import gateway
+
+SIZES = tuple(int(s) for s in os.environ.get("SLUICE_SCALE_SIZES", "2,200,1000").split(","))
+RATE = 100
+SECONDS = float(os.environ.get("SLUICE_SCALE_SECONDS", "20"))
+TARGET_RATIO = 1.5
+BODY = {"model": "reasoning", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+
+
+def _decisions(metrics_url: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(r"^sluice_admission_decisions_total\{[^}]*\} (\S+)", text, re.M))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its reaped children (from /proc), in seconds."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _controlplane_pid(grpc_port: int) -> int | None:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"controlplane" in cmd and b"--config" in cmd:
+            # Other stacks may run on this machine: ours is the one whose config names our gRPC port.
+            try:
+                config = yaml.safe_load(open(cmd[cmd.index(b"--config") + 1].decode()))
+            except (OSError, ValueError, IndexError, yaml.YAMLError):
+                continue
+            if (config or {}).get("controlplane", {}).get("grpc_port") == grpc_port:
+                return int(pid)
+    return None
+
+
+async def open_loop(url: str, rate: int, seconds: float) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        started = time.perf_counter()
+        row: dict[str, Any] = {"status": 0, "engine": "", "farm": ""}
+        try:
+            async with session.post(url, json=BODY) as response:
+                await response.read()
+                row.update(status=response.status, engine=response.headers.get("x-sluice-engine", ""),
+                           farm=response.headers.get("x-farm-engine", ""),
+                           reason=response.headers.get("x-sluice-route-reason", ""))
+        except aiohttp.ClientError as exc:
+            row["error"] = type(exc).__name__
+        row["ms"] = (time.perf_counter() - started) * 1000
+        results.append(row)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = []
+        t0 = time.perf_counter()
+        for i in range(int(rate * seconds)):
+            delay = t0 + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(session)))
+        await asyncio.gather(*tasks)
+    return results
+
+
+def run_size(size: int) -> dict[str, Any]:
+    farm = subprocess.Popen(
+        [sys.executable, "-c", "from sluice.bench.farm import main_engines; main_engines()", "--engines", str(size)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ports = json.loads(farm.stdout.readline())["ports"]  # type: ignore[union-attr]
+        engines = [{"name": f"e{i}", "url": f"http://127.0.0.1:{port}", "max_num_seqs": 256, "models": ["reasoning"],
+                    "flavor": "vllm"} for i, port in enumerate(ports)]
+        started = time.monotonic()
+        with gateway(engines) as config:
+            ready_s = time.monotonic() - started
+            url = config["base_url"] + "/v1/chat/completions"
+            metrics_url = f"http://127.0.0.1:{config['controlplane']['metrics_port']}/metrics"
+            pid = _controlplane_pid(config["controlplane"]["grpc_port"])
+            asyncio.run(open_loop(url, 20, 3.0))  # warm the pools, clusters and the Check path
+            time.sleep(1.0)
+            before, decided_before = _histogram(metrics_url), _decisions(metrics_url)
+            cpu_before, wall_before = (_cpu_seconds(pid) if pid else 0.0), time.monotonic()
+            load_before = os.getloadavg()[0]
+            rows = asyncio.run(open_loop(url, RATE, SECONDS))
+            time.sleep(0.5)
+            cpu = (_cpu_seconds(pid) - cpu_before) / (time.monotonic() - wall_before) if pid else float("nan")
+            after, decided_after = _histogram(metrics_url), _decisions(metrics_url)
+    finally:
+        farm.terminate()
+        farm.wait(10)
+    ok = [r for r in rows if r["status"] == 200]
+    latencies = [r["ms"] for r in rows]
+    served = Counter(r["engine"] for r in ok if r["engine"])
+    busiest = sorted(served.values(), reverse=True)
+    top = sum(busiest[: max(1, size // 10)]) / max(1, len(ok))
+    return {
+        "engines": size,
+        "sent": len(rows),
+        "ok": len(ok),
+        "statuses": dict(Counter(r["status"] for r in rows)),
+        "pinned": sum(1 for r in ok if r["engine"]),
+        "matched": sum(1 for r in ok if r["engine"] and r["engine"] == r["farm"]),
+        "decisions": decided_after - decided_before,
+        "p50": median(latencies),
+        "p99": pct(latencies, 99),
+        "check_p50": _quantile(before, after, 0.5),
+        "check_p99": _quantile(before, after, 0.99),
+        "distinct": len(served),
+        "top10": top,
+        "cp_cpu": cpu,
+        "ready_s": ready_s,
+        "load": load_before,
+    }
+
+
+def run_scale_bench() -> int:
+    results = []
+    for size in SIZES:
+        r = run_size(size)
+        results.append(r)
+        print(f"{size} engines: p50 {r['p50']:.2f} ms p99 {r['p99']:.2f} ms, Check p99 {r['check_p99']:.3f} ms, "
+              f"{r['ok']}/{r['sent']} ok, {r['pinned']} pinned, {r['matched']} matched, {r['decisions']:.0f} decisions, "
+              f"{r['distinct']} engines used, control plane {r['cp_cpu']:.0%} of a core", flush=True)
+    base = next((r for r in results if r["engines"] == 2), results[0])
+    rows = "\n".join(
+        f"| {r['engines']} | {r['sent']} | {r['ok']} | {r['pinned']} | {r['matched']} | {r['decisions']:.0f} | "
+        f"{r['p50']:.2f} / {r['p99']:.2f} | **{r['p99'] / base['p99']:.2f}x** | {r['check_p50']:.3f} / {r['check_p99']:.3f} | "
+        f"{r['distinct']} | {r['top10']:.0%} | {r['cp_cpu']:.0%} | {r['ready_s']:.0f} | {r['load']:.2f} |"
+        for r in results
+    )
+    verdicts = []
+    for r in results:
+        if r["engines"] == base["engines"]:
+            continue
+        ratio = r["p99"] / base["p99"]
+        every = r["pinned"] == r["sent"] and r["matched"] == r["sent"] and round(r["decisions"]) == r["sent"]
+        verdicts.append(f"{r['engines']} engines: p99 ratio {ratio:.2f}x ({'meets' if ratio <= TARGET_RATIO else 'misses'} "
+                        f"the {TARGET_RATIO}x target); every request decided by a Check: {'yes' if every else 'NO'}"
+                        f" (statuses {r['statuses']})")
+    body = f"""{__doc__.replace("RATE", str(RATE)).replace("SECONDS", f"{SECONDS:g}")}
+| engines | sent | 200 | with x-sluice-engine | Envoy went where the Check said | decisions counted | end-to-end p50 / p99 (ms) | p99 / p99 at 2 engines | Check p50 / p99 (ms, server) | engines used | busiest 10% take | control plane CPU (of one core) | start-up to serving (s) | load avg at start |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+{rows}
+
+Target (issue 9): end-to-end p99 at 200 and at 1000 engines no more than {TARGET_RATIO}x the p99 at 2 engines, every request
+decided by a Check.
+
+{chr(10).join(f"- {v}" for v in verdicts)}
+"""
+    path = write_report("scale", "sluice bench scale: 2, 200 and 1000 engines through Envoy at 100 requests/s", body)
+    print(body)
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_scale_bench())
