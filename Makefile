@@ -5,12 +5,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 STUBS  := sluice/admin/v1/admin_pb2.py sluice/admin/v1/admin_pb2_grpc.py
 
-.PHONY: run test install stubs bench clean
+.PHONY: run test install stubs bench clean prometheus
 
 run: install
 	$(VENV)/bin/sluice up
 
-test: install
+test: install prometheus
 	$(PY) -m pytest -q -p no:cacheprovider
 
 install: $(STAMP) $(STUBS)
@@ -26,6 +26,10 @@ $(STUBS): proto/sluice/admin/v1/admin.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/sluice/admin/v1/admin.proto
 
 stubs: $(STUBS)
+
+# Debian's prometheus + promtool for tests/e2e/test_prometheus.py (installed when missing; quiet; starts no service).
+prometheus:
+	@sh deploy/tools/ensure-prometheus.sh
 
 # Every benchmark, one after another (about 15 minutes): each prints its figures and writes bench/results/<scenario>.md.
 BENCHES := observe overhead t10 load cag4 fleet chaos

@@ -59,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=1000, help="observe: simulated engines to poll")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
 
+    p = sub.add_parser("deploy", help="Kubernetes manifests for the config (see deploy/ and the README's Operating)")
+    deploy = p.add_subparsers(dest="deploy_command", required=True)
+    p = deploy.add_parser("render", help="write a kustomize base + overlay and the built overlay for a config")
+    p.add_argument("--config", required=True, help="the sluice config the control plane will run (its policy)")
+    p.add_argument("--out", help="output directory (default: deploy/kubernetes in the source tree)")
+    p.add_argument("--overlay", default="example", help="overlay name under OUT/overlays (default: example)")
+
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
 
@@ -116,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         from sluice.bench.observe import run_observe_bench
 
         return run_observe_bench(args.engines, args.cycles)
+    if args.command == "deploy":
+        from sluice.deploy import run_render
+
+        return run_render(args.config, args.out, args.overlay)
     if args.command == "admin":
         from sluice.admincli import run_admin
 
