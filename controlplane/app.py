@@ -109,8 +109,11 @@ class ControlPlane:
             if poller is not None:
                 view = poller.view(now)
                 current = self.admission.index.views.get(name)
-                if current is None or current.stale != view.stale:
+                if current is None or current.stale != view.stale or current.last_error != view.last_error:
                     self.admission.note_view(view)
+                if view.stale:
+                    # A stale engine's failures keep changing its last error (operators read it): looked at once a poll.
+                    heapq.heappush(heap, (now + self.config.observe.poll_interval_seconds, name))
         return self.admission.indexed_fleet(now, self.rates.tables())
 
     def _sync_engines(self, now: float) -> None:
