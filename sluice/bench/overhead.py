@@ -4,16 +4,32 @@ header strip, json_to_metadata, ext_authz Check on the control plane, access log
 Check's own latency by the control plane's ``sluice_authz_check_seconds`` histogram (the difference of two scrapes).
 
 The engine is the simulator at x1000 with 64 slots and one-token answers, so nearly all of a request's time is the path's.
-Client, Envoys, control plane and engine share this machine's 2 cores: figures include that contention."""
+Client, Envoys, control plane and engine share this machine's 2 cores: figures include that contention.
+
+``--engines FILE``: front the engines a YAML file lists instead (a list of engine entries as in a config's ``engines:``, or a
+mapping with that key; an entry with ``sim:`` is started as a simulator, any other is an engine already running, e.g. a real
+llama.cpp server). The plain Envoy routes to the same engines round robin, so they must listen on 127.0.0.1. Each engine is
+first measured alone, straight to it (no Envoy): a one-token request's latency and a 64-token request's decode rate, so
+the report shows what the engines are. The machine's capacity for one-token requests is then measured through the plain
+Envoy (closed loop, every slot kept busy), and the rates are 20, 40 and 60 % of it, so that both paths measure a path
+rather than a queue. The report is ``bench/results/overhead-<file stem>.md``, with each engine's share of sluice's
+successes and the failures by status and error code."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
+import statistics
 import time
 import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import aiohttp
+import yaml
 
 from sluice.bench.common import median, pct, pyplot, save_figure, write_report
 from sluice.bench.plain import plain_envoy
@@ -24,28 +40,41 @@ SECONDS = 8.0
 BODY = {"model": "cortex", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
 
 
-async def open_loop(url: str, rate: int, seconds: float) -> tuple[list[float], int]:
-    """Send ``rate`` requests/s for ``seconds``; return latencies (ms) of the successes and the failure count."""
+async def open_loop(url: str, rate: int, seconds: float, body: dict[str, Any] | None = None,
+                    served: Counter[str] | None = None, failed: Counter[str] | None = None) -> tuple[list[float], int]:
+    """Send ``rate`` requests/s for ``seconds``; return latencies (ms) of the successes and the failure count. ``served``
+    counts the successes by their ``x-sluice-engine``, ``failed`` the failures by status and error code."""
     latencies: list[float] = []
     failures = 0
+    body = body or BODY
 
     async def one(session: aiohttp.ClientSession) -> None:
         nonlocal failures
         started = time.perf_counter()
         try:
-            async with session.post(url, json=BODY) as response:
-                await response.read()
+            async with session.post(url, json=body) as response:
+                payload = await response.read()
                 if response.status == 200:
                     latencies.append((time.perf_counter() - started) * 1000)
+                    if served is not None:
+                        served[response.headers.get("x-sluice-engine", "?")] += 1
                 else:
                     failures += 1
-        except aiohttp.ClientError:
+                    if failed is not None:
+                        failed[f"{response.status} {_error_code(payload)}"] += 1
+        except aiohttp.ClientError as exc:
             failures += 1
+            if failed is not None:
+                failed[type(exc).__name__] += 1
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for _ in range(20):  # warm the connection pool and both paths' caches
             await one(session)
         latencies.clear()
+        failures = 0
+        for counter in (served, failed):
+            if counter is not None:
+                counter.clear()
         tasks = []
         t0 = time.perf_counter()
         for i in range(int(rate * seconds)):
@@ -55,6 +84,31 @@ async def open_loop(url: str, rate: int, seconds: float) -> tuple[list[float], i
             tasks.append(asyncio.create_task(one(session)))
         await asyncio.gather(*tasks)
     return latencies, failures
+
+
+def _error_code(payload: bytes) -> str:
+    try:
+        return str(json.loads(payload)["error"].get("code") or "-")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "-"
+
+
+async def closed_loop(url: str, concurrency: int, seconds: float, body: dict[str, Any]) -> float:
+    """Successful requests/s with ``concurrency`` clients each sending the next request as soon as one is answered."""
+    done = 0
+    stop_at = time.perf_counter() + seconds
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal done
+        while time.perf_counter() < stop_at:
+            async with session.post(url, json=body) as response:
+                await response.read()
+                done += response.status == 200
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        return done / (time.perf_counter() - started)
 
 
 def _histogram(metrics_url: str) -> dict[float, float]:
@@ -84,7 +138,172 @@ def _quantile(before: dict[float, float], after: dict[float, float], q: float) -
     return lower * 1000
 
 
-def run_overhead_bench() -> int:
+def load_engines(path: str) -> list[dict[str, Any]]:
+    """The engine entries of an ``--engines`` file: a list, or a mapping with an ``engines:`` list (a config file)."""
+    data = yaml.safe_load(Path(path).read_text())
+    if isinstance(data, dict):
+        data = data.get("engines")
+    if not isinstance(data, list) or not data or not all(isinstance(e, dict) and e.get("name") for e in data):
+        raise SystemExit(f"{path}: expected a list of engine entries (name, url, ...) or a mapping with `engines:`")
+    for entry in data:
+        if "sim" not in entry and not entry.get("url"):
+            raise SystemExit(f"{path}: engine {entry['name']!r} has neither url nor sim")
+    return data
+
+
+def _local_port(url: str) -> int:
+    host, _, port = url.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if host not in ("127.0.0.1", "localhost") or not port.isdigit():
+        raise SystemExit(f"{url}: the plain-Envoy comparison needs engines on 127.0.0.1:<port>")
+    return int(port)
+
+
+def _get_json(url: str) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.load(response)
+    except (OSError, ValueError):
+        return None
+
+
+def _timed_post(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer = json.load(response)
+    return time.perf_counter() - started, answer
+
+
+def calibrate(entry: dict[str, Any]) -> dict[str, Any]:
+    """One engine alone, straight to it: its model, slots, version, one-token latency and decode rate."""
+    url = entry["url"].rstrip("/")
+    listing = _get_json(url + "/v1/models") or {}
+    model = (entry.get("models") or [m["id"] for m in listing.get("data", [])] or ["?"])[0]
+    props = _get_json(url + "/props") or {}
+    slots = entry.get("max_num_seqs") or props.get("total_slots") or 1
+    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    for _ in range(3):
+        _timed_post(url + "/v1/chat/completions", body)
+    one = statistics.median(_timed_post(url + "/v1/chat/completions", body)[0] for _ in range(15))
+    long = {**body, "max_tokens": 64, "ignore_eos": True}
+    timings = [_timed_post(url + "/v1/chat/completions", long) for _ in range(3)]
+    seconds = statistics.median(t for t, _ in timings)
+    tokens = timings[0][1].get("usage", {}).get("completion_tokens", 64)
+    return {"name": entry["name"], "url": url, "model": model, "slots": int(slots),
+            "version": props.get("build_info", ""), "one_token_ms": one * 1000,
+            "decode_tokens_per_s": (tokens - 1) / max(seconds - one, 1e-6)}
+
+
+def _counts(counter: Counter[str]) -> str:
+    return ", ".join(f"{key}: {n}" for key, n in counter.most_common()) or "-"
+
+
+def run_overhead_bench(engines_file: str | None = None) -> int:
+    if engines_file is not None:
+        return _run_on_engines(engines_file)
+    return _run_on_simulator()
+
+
+def _run_on_engines(engines_file: str) -> int:
+    entries = load_engines(engines_file)
+    rows, checks = [], []
+    splits: list[str] = []
+    series: dict[str, list[tuple[int, float, float]]] = {"plain Envoy": [], "Envoy + sluice": []}
+    with gateway([dict(e) for e in entries], observe={"poll_interval_seconds": 1.0}) as config:
+        engines = config["engines"]
+        ports = [_local_port(e["url"]) for e in engines]
+        measured = [calibrate(e) for e in engines]
+        models = {m["model"] for m in measured}
+        if len(models) != 1:
+            raise SystemExit(f"the engines serve different models {sorted(models)}: the comparison needs one")
+        body = {"model": models.pop(), "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+        load_before = os.getloadavg()
+        with plain_envoy(ports) as plain_base:
+            plain_url = plain_base + "/v1/chat/completions"
+            # What this machine can carry (client, Envoy and every engine on the same cores): the engines' slots kept
+            # busy through the plain Envoy.
+            capacity = asyncio.run(closed_loop(plain_url, sum(m["slots"] for m in measured), 5.0, body))
+            rates = sorted({max(1, round(capacity * share)) for share in (0.2, 0.4, 0.6)})
+            sluice_url = config["base_url"] + "/v1/chat/completions"
+            metrics_url = f"http://127.0.0.1:{config['controlplane']['metrics_port']}/metrics"
+            for rate in rates:
+                plain_failures: Counter[str] = Counter()
+                plain_ms, plain_failed = asyncio.run(open_loop(plain_url, rate, SECONDS, body, None, plain_failures))
+                before = _histogram(metrics_url)
+                served: Counter[str] = Counter()
+                sluice_failures: Counter[str] = Counter()
+                sluice_ms, sluice_failed = asyncio.run(open_loop(sluice_url, rate, SECONDS, body, served,
+                                                                 sluice_failures))
+                after = _histogram(metrics_url)
+                check = (_quantile(before, after, 0.5), _quantile(before, after, 0.99))
+                checks.append((rate, check))
+                series["plain Envoy"].append((rate, median(plain_ms), pct(plain_ms, 99)))
+                series["Envoy + sluice"].append((rate, median(sluice_ms), pct(sluice_ms, 99)))
+                rows.append(
+                    f"| {rate} | {median(plain_ms):.2f} / {pct(plain_ms, 99):.2f} | "
+                    f"{median(sluice_ms):.2f} / {pct(sluice_ms, 99):.2f} | "
+                    f"**{median(sluice_ms) - median(plain_ms):.2f}** | {check[0]:.3f} / {check[1]:.3f} | "
+                    f"{plain_failed} / {sluice_failed} |"
+                )
+                total = sum(served.values()) or 1
+                splits.append(f"| {rate} | " + " | ".join(f"{served[m['name']]} ({served[m['name']] / total:.0%})"
+                                                          for m in measured) + f" | {_counts(plain_failures)} | "
+                              f"{_counts(sluice_failures)} |")
+        load_after = os.getloadavg()
+    name = "overhead-" + Path(engines_file).stem
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in series.items():
+        xs = [p[0] for p in points]
+        ax.plot(xs, [p[1] for p in points], marker="o", label=f"{label} p50")
+        ax.plot(xs, [p[2] for p in points], marker="x", linestyle="--", label=f"{label} p99")
+    ax.set_xlabel("requests/s")
+    ax.set_ylabel("end-to-end latency (ms)")
+    ax.set_title(f"what sluice adds to a one-token request ({Path(engines_file).stem})")
+    ax.legend()
+    plot = save_figure(fig, name)
+    engine_rows = "\n".join(
+        f"| {m['name']} | {m['url']} | {m['version'] or '-'} | {m['slots']} | {m['one_token_ms']:.1f} | "
+        f"{m['decode_tokens_per_s']:.0f} |" for m in measured)
+    listing = Path(engines_file).read_text().rstrip()
+    body_text = f"""Against the engines of `{engines_file}` (not simulators):
+
+```yaml
+{listing}
+```
+
+Each engine alone, straight to it (no Envoy, one request at a time; the decode rate from 64-token answers):
+
+| engine | url | version | slots | one-token latency p50 (ms) | decode tokens/s (one request) |
+|---|---|---|---|---|---|
+{engine_rows}
+
+Capacity: {capacity:.0f} one-token requests/s, measured through the plain Envoy with every slot kept busy (closed loop,
+5 s); the rates are 20, 40 and 60 % of it. Open loop, {SECONDS:g} s per rate and path, non-streaming chat completions
+answered with one token; the plain Envoy routes round robin to the same engines. Load average (1, 5, 15 min) before:
+{", ".join(f"{x:.1f}" for x in load_before)}; after: {", ".join(f"{x:.1f}" for x in load_after)} (client, both Envoys,
+the control plane and the engines share this machine's {os.cpu_count()} cores, with whatever else runs on it).
+
+| requests/s | plain Envoy p50 / p99 (ms) | Envoy + sluice p50 / p99 (ms) | added p50 (ms) | Check p50 / p99 (ms, server) | failures plain / sluice |
+|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+Where sluice sent them (successes by `x-sluice-engine`), and the failures by status and error code:
+
+| requests/s | {" | ".join(m["name"] for m in measured)} | plain failures | sluice failures |
+|---|{"---|" * len(measured)}---|---|
+{chr(10).join(splits)}
+
+![latency by rate]({plot})
+"""
+    path = write_report(name, f"sluice bench overhead --engines: what the gateway adds in front of {Path(engines_file).stem}",
+                        body_text)
+    print(body_text)
+    print(f"report: {path}")
+    return 0
+
+
+def _run_on_simulator() -> int:
     engine = {"name": "fast", "sim": "spark", "speed": 1000, "max_num_seqs": 64}
     rows, checks = [], []
     series: dict[str, list[tuple[int, float, float]]] = {"plain Envoy": [], "Envoy + sluice": []}
