@@ -1,7 +1,7 @@
 """Engine pollers: one asyncio task per engine, so a slow or hung engine never delays another or the Check loop.
 
 Each task probes ``/metrics`` every ``poll_interval_seconds``, each probe bounded by ``poll_timeout_seconds``; a failed probe is
-retried with tenacity's exponential backoff (from the poll interval, doubling, capped at ``max_backoff_seconds``), so a dead
+retried with exponential backoff (from the poll interval, doubling, capped at ``max_backoff_seconds``), so a dead
 engine costs little. Discovery (``/v1/models`` plus the flavour's own documents, see ``discovery.py``) runs at the first probe
 and every ``models_refresh_seconds``. Mainline llama.cpp has no KV gauge, so its ``/slots`` is read on each probe when the
 metrics lack one.
@@ -20,7 +20,6 @@ from dataclasses import replace
 from typing import Any
 
 import aiohttp
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from controlplane.config import EngineConfig, ObserveConfig
 from controlplane.core.model import EngineRates, EngineView, ServedModel
@@ -112,24 +111,29 @@ class EnginePoller:
         while True:
             started = self._clock()
             try:
-                async for attempt in AsyncRetrying(
-                    retry=retry_if_exception_type(ProbeError),
-                    wait=wait_exponential(multiplier=interval, min=interval, max=self.observe.max_backoff_seconds),
-                    before_sleep=self._record_failure,
-                    reraise=True,
-                ):
-                    with attempt:
-                        await self.poll_once()
-                self.failures = 0
+                await self.poll_once()
+            except ProbeError as exc:
+                # A plain loop, not tenacity: a retry object per probe was most of the cyclic garbage at 200+ engines,
+                # and the collector's full passes stalled every Check behind them (bench/results/scale.md).
+                self._record_failure(exc)
+                await asyncio.sleep(self.backoff_seconds())
+                continue
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug in our parsing must not end observation of this engine
                 log.exception("engine %s: probe crashed", self.config.name)
                 self._view = replace(self._view, last_error="internal error while probing (see log)")
+            else:
+                self.failures = 0
             await asyncio.sleep(max(0.0, started + interval - self._clock()))
 
-    def _record_failure(self, retry_state: Any) -> None:
-        exc = retry_state.outcome.exception()
+    def backoff_seconds(self) -> float:
+        """Delay before the next probe after ``failures`` failures in a row: the interval, doubling, at most
+        ``max_backoff_seconds``."""
+        interval = self.observe.poll_interval_seconds
+        return min(max(interval * 2 ** (self.failures - 1), interval), self.observe.max_backoff_seconds)
+
+    def _record_failure(self, exc: ProbeError) -> None:
         self.failures += 1
         if self.failures == 1:
             log.warning("engine %s: probe failed: %s", self.config.name, exc)
