@@ -10,8 +10,8 @@ Issue 9: with 200 engines a Check rebuilt every engine's view and ledger view, d
   estimate need that does not depend on the request: cap, load, KV held, KV capacity and usage, open tickets of the model,
   eligibility (not drained, meets the floor, fresh), the decode rate at the batch a free slot would run in (full batch under
   pressure, ``load + 1`` otherwise) and the prefill fallback. A row is recomputed when its engine's view, ledger view or
-  serve count changed (``Ledger.changed``, ``note_serve``), with the very functions ``decide`` uses (``effective_load``,
-  ``held_tokens``, ``decode_rate`` ...), so the numbers are the same numbers.
+  serve count changed (``Ledger.changed``, ``note_serve``), with the very functions ``decide`` uses (fit.py's
+  ``effective_load``, ``held_tokens``, ``model_len``; route.py's ``decode_rate``), so the numbers are the same numbers.
 - Values shared across engines are applied per snapshot, vectorised: the trusted (model, chip class) prefill median and the
   quality cap from the (model, chip class) solo median.
 - ``snapshot`` hands ``decide`` frozen copies (``IndexSnapshot``); the live arrays are copied on the next write, never
@@ -34,7 +34,8 @@ import numpy as np
 
 from controlplane.core.model import EngineLedger, EngineView, Fleet, RateTables
 from controlplane.core.policy import Policy, meets_floor
-from controlplane.core.route import decode_rate, effective_load
+from controlplane.core.fit import effective_load, held_tokens, model_len
+from controlplane.core.route import decode_rate
 
 _INF = math.inf
 _NAN = math.nan
@@ -265,7 +266,7 @@ class FleetIndex:
         rows.views[i] = view
         rows.ok[i] = (view.serves(model) and not view.drained and not view.stale
                       and meets_floor(view.version, policy.floor_for(model)))
-        f["model_len"][i] = next((m.max_model_len for m in view.models if m.model_id == model), None) or _INF
+        f["model_len"][i] = model_len(view, model) or _INF
         f["capacity"][i] = view.kv_capacity_tokens or 0
         usage = view.sample.kv_usage if view.sample is not None else None
         f["usage"][i] = _NAN if usage is None else usage
@@ -273,12 +274,7 @@ class FleetIndex:
         f["cap"][i] = _INF if cap is None else cap
         load = effective_load(view, one)
         f["load"][i] = load
-        # held_tokens(view, one), inlined (decide.py imports this module's callers, not the reverse)
-        capacity = view.kv_capacity_tokens
-        probe_held = 0.0
-        if usage is not None and capacity:
-            probe_held = max(0.0, usage * capacity + ledger.unseen_reserved_tokens - ledger.released_since_probe_tokens)
-        f["held"][i] = max(float(ledger.committed_tokens), probe_held)
+        f["held"][i] = held_tokens(view, one)
         f["open_model"][i] = ledger.open_for(model)
         rows.chip[i] = self._chip(view.chip_class)
         own = view.rates.prefill_tokens_per_s if view.rates is not None else None
@@ -296,7 +292,7 @@ class FleetIndex:
     def _freeze(self, rows: _Rows, policy: Policy, rates: RateTables) -> ModelArrays:
         model = rows.model
         f = rows.f
-        # Shared per (model, chip class): the trusted prefill median and the quality cap (decide.quality_cap).
+        # Shared per (model, chip class): the trusted prefill median and the quality cap (fit.quality_cap).
         chips = len(self._chips)
         trusted = np.zeros(chips)
         qcap = np.full(chips, _INF)

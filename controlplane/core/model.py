@@ -146,7 +146,10 @@ class Verdict(enum.Enum):
 
 
 class Reason(enum.Enum):
-    """Low-cardinality outcome codes (metrics labels, ``x-sluice-route-reason``, error ``code``); detail goes elsewhere."""
+    """Low-cardinality outcome codes (metrics labels, ``x-sluice-route-reason``), one per meaning; detail goes elsewhere.
+
+    A refusal's reason is also its error: the HTTP edge (``controlplane/edge.py``) maps every reason to a status, an OpenAI
+    error type and code, so a reason means one thing to clients as well as to metrics."""
 
     # admitted
     FINISH_SOONEST = "finish_soonest"
@@ -156,21 +159,31 @@ class Reason(enum.Enum):
     WORK_CONSERVING = "work_conserving"
     """A free slot taken although a busy engine would finish sooner: its slot wait exceeded the work-conserving bound."""
     MODEL_LIST = "model_list"
-    # refused: the request itself
-    MALFORMED_JSON = "malformed_json"
+    # refused: the request itself (one reason per error code)
+    INVALID_JSON = "invalid_json"
+    """The body is not a JSON object (undecodable, truncated, an unterminated string, not an object)."""
+    JSON_TOO_DEEP = "json_too_deep"
+    """The body nests arrays/objects deeper than ``MAX_JSON_DEPTH`` (found before it is parsed)."""
     MISSING_MODEL = "missing_model"
-    INVALID_FIELD = "invalid_field"
+    INVALID_MAX_TOKENS = "invalid_max_tokens"
+    INVALID_PRIORITY = "invalid_priority"
+    INVALID_MAX_TTFT_MS = "invalid_max_ttft_ms"
+    INVALID_SESSION = "invalid_session"
     UNKNOWN_MODEL = "unknown_model"
     UNKNOWN_PATH = "unknown_path"
     CONTEXT_LENGTH = "context_length_exceeded"
-    # why an engine does not fit (park while they last)
+    # why an engine does not fit (the fit rules, fit.py; park while they last)
     CAP = "cap"
+    """The engine runs its concurrency cap."""
     KV_WATERMARK = "kv_watermark"
     KV_NEED = "kv_need"
     BOX_POOL = "box_pool"
     QUALITY_CAP = "quality_cap"
+    # why a request waits although something may fit
     QUEUED_BEHIND = "queued_behind"
     WAITING_FOR_FASTER = "waiting_for_faster"
+    TTFT_DEADLINE = "ttft_deadline"
+    """No engine's TTFT estimate meets the deadline now, but one would after a slot frees (parked until the park limit)."""
     # shed
     NO_READY_ENGINE = "no_ready_engine"
     VERSION_FLOOR = "version_floor"
@@ -200,14 +213,19 @@ class InferenceRequest:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """What happens to one request: a verdict, its reason and a human-readable detail, plus the data behind them.
+
+    No HTTP here: the edge (``controlplane/edge.py``) turns a verdict and reason into a status, headers and a body, the
+    same way for every caller (the Check, the admin API's explanation)."""
+
     verdict: Verdict
     reason: Reason
     engine: str | None = None
-    status: int = 200
     retry_after_s: int | None = None
     detail: str = ""
-    body: bytes = b""
-    """The response body for non-admit verdicts (an OpenAI-shaped error, or the model list)."""
+    """Why, in words: a refusal's or a shed's error message, an admission's estimates, what a park waits for."""
+    models: tuple[ServedModel, ...] = ()
+    """ANSWER (``GET /v1/models``): every model an admissible engine serves, once, sorted by id."""
     reserved_tokens: int = 0
     """KV reserved for an admitted request (prompt estimate + max_tokens)."""
     expected_done_at: float = 0.0

@@ -1,6 +1,6 @@
 """Choosing among engines where a request can run: finish-soonest, TTFT deadlines, the satisficing band, session affinity.
 
-Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in decide.py)::
+Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
 
     n            = min(cap, load + 1) while the fleet has room; cap under pressure (a candidate is full or requests
                    are parked: whatever starts now will share its engine with a full batch) and when r must wait
@@ -55,6 +55,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from controlplane.core.fit import effective_load
 from controlplane.core.model import EngineView, Fleet, InferenceRequest
 from controlplane.core.policy import Policy
 
@@ -68,14 +69,6 @@ class Estimate:
     ttft_s: float
     finish_s: float
     decode_rate: float
-
-
-def effective_load(engine: EngineView, fleet: Fleet) -> float:
-    """``max(probe running + waiting + unseen_load, open tickets)``: the probe sees traffic that bypasses sluice, the
-    ledger sees what the probe cannot have counted yet."""
-    ledger = fleet.of(engine.name)
-    probe = engine.sample.queue if engine.sample is not None else None
-    return max(0.0, (probe or 0.0) + ledger.unseen_load, float(ledger.open_tickets))
 
 
 def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) -> float:

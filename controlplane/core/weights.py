@@ -14,7 +14,7 @@ model appearing or leaving at once; a drift of the traffic split past the thresh
 
 from __future__ import annotations
 
-from controlplane.core.route import effective_load
+from controlplane.core.fit import effective_load
 from controlplane.core.model import EngineView, Fleet
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.route import decode_rate

@@ -10,8 +10,6 @@ and EDS only.
 
 from __future__ import annotations
 
-import json
-
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, grpc_service_pb2, substitution_format_string_pb2
@@ -28,28 +26,26 @@ from envoy.extensions.retry.priority.previous_priorities.v3 import previous_prio
 from envoy.type.matcher.v3 import regex_pb2
 from envoy.type.matcher.v3 import string_pb2
 from envoy.type.v3 import http_status_pb2, percent_pb2
-from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
+from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from controlplane.config import Config, EngineConfig
+from controlplane.core.model import Reason
+from controlplane.core.request import MODELS_PATH
+from controlplane.edge import JSON_CONTENT_TYPE, REPLIES, Failure, error_json, header
+from controlplane.names import (  # noqa: F401 (ENGINE_/TICKET_HEADER, AVOID_PARAM: still importable from here)
+    AVOID_PARAM, CONTENT_TYPE_HEADER, ENGINE_HEADER, MODEL_HEADER, RETRY_AFTER_HEADER, TICKET_HEADER,
+)
 
 LISTENER_NAME = "sluice_openai"
 ROUTE_CONFIG_NAME = "sluice_routes"
 CONTROLPLANE_CLUSTER = "sluice_controlplane"
-ENGINE_HEADER = "x-sluice-engine"
-MODEL_HEADER = "x-sluice-model"
-"""Set by Envoy itself (from the body's ``model``) so the fallback routes can match on it; clients' copies are stripped."""
 METADATA_NAMESPACE = "sluice"
 FAILURE_STATUS = 502
 """ext_authz's status when the control plane cannot answer; only a local-reply mapper sees it (rewritten to 503)."""
 ACCESS_LOG_NAME = "sluice"
-TICKET_HEADER = "x-sluice-ticket"
-"""Set on the upstream request by an admission (never seen by clients): the retry redirector releases the ticket it names."""
-AVOID_PARAM = "sluice_avoid"
-"""Query parameter the retry redirector adds: the engine that failed, which the new Check must not choose again."""
 INFERENCE_PATH_REGEX = "^/v1/(chat/completions|completions|embeddings)$"
 """The OpenAI paths that carry a model and are routed to an engine (the same set ``parse_request`` accepts)."""
-MODELS_PATH = "/v1/models"
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -119,15 +115,6 @@ end
 """
 
 
-def openai_error_json(message: str, err_type: str, code: str) -> str:
-    return json.dumps({"error": {"message": message, "type": err_type, "param": None, "code": code}})
-
-
-def _json_header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, value=value),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-
-
 def _status_filter(status: int) -> accesslog_pb2.AccessLogFilter:
     return accesslog_pb2.AccessLogFilter(
         status_code_filter=accesslog_pb2.StatusCodeFilter(
@@ -144,21 +131,22 @@ def _flags_filter(*flags: str) -> accesslog_pb2.AccessLogFilter:
 
 
 def _json_error_mapper(
-    log_filter: accesslog_pb2.AccessLogFilter, *, message: str, err_type: str, code: str, status: int | None = None,
+    log_filter: accesslog_pb2.AccessLogFilter, failure: Failure, message: str, *, set_status: bool = False,
     headers: tuple[tuple[str, str], ...] = (),
 ) -> hcm_pb2.ResponseMapper:
-    """A local-reply mapper that turns one kind of Envoy-generated error into the OpenAI error shape."""
-    body = openai_error_json(message, err_type, code)
+    """A local-reply mapper that turns one kind of Envoy-generated error into the OpenAI error shape, its type and code
+    from the edge's table (edge.py). ``set_status``: reply with the table's status instead of the one Envoy produced (a
+    filter on response flags may match several statuses; those mappers keep Envoy's)."""
     mapper = hcm_pb2.ResponseMapper(
         filter=log_filter,
         body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
-            text_format_source=base_pb2.DataSource(inline_string=body),
-            content_type="application/json",
+            text_format_source=base_pb2.DataSource(inline_string=error_json(failure, message)),
+            content_type=JSON_CONTENT_TYPE,
         ),
-        headers_to_add=[_json_header(k, v) for k, v in headers],
+        headers_to_add=[header(k, v) for k, v in headers],
     )
-    if status is not None:
-        mapper.status_code.value = status
+    if set_status:
+        mapper.status_code.value = REPLIES[failure].status
     return mapper
 
 
@@ -226,43 +214,25 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         local_reply_config=hcm_pb2.LocalReplyConfig(
             mappers=[
                 _json_error_mapper(
-                    _status_filter(413),
-                    message=f"Request body exceeds the gateway limit of {ev.max_request_bytes} bytes",
-                    err_type="invalid_request_error",
-                    code="request_too_large",
+                    _status_filter(413), Failure.REQUEST_TOO_LARGE,
+                    f"Request body exceeds the gateway limit of {ev.max_request_bytes} bytes",
                 ),
                 # Fail-closed: ext_authz could not reach the control plane (only then is FAILURE_STATUS produced).
                 _json_error_mapper(
                     accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(
                         filters=[_status_filter(FAILURE_STATUS), _flags_filter("UAEX")])),
-                    message="The admission control plane is unreachable; retry later",
-                    err_type="server_error",
-                    code="controlplane_unavailable",
-                    status=503,
-                    headers=(("retry-after", str(ev.failure_retry_after_seconds)),),
+                    Failure.CONTROLPLANE_UNAVAILABLE, "The admission control plane is unreachable; retry later",
+                    set_status=True, headers=((RETRY_AFTER_HEADER, str(ev.failure_retry_after_seconds)),),
                 ),
                 # An engine's circuit breaker (its cap + envoy.engine_overflow_headroom) overflowed: only the fail-open
                 # path can get here, admitted traffic never exceeds the cap.
                 _json_error_mapper(
-                    _flags_filter("UO"),
-                    message="The engine is at its concurrency limit; retry later",
-                    err_type="server_error",
-                    code="engine_overloaded",
-                    status=503,
-                    headers=(("retry-after", "1"),),
+                    _flags_filter("UO"), Failure.ENGINE_OVERLOADED, "The engine is at its concurrency limit; retry later",
+                    set_status=True, headers=((RETRY_AFTER_HEADER, "1"),),
                 ),
-                _json_error_mapper(
-                    _status_filter(431),
-                    message="Request headers are too large",
-                    err_type="invalid_request_error",
-                    code="request_header_fields_too_large",
-                ),
-                _json_error_mapper(
-                    _status_filter(408),
-                    message="The request was not received in time",
-                    err_type="invalid_request_error",
-                    code="request_timeout",
-                ),
+                _json_error_mapper(_status_filter(431), Failure.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                                   "Request headers are too large"),
+                _json_error_mapper(_status_filter(408), Failure.REQUEST_TIMEOUT, "The request was not received in time"),
                 # Codec errors (conflicting Content-Length, malformed framing): a 400 for a request whose headers never
                 # reached the filters. ext_authz's own 400s (which carry their own body) always have a :path.
                 _json_error_mapper(
@@ -272,16 +242,12 @@ def build_listener(config: Config) -> listener_pb2.Listener:
                             header=route_components_pb2.HeaderMatcher(name=":path", present_match=True,
                                                                       invert_match=True))),
                     ])),
-                    message="Malformed HTTP request",
-                    err_type="invalid_request_error",
-                    code="invalid_http_request",
+                    Failure.INVALID_HTTP_REQUEST, "Malformed HTTP request",
                 ),
                 _json_error_mapper(
-                    _flags_filter("NC", "UH", "UF", "URX", "NR", "UC", "UR"),
-                    message="No engine could take the request (upstream unavailable)",
-                    err_type="server_error",
-                    code="upstream_unavailable",
-                    headers=(("retry-after", "1"),),  # an engine that died is noticed within a few polls
+                    _flags_filter("NC", "UH", "UF", "URX", "NR", "UC", "UR"), Failure.UPSTREAM_UNAVAILABLE,
+                    "No engine could take the request (upstream unavailable)",
+                    headers=((RETRY_AFTER_HEADER, "1"),),  # an engine that died is noticed within a few polls
                 ),
             ]
         ),
@@ -307,15 +273,14 @@ def _inference_paths() -> route_components_pb2.RouteMatch:
     return route_components_pb2.RouteMatch(safe_regex=regex_pb2.RegexMatcher(regex=INFERENCE_PATH_REGEX))
 
 
-def _direct_error(name: str, match: route_components_pb2.RouteMatch, status: int, message: str, code: str,
+def _direct_error(name: str, match: route_components_pb2.RouteMatch, key: Reason | Failure, message: str,
                   headers: tuple[tuple[str, str], ...] = (), *, skip_authz: bool = False) -> route_components_pb2.Route:
-    err_type = "invalid_request_error" if status < 500 else "server_error"
+    """A route Envoy answers itself, with the status, type and code the edge gives ``key`` (edge.py)."""
     route = route_components_pb2.Route(
         name=name, match=match,
         direct_response=route_components_pb2.DirectResponseAction(
-            status=status, body=base_pb2.DataSource(inline_string=openai_error_json(message, err_type, code))),
-        response_headers_to_add=[_json_header("content-type", "application/json"),
-                                 *(_json_header(k, v) for k, v in headers)],
+            status=REPLIES[key].status, body=base_pb2.DataSource(inline_string=error_json(key, message))),
+        response_headers_to_add=[header(CONTENT_TYPE_HEADER, JSON_CONTENT_TYPE), *(header(k, v) for k, v in headers)],
     )
     if skip_authz:
         route.typed_per_filter_config["envoy.filters.http.ext_authz"].Pack(ext_authz_pb2.ExtAuthzPerRoute(disabled=True))
@@ -380,15 +345,15 @@ def build_routes(config: Config, weights: dict[str, dict[str, int]] | None = Non
         )
         for model, engine_weights in sorted((weights or {}).items()) if engine_weights
     ]
-    unavailable = (("retry-after", str(config.envoy.failure_retry_after_seconds)),)
-    models = _direct_error("models", route_components_pb2.RouteMatch(path=MODELS_PATH), 503,
-                           "The admission control plane is unreachable; retry later", "controlplane_unavailable",
-                           unavailable)
-    unpinned = _direct_error("unpinned", _inference_paths(), 503, "No engine was chosen for this request",
-                             "not_admitted", unavailable)
-    unknown = _direct_error("unknown", route_components_pb2.RouteMatch(prefix="/"), 404,
+    unavailable = ((RETRY_AFTER_HEADER, str(config.envoy.failure_retry_after_seconds)),)
+    models = _direct_error("models", route_components_pb2.RouteMatch(path=MODELS_PATH), Failure.CONTROLPLANE_UNAVAILABLE,
+                           "The admission control plane is unreachable; retry later", unavailable)
+    unpinned = _direct_error("unpinned", _inference_paths(), Failure.NOT_ADMITTED,
+                             "No engine was chosen for this request", unavailable)
+    # The same answer (404 unknown_url) a Check gives an unknown path (Reason.UNKNOWN_PATH), without a Check.
+    unknown = _direct_error("unknown", route_components_pb2.RouteMatch(prefix="/"), Reason.UNKNOWN_PATH,
                             "Unknown request URL (sluice routes only /v1/chat/completions, /v1/completions, "
-                            "/v1/embeddings and /v1/models)", "unknown_url", skip_authz=True)
+                            "/v1/embeddings and /v1/models)", skip_authz=True)
     return route_pb2.RouteConfiguration(
         name=ROUTE_CONFIG_NAME,
         virtual_hosts=[route_components_pb2.VirtualHost(name="openai", domains=["*"],
@@ -445,10 +410,3 @@ def build_load_assignment(engine: EngineConfig,
         localities.append(endpoint_components_pb2.LocalityLbEndpoints(
             priority=1, lb_endpoints=[_lb_endpoint(*redirector)]))
     return endpoint_pb2.ClusterLoadAssignment(cluster_name=engine.name, endpoints=localities)
-
-
-def authz_metadata(ticket_id: str, engine: str) -> struct_pb2.Struct:
-    s = struct_pb2.Struct()
-    s.update({"ticket": ticket_id, "engine": engine})
-    return s
-

@@ -6,12 +6,14 @@ import json
 
 import pytest
 
-from controlplane.core.decide import RequestError, decide, parse_request, retry_after
+from controlplane.core.decide import decide, retry_after
 from controlplane.core.model import (
     EngineLedger, EngineRates, EngineSample, EngineView, Fleet, InferenceRequest, RateTables, Reason, ServedModel,
     Verdict,
 )
 from controlplane.core.policy import Box, ModelPolicy, Policy, meets_floor
+from controlplane.core.request import RequestError, parse_request
+from controlplane.edge import http_status, reply, response_body
 
 P = Policy(default_max_tokens=100)
 
@@ -41,28 +43,29 @@ def chat(prompt_tokens: int = 10, max_tokens: int | None = 100, priority: str = 
 
 # -- parsing ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("method", "path", "body", "headers", "status", "reason"),
+    ("method", "path", "body", "headers", "status", "code"),
     [
-        ("POST", "/v1/chat/completions", b"{", {}, 400, Reason.MALFORMED_JSON),
-        ("POST", "/v1/chat/completions", b"[1, 2]", {}, 400, Reason.MALFORMED_JSON),
-        ("POST", "/v1/chat/completions", b"\xff\xfe", {}, 400, Reason.MALFORMED_JSON),
-        ("POST", "/v1/chat/completions", b'{"messages": []}', {}, 400, Reason.MISSING_MODEL),
-        ("POST", "/v1/chat/completions", b'{"model": 7}', {}, 400, Reason.MISSING_MODEL),
-        ("POST", "/v1/chat/completions", b'{"model": ""}', {}, 400, Reason.MISSING_MODEL),
-        ("POST", "/v1/chat/completions", b'{"model": "m", "max_tokens": 0}', {}, 400, Reason.INVALID_FIELD),
-        ("POST", "/v1/chat/completions", b'{"model": "m", "max_tokens": "9"}', {}, 400, Reason.INVALID_FIELD),
-        ("POST", "/v1/chat/completions", b'{"model": "m"}', {"x-sluice-priority": "urgent"}, 400, Reason.INVALID_FIELD),
-        ("GET", "/v1/chat/completions", b"", {}, 404, Reason.UNKNOWN_PATH),
-        ("POST", "/admin", b"{}", {}, 404, Reason.UNKNOWN_PATH),
+        ("POST", "/v1/chat/completions", b"{", {}, 400, "invalid_json"),
+        ("POST", "/v1/chat/completions", b"[1, 2]", {}, 400, "invalid_json"),
+        ("POST", "/v1/chat/completions", b"\xff\xfe", {}, 400, "invalid_json"),
+        ("POST", "/v1/chat/completions", b'{"messages": []}', {}, 400, "missing_model"),
+        ("POST", "/v1/chat/completions", b'{"model": 7}', {}, 400, "missing_model"),
+        ("POST", "/v1/chat/completions", b'{"model": ""}', {}, 400, "missing_model"),
+        ("POST", "/v1/chat/completions", b'{"model": "m", "max_tokens": 0}', {}, 400, "invalid_max_tokens"),
+        ("POST", "/v1/chat/completions", b'{"model": "m", "max_tokens": "9"}', {}, 400, "invalid_max_tokens"),
+        ("POST", "/v1/chat/completions", b'{"model": "m"}', {"x-sluice-priority": "urgent"}, 400, "invalid_priority"),
+        ("GET", "/v1/chat/completions", b"", {}, 404, "unknown_url"),
+        ("POST", "/admin", b"{}", {}, 404, "unknown_url"),
     ],
     ids=["truncated", "not-object", "not-utf8", "no-model", "model-not-string", "empty-model", "zero-max-tokens",
          "string-max-tokens", "bad-priority", "wrong-method", "path"],
 )
 def test_malformed_requests_are_refused(method: str, path: str, body: bytes, headers: dict[str, str], status: int,
-                                        reason: Reason) -> None:
+                                        code: str) -> None:
     with pytest.raises(RequestError) as caught:
         parse_request(method, path, body, headers)
-    assert (caught.value.status, caught.value.reason) == (status, reason)
+    answer = reply(caught.value.reason)
+    assert (answer.status, answer.code, answer.type) == (status, code, "invalid_request_error")
 
 
 def test_parse_estimates_prompt_tokens_and_reads_fields() -> None:
@@ -137,10 +140,11 @@ def test_decide(fleet_: Fleet, request_: InferenceRequest, verdict: Verdict, cho
         assert decision.reserved_tokens == request_.prompt_tokens + (request_.max_tokens or P.default_max_tokens)
         assert decision.expected_done_at > 10.0
     if verdict in (Verdict.SHED, Verdict.REJECT):
-        body = json.loads(decision.body)["error"]
-        assert body["code"] == {"unknown_model": "model_not_found"}.get(reason.value, reason.value) and body["message"]
+        body = json.loads(response_body(decision))["error"]
+        assert body["code"] == {"unknown_model": "model_not_found"}.get(reason.value, reason.value)
+        assert body["message"] == decision.detail and decision.detail
     if verdict is Verdict.SHED:
-        assert decision.status == 503 and 1 <= (decision.retry_after_s or 0) <= 60
+        assert http_status(decision) == 503 and 1 <= (decision.retry_after_s or 0) <= 60
 
 
 def test_queued_ahead_parks_even_when_it_fits() -> None:
@@ -233,5 +237,20 @@ def test_model_list_merges_admissible_engines() -> None:
     f = fleet(engine("thor", models=("cortex", "muse")), engine("spark"), engine("old", stale=True, models=("gone",)),
               admit_stale=False)
     decision = decide(InferenceRequest("GET", "/v1/models", None), f, P, now=0)
-    assert decision.verdict is Verdict.ANSWER and decision.status == 200
-    assert [m["id"] for m in json.loads(decision.body)["data"]] == ["cortex", "muse"]
+    assert decision.verdict is Verdict.ANSWER and http_status(decision) == 200
+    assert [m.model_id for m in decision.models] == ["cortex", "muse"]
+    assert [m["id"] for m in json.loads(response_body(decision))["data"]] == ["cortex", "muse"]
+
+
+def test_a_deadline_only_a_freed_slot_can_meet_parks_as_ttft_deadline_not_cap() -> None:
+    """One reason per meaning: the engine is full (each engine's own misfit is ``cap``), but the request parks because no
+    estimate meets its deadline yet (``ttft_deadline``); an idle engine could prefill it in time, so it is not shed."""
+    full = fleet(engine("thor", 1, seqs=1), ledger={"thor": EngineLedger(open_tickets=1, expected_done=(40.0,))})
+    request = InferenceRequest("POST", "/v1/chat/completions", "cortex", prompt_tokens=10, max_tokens=100,
+                               max_ttft_ms=2_000)
+    decision = decide(request, full, P, now=10.0)
+    assert (decision.verdict, decision.reason) == (Verdict.PARK, Reason.TTFT_DEADLINE)
+    assert decision.park_limit_s is not None and 0 < decision.park_limit_s < 2.0
+    no_deadline = decide(InferenceRequest("POST", "/v1/chat/completions", "cortex", prompt_tokens=10, max_tokens=100),
+                         full, P, now=10.0)
+    assert (no_deadline.verdict, no_deadline.reason) == (Verdict.PARK, Reason.CAP)

@@ -71,7 +71,7 @@ def random_request(rng: random.Random) -> InferenceRequest:
 
 
 def same(a, b) -> None:  # type: ignore[no-untyped-def]
-    assert (a.verdict, a.reason, a.engine, a.status) == (b.verdict, b.reason, b.engine, b.status)
+    assert (a.verdict, a.reason, a.engine, a.detail) == (b.verdict, b.reason, b.engine, b.detail)
     assert a.expected_done_at == pytest.approx(b.expected_done_at)
     assert a.reserved_tokens == b.reserved_tokens
 
