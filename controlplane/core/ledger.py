@@ -2,14 +2,16 @@
 
 Pure: no clock reads; every method takes ``now``. Not thread-safe: it lives on the control plane's event loop.
 
-The load the decision core uses for an engine is ``probe(running + waiting) + unseen_load`` where::
+The load the decision core uses for an engine (``fit.effective_load``) is
+``max(0, probe(running + waiting) + unseen_load, open tickets)`` where::
 
     unseen_load = #open tickets admitted at or after the probe was sent
                 - #tickets released after the probe was sent that were admitted before it
 
-The first term is what the probe cannot know yet (herding within a burst); the second is what finished since the probe
-(seed 000's stale-high peer between bursts). The result is clamped at 0 by the caller's sum. KV gets the same two
-corrections in tokens (``unseen_reserved_tokens``, ``released_since_probe_tokens``).
+The first term of ``unseen_load`` is what the probe cannot know yet (herding within a burst); the second is what finished
+since the probe (seed 000's stale-high peer between bursts). The open tickets bound it from below: until the access log
+releases a ticket, its request counts as running, whatever a lagging probe says. KV gets the same two corrections in
+tokens (``unseen_reserved_tokens``, ``released_since_probe_tokens``; ``fit.held_tokens``).
 """
 
 from __future__ import annotations
