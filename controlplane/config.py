@@ -5,15 +5,36 @@ checked and every problem is reported at once with its dotted path (``engines[1]
 
 A config names the ports of every process, Envoy's limits, the observation cadence, the ticket lease and the engines. An engine
 with ``sim: <profile>`` is a simulator that ``sluice up`` starts itself; any other engine is already running elsewhere.
+
+What this module does not do, on purpose:
+
+- **No I/O in validation.** ``parse_config`` is pure. An engine URL's hostname is resolved afterwards, by
+  ``await resolve_engines(config)`` (``loop.getaddrinfo``, every engine at once), which whoever loads a config runs: the
+  control plane at start-up and on every reload (``await load_resolved_config(path)`` does both steps, the file read in a
+  thread), ``sluice up`` and ``sluice envoy`` before they render anything. A name that does not resolve is still a config
+  problem with its dotted path, and refuses the config (or the reload).
+- **No simulator profiles.** ``sim:`` is only checked to be a name here; which profiles exist, and what a simulated engine
+  defaults to, belong to the layer that starts simulators (``sluice/simulated.py``: ``sluice up`` and the tests' harness).
+  That layer writes the profile's ``max_num_seqs`` into the config it hands the control plane for a vLLM-flavoured simulator
+  that names none (vLLM reports no cap; the SGLang and llama.cpp simulators report theirs like the real engines do), so the
+  control plane never depends on the test double.
+- **Port 0** is accepted for ``controlplane.grpc_port``, ``controlplane.metrics_port``, ``envoy.listen_port`` and
+  ``envoy.admin_port``: any free port, for a process that reports what it bound (the tests bind every server that way).
+  ``sluice up`` and ``sluice envoy`` need fixed ports (they refuse 0 where another process must find the port).
+
+Each default is written once: the admission defaults are ``Policy``'s own field defaults (``DEFAULTS["admission"]`` is
+derived from them), and ``RELOADABLE`` alone names what a reload may change (``changed_sections``, ``Config.restart_needed``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import ipaddress
 import re
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -124,7 +145,8 @@ class EngineConfig:
     name: str
     url: str
     host: str
-    """``url``'s host resolved to an IP address (Envoy's EDS endpoints take addresses, not names)."""
+    """``url``'s host: as written by ``parse_config``, an IP address once ``resolve_engines`` ran (Envoy's EDS endpoints
+    take addresses, not names)."""
     port: int
     max_num_seqs: int | None
     models: tuple[str, ...]
@@ -172,11 +194,39 @@ class Config:
         return self.envoy.stream_idle_timeout_seconds - AUTHZ_TIMEOUT_GRACE_S
 
     def restart_needed(self, other: Config) -> list[str]:
-        """Sections that differ between this config and ``other`` outside ``RELOADABLE``."""
-        changed = [name for name in ("controlplane", "envoy", "tickets") if getattr(self, name) != getattr(other, name)]
-        if replace(self.observe, on_stale=other.observe.on_stale) != other.observe:
-            changed.append("observe")
+        """Sections that differ between this config and ``other`` outside ``RELOADABLE`` (a section some of whose fields
+        are reloadable, like ``observe``, is compared without them)."""
+        changed = []
+        for name in _PROCESS_SECTIONS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            reloadable = {f.split(".", 1)[1]: getattr(theirs, f.split(".", 1)[1]) for f in RELOADABLE
+                          if f.startswith(name + ".")}
+            if replace(mine, **reloadable) != theirs:
+                changed.append(name)
         return changed
+
+
+_PROCESS_SECTIONS = ("controlplane", "envoy", "observe", "tickets")
+"""The sections read once, when a process starts (less any field ``RELOADABLE`` names)."""
+_POLICY_PARTS = ("models", "version_floors", "boxes")
+"""Sections of the config that become ``Policy`` fields of the same name; ``admission`` is the rest of ``Policy``."""
+
+
+def _section_value(config: Config, name: str) -> object:
+    """What a reloadable section (a ``RELOADABLE`` name) holds in ``config``."""
+    if name == "admission":
+        return replace(config.policy, models={}, version_floors=(), boxes=())
+    if name in _POLICY_PARTS:
+        return getattr(config.policy, name)
+    section, _, attribute = name.partition(".")
+    value = getattr(config, section)
+    return getattr(value, attribute) if attribute else value
+
+
+def changed_sections(old: Config, new: Config) -> list[str]:
+    """The ``RELOADABLE`` sections that differ between ``old`` and ``new``, in ``RELOADABLE``'s order (what a reload
+    reports as changed)."""
+    return [name for name in RELOADABLE if _section_value(old, name) != _section_value(new, name)]
 
 
 DEFAULTS: dict[str, Any] = {
@@ -213,26 +263,14 @@ DEFAULTS: dict[str, Any] = {
         "prefill_sample_min_tokens": 256,
     },
     "tickets": {"lease_seconds": 900.0, "reap_interval_seconds": 5.0, "idle_reap_grace_seconds": 5.0},
-    "admission": {
-        "kv_high_watermark": 0.90,
-        "default_max_tokens": 1024,
-        "default_expected_output_tokens": 256,
-        "chars_per_token": 4.0,
-        "max_park_seconds": 120.0,
-        "max_queue_depth": 64,
-        "retry_after_min_seconds": 1,
-        "retry_after_max_seconds": 60,
-        "quality_overcommit": 2.0,
-        "default_decode_tokens_per_s": 20.0,
-        "default_prefill_tokens_per_s": 1000.0,
-        "wait_for_faster_margin": 0.0,
-        "max_wait_for_faster_services": 0.5,
-        "band_margin_ms": 1000.0,
-        "serve_half_life_seconds": 300.0,
-        "backfill": False,
-        "backfill_scan": 16,
-    },
+    "admission": {},  # filled in below from Policy's own defaults
 }
+_POLICY_NAME = {"retry_after_min_seconds": "retry_after_min_s", "retry_after_max_seconds": "retry_after_max_s",
+                "serve_half_life_seconds": "serve_half_life_s"}
+"""``admission`` keys whose ``Policy`` field is spelled differently; every other key is the field's own name."""
+_CONFIG_NAME = {field: key for key, field in _POLICY_NAME.items()}
+DEFAULTS["admission"] = {_CONFIG_NAME.get(f.name, f.name): f.default for f in fields(Policy)
+                         if f.name not in _POLICY_PARTS and f.default is not MISSING}
 _MODEL_FIELDS = {"decode_floor_tokens_per_s", "solo_decode_tokens_per_s", "kv_bytes_per_token", "max_ttft_ms"}
 _BOX_FIELDS = {"name", "engines", "kv_budget_tokens", "kv_budget_bytes"}
 
@@ -263,8 +301,9 @@ class _Checker:
             self.problems.append(f"{path}: must be {bound}, got {value!r}")
         return value
 
-    def port(self, path: str, value: Any) -> int:
-        return int(self.number(path, value, minimum=1, maximum=65535, integer=True))
+    def port(self, path: str, value: Any, *, any_free: bool = False) -> int:
+        """A TCP port; ``any_free``: 0 is allowed too, meaning whichever port the process gets (it reports it)."""
+        return int(self.number(path, value, minimum=0 if any_free else 1, maximum=65535, integer=True))
 
     def entries(self, section: str, items: list[Any] | dict[str, Any],
                 fields: set[str]) -> Iterator[tuple[int | str, str, dict[str, Any]]]:
@@ -310,8 +349,8 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     cp = c.section(raw, "controlplane")
     controlplane = ControlPlaneConfig(
         host=c.text("controlplane.host", cp["host"]),
-        grpc_port=c.port("controlplane.grpc_port", cp["grpc_port"]),
-        metrics_port=c.port("controlplane.metrics_port", cp["metrics_port"]),
+        grpc_port=c.port("controlplane.grpc_port", cp["grpc_port"], any_free=True),
+        metrics_port=c.port("controlplane.metrics_port", cp["metrics_port"], any_free=True),
         max_check_queue_ms=float(c.number("controlplane.max_check_queue_ms", cp["max_check_queue_ms"], minimum=1)),
         overload_retry_after_seconds=int(c.number("controlplane.overload_retry_after_seconds",
                                                   cp["overload_retry_after_seconds"], minimum=1, integer=True)),
@@ -328,8 +367,8 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
             c.problems.append(f"envoy.client_headers_kept: {internal} can never come from a client")
     envoy = EnvoyConfig(
         listen_host=c.text("envoy.listen_host", ev["listen_host"]),
-        listen_port=c.port("envoy.listen_port", ev["listen_port"]),
-        admin_port=c.port("envoy.admin_port", ev["admin_port"]),
+        listen_port=c.port("envoy.listen_port", ev["listen_port"], any_free=True),
+        admin_port=c.port("envoy.admin_port", ev["admin_port"], any_free=True),
         max_request_bytes=int(c.number("envoy.max_request_bytes", ev["max_request_bytes"], minimum=1024, integer=True)),
         access_log_flush_seconds=float(
             c.number("envoy.access_log_flush_seconds", ev["access_log_flush_seconds"], minimum=0.001)
@@ -489,8 +528,6 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
     if not isinstance(raw, list) or not raw:
         c.problems.append("engines: must be a non-empty list")
         return ()
-    from enginesim.profiles import PROFILES
-
     engines: list[EngineConfig] = []
     names: set[str] = set()
     for _, path, item in c.entries("engines", raw, _ENGINE_FIELDS):
@@ -503,7 +540,7 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
             c.problems.append(f"{path}.name: duplicate engine name {name!r}")
         names.add(name)
         url = c.text(f"{path}.url", item.get("url"))
-        host, port = _resolve(c, f"{path}.url", url) if url else ("", 0)
+        host, port = _host_port(c, f"{path}.url", url) if url else ("", 0)
         seqs = item.get("max_num_seqs")
         if seqs is not None:
             seqs = int(c.number(f"{path}.max_num_seqs", seqs, minimum=1, integer=True))
@@ -512,8 +549,9 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
             c.problems.append(f"{path}.models: must be a list of model ids")
             models = []
         sim = item.get("sim")
-        if sim is not None and sim not in PROFILES:
-            c.problems.append(f"{path}.sim: unknown simulator profile {sim!r} (known: {', '.join(sorted(PROFILES))})")
+        if sim is not None and (not isinstance(sim, str) or not sim):
+            # Which profiles exist is the simulator launcher's business (sluice/simulated.py), not the control plane's.
+            c.problems.append(f"{path}.sim: must be a simulator profile name, got {sim!r}")
             sim = None
         speed = float(c.number(f"{path}.speed", item.get("speed", 1.0), minimum=0.001))
         flavor = c.choice(f"{path}.flavor", item.get("flavor", "auto"), FLAVORS)
@@ -522,8 +560,6 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
         if not isinstance(chip_class, str) or not chip_class:
             c.problems.append(f"{path}.chip_class: must be a non-empty string")
             chip_class = name
-        if sim is not None and seqs is None and sim_flavor.startswith("vllm"):
-            seqs = PROFILES[sim].max_num_seqs  # vLLM cannot report it; SGLang and llama.cpp simulators do
         anchors = [float(c.number(f"{path}.{key}", item[key], minimum=0.001)) if item.get(key) is not None else None
                    for key in ("prefill_tokens_per_s", "decode_tokens_per_s")]
         sim_model = item.get("sim_model")
@@ -537,31 +573,61 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
     return tuple(engines)
 
 
-def _resolve(c: _Checker, path: str, url: str) -> tuple[str, int]:
+def _host_port(c: _Checker, path: str, url: str) -> tuple[str, int]:
+    """``url``'s host (a name stays a name: ``resolve_engines`` turns it into an address) and port."""
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         c.problems.append(f"{path}: must be an http:// URL with a host, got {url!r}")
         return "", 0
     try:
-        port = parts.port or 80
+        port = parts.port if parts.port is not None else 80
     except ValueError:
         c.problems.append(f"{path}: bad port in {url!r}")
         return "", 0
-    host = parts.hostname
+    if port == 0:
+        c.problems.append(f"{path}: an engine's URL needs its real port, got {url!r}")
+        return "", 0
+    return parts.hostname, port
+
+
+def _is_address(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
-        return host, port
     except ValueError:
-        pass
-    try:
-        return str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]), port
-    except OSError as exc:
-        c.problems.append(f"{path}: cannot resolve {host!r}: {exc}")
-        return "", 0
+        return False
+    return True
 
 
-def load_config(path: str | None) -> Config:
-    """Load ``path``, or the bundled embedded default when ``path`` is None."""
+async def resolve_engines(config: Config) -> Config:
+    """``config`` with every engine's hostname resolved to an address (``loop.getaddrinfo``, all engines at once); raise
+    ``ConfigError`` naming each engine whose host does not resolve (``engines[i].url: cannot resolve ...``). An engine
+    whose host already is an address is kept as is, so resolving twice costs nothing."""
+    loop = asyncio.get_running_loop()
+
+    async def address(engine: EngineConfig) -> str:
+        infos = await loop.getaddrinfo(engine.host, engine.port, type=socket.SOCK_STREAM)
+        return str(infos[0][4][0])
+
+    named = [(i, e) for i, e in enumerate(config.engines) if e.host and not _is_address(e.host)]
+    if not named:
+        return config
+    answers = await asyncio.gather(*(address(e) for _, e in named), return_exceptions=True)
+    engines = list(config.engines)
+    problems = []
+    for (i, engine), answer in zip(named, answers):
+        if isinstance(answer, BaseException):
+            if not isinstance(answer, OSError):
+                raise answer
+            problems.append(f"engines[{i}].url: cannot resolve {engine.host!r}: {answer}")
+        else:
+            engines[i] = replace(engine, host=answer)
+    if problems:
+        raise ConfigError(problems)
+    return replace(config, engines=tuple(engines))
+
+
+def read_raw(path: str | None) -> tuple[Any, str]:
+    """The YAML mapping at ``path`` (the bundled default when None) and the source name a config keeps."""
     if path is None:
         text = (Path(__file__).parent / BUNDLED_CONFIG).read_text()
         source = f"bundled:{BUNDLED_CONFIG}"
@@ -572,7 +638,29 @@ def load_config(path: str | None) -> Config:
             raise ConfigError([f"(file): cannot read {path}: {exc}"]) from None
         source = path
     try:
-        raw = yaml.safe_load(text)
+        return yaml.safe_load(text), source
     except yaml.YAMLError as exc:
         raise ConfigError([f"(yaml): {exc}"]) from None
-    return parse_config(raw, source)
+
+
+def load_config(path: str | None) -> Config:
+    """Load and validate ``path``, or the bundled embedded default when ``path`` is None. Engine hostnames are not
+    resolved: run ``resolve_engines`` on the result (or use ``load_resolved_config``) before anything uses them."""
+    raw, source = read_raw(path)
+    config = parse_config(raw, source)
+    # TRANSITIONAL (issue 10): controlplane/app.py still calls load_config at start-up and on reload. Once it awaits
+    # load_resolved_config instead, delete the next line (and this comment): load_config then does no DNS at all.
+    return resolve_engines_blocking(config)
+
+
+async def load_resolved_config(path: str | None) -> Config:
+    """``load_config`` (the file read in a thread) then ``resolve_engines``: what a control plane runs at start-up and on a
+    reload, without blocking its event loop. Raises ``ConfigError``."""
+    return await resolve_engines(await asyncio.to_thread(load_config, path))
+
+
+def resolve_engines_blocking(config: Config) -> Config:
+    """``resolve_engines`` for synchronous callers (CLIs before they start anything). Runs the resolution on an event loop
+    of its own in a worker thread, so it works whether or not the caller's thread runs a loop."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resolve") as pool:
+        return pool.submit(asyncio.run, resolve_engines(config)).result()

@@ -436,12 +436,36 @@ def _prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
     return max(1, math.ceil(len(text) / 4))
 
 
+LISTENING = "listening on http://{host}:{port}"
+"""The line ``serve`` prints (stdout, flushed) once it accepts connections: the port it bound, ``--port 0`` included."""
+
+
 def serve(
     profile: Profile, *, name: str, host: str, port: int, speed: float, model: str | None = None, flavor: str = "vllm-v1",
     output_model: str | None = None, seed: int | None = None,
 ) -> None:
+    """Serve until SIGINT/SIGTERM. ``port`` 0 binds any free port; either way the bound one is printed (``LISTENING``)."""
     sim = EngineSimulator(profile, name=name, speed=speed, model=model, flavor=flavor, output_model=output_model,
                           seed=seed)
-    log.info("simulated engine %s (%s, %s, output model %s) on http://%s:%d speed x%g", name, profile.name, flavor,
-             sim.profile.output_model, host, port, speed)
-    web.run_app(sim.app(), host=host, port=port, print=None, access_log=None, handle_signals=True, handler_cancellation=True)
+    asyncio.run(_serve(sim, host, port))
+
+
+async def _serve(sim: EngineSimulator, host: str, port: int) -> None:
+    import signal
+
+    runner = web.AppRunner(sim.app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = int(runner.addresses[0][1])
+        log.info("simulated engine %s (%s, %s, output model %s) on http://%s:%d speed x%g", sim.name, sim.profile.name,
+                 sim.flavor, sim.profile.output_model, host, bound, sim.speed)
+        print(LISTENING.format(host=host, port=bound), flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

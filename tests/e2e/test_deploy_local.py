@@ -33,7 +33,7 @@ import yaml
 
 from sluice import deploy
 from sluice.envoyrun import envoy_binary
-from tests.harness import free_port, http_status, start_sim, stop, wait_for
+from tests.harness import free_port, http_status, launch_sim, stop, wait_for
 
 
 def _expand(value: str, env: dict[str, str]) -> str:
@@ -76,11 +76,12 @@ def _wait_tcp(port: int, what: str) -> None:
 @pytest.fixture(scope="module")
 def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
     logs = tmp_path_factory.mktemp("sims")
-    ports = {"thor": free_port(), "spark": free_port()}
+    ports: dict[str, int] = {}
     processes = []
     try:
-        for name, port in ports.items():
-            processes.append(start_sim(name, port, name, 20.0, logs))
+        for name in ("thor", "spark"):
+            process, ports[name] = launch_sim(name, name, 20.0, logs)
+            processes.append(process)
         yield ports
     finally:
         for process in processes:

@@ -67,7 +67,7 @@ def test_sighup_reloads_the_control_planes_own_file(tmp_path: Path) -> None:
 
     raw: dict[str, Any] = {
         "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
-        "engines": [{"name": "far", "url": f"http://127.0.0.1:{free_port()}", "models": ["cortex"]}],
+        "engines": [{"name": "far", "url": "http://127.0.0.1:9", "models": ["cortex"]}],  # discard: nothing answers
     }
     path = tmp_path / "sluice.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -97,11 +97,10 @@ def test_sighup_reloads_the_control_planes_own_file(tmp_path: Path) -> None:
 
 
 def test_reload_adds_and_removes_engines_over_xds(tmp_path: Path) -> None:
-    from tests.harness import free_port, http_json, start_sim, stop, wait_for
+    from tests.harness import http_json, launch_sim, stop, wait_for
 
     stack = start_stack([("a", "spark")], tmp_path)
-    b_port = free_port()
-    b = start_sim("spark", b_port, "b", 20.0, tmp_path)
+    b, b_port = launch_sim("spark", "b", 20.0, tmp_path)
     try:
         def clusters() -> set[str]:
             dump = http_json(stack.admin_url + "/config_dump?resource=dynamic_active_clusters")

@@ -154,7 +154,7 @@ def test_restarted_controlplane_takes_envoy_back(tmp_path: Path) -> None:
         _kill_controlplane(stack)
         status, headers, _ = post(stack, "/chat/completions", chat())
         assert status == 200 and "x-sluice-route-reason" not in headers  # fail-open while it is down
-        stack.controlplane = ThreadedControlPlane(stack.config)
+        stack.controlplane = ThreadedControlPlane(stack.plane_config)
         wait_for(lambda: stack.status().envoy_streams == 1, timeout=40, what="Envoy's ADS stream back")
         assert versions() == versions_before
 

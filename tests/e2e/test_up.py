@@ -84,10 +84,9 @@ def test_sluice_up_serves_streams_refuses_a_twin_and_stops_cleanly(tmp_path: Pat
 
 def test_sluice_up_fronts_an_engine_already_running_elsewhere(tmp_path: Path) -> None:
     """An engine entry without ``sim:`` is not started by ``sluice up``: it is someone's running server, fronted as is."""
-    from tests.harness import start_sim, stop
+    from tests.harness import launch_sim, stop
 
-    engine_port = free_port()
-    engine = start_sim("spark", engine_port, "their-vllm", 20.0, tmp_path)
+    engine, engine_port = launch_sim("spark", "their-vllm", 20.0, tmp_path)
     raw = {
         "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+from dataclasses import replace
+from typing import Any
+
 import pytest
 
-from controlplane.config import ConfigError, load_config, parse_config
+from controlplane.config import (
+    DEFAULTS, RELOADABLE, ConfigError, changed_sections, load_config, parse_config, read_raw, resolve_engines,
+)
+from controlplane.core.policy import Policy
+from sluice.simulated import with_profile_defaults
+
+ONE = {"engines": [{"name": "a", "url": "http://127.0.0.1:1"}]}
 
 
 def test_bundled_default_is_valid() -> None:
@@ -13,7 +24,26 @@ def test_bundled_default_is_valid() -> None:
     assert [e.sim for e in config.engines] == ["thor", "spark"]
     assert config.envoy.listen_port == 8080 and config.controlplane.grpc_port == 18000
     assert config.envoy.max_request_bytes == 1024 * 1024
-    assert config.engines[0].max_num_seqs == 2  # from the simulator profile
+    assert config.engines[0].max_num_seqs is None  # the config knows no simulator profile
+
+
+def test_the_launcher_writes_a_vllm_simulators_cap_from_its_profile() -> None:
+    raw, source = read_raw(None)
+    completed = parse_config(with_profile_defaults(raw, source), source)
+    assert [e.max_num_seqs for e in completed.engines] == [2, 2]  # thor's and spark's profiles
+    assert "max_num_seqs" not in raw["engines"][0]  # the caller's mapping is left alone
+    sglang = {"engines": [{"name": "s", "url": "http://127.0.0.1:1", "sim": "thor", "sim_flavor": "sglang"},
+                          {"name": "t", "url": "http://127.0.0.1:2", "sim": "thor", "max_num_seqs": 7}]}
+    assert with_profile_defaults(sglang) is sglang  # SGLang reports its cap itself; a configured cap stays
+
+
+def test_the_launcher_refuses_an_unknown_profile_with_every_other_problem() -> None:
+    raw = {"engines": [{"name": "a", "url": "http://127.0.0.1:1", "sim": "nope"}, {"name": "b", "url": "ftp://x"}]}
+    with pytest.raises(ConfigError) as caught:
+        with_profile_defaults(raw)
+    assert [p.split(":")[0] for p in caught.value.problems] == ["engines[1].url", "engines[0].sim"]
+    assert "unknown simulator profile 'nope'" in caught.value.problems[1]
+    parse_config(raw | {"engines": raw["engines"][:1]})  # the config itself only checks it is a name
 
 
 def test_every_problem_is_reported_at_once() -> None:
@@ -22,7 +52,7 @@ def test_every_problem_is_reported_at_once() -> None:
         "observe": {"poll_interval_seconds": 0.5, "poll_timeout_seconds": 2},
         "engines": [
             {"name": "thor", "url": "ftp://x"},
-            {"name": "thor", "url": "http://127.0.0.1:1", "sim": "nope", "max_num_seqs": 0},
+            {"name": "thor", "url": "http://127.0.0.1:1", "sim": 3, "max_num_seqs": 0},
             {"name": "sluice_cp", "url": "http://127.0.0.1:2", "colour": "red"},
         ],
         "extra": True,
@@ -43,9 +73,61 @@ def test_client_may_never_send_the_engine_header() -> None:
                       "engines": [{"name": "a", "url": "http://127.0.0.1:1"}]})
 
 
-def test_hostnames_resolve_to_addresses() -> None:
-    config = parse_config({"engines": [{"name": "a", "url": "http://localhost:8000"}]})
-    assert config.engines[0].host in {"127.0.0.1", "::1"} and config.engines[0].port == 8000
+def test_validation_does_no_io_and_hostnames_resolve_afterwards(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_dns(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("parse_config must not resolve names")
+
+    raw = {"engines": [{"name": "a", "url": "http://localhost:8000"}, {"name": "b", "url": "http://10.0.0.1:1"}]}
+    with monkeypatch.context() as patched:
+        patched.setattr(socket, "getaddrinfo", no_dns)
+        config = parse_config(raw)
+    assert [e.host for e in config.engines] == ["localhost", "10.0.0.1"]
+    resolved = asyncio.run(resolve_engines(config))
+    assert resolved.engines[0].host in {"127.0.0.1", "::1"} and resolved.engines[0].port == 8000
+    assert resolved.engines[1] == config.engines[1]
+
+
+def test_a_name_that_does_not_resolve_is_a_problem_with_its_path() -> None:
+    config = parse_config({"engines": [{"name": "a", "url": "http://127.0.0.1:1"},
+                                       {"name": "b", "url": "http://no-such-host.invalid:1"}]})
+    with pytest.raises(ConfigError) as caught:
+        asyncio.run(resolve_engines(config))
+    assert [p.split(":")[0] for p in caught.value.problems] == ["engines[1].url"]
+
+
+def test_port_zero_means_any_free_port_for_the_processes_ports_only() -> None:
+    config = parse_config({**ONE, "controlplane": {"grpc_port": 0, "metrics_port": 0},
+                           "envoy": {"listen_port": 0, "admin_port": 0}})
+    assert (config.controlplane.grpc_port, config.controlplane.metrics_port) == (0, 0)
+    assert (config.envoy.listen_port, config.envoy.admin_port) == (0, 0)
+    with pytest.raises(ConfigError, match=r"engines\[0\].url: an engine's URL needs its real port"):
+        parse_config({"engines": [{"name": "a", "url": "http://127.0.0.1:0"}]})
+
+
+def test_admission_defaults_are_the_policys_own() -> None:
+    assert parse_config(ONE).policy == Policy()
+    assert DEFAULTS["admission"]["retry_after_max_seconds"] == Policy().retry_after_max_s
+
+
+def test_changed_sections_and_restarts_follow_reloadable() -> None:
+    base = parse_config(ONE)
+    variants = {
+        "admission": {**ONE, "admission": {"max_queue_depth": 3}},
+        "models": {**ONE, "models": {"m": {"max_ttft_ms": 5}}},
+        "version_floors": {**ONE, "version_floors": {"m": "1.0"}},
+        "boxes": {**ONE, "boxes": [{"engines": ["a"], "kv_budget_tokens": 10}]},
+        "observe.on_stale": {**ONE, "observe": {"on_stale": "closed"}},
+        "engines": {"engines": [{"name": "a", "url": "http://127.0.0.1:2"}]},
+    }
+    assert set(variants) == set(RELOADABLE)
+    for name, raw in variants.items():
+        fresh = parse_config(raw)
+        assert changed_sections(base, fresh) == [name]
+        assert base.restart_needed(fresh) == []
+    assert changed_sections(base, base) == []
+    moved = parse_config({**ONE, "envoy": {"listen_port": 1}, "observe": {"poll_interval_seconds": 2.0}})
+    assert base.restart_needed(moved) == ["envoy", "observe"]
+    assert changed_sections(base, replace(base, source="elsewhere")) == []
 
 
 def test_unreadable_file_is_a_config_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
