@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
-
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from controlplane.xds.resources import AUTHZ_NAMESPACE
 
-if TYPE_CHECKING:
-    from controlplane.app import ControlPlane
+from controlplane.ports import CompletionPort
 
 log = logging.getLogger("sluice.accesslog")
 
 
 class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: CompletionPort) -> None:
         self.plane = plane
 
     async def StreamAccessLogs(  # noqa: N802 (gRPC method name)
@@ -69,6 +66,6 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
         if not flags and entry.response.response_code.value == 503 and \
                 props.HasField("time_to_first_upstream_rx_byte"):  # type: ignore[attr-defined]
             flags = ["503"]
-        if flags and any(p.config.name == engine for p in self.plane.pollers):
+        if flags and self.plane.knows_engine(engine):
             self.plane.metrics.engine_failures.labels(engine, ",".join(flags)).inc()
             self.plane.note_engine_failure(engine, "request failed before its first byte (" + ",".join(flags) + ")")

@@ -23,34 +23,23 @@ import logging
 import time
 import uuid
 from urllib.parse import parse_qs
-from typing import TYPE_CHECKING
-
 import grpc
-from envoy.config.core.v3 import base_pb2
 from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
-from envoy.type.v3 import http_status_pb2
-from google.rpc import code_pb2, status_pb2
 
 from controlplane.core.admission import Outcome
-from controlplane.core.decide import RequestError, error_body, parse_request, refuse
+from controlplane.core.decide import refuse
 from controlplane.core.model import Verdict
-from controlplane.xds.resources import AVOID_PARAM, ENGINE_HEADER, TICKET_HEADER, authz_metadata
-
-if TYPE_CHECKING:
-    from controlplane.app import ControlPlane
+from controlplane.ports import CheckPort, CheckSettings
+from controlplane.core.request import RequestError, parse_request
+# The CheckResponse builders live at the edge, with every status and error code (edge.py).
+from controlplane.edge import Failure, check_admit as _admit, check_deny as _deny, check_error as _error
+from controlplane.names import AVOID_PARAM
 
 log = logging.getLogger("sluice.authz")
 
-_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-INTERNAL_ERROR = "internal_error"
-OVERLOADED = "controlplane_overloaded"
+INTERNAL_ERROR = Failure.INTERNAL_ERROR
+OVERLOADED = Failure.CONTROLPLANE_OVERLOADED
 _OVERLOAD_LOG_EVERY_S = 5.0
-
-
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    # append_action must be explicit: the default APPEND_IF_EXISTS_OR_ADD would add a second value, and cluster_header
-    # routes on the first one (envoy-notes, ext_authz HEADER GOTCHA).
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, value=value), append_action=_OVERWRITE)
 
 
 def queued_seconds(context: grpc.aio.ServicerContext, authz_timeout_seconds: float) -> float | None:
@@ -67,123 +56,60 @@ def avoided_engine(path: str) -> str | None:
 
 
 class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
-    def __init__(self, plane: ControlPlane) -> None:
-        self.plane = plane
+    def __init__(self, admission: CheckPort) -> None:
+        self.admission = admission
         self._overload_logged_at = float("-inf")
 
     async def Check(  # noqa: N802 (gRPC method name)
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
     ) -> external_auth_pb2.CheckResponse:
         started = time.perf_counter()
-        plane = self.plane
-        request_id = uuid.uuid4().hex
-        queued = queued_seconds(context, plane.config.authz_timeout_seconds)
-        if queued is not None and queued * 1000 > plane.config.controlplane.max_check_queue_ms:
-            response = self._overloaded(queued)
+        port, settings = self.admission, self.admission.settings
+        queued = queued_seconds(context, settings.authz_timeout_s)
+        if queued is not None and queued * 1000 > settings.max_check_queue_ms:
+            response = self._overloaded(queued, settings)
         else:
+            request_id = uuid.uuid4().hex
             outcome: Outcome | None = None  # the latest answer from admission: a failure after it must give its hold back
             try:
                 http = request.attributes.request.http
-                now = plane.clock()
                 model: str | None = None
                 try:
-                    parsed = parse_request(http.method, http.path, http.raw_body, http.headers, plane.config.policy)
+                    parsed = parse_request(http.method, http.path, http.raw_body, http.headers, settings.policy)
                 except RequestError as error:
                     outcome = Outcome(request_id, refuse(error))
                 else:
                     model = parsed.model
-                    outcome = plane.admission.check(request_id, parsed, plane.fleet(now), now)
+                    outcome = port.check(request_id, parsed)
                 if outcome.decision.verdict is Verdict.PARK:
-                    plane.metrics.admission_parked.labels(plane.model_label(model)).inc()
-                    outcome = await plane.wait_parked(request_id)
-                plane.record_outcome(model, outcome)
-                avoided = avoided_engine(http.path)
-                if outcome.ticket is not None and outcome.decision.engine == avoided:
-                    # A retry of a request this engine just failed: never the same engine twice.
-                    plane.release_ticket(outcome.ticket.ticket_id)
-                    response = _error(503, "upstream_unavailable", f"Engine {avoided} failed this request and no other "
-                                      "engine could take it; retry later", 1)
-                else:
-                    response = _admit(outcome) if outcome.ticket is not None else _deny(outcome)
+                    outcome = await port.wait_parked(request_id)
+                port.record_outcome(model, outcome)
+                response = self._answer(outcome, avoided_engine(http.path))
             except Exception:  # not BaseException: a cancelled Check (CancelledError) must still end the RPC
-                response = self._internal_error(request_id, outcome)
-        plane.metrics.authz_seconds.observe(time.perf_counter() - started)
+                log.exception("Check %s failed inside the control plane; answered 500 %s", request_id, INTERNAL_ERROR)
+                port.metrics.authz_internal_errors.inc()
+                port.give_back(request_id, outcome)
+                response = _error(INTERNAL_ERROR, f"The admission control plane failed on this request (id "
+                                  f"{request_id}); it was not forwarded", None)
+        port.metrics.authz_seconds.observe(time.perf_counter() - started)
         return response
 
-    def _overloaded(self, queued: float) -> external_auth_pb2.CheckResponse:
+    def _answer(self, outcome: Outcome, avoided: str | None) -> external_auth_pb2.CheckResponse:
+        if outcome.ticket is None:
+            return _deny(outcome)
+        if outcome.decision.engine == avoided:  # a retry of a request this engine just failed: never the same twice
+            self.admission.release_ticket(outcome.ticket.ticket_id)
+            return _error(Failure.UPSTREAM_UNAVAILABLE, f"Engine {avoided} failed this request and no other engine "
+                          "could take it; retry later", 1)
+        return _admit(outcome)
+
+    def _overloaded(self, queued: float, settings: CheckSettings) -> external_auth_pb2.CheckResponse:
         """Shed before any work: under overload the cheapest answer is the one that lets the backlog drain."""
-        cp = self.plane.config.controlplane
-        self.plane.metrics.authz_overloaded.inc()
+        self.admission.metrics.authz_overloaded.inc()
         if time.monotonic() - self._overload_logged_at >= _OVERLOAD_LOG_EVERY_S:  # one line per burst, not per Check
             self._overload_logged_at = time.monotonic()
             log.warning("control plane overloaded: a Check waited %.2fs (> max_check_queue_ms %s) before it ran; "
-                        "answering 503 %s (count: sluice_authz_overloaded_total)", queued, cp.max_check_queue_ms,
-                        OVERLOADED)
-        return _error(503, OVERLOADED, f"The admission control plane is overloaded (this request waited {queued:.1f}s "
-                      "for it); retry later", cp.overload_retry_after_seconds)
-
-    def _internal_error(self, request_id: str, outcome: Outcome | None) -> external_auth_pb2.CheckResponse:
-        """A Check that failed is refused 500, never left to Envoy's fail-open. Whatever it held is given back: it may
-        still be parked (the failure came before its wait), or hold a ticket no access-log entry will ever release."""
-        plane = self.plane
-        plane.metrics.authz_internal_errors.inc()
-        log.exception("Check %s failed inside the control plane; answered 500 %s", request_id, INTERNAL_ERROR)
-        try:
-            if plane.admission.cancel(request_id):
-                plane.metrics.parked_now.set(plane.admission.depth())
-            if outcome is not None and outcome.ticket is not None:
-                plane.release_ticket(outcome.ticket.ticket_id)
-        except Exception:
-            log.exception("Check %s: giving back what it held failed too (its lease will reap any ticket)", request_id)
-        return _error(500, INTERNAL_ERROR, f"The admission control plane failed on this request (id {request_id}); "
-                      "it was not forwarded", None)
-
-
-def _admit(outcome: Outcome) -> external_auth_pb2.CheckResponse:
-    decision, ticket = outcome.decision, outcome.ticket
-    assert decision.engine is not None and ticket is not None
-    response_headers = [
-        _header(ENGINE_HEADER, decision.engine),
-        _header("x-sluice-route-reason", decision.reason.value),
-    ]
-    if outcome.parked_for > 0:
-        response_headers.append(_header("x-sluice-parked-ms", str(round(outcome.parked_for * 1000))))
-    return external_auth_pb2.CheckResponse(
-        status=status_pb2.Status(code=code_pb2.OK),
-        ok_response=external_auth_pb2.OkHttpResponse(
-            # The ticket rides to the engine (never back to the client) so the retry redirector can release it.
-            headers=[_header(ENGINE_HEADER, decision.engine), _header(TICKET_HEADER, ticket.ticket_id)],
-            response_headers_to_add=response_headers,
-        ),
-        dynamic_metadata=authz_metadata(ticket.ticket_id, decision.engine),
-    )
-
-
-def _deny(outcome: Outcome) -> external_auth_pb2.CheckResponse:
-    decision = outcome.decision
-    headers = [_header("x-sluice-route-reason", decision.reason.value)]
-    if decision.retry_after_s is not None:
-        headers.append(_header("retry-after", str(decision.retry_after_s)))
-    if outcome.parked_for > 0:
-        headers.append(_header("x-sluice-parked-ms", str(round(outcome.parked_for * 1000))))
-    # The model list (ANSWER) is a "denial" with status 200: Envoy replies locally and no engine is involved.
-    return _denied(decision.status, headers, decision.body.decode())
-
-
-def _error(status: int, code: str, message: str, retry_after_s: int | None) -> external_auth_pb2.CheckResponse:
-    """A denial the Check makes itself (no decision behind it), in the same OpenAI shape as every other sluice error."""
-    headers = [_header("x-sluice-route-reason", code)]
-    if retry_after_s is not None:
-        headers.append(_header("retry-after", str(retry_after_s)))
-    return _denied(status, headers, error_body(message, "server_error", code).decode())
-
-
-def _denied(status: int, headers: list[base_pb2.HeaderValueOption], body: str) -> external_auth_pb2.CheckResponse:
-    return external_auth_pb2.CheckResponse(
-        status=status_pb2.Status(code=code_pb2.PERMISSION_DENIED),
-        denied_response=external_auth_pb2.DeniedHttpResponse(
-            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
-            headers=[_header("content-type", "application/json"), *headers],
-            body=body,
-        ),
-    )
+                        "answering 503 %s (count: sluice_authz_overloaded_total)", queued,
+                        settings.max_check_queue_ms, OVERLOADED)
+        return _error(OVERLOADED, f"The admission control plane is overloaded (this request waited {queued:.1f}s "
+                      "for it); retry later", settings.overload_retry_after_s)

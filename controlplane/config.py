@@ -648,9 +648,7 @@ def load_config(path: str | None) -> Config:
     resolved: run ``resolve_engines`` on the result (or use ``load_resolved_config``) before anything uses them."""
     raw, source = read_raw(path)
     config = parse_config(raw, source)
-    # TRANSITIONAL (issue 10): controlplane/app.py still calls load_config at start-up and on reload. Once it awaits
-    # load_resolved_config instead, delete the next line (and this comment): load_config then does no DNS at all.
-    return resolve_engines_blocking(config)
+    return config
 
 
 async def load_resolved_config(path: str | None) -> Config:

@@ -3,7 +3,9 @@
 The gRPC shell calls ``check`` for every request and gets back an ``Outcome``: admitted (with its ticket), parked (the shell
 holds the Check open until ``wake``/``expire_parked`` returns an outcome for that id, or the client leaves and the shell calls
 ``cancel``), or answered (refused, shed, the model list). ``release`` (access log), ``expire_leases`` (lease TTL) and new probes
-free capacity; each returns the parked requests it could admit, in order. ``record_output`` (access log: a finished
+free capacity; each returns the parked requests it could admit, in order. Every ticket event goes through this class
+(``check``, ``release``, ``note_probe``'s idle reaping, ``expire_leases``), and so does a reload (``set_policy``): the shell
+never writes to the ledger itself. ``wake`` takes the fleet as data and refreshes it itself after each admission. ``record_output`` (access log: a finished
 request's completion tokens) teaches the core how long each model's answers really are (output_length.py); every fleet the
 core builds carries those means so time estimates use them.
 
@@ -149,13 +151,45 @@ class AdmissionCore:
     def release(self, ticket_id: str, now: float) -> Ticket | None:
         return self.ledger.release(ticket_id, now)
 
+    def note_probe(self, engine: str, taken_at: float, idle: bool, idle_grace_s: float) -> list[Ticket]:
+        """A probe of ``engine`` sent at ``taken_at`` landed. When it saw nothing running and nothing waiting, tickets
+        older than ``idle_grace_s`` lost their access-log entry: they are reaped (returned). Later admissions are
+        counted against this probe (the ledger's unseen-load correction)."""
+        reaped = self.ledger.reap_idle(engine, taken_at, idle_grace_s) if idle else []
+        self.ledger.note_probe(engine, taken_at)
+        return reaped
+
+    def expire_leases(self, now: float) -> list[Ticket]:
+        """Tickets whose lease ran out (their access-log entry never came): closed and returned."""
+        return self.ledger.expire(now)
+
+    def set_policy(self, policy: Policy, admit_stale: bool) -> None:
+        """A reload: the new policy (and ``observe.on_stale``) applies to every later decision; parked requests keep
+        their place and deadlines."""
+        self.policy = policy
+        self.admit_stale = admit_stale
+        self.serves.half_life_s = policy.serve_half_life_s
+
     def record_output(self, model: str, completion_tokens: int) -> None:
         """A request of ``model`` finished after generating ``completion_tokens`` (the access log's count, or the engine's
         generation counter split over the requests it finished): later estimates expect that many, on average."""
         self.output_lengths.record(model, completion_tokens)
 
-    def wake(self, fleet_of: Callable[[], Fleet], now: float, models: Iterable[str] | None = None) -> list[Outcome]:
-        """Admit parked heads that fit now, in order. ``fleet_of()`` gives the current fleet (it changes as we admit)."""
+    def refreshed(self, fleet: Fleet, now: float) -> Fleet:
+        """``fleet`` with what the core itself changed since it was built (tickets, serve counts): after an admission the
+        next decision must see it. An indexed fleet is re-snapshotted; a plain one gets fresh ledger views."""
+        if fleet.index is not None:
+            return self.indexed_fleet(now, fleet.rates)
+        return replace(fleet, ledger={e.name: self.ledger.view(e.name) for e in fleet.engines},
+                       recent_serves=self._serves_at(now), expected_output=self.output_lengths.snapshot())
+
+    def wake(self, fleet: Fleet, now: float, models: Iterable[str] | None = None) -> list[Outcome]:
+        """Admit parked heads that fit ``fleet`` now, in order (the core refreshes the fleet after each admission)."""
+        current = [fleet]
+
+        def fleet_of() -> Fleet:
+            return current[0]
+
         out: list[Outcome] = []
         for model in list(models) if models is not None else list(self._lot):
             queues = self._lot.get(model)
@@ -176,12 +210,15 @@ class AdmissionCore:
                     if decision.verdict is Verdict.PARK:
                         blocked = True
                         if self.policy.backfill:
-                            out.extend(self._backfill(model, klass, head, fleet_of, now))
+                            def refresh() -> None:
+                                current[0] = self.refreshed(current[0], now)
+                            out.extend(self._backfill(model, klass, head, fleet_of, refresh, now))
                         break
                     queue.popleft()
                     del self._where[head.request_id]
                     if decision.verdict is Verdict.ADMIT:
                         out.append(self._admit(head.request_id, head.request, decision, now, now - head.parked_at))
+                        current[0] = self.refreshed(current[0], now)
                     else:  # the world changed under it (model gone, floor raised): answer now rather than time out
                         out.append(Outcome(head.request_id, decision, parked_for=now - head.parked_at))
                 if blocked:
@@ -219,7 +256,7 @@ class AdmissionCore:
         return parked
 
     def _backfill(self, model: str, klass: str, head: Parked, fleet_of: Callable[[], Fleet],
-                  now: float) -> list[Outcome]:
+                  refresh: Callable[[], None], now: float) -> list[Outcome]:
         """EASY backfilling behind a blocked head: admit a later request of the class that fits now and is expected to
         finish before the head could start, so the head's start is not pushed back."""
         head_start = earliest_fit(head.request, fleet_of(), self.policy, now)
@@ -234,6 +271,7 @@ class AdmissionCore:
                 queue.remove(parked)
                 del self._where[parked.request_id]
                 out.append(self._admit(parked.request_id, parked.request, decision, now, now - parked.parked_at))
+                refresh()
         return out
 
     def _admit(self, request_id: str, request: InferenceRequest, decision: Decision, now: float,

@@ -3,7 +3,7 @@ heterogeneous fleet. It measures what only scale shows: real ``decide`` calls pe
 busiest 10% of engines take, TTFT-SLO attainment, over-shed, and how often the fallback weights are pushed.
 
 What runs is what ``controlplane/app.py`` wires: a ``ControlPlane`` built from a config of N engines, one ``EnginePoller``
-per engine whose probes land through the poller's own callback (``ControlPlane._on_probe``: ledger probe note, RateBook,
+per engine whose probes land through the poller's own callback (``Observation.probed``: the index, RateBook, then the admission service: ledger probe note,
 output lengths, index update, wake), every Check as ``authz.py`` makes it (``plane.fleet(now)`` then
 ``plane.admission.check``, ``record_outcome``, a parked Check waiting on the future ``wake`` resolves), every release as the
 access log makes it (``plane.release_ticket``: ledger, wake), the park-deadline sweep every 0.1 s and the staleness loop's
@@ -140,7 +140,7 @@ class Plane:
         self.plane.admission.draw = random.Random(SEED).random
         self.pollers: dict[str, EnginePoller] = {}
         for config in self.plane.config.engines:
-            poller = EnginePoller(config, self.plane.config.observe, None, self.plane._on_probe,  # type: ignore[arg-type]
+            poller = EnginePoller(config, self.plane.config.observe, None, self.plane.observation.probed,  # type: ignore[arg-type]
                                   clock=lambda: self.now)
             self.plane.pollers.append(poller)
             self.pollers[config.name] = poller
@@ -149,7 +149,7 @@ class Plane:
         self.rng = random.Random(SEED + 11)
         if before:
             plane = self.plane
-            plane.fleet = lambda now: plane.admission.fleet(  # type: ignore[method-assign]
+            plane.observation.fleet = lambda now: plane.admission.fleet(  # type: ignore[method-assign]
                 (p.view(now) for p in plane.pollers), now, plane.rates.tables())
 
     def timed(self, what: str, call: Callable[[], Any]) -> Any:
@@ -172,7 +172,7 @@ class Plane:
         sample = EngineSample(self.now, running=n, waiting=0, kv_usage=0.0, kv_capacity_tokens=KV_CAPACITY)
         poller._view = replace(poller._view, sample=sample, last_ok_at=self.now, stale=False, version="0.11.0",
                                models=(ServedModel("m", 32_768),), flavor="vllm", rates=rates)
-        self.timed("probes", lambda: self.plane._on_probe(poller._view, rates))
+        self.timed("probes", lambda: self.plane.observation.probed(poller._view, rates))
         self.probes += 1
 
 
@@ -242,7 +242,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
     events = [(at - IDLE_SECONDS, s, k, n) for at, s, k, n in events if k == "probe"]
     heapq.heapify(events)
     sim.now = 0.0
-    plane._stale_at.clear()
+    plane.observation._stale_at.clear()
     for e in engines:
         sim.probe(e)
     sim.cpu.clear()
@@ -299,11 +299,11 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
         """authz.py's Check: the fleet, the core's answer, the metrics; a parked Check waits on the plane's future."""
         now = sim.now
         outcome = plane.admission.check(rid, requests[rid][1], plane.fleet(now), now)
-        plane.record_outcome("m", outcome)
+        plane.service.record_outcome("m", outcome)
         if outcome.decision.verdict is Verdict.PARK:
             future: asyncio.Future[Outcome] = loop.create_future()
             future.add_done_callback(lambda f: settled.append(f.result()))
-            plane._parked[rid] = future
+            plane.service._parked[rid] = future
         else:
             settled.append(outcome)
 
@@ -329,7 +329,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
             seq += 1
         elif kind == "sweep":
             if plane.admission.depth():
-                sim.timed("sweeps", lambda: plane._resolve(plane.admission.expire_parked(plane.fleet(sim.now), sim.now)))
+                sim.timed("sweeps", lambda: plane.service._resolve(plane.admission.expire_parked(plane.fleet(sim.now), sim.now)))
         elif kind == "weights":
             started = time.process_time()
             await plane.refresh_weights()

@@ -102,15 +102,15 @@ class World:
             if open_ids:
                 ticket = open_ids[step[1] % len(open_ids)]
                 self.core.release(ticket, self.now)
-                self.settle(self.core.wake(self.fleet, self.now))
+                self.settle(self.core.wake(self.fleet(), self.now))
         elif kind == "probe":
             name = step[1]
             held = [(e, used) for t, (e, used) in self.tickets.items() if e == name and self.core.ledger.get(t)]
             sample = EngineSample(self.now, running=len(held), waiting=0, kv_usage=sum(u for _, u in held) / CAPACITY,
                                   kv_capacity_tokens=CAPACITY)
             self.views[name] = replace(self.views[name], sample=sample, last_ok_at=self.now)
-            self.core.ledger.note_probe(name, self.now)
-            self.settle(self.core.wake(self.fleet, self.now))
+            self.core.note_probe(name, self.now, idle=False, idle_grace_s=0.0)
+            self.settle(self.core.wake(self.fleet(), self.now))
         elif kind == "cancel":
             parked = self.core.parked()
             if parked:
@@ -123,7 +123,7 @@ class World:
                 self.check_invariants()
         else:
             self.now += step[1]
-            self.core.ledger.expire(self.now)
+            self.core.expire_leases(self.now)
             for name in self.views:  # keep probes fresh so staleness does not mask the rules under test
                 self.views[name] = replace(self.views[name], last_ok_at=self.now)
             expired = self.core.expire_parked(self.fleet(), self.now)
@@ -133,7 +133,7 @@ class World:
                     if o.request_id in order:
                         order.remove(o.request_id)
             self.settle(expired)
-            self.settle(self.core.wake(self.fleet, self.now))
+            self.settle(self.core.wake(self.fleet(), self.now))
 
 
 @settings(max_examples=400, deadline=None)
@@ -168,6 +168,6 @@ def run_and_drain(world: World, steps: list[tuple]) -> World:  # type: ignore[ty
             world.now += 0.001
             world.core.release(ticket, world.now)
         world.now += 0.001
-        world.settle(world.core.wake(world.fleet, world.now))
+        world.settle(world.core.wake(world.fleet(), world.now))
     assert not world.core.parked(), "a parked request was never admitted although the fleet went idle"
     return world

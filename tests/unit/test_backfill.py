@@ -53,9 +53,9 @@ def test_a_short_request_behind_a_blocked_head(backfill: bool, short_admitted: b
 def test_backfill_on_wake_keeps_the_head_first_in_line() -> None:
     core = scenario(backfill=False)
     core.check("short", chat(4_000, 1_000), core.fleet([ENGINE], 1.0), 1.0)  # parks behind the head (strict)
-    core.policy = Policy(backfill=True)
-    woken = core.wake(lambda: core.fleet([ENGINE], 2.0), 2.0)
+    core.set_policy(Policy(backfill=True), admit_stale=True)
+    woken = core.wake(core.fleet([ENGINE], 2.0), 2.0)
     assert [o.request_id for o in woken] == ["short"]
     assert [p.request_id for p in core.parked()] == ["head"]
     core.release("running", 200.0)
-    assert [o.request_id for o in core.wake(lambda: core.fleet([ENGINE], 200.0), 200.0)] == ["head"]
+    assert [o.request_id for o in core.wake(core.fleet([ENGINE], 200.0), 200.0)] == ["head"]

@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from controlplane.app import ControlPlane
 from controlplane.authz import AuthorizationServicer
 from controlplane.config import parse_config
-from controlplane.core.decide import (
+from controlplane.core.model import EngineSample, EngineView, Fleet, InferenceRequest, ServedModel
+from controlplane.core.request import (
     MAX_JSON_DEPTH, MAX_TOKENS_LIMIT, PRIORITY_HEADER, SESSION_HEADER, TTFT_HEADER, RequestError, parse_request,
 )
-from controlplane.core.model import EngineSample, EngineView, Fleet, InferenceRequest, ServedModel
+from controlplane.edge import reply
 
 CHAT = "/v1/chat/completions"
 
@@ -29,15 +30,15 @@ def parse_or_refuse(body: bytes, headers: dict[str, str] | None = None, path: st
     try:
         return parse_request("POST", path, body, headers or {})
     except RequestError as error:
-        assert error.status in (400, 404) and error.code, "a refusal names its status and code"
+        assert reply(error.reason).status in (400, 404) and reply(error.reason).code, "a refusal maps to a 4xx error"
         return error
 
 
 def refused_code(body: bytes, headers: dict[str, str] | None = None) -> str:
     answer = parse_or_refuse(body, headers)
     assert isinstance(answer, RequestError), f"expected a refusal, got {answer}"
-    assert answer.status == 400
-    return answer.code
+    assert reply(answer.reason).status == 400
+    return reply(answer.reason).code
 
 
 def chat_body(**fields: Any) -> bytes:
@@ -205,7 +206,7 @@ def plane(monkeypatch: pytest.MonkeyPatch) -> ControlPlane:
                           last_ok_at=now, stale=False, chip_class="thor")
         return plane.admission.fleet([view], now)
 
-    monkeypatch.setattr(plane, "fleet", fleet)
+    monkeypatch.setattr(plane.observation, "fleet", fleet)  # the servicer's port reads the fleet from observation
     return plane
 
 
@@ -223,7 +224,7 @@ def denial(response: external_auth_pb2.CheckResponse) -> tuple[int, dict[str, st
 
 async def test_check_admits_in_the_fixture(plane: ControlPlane) -> None:
     """The baseline the failure tests depart from: this request, unharmed, is admitted with a ticket."""
-    response = await AuthorizationServicer(plane).Check(check_request(chat_body(max_tokens=5)), FakeContext(290.0))
+    response = await AuthorizationServicer(plane.service).Check(check_request(chat_body(max_tokens=5)), FakeContext(290.0))
     assert response.HasField("ok_response") and plane.ledger.open_tickets() == 1
 
 
@@ -232,7 +233,7 @@ async def test_defect_in_decide_is_a_500_never_an_rpc_error(plane: ControlPlane,
         raise ZeroDivisionError("injected defect")
 
     monkeypatch.setattr("controlplane.core.admission.decide", broken)
-    response = await AuthorizationServicer(plane).Check(check_request(chat_body()), FakeContext(290.0))
+    response = await AuthorizationServicer(plane.service).Check(check_request(chat_body()), FakeContext(290.0))
     status, headers, error = denial(response)
     assert status == 500
     assert error == {"message": error["message"], "type": "server_error", "param": None, "code": "internal_error"}
@@ -245,7 +246,7 @@ async def test_failure_after_admission_gives_the_ticket_back(plane: ControlPlane
         raise RuntimeError("injected defect while answering")
 
     monkeypatch.setattr("controlplane.authz._admit", broken)
-    status, _, error = denial(await AuthorizationServicer(plane).Check(check_request(chat_body()), FakeContext(290.0)))
+    status, _, error = denial(await AuthorizationServicer(plane.service).Check(check_request(chat_body()), FakeContext(290.0)))
     assert (status, error["code"]) == (500, "internal_error")
     assert plane.ledger.admitted_total == 1 and plane.ledger.open_tickets() == 0, "the refused request kept its ticket"
 
@@ -255,7 +256,7 @@ async def test_queued_check_is_shed_as_overloaded_before_any_work(plane: Control
     parsed: list[bytes] = []
     monkeypatch.setattr("controlplane.authz.parse_request", lambda *a, **k: parsed.append(a[2]))
     waited_two_seconds = FakeContext(plane.config.authz_timeout_seconds - 2.0)
-    status, headers, error = denial(await AuthorizationServicer(plane).Check(check_request(chat_body()),
+    status, headers, error = denial(await AuthorizationServicer(plane.service).Check(check_request(chat_body()),
                                                                              waited_two_seconds))
     assert status == 503 and headers["retry-after"] == "3"
     assert error["code"] == "controlplane_overloaded" and error["type"] == "server_error" and error["param"] is None
@@ -266,14 +267,14 @@ async def test_queued_check_is_shed_as_overloaded_before_any_work(plane: Control
 @pytest.mark.parametrize("waited", [None, 0.9], ids=["no-deadline", "under-the-limit"])
 async def test_short_or_unknown_queueing_is_not_shed(plane: ControlPlane, waited: float | None) -> None:
     remaining = None if waited is None else plane.config.authz_timeout_seconds - waited
-    response = await AuthorizationServicer(plane).Check(check_request(chat_body(max_tokens=5)), FakeContext(remaining))
+    response = await AuthorizationServicer(plane.service).Check(check_request(chat_body(max_tokens=5)), FakeContext(remaining))
     assert response.HasField("ok_response")
     assert counter(plane, "sluice_authz_overloaded_total") == 0
 
 
 async def test_cancelled_parked_check_propagates_and_leaves_nothing(plane: ControlPlane) -> None:
     plane.cap_running = (1, 1)  # type: ignore[attr-defined]  # the only seat is taken: the request parks
-    task = asyncio.create_task(AuthorizationServicer(plane).Check(check_request(chat_body()), FakeContext(290.0)))
+    task = asyncio.create_task(AuthorizationServicer(plane.service).Check(check_request(chat_body()), FakeContext(290.0)))
     for _ in range(100):
         await asyncio.sleep(0)
         if plane.admission.depth():

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from controlplane.config import (
-    DEFAULTS, RELOADABLE, ConfigError, changed_sections, load_config, parse_config, read_raw, resolve_engines,
+    DEFAULTS, RELOADABLE, ConfigError, changed_sections, load_config, parse_config, resolve_engines,
 )
 from controlplane.core.policy import Policy
 from sluice.simulated import with_profile_defaults
@@ -24,13 +24,16 @@ def test_bundled_default_is_valid() -> None:
     assert [e.sim for e in config.engines] == ["thor", "spark"]
     assert config.envoy.listen_port == 8080 and config.controlplane.grpc_port == 18000
     assert config.envoy.max_request_bytes == 1024 * 1024
-    assert config.engines[0].max_num_seqs is None  # the config knows no simulator profile
+    # The file states the simulators' caps itself (vLLM cannot report one), so `sluice controlplane` alone knows them.
+    assert [e.max_num_seqs for e in config.engines] == [2, 2]
 
 
 def test_the_launcher_writes_a_vllm_simulators_cap_from_its_profile() -> None:
-    raw, source = read_raw(None)
-    completed = parse_config(with_profile_defaults(raw, source), source)
-    assert [e.max_num_seqs for e in completed.engines] == [2, 2]  # thor's and spark's profiles
+    raw = {"engines": [{"name": "thor", "url": "http://127.0.0.1:8101", "sim": "thor"},
+                       {"name": "big", "url": "http://127.0.0.1:8102", "sim": "v100pp2"}]}
+    assert parse_config(raw).engines[0].max_num_seqs is None  # the config itself knows no simulator profile
+    completed = parse_config(with_profile_defaults(raw))
+    assert [e.max_num_seqs for e in completed.engines] == [2, 4]  # thor's and v100pp2's profiles
     assert "max_num_seqs" not in raw["engines"][0]  # the caller's mapping is left alone
     sglang = {"engines": [{"name": "s", "url": "http://127.0.0.1:1", "sim": "thor", "sim_flavor": "sglang"},
                           {"name": "t", "url": "http://127.0.0.1:2", "sim": "thor", "max_num_seqs": 7}]}

@@ -196,7 +196,7 @@ def sustained(per_s: float, seconds: float, tokens: int, max_tokens: int | None,
             core.release(rid, now)
             if learn:
                 core.record_output("cortex", tokens)
-            for outcome in core.wake(lambda: core.fleet(views, now, tables), now):
+            for outcome in core.wake(core.fleet(views, now, tables), now):
                 started(outcome, now)
     return served, sorted(ttfts), sorted(e2e)
 

@@ -1,0 +1,101 @@
+"""Admin API messages built from data: pure functions from the control plane's facts to ``sluice.admin.v1`` protos."""
+
+from __future__ import annotations
+
+from controlplane.core.fit import effective_load
+from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest
+from controlplane.core.policy import Policy
+from controlplane.edge import http_status
+from controlplane.ports import StatusFacts
+from sluice.admin.v1 import admin_pb2
+
+
+def _or_unknown(value: float | None) -> float:
+    return -1.0 if value is None else float(value)
+
+
+def rates_proto(r: EngineRates | None) -> admin_pb2.Rates | None:
+    if r is None:
+        return None
+    return admin_pb2.Rates(
+        interval_seconds=r.interval_s,
+        prompt_tokens_per_s=_or_unknown(r.prompt_tokens_per_s),
+        generation_tokens_per_s=_or_unknown(r.generation_tokens_per_s),
+        prefill_tokens_per_s=_or_unknown(r.prefill_tokens_per_s),
+        decode_tokens_per_s_each=_or_unknown(r.decode_tokens_per_s_each),
+        solo=r.solo,
+    )
+
+
+def status_proto(facts: StatusFacts, fleet: Fleet) -> admin_pb2.GetStatusResponse:
+    return admin_pb2.GetStatusResponse(
+        version=facts.version,
+        uptime_seconds=facts.uptime_s,
+        engines_total=len(fleet.engines),
+        engines_ready=sum(1 for e in fleet.engines if e.ready),
+        open_tickets=facts.open_tickets,
+        tickets_admitted_total=facts.tickets_admitted_total,
+        tickets_released_total=facts.tickets_released_total,
+        tickets_expired_total=facts.tickets_expired_total,
+        xds_nacks_total=facts.xds_nacks_total,
+        xds=[admin_pb2.XdsTypeStatus(type_url=x.type_url, current_version=x.current_version,
+                                     acked_versions=x.acked_versions) for x in facts.xds],
+        envoy_streams=facts.envoy_streams,
+    )
+
+
+def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
+                 medians: tuple[float | None, float | None]) -> admin_pb2.Engine:
+    s = e.sample
+    return admin_pb2.Engine(
+        name=e.name,
+        url=e.url,
+        cluster=e.name,
+        models=[m.model_id for m in e.models],
+        ready=e.ready,
+        stale=e.stale,
+        running=_or_unknown(s.running if s else None),
+        waiting=_or_unknown(s.waiting if s else None),
+        kv_usage=_or_unknown(s.kv_usage if s else None),
+        open_tickets=open_tickets,
+        max_num_seqs=e.max_num_seqs or 0,
+        last_probe_age_seconds=-1.0 if e.last_ok_at is None else now - e.last_ok_at,
+        last_error=e.last_error,
+        version=e.version or "",
+        effective_load=int(effective_load(e, fleet)),
+        flavor=e.flavor or "",
+        chip_class=e.chip_class,
+        kv_capacity_tokens=e.kv_capacity_tokens or 0,
+        discovered_concurrency=e.discovered_concurrency or 0,
+        missing_gauges=list(e.degraded),
+        rates=rates_proto(e.rates),
+        prefill_median_tokens_per_s=_or_unknown(medians[0]),
+        solo_decode_median_tokens_per_s=_or_unknown(medians[1]),
+        kv_used_tokens=int(_or_unknown(s.kv_used_tokens if s else None)),
+        preemptions_total=_or_unknown(s.preemptions_total if s else None),
+        drained=e.drained,
+    )
+
+
+def explain_request(request: admin_pb2.ExplainDecisionRequest, priority: str, policy: Policy) -> InferenceRequest:
+    return InferenceRequest(
+        "POST", "/v1/chat/completions", request.model, prompt_tokens=max(0, request.prompt_tokens),
+        max_tokens=request.max_tokens or None, priority=priority,
+        max_ttft_ms=request.max_ttft_ms or policy.model(request.model).max_ttft_ms, session=request.session or None,
+    )
+
+
+def explain_proto(decision: Decision, ahead: int, explanations: list) -> admin_pb2.ExplainDecisionResponse:  # type: ignore[type-arg]
+    engines = [
+        admin_pb2.EngineExplanation(
+            name=x.name, serves_model=x.serves_model, meets_version_floor=x.meets_floor, stale=x.stale,
+            drained=x.drained, misfits=[r.value for r in x.misfits], ttft_estimate_s=_or_unknown(x.ttft_s),
+            finish_estimate_s=_or_unknown(x.finish_s), effective_load=x.load,
+        )
+        for x in explanations
+    ]
+    return admin_pb2.ExplainDecisionResponse(
+        verdict=decision.verdict.value, reason=decision.reason.value, engine=decision.engine or "",
+        status=http_status(decision), retry_after_s=decision.retry_after_s or 0, detail=decision.detail,
+        queued_ahead=ahead, engines=engines,
+    )

@@ -1,0 +1,228 @@
+"""Observation, the asyncio shell around the pollers: what the control plane knows about its engines and when.
+
+It owns the pollers (one task per engine, started staggered after a first probe round), their shared HTTP session,
+staleness (a heap of the moments views turn stale, and the fresh -> stale metrics), the rate book, operator drains and
+request-failure marks. Every change of an engine's view is pushed to the decision core's fleet index (``note_view``), so a
+Check copies a few rows instead of rebuilding every engine's view. What a probe means for admission (reaping, wakes) and
+for xDS (caps) is not decided here: every good probe is handed to ``on_probe`` (the control plane wires it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+from collections.abc import Callable
+
+import aiohttp
+
+from controlplane.config import Config, EngineConfig
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.model import EngineRates, EngineView, Fleet
+from controlplane.metrics import SluiceMetrics
+from controlplane.observe.poller import EnginePoller, ProbeError
+from controlplane.observe.rates import RateBook
+
+log = logging.getLogger("sluice.observe")
+
+ProbeSink = Callable[[EngineView, "EngineRates | None"], None]
+
+OUTPUT_SAMPLES_PER_PROBE = 32
+"""At most this many output-length samples per probe, so one busy engine cannot flush the whole ring at once."""
+
+
+class Observation:
+    def __init__(self, config: Config, core: AdmissionCore, metrics: SluiceMetrics, clock: Callable[[], float],
+                 on_probe: ProbeSink) -> None:
+        self.config = config
+        self.core = core
+        self.metrics = metrics
+        self.clock = clock
+        self._on_probe_sink = on_probe
+        self.rates = RateBook(config.observe.rate_ring_size, config.observe.rate_min_samples)
+        self.pollers: list[EnginePoller] = []
+        self._by_name: dict[str, EnginePoller] = {}
+        self._indexed: list[EnginePoller] | None = None
+        self._stale_at: list[tuple[float, str]] = []
+        self._was_stale: dict[str, bool] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    # -- what others read ------------------------------------------------------------------------------------------------
+    def fleet(self, now: float) -> Fleet:
+        """The fleet as of ``now``, with its index. Views reach the core when they change (a probe, a drain, a failure
+        mark, a staleness flip found on the heap), so this copies a few rows instead of rebuilding every engine's view."""
+        if self._indexed is not self.pollers or len(self._by_name) != len(self.pollers):
+            self._sync_engines(now)
+        heap = self._stale_at
+        while heap and heap[0][0] < now:
+            _, name = heapq.heappop(heap)
+            poller = self._by_name.get(name)
+            if poller is not None:
+                view = poller.view(now)
+                current = self.core.index.views.get(name)
+                if current is None or current.stale != view.stale or current.last_error != view.last_error:
+                    self.core.note_view(view)
+                if view.stale:
+                    # A stale engine's failures keep changing its last error (operators read it): looked at once a poll.
+                    heapq.heappush(heap, (now + self.config.observe.poll_interval_seconds, name))
+        return self.core.indexed_fleet(now, self.rates.tables())
+
+    def model_label(self, model: str | None) -> str:
+        """A metrics label for ``model``: only models some engine serves, so clients cannot grow label cardinality."""
+        if model and (self.core.index.serves(model) if self._indexed is self.pollers
+                      else any(p.serves(model) for p in self.pollers)):
+            return model
+        return "-"
+
+    def knows(self, engine: str) -> bool:
+        return engine in self._by_name or any(p.config.name == engine for p in self.pollers)
+
+    def reported_caps(self, now: float) -> dict[str, int | None]:
+        """Each engine's own concurrency cap as it reports it (SGLang, llama.cpp); None where it reports none."""
+        return {p.config.name: p.view(now).discovered_concurrency for p in self.pollers}
+
+    # -- events ------------------------------------------------------------------------------------------------------
+    def set_drained(self, name: str, drained: bool) -> bool:
+        poller = self._find(name)
+        if poller is None:
+            return False
+        poller.set_drained(drained)
+        self._note_view(poller, self.clock())
+        log.warning("engine %s %s by an operator", name, "drained" if drained else "undrained")
+        return True
+
+    def note_failure(self, engine: str, why: str) -> None:
+        """A request to ``engine`` failed before its first byte: it leaves the candidates until a later probe succeeds."""
+        poller = self._find(engine)
+        if poller is not None:
+            poller.note_failure(self.clock(), why)
+            self._note_view(poller, self.clock())
+            self.metrics.engine_up.labels(engine).set(0)
+
+    def check_staleness(self, now: float) -> None:
+        """Count every fresh -> stale transition (``sluice_engine_state_stale_total``) and keep ``sluice_engine_up``."""
+        for poller in self.pollers:
+            view = poller.view(now)
+            self.metrics.engine_up.labels(view.name).set(0 if view.stale else 1)
+            was = self._was_stale.get(view.name)
+            if view.stale and was is False:
+                self.metrics.engine_stale.labels(view.name).inc()
+                log.warning("engine %s is stale (last error: %s); on_stale=%s", view.name, view.last_error or "none",
+                            self.config.observe.on_stale)
+            elif not view.stale and was:
+                log.info("engine %s is fresh again", view.name)
+            self._was_stale[view.name] = view.stale
+
+    def probed(self, view: EngineView, rates: EngineRates | None) -> None:
+        """A good probe landed (every poller's callback)."""
+        poller = self._by_name.get(view.name)
+        if poller is not None:
+            self._note_view(poller, self.clock())
+        sample = view.sample
+        m = self.metrics
+        if sample is not None:
+            for gauge, value in (
+                (m.engine_running, sample.running),
+                (m.engine_waiting, sample.waiting),
+                (m.engine_kv_usage, sample.kv_usage),
+                (m.engine_prefill_rate, rates.prefill_tokens_per_s if rates else None),
+                (m.engine_decode_rate, rates.decode_tokens_per_s_each if rates else None),
+            ):
+                if value is not None:
+                    gauge.labels(view.name).set(value)
+        m.observer_degraded.labels(view.name).set(1 if view.degraded else 0)
+        if rates is not None and view.models:
+            # Rates are booked under the engine's first model: engine metrics are per process, not per model.
+            model = view.models[0].model_id
+            self.rates.record(model, view.chip_class, rates, view.name)
+            if rates.finished_requests and rates.mean_output_tokens is not None:
+                # What the engine really generated per finished request (end of sequence included): each finished
+                # request counts once, at the interval's mean (the book averages, so the mean is what matters).
+                for _ in range(min(rates.finished_requests, OUTPUT_SAMPLES_PER_PROBE)):
+                    self.core.record_output(model, round(rates.mean_output_tokens))
+        self._on_probe_sink(view, rates)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Probe every engine once (bounded by the probe timeout), then poll on schedule, staggered over the interval.
+
+        The first round comes before the control plane answers any Check or publishes any weights: a restarted control
+        plane's ledger is empty, and without it an engine not yet probed serves no models (404 ``model_not_found``) and
+        its pre-crash streams count as zero load."""
+        # One pooled session for every poller, unbounded: a poller holds at most one connection, so none waits on another.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        engines = self.config.engines
+        interval = self.config.observe.poll_interval_seconds
+        for index, engine in enumerate(engines):
+            self._start_poller(engine, interval * (1 + index / len(engines)))
+        timeout = self.config.observe.poll_timeout_seconds
+
+        async def probe(poller: EnginePoller) -> None:
+            try:
+                await asyncio.wait_for(poller.poll_once(), timeout)
+            except (ProbeError, asyncio.TimeoutError) as exc:
+                log.warning("engine %s: first probe failed: %s", poller.config.name, exc or "timed out")
+
+        await asyncio.gather(*(probe(p) for p in self.pollers))
+
+    def apply_engines(self, config: Config) -> None:
+        """A reload: start pollers for engines it added, stop those it removed, restart those it changed. A removed
+        engine's open tickets stay in the ledger until their log entries (or leases) close them."""
+        old = {e.name: e for e in self.config.engines}
+        new = {e.name: e for e in config.engines}
+        self.config = config
+        for name, engine in old.items():
+            if new.get(name) != engine:
+                self._stop_poller(name)
+        for engine in config.engines:
+            if old.get(engine.name) != engine:
+                self._start_poller(engine, 0.0)
+        order = {e.name: i for i, e in enumerate(config.engines)}
+        self.pollers = sorted(self.pollers, key=lambda p: order[p.config.name])
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._session is not None:
+            await self._session.close()
+
+    def _start_poller(self, engine: EngineConfig, offset: float) -> None:
+        assert self._session is not None
+        poller = EnginePoller(engine, self.config.observe, self._session, self.probed, clock=self.clock)
+        self.pollers = [*self.pollers, poller]
+        self._tasks[engine.name] = asyncio.create_task(poller.run(offset), name=f"poll-{engine.name}")
+
+    def _stop_poller(self, name: str) -> None:
+        self.pollers = [p for p in self.pollers if p.config.name != name]
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+        m = self.metrics
+        for gauge in (m.engine_running, m.engine_waiting, m.engine_kv_usage, m.engine_up, m.observer_degraded,
+                      m.engine_prefill_rate, m.engine_decode_rate):
+            try:
+                gauge.remove(name)
+            except KeyError:
+                pass  # never set for this engine
+
+    def _find(self, name: str) -> EnginePoller | None:
+        return next((p for p in self.pollers if p.config.name == name), None)
+
+    def _sync_engines(self, now: float) -> None:
+        """Pollers were added, removed or reordered (start, reload): the index follows, every view noted afresh."""
+        self._indexed = self.pollers
+        self._by_name = {p.config.name: p for p in self.pollers}
+        self.core.set_engines(self._by_name)
+        for poller in self.pollers:
+            self._note_view(poller, now)
+
+    def _note_view(self, poller: EnginePoller, now: float) -> None:
+        view = poller.view(now)
+        self.core.note_view(view)
+        if view.last_ok_at is not None and not view.stale:
+            # When this view turns stale unless a probe lands first (EnginePoller.view: strictly older than the window).
+            heapq.heappush(self._stale_at, (view.last_ok_at + self.config.observe.stale_after_seconds, view.name))

@@ -1,0 +1,91 @@
+"""The narrow ports the servicers receive: each sees only what it needs, never the whole control plane, so each is tested
+alone with a fake and no module imports ``app.py`` (the wiring) — not even for types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from controlplane.core.admission import Outcome
+from controlplane.core.model import Decision, Fleet, InferenceRequest, Ticket
+from controlplane.core.policy import Policy
+from controlplane.metrics import SluiceMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class CheckSettings:
+    """What the ext_authz servicer reads from the config (a reload changes it, so it is read per Check)."""
+
+    policy: Policy
+    authz_timeout_s: float
+    max_check_queue_ms: float
+    overload_retry_after_s: int
+
+
+@dataclass(frozen=True, slots=True)
+class XdsTypeStatus:
+    type_url: str
+    current_version: str
+    acked_versions: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class StatusFacts:
+    """What ``GetStatus`` reports."""
+
+    version: str
+    uptime_s: float
+    open_tickets: int
+    tickets_admitted_total: int
+    tickets_released_total: int
+    tickets_expired_total: int
+    xds_nacks_total: int
+    xds: tuple[XdsTypeStatus, ...]
+    envoy_streams: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadResult:
+    applied: bool
+    problems: tuple[str, ...]
+    changed: tuple[str, ...]
+    source: str
+
+
+class CheckPort(Protocol):
+    """ext_authz ``Check``: admit, park and wait, answer; give back what a failed Check held."""
+
+    @property
+    def settings(self) -> CheckSettings: ...
+    @property
+    def metrics(self) -> SluiceMetrics: ...
+    def check(self, request_id: str, request: InferenceRequest) -> Outcome: ...
+    async def wait_parked(self, request_id: str) -> Outcome: ...
+    def record_outcome(self, model: str | None, outcome: Outcome) -> None: ...
+    def give_back(self, request_id: str, outcome: Outcome | None) -> None: ...
+    def release_ticket(self, ticket_id: str) -> Ticket | None: ...
+
+
+class CompletionPort(Protocol):
+    """The access log and the retry redirector: a request finished (or failed) on an engine."""
+
+    @property
+    def metrics(self) -> SluiceMetrics: ...
+    def release_ticket(self, ticket_id: str) -> Ticket | None: ...
+    def note_engine_failure(self, engine: str, why: str) -> None: ...
+    def knows_engine(self, engine: str) -> bool: ...
+
+
+class AdminPort(Protocol):
+    """The operators' API: read the fleet and the control plane, drain, explain, reload."""
+
+    @property
+    def policy(self) -> Policy: ...
+    def now(self) -> float: ...
+    def fleet(self, now: float) -> Fleet: ...
+    def status(self, now: float) -> StatusFacts: ...
+    def open_tickets(self, engine: str) -> int: ...
+    def medians(self, model: str, chip_class: str) -> tuple[float | None, float | None]: ...
+    async def set_drained(self, name: str, drained: bool) -> bool: ...
+    def decide_for(self, request: InferenceRequest, now: float) -> tuple[Decision, int]: ...
+    async def reload(self, path: str | None) -> ReloadResult: ...

@@ -1,0 +1,91 @@
+"""The xDS publisher: a pure ``build_snapshot(config, weights, caps, redirector)`` and the little state around it.
+
+The state is what was last pushed: the fallback weights (and which engines were eligible, and when), and the concurrency
+caps engines report (their circuit breakers follow them). ``refresh_weights`` pushes a new route table only on a real
+change (``weights.should_push``): an engine or model appearing or leaving at once, a drift of the split past the threshold
+at most every 10 s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+from envoy.config.cluster.v3 import cluster_pb2
+
+from controlplane.config import Config
+from controlplane.core.model import Fleet
+from controlplane.core.weights import Weights, compute_weights, eligible_engines, should_push
+from controlplane.metrics import SluiceMetrics
+from controlplane.xds.resources import build_cluster, build_listener, build_load_assignment, build_routes
+from controlplane.xds.server import AdsServicer
+from controlplane.xds.snapshot import Snapshot, SnapshotCache, make_snapshot
+
+log = logging.getLogger("sluice.xds")
+
+
+def build_snapshot(config: Config, weights: Weights, caps: Mapping[str, int | None],
+                   redirector: tuple[str, int] | None, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
+    """Everything Envoy gets, from data alone: the listener, the routes with the fallback ``weights``, a cluster per
+    engine (its circuit breaker from the configured or reported cap) and its endpoints (the retry ``redirector`` at
+    priority 1 when retries are on)."""
+    return make_snapshot(
+        listeners=[build_listener(config)],
+        routes=[build_routes(config, weights)],
+        clusters=[*(build_cluster(e, config, caps.get(e.name)) for e in config.engines), *extra_clusters],
+        endpoints=[build_load_assignment(e, redirector) for e in config.engines],
+    )
+
+
+class XdsPublisher:
+    def __init__(self, config: Config, metrics: SluiceMetrics) -> None:
+        self.config = config
+        self.cache = SnapshotCache()
+        self.ads = AdsServicer(self.cache, metrics)
+        self.redirector: tuple[str, int] | None = None
+        self.weights: Weights = {}
+        self.caps: dict[str, int | None] = {}
+        self._eligible: dict[str, frozenset[str]] | None = None
+        self._pushed_at: float | None = None
+        self.weight_pushes = 0
+        """Route tables pushed because fallback weights changed (benchmarks count them)."""
+
+    def start(self, fleet: Fleet, caps: Mapping[str, int | None], redirector: tuple[str, int] | None,
+              now: float) -> None:
+        """What the first snapshot carries: the weights and caps of the first probe round."""
+        self.caps = dict(caps)
+        self.redirector = redirector
+        self.weights = compute_weights(fleet, self.config.policy)
+        self._eligible = eligible_engines(fleet, self.config.policy)
+        del now  # the first push sets no drift clock: the next real change goes out at once
+
+    def build(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
+        return build_snapshot(self.config, self.weights, self.caps, self.redirector, extra_clusters)
+
+    async def publish(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
+        snapshot = self.build(extra_clusters)
+        await self.cache.set_snapshot(snapshot)
+        return snapshot
+
+    def caps_changed(self, engine: str, cap: int | None) -> bool:
+        """Record an engine's reported cap; True when it moved (its circuit breaker must be republished)."""
+        if self.caps.get(engine) == cap:
+            return False
+        self.caps[engine] = cap
+        return True
+
+    async def refresh_weights(self, fleet: Fleet, now: float) -> bool:
+        """Recompute the fallback weights; push a new route table only on a real change."""
+        fresh = compute_weights(fleet, self.config.policy)
+        eligible = eligible_engines(fleet, self.config.policy)
+        if not should_push(self.weights, fresh, self.config.envoy.weight_change_threshold, now, self._pushed_at,
+                           eligible_before=self._eligible, eligible_now=eligible):
+            return False
+        self.weights = fresh
+        self._eligible = eligible
+        self._pushed_at = now
+        self.weight_pushes += 1
+        await self.publish()
+        entries = sum(map(len, fresh.values()))
+        log.info("fallback weights now %s", fresh if entries <= 20 else f"{entries} entries over {len(fresh)} models")
+        return True
