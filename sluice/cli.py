@@ -55,9 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-ttft-ms", type=int, default=0, help="explain: a TTFT deadline (0: none)")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
-    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "load", "fleet", "chaos"])
+    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos"])
     p.add_argument("--engines", type=int, default=1000, help="observe: simulated engines to poll")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
+    p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open)")
+    p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable")
+    p.add_argument("--mix", action="append", help="steady: only this client mix (open, capped, deadline); repeatable")
+    p.add_argument("--level", action="append", type=float, help="steady: only this load level (e.g. 1.1); repeatable")
 
     p = sub.add_parser("deploy", help="Kubernetes manifests for the config (see deploy/ and the README's Operating)")
     deploy = p.add_subparsers(dest="deploy_command", required=True)
@@ -108,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             from sluice.bench.fleet import run_fleet_bench
 
             return run_fleet_bench()
-        if args.scenario == "load":
-            from sluice.bench.load import run_load_bench
+        if args.scenario == "steady":
+            from sluice.bench.steady import run_steady_bench
 
-            return run_load_bench()
+            return run_steady_bench(args.quick, args.fleet, args.mix, args.level)
         if args.scenario == "overhead":
             from sluice.bench.overhead import run_overhead_bench
 

@@ -93,12 +93,17 @@ def bare_sim(profile: str, speed: float, name: str = "bare", flavor: str = "vllm
         sim.wait(10)
 
 
-async def stream_chat(session: aiohttp.ClientSession, base: str, tag: str, model: str, content: str, max_tokens: int,
-                      headers: dict[str, str] | None = None, t0: float = 0.0, *, ignore_eos: bool = False) -> Result:
+async def stream_chat(session: aiohttp.ClientSession, base: str, tag: str, model: str, content: str,
+                      max_tokens: int | None, headers: dict[str, str] | None = None, t0: float = 0.0, *,
+                      ignore_eos: bool = False, extra: dict[str, Any] | None = None) -> Result:
     """One streamed chat completion; TTFT is the first content chunk. ``ignore_eos`` (vLLM's sampling parameter, honoured
-    by the simulator) generates exactly ``max_tokens``: for benches whose reference figures assume fixed lengths."""
-    payload: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}],
-                               "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    by the simulator) generates exactly ``max_tokens``: for benches whose reference figures assume fixed lengths.
+    ``max_tokens=None`` leaves it out of the body (the engine's own limit applies); ``extra`` adds body fields (e.g. the
+    simulator's ``sim_output_tokens``)."""
+    payload: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}], "stream": True,
+                               "stream_options": {"include_usage": True}, **(extra or {})}
+    if max_tokens is not None:
+        payload["max_tokens"] = max_tokens
     if ignore_eos:
         payload["ignore_eos"] = True
     started = time.perf_counter()

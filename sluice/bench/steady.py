@@ -1,0 +1,489 @@
+"""``sluice bench steady``: constant and Poisson arrivals at 50/80/95/110% of each fleet's *measured* capacity, sluice
+against the strongest plain-Envoy configurations, all in the same run on the same simulated engines.
+
+Fleets (every engine serves ``cortex``): ``thor+spark`` (seed 000: thor and spark, 2 slots each) and ``mixed6`` (2 spark,
+2 thor, 2 v100pp2 with 4 slots each: three speeds, two slot counts).
+
+Output-length model: the simulator's end-of-sequence model (enginesim/profiles.py). Each request's natural length is drawn
+from the ``cortex`` lognormal (median 180 tokens, sigma 0.8: mean ~248, p90 ~500, p99 ~1,150) with the simulator's own
+``Profile.draw_output_tokens``, seeded, and sent as ``sim_output_tokens``: the engine stops there (``finish_reason: stop``),
+capped by ``max_tokens`` when the request sets one. Drawing in the client rather than in each simulator gives every arm the
+identical request sequence (a simulator draws per request in arrival order, so lengths would follow routing), and keeps the
+v100pp2 engines on cortex's lengths (their own profile draws the ``reasoning`` model's). The control plane never reads
+``sim_output_tokens``; it learns expected lengths from the engines' generation-token histograms like everyone else.
+Prompts: lognormal, median 500 tokens, sigma 0.8, clipped to 32..4000 (about 4 characters per token in the body).
+Arrivals: ``constant`` (evenly spaced, like the issue's load generator) or ``poisson`` (conditioned on its count: as many
+uniform times in the window as the level's rate implies, sorted, so a short window is not an accidentally lighter level).
+
+Client mixes (streaming chat through aiohttp, no ``x-sluice-*`` headers unless said):
+- ``open``: no deadline, no ``max_tokens`` (engines run to end of sequence; sluice reserves its default in KV).
+- ``capped``: ``max_tokens`` = 2 x the median natural length (360).
+- ``deadline``: the ``open`` bodies plus ``x-sluice-max-ttft-ms`` = the TTFT SLO, to sluice only. The baselines cannot use
+  the header, so their requests in this mix are byte-identical to ``open``'s: their ``deadline`` rows are the ``open``
+  rows' measurements (same run, same requests), not a rerun.
+
+Capacity: a calibration run per fleet and mix body shape saturates every engine alone (direct, closed loop at
+max_num_seqs + 1 concurrent requests) with the same prompts and output model for CAL_S wall seconds and reads its
+generation-token counter; an engine's capacity in requests/s is its measured tokens/s over the mix's mean output length.
+The fleet's sum sets the load levels; each engine's measured tokens/s is its ``load_balancing_weight`` in the weighted arms.
+
+Arms (in the same run, each cell's requests identical across arms):
+- ``sluice``: ``sluice up`` with its defaults (no admission settings at all).
+- ``RR``, ``LR``: plain Envoy ``ROUND_ROBIN`` / ``LEAST_REQUEST``, equal weights, no caps (the engines queue overflow).
+- ``RR+w+cap``, ``LR+w+cap``: the same policies with endpoint weights proportional to measured throughput and each engine
+  capped at max_num_seqs concurrent requests *in Envoy*: HTTP/1.1 upstream, ``per_host_thresholds.max_connections`` =
+  the smallest max_num_seqs (an engine with m times that many slots is listed m times), ``max_pending_requests`` 100000,
+  one Envoy worker (per-worker pools would strand connections), so overflow waits in Envoy's pending queue for a free
+  connection instead of queueing in an engine or being rejected. The sims' sampled running + waiting verifies the cap.
+
+Figures: TTFT and end-to-end over completed requests (wall seconds at simulator speed x{SPEED}); throughput = completion
+tokens per emulated second until the last completion; goodput = requests completed with TTFT within the SLO per wall
+second of the arrival window (a shed request is not good); share = requests each engine served (its ``/sim/stats``).
+Targets per cell: sluice's TTFT p90 <= the lowest baseline TTFT p90, sluice's goodput >= the highest baseline goodput
+(each "best" taken over all four baseline arms separately), and at 110% sluice's goodput >= 1.3x the best baseline's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import re
+import statistics
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from enginesim.profiles import PROFILES
+from sluice.bench.common import pct, pyplot, save_figure, write_report
+from sluice.bench.plain import PlainEnvoy, plain_envoy_arm
+from sluice.bench.workload import Result, gateway, sim_stats, stream_chat
+
+SPEED = 10.0
+WINDOWS_S = {"thor+spark": 10.0, "mixed6": 5.0}
+"""Wall seconds of arrivals per cell (mixed6 has 2.5x the capacity: about as many requests in half the time)."""
+CAL_S = 10.0
+CAL_WARM_S = 3.0
+SLO_MS = 2000
+SEED = 20261130
+LEVELS = (0.5, 0.8, 0.95, 1.1)
+MODEL = "cortex"
+CAPPED_MAX_TOKENS = 2 * round(PROFILES["thor"].output_median_tokens)
+FLEETS: dict[str, tuple[tuple[str, str], ...]] = {
+    "thor+spark": (("thor", "thor"), ("spark", "spark")),
+    "mixed6": (("spark-a", "spark"), ("spark-b", "spark"), ("thor-a", "thor"), ("thor-b", "thor"),
+               ("v100-a", "v100pp2"), ("v100-b", "v100pp2")),
+}
+MIXES = ("open", "capped", "deadline")
+BASELINES = ("RR", "LR", "RR+w+cap", "LR+w+cap")
+ARMS = ("sluice", *BASELINES)
+POISSON = ("thor+spark", 0.95)
+"""Poisson arrivals run beside constant ones only on this fleet at this level, in every mix: near capacity is where bursts
+matter (at 50-80% both processes leave slack, at 110% both overload), and thor+spark is issue 9's fleet. Constant arrivals
+(the issue's load generator) run everywhere. The whole matrix in both processes would take over an hour here."""
+_GEN = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)", re.M)
+
+
+@dataclass(frozen=True)
+class Job:
+    at: float
+    prompt_tokens: int
+    natural: int
+
+
+@dataclass
+class Cell:
+    fleet: str
+    mix: str
+    level: float
+    arrival: str
+    rate: float
+    figures: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def mix_max_tokens(mix: str) -> int | None:
+    return CAPPED_MAX_TOKENS if mix == "capped" else None
+
+
+def draw_jobs(rate: float, seconds: float, arrival: str, seed: int) -> list[Job]:
+    """Arrival times (constant spacing or Poisson) with each request's prompt and natural output length."""
+    rng = random.Random(seed)
+    profile = PROFILES["thor"]  # the cortex output model
+    times: list[float] = []
+    if arrival == "constant":
+        times = [i / rate for i in range(int(rate * seconds))]
+    else:  # a Poisson process given its count: that many uniform times, sorted (the cell carries its level exactly)
+        times = sorted(rng.uniform(0, seconds) for _ in range(int(rate * seconds)))
+    jobs = []
+    for at in times:
+        prompt = int(min(4000, max(32, rng.lognormvariate(math.log(500), 0.8))))
+        jobs.append(Job(at, prompt, profile.draw_output_tokens(rng)))
+    return jobs
+
+
+def mean_output(mix: str) -> float:
+    """The mix's mean completion length (natural lengths, capped by its max_tokens), from 50,000 draws."""
+    rng = random.Random(1)
+    cap = mix_max_tokens(mix) or 10**9
+    return statistics.fmean(min(cap, PROFILES["thor"].draw_output_tokens(rng)) for _ in range(50000))
+
+
+async def _one(session: aiohttp.ClientSession, base: str, job: Job, mix: str, t0: float, tag: str) -> Result:
+    headers = {"x-sluice-max-ttft-ms": str(SLO_MS)} if mix == "deadline" and tag == "sluice" else {}
+    try:
+        return await stream_chat(session, base, tag, MODEL, "x" * (job.prompt_tokens * 4), mix_max_tokens(mix), headers,
+                                 t0=t0, extra={"sim_output_tokens": job.natural})
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return Result(tag, 599, time.perf_counter() - t0, headers={"error": type(exc).__name__})
+
+
+async def _drive(base: str, jobs: list[Job], mix: str, tag: str, urls: list[str]) -> tuple[list[Result], list[int]]:
+    """Send ``jobs`` on schedule; returns the results and each engine's sampled peak of running + waiting."""
+    peaks = [0] * len(urls)
+    stop = asyncio.Event()
+
+    async def sample(session: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            for i, url in enumerate(urls):
+                try:
+                    async with session.get(url + "/sim/stats") as response:
+                        s = await response.json()
+                    peaks[i] = max(peaks[i], s["running"] + s["waiting"])
+                except aiohttp.ClientError:
+                    pass
+            await asyncio.sleep(0.1)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        sampler = asyncio.create_task(sample(session))
+        t0 = time.perf_counter()
+
+        async def at(job: Job) -> Result:
+            await asyncio.sleep(max(0.0, t0 + job.at - time.perf_counter()))
+            return await _one(session, base, job, mix, t0, tag)
+
+        results = list(await asyncio.gather(*(at(j) for j in jobs)))
+        stop.set()
+        await sampler
+    return results, peaks
+
+
+def _gen_tokens(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        match = _GEN.search(response.read().decode())
+    return float(match.group(1)) if match else 0.0
+
+
+async def _calibrate(urls: list[str], slots: list[int], mix: str) -> list[float]:
+    """Each engine's measured generation tokens per emulated second, saturated alone (closed loop, slots + 1)."""
+    stop_at = time.perf_counter() + CAL_S
+    rng = random.Random(SEED + 7)
+    pool = draw_jobs(1000.0, 5.0, "poisson", SEED + 99)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def worker(url: str) -> None:
+            while time.perf_counter() < stop_at:
+                await _one(session, url, rng.choice(pool), mix, 0.0, "calibrate")
+
+        tasks = [asyncio.create_task(worker(u)) for u, n in zip(urls, slots) for _ in range(n + 1)]
+        await asyncio.sleep(CAL_WARM_S)
+        before, t_before = [_gen_tokens(u) for u in urls], time.perf_counter()
+        await asyncio.sleep(CAL_S - CAL_WARM_S)
+        after, t_after = [_gen_tokens(u) for u in urls], time.perf_counter()
+        await asyncio.gather(*tasks)
+    return [(a - b) / (t_after - t_before) / SPEED for a, b in zip(after, before)]
+
+
+def _wait_idle(urls: list[str]) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        stats = [sim_stats(u) for u in urls]
+        if all(s["running"] == 0 and s["waiting"] == 0 for s in stats):
+            time.sleep(0.3)  # let the access log close sluice's tickets
+            return
+        time.sleep(0.2)
+
+
+def summarise(results: list[Result], served: list[int], peaks: list[int], preemptions: int,
+              window: float) -> dict[str, Any]:
+    ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    e2e = [r.total_s for r in ok]
+    good = [t for t in ttfts if t * 1000 <= SLO_MS]
+    end = max((r.started + r.total_s for r in ok), default=window)
+    nan = float("nan")
+    parked = [r.parked_ms for r in results if r.status == 200]
+    return {
+        "n": len(results),
+        "ttft_p50": pct(ttfts, 50) if ttfts else nan, "ttft_p90": pct(ttfts, 90) if ttfts else nan,
+        "ttft_p99": pct(ttfts, 99) if ttfts else nan,
+        "e2e_p50": pct(e2e, 50) if e2e else nan, "e2e_p99": pct(e2e, 99) if e2e else nan,
+        "throughput": sum(r.completion_tokens for r in ok) / end / SPEED,
+        "goodput": len(good) / window, "good_share": len(good) / max(1, len(results)),
+        "shed": sum(1 for r in results if r.status in (429, 503)),
+        "errors": sum(1 for r in results if r.status not in (200, 429, 503)),
+        "served": served, "peaks": peaks, "preemptions": preemptions,
+        "parked_p50": pct(parked, 50) if parked else 0, "parked_p90": pct(parked, 90) if parked else 0,
+        "reasons": Counter(r.headers.get("x-sluice-route-reason", "-") for r in results),
+    }
+
+
+def run_cell(cell: Cell, jobs: list[Job], arms: dict[str, str], urls: list[str]) -> None:
+    for arm, base in arms.items():
+        _wait_idle(urls)
+        before = [sim_stats(u) for u in urls]
+        results, peaks = asyncio.run(_drive(base, jobs, cell.mix, arm, urls))
+        after = [sim_stats(u) for u in urls]  # every stream has ended: its engine counted it
+        served = [a["served"] - b["served"] for a, b in zip(after, before)]
+        pre = sum(a["preemptions"] - b["preemptions"] for a, b in zip(after, before))
+        cell.figures[arm] = summarise(results, served, peaks, pre, WINDOWS_S[cell.fleet])
+        cell.figures[arm]["loadavg"] = _loadavg()
+        s = cell.figures[arm]
+        print(f"  {cell.fleet} {cell.mix} {cell.level:.0%} {cell.arrival} {arm}: n={s['n']} TTFT p50/p90 "
+              f"{s['ttft_p50']:.2f}/{s['ttft_p90']:.2f} goodput {s['goodput']:.2f} shed {s['shed']} share {served}",
+              flush=True)
+
+
+def verdict(cell: Cell) -> dict[str, Any]:
+    base = {a: cell.figures[a] for a in BASELINES}
+    s = cell.figures["sluice"]
+    best_p90_arm = min(base, key=lambda a: base[a]["ttft_p90"] if not math.isnan(base[a]["ttft_p90"]) else math.inf)
+    best_good_arm = max(base, key=lambda a: base[a]["goodput"])
+    best_p90, best_good = base[best_p90_arm]["ttft_p90"], base[best_good_arm]["goodput"]
+    out = {
+        "best_p90_arm": best_p90_arm, "best_good_arm": best_good_arm,
+        "p90_ratio": s["ttft_p90"] / best_p90 if best_p90 > 0 else math.inf,
+        "good_ratio": s["goodput"] / best_good if best_good > 0 else math.inf,
+        "p90_pass": s["ttft_p90"] <= best_p90, "good_pass": s["goodput"] >= best_good,
+    }
+    out["overload_pass"] = out["good_ratio"] >= 1.3 if cell.level > 1.0 else None
+    return out
+
+
+def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
+    v = verdict(cell)
+    rows = []
+    for arm in ARMS:
+        s = cell.figures[arm]
+        marks = []
+        if arm == v["best_p90_arm"]:
+            marks.append("best p90")
+        if arm == v["best_good_arm"]:
+            marks.append("best goodput")
+        label = f"{arm}" + (f" (**{', '.join(marks)}**)" if marks else "")
+        share = " / ".join(str(n) for n in s["served"])
+        peak = " / ".join(str(p) for p in s["peaks"])
+        rows.append(f"| {label} | {s['ttft_p50']:.2f} / {s['ttft_p90']:.2f} / {s['ttft_p99']:.2f} | "
+                    f"{s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} | {s['throughput']:.0f} | {s['goodput']:.2f} "
+                    f"({s['good_share']:.0%}) | {share} | {s['shed']}{'+' + str(s['errors']) + ' err' if s['errors'] else ''} "
+                    f"| {s['preemptions']} | {peak} |")
+    pf = lambda ok: "PASS" if ok else "**MISS**"  # noqa: E731
+    line = (f"sluice / best: TTFT p90 {v['p90_ratio']:.2f}x ({pf(v['p90_pass'])}), goodput {v['good_ratio']:.2f}x "
+            f"({pf(v['good_pass'])})")
+    if v["overload_pass"] is not None:
+        line += f", goodput >= 1.3x at 110%: {pf(v['overload_pass'])}"
+    s = cell.figures["sluice"]
+    loads = [cell.figures[a].get("loadavg", float("nan")) for a in ARMS]
+    reasons = ", ".join(f"{k} {n}" for k, n in s["reasons"].most_common())
+    reuse = " Baseline rows: the `open` cell's (identical requests)." if cell.mix == "deadline" else ""
+    return f"""#### {cell.fleet}, {cell.mix}, {cell.level:.0%} ({cell.rate:.2f} req/s wall, {cell.arrival}, {s['n']} requests)
+
+| arm | TTFT p50 / p90 / p99 (s) | e2e p50 / p99 (s) | tok/s | goodput req/s (share) | served {' / '.join(names)} | shed | preempt | peak run+wait (slots {' / '.join(map(str, slots))}) |
+|---|---|---|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+{line}. sluice: parked p50 {s['parked_p50']} ms, p90 {s['parked_p90']} ms; route reasons: {reasons}.{reuse}
+Machine load average after each arm ({', '.join(ARMS)}): {' / '.join(f'{x:.1f}' for x in loads)}.
+"""
+
+
+def _plot(cells: list[Cell]) -> str:
+    plt = pyplot()
+    fleets = sorted({c.fleet for c in cells})
+    mixes = [m for m in MIXES if any(c.mix == m for c in cells)]
+    fig, axes = plt.subplots(len(fleets), len(mixes), figsize=(4.2 * len(mixes), 3.4 * len(fleets)), squeeze=False)
+    for i, fleet in enumerate(fleets):
+        for j, mix in enumerate(mixes):
+            ax = axes[i][j]
+            chosen = sorted((c for c in cells if c.fleet == fleet and c.mix == mix and c.arrival == "constant"),
+                            key=lambda c: c.level)
+            for arm in ARMS:
+                ax.plot([f"{c.level:.0%}" for c in chosen], [c.figures[arm]["goodput"] for c in chosen], marker="o",
+                        label=arm, linewidth=2.5 if arm == "sluice" else 1.2)
+            ax.set_title(f"{fleet}, {mix} (constant)")
+            ax.set_ylabel("goodput (req/s within SLO)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"sluice bench steady: goodput, TTFT SLO {SLO_MS} ms")
+    return save_figure(fig, "steady")
+
+
+def _loadavg() -> float:
+    """The machine's 1-minute load average (2 cores: above ~2.5 something else is competing with the bench)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except OSError:
+        return float("nan")
+
+
+def _load_note() -> str:
+    try:
+        load = open("/proc/loadavg").read().split()[:3]
+        return f"load average {' '.join(load)}"
+    except OSError:
+        return "load average unknown"
+
+
+def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes: list[str] | None = None,
+                     levels: list[float] | None = None) -> int:
+    fleets = fleets or (["thor+spark"] if quick else list(FLEETS))
+    mixes = mixes or (["open"] if quick else list(MIXES))
+    levels = levels or list(LEVELS)
+    started, load_before = time.monotonic(), _load_note()
+    cells: list[Cell] = []
+    sections: list[str] = []
+    configs: list[str] = []
+    calibration_lines: list[str] = []
+    for fleet in fleets:
+        engines = [{"name": n, "sim": p, "speed": SPEED, "sim_model": MODEL} for n, p in FLEETS[fleet]]
+        slots = [PROFILES[p].max_num_seqs for _, p in FLEETS[fleet]]
+        names = [n for n, _ in FLEETS[fleet]]
+        with gateway(engines) as config:
+            urls = [e["url"] for e in config["engines"]]
+            ports = [int(u.rsplit(":", 1)[1]) for u in urls]
+            shapes = {"open": "open", "deadline": "open", "capped": "capped"}
+            measured: dict[str, list[float]] = {}
+            for shape in sorted({shapes[m] for m in mixes}):
+                _wait_idle(urls)
+                measured[shape] = asyncio.run(_calibrate(urls, slots, shape))
+                tok = measured[shape]
+                calibration_lines.append(
+                    f"- {fleet}, {shape} bodies (mean output {mean_output(shape):.0f} tokens): "
+                    + ", ".join(f"{n} {t:.1f} tok/s ({PROFILES[p].decode_aggregate_tokens_per_s[-1]:.1f} profile)"
+                                for (n, p), t in zip(FLEETS[fleet], tok))
+                    + f"; fleet {sum(tok) / mean_output(shape) * SPEED:.2f} req/s wall")
+                print(calibration_lines[-1], flush=True)
+            for mix in mixes:
+                shape = shapes[mix]
+                capacity = sum(measured[shape]) / mean_output(mix) * SPEED
+                weights = [max(1, round(t)) for t in measured[shape]]
+                with plain_envoy_arm(ports, "ROUND_ROBIN") as rr, plain_envoy_arm(ports, "LEAST_REQUEST") as lr, \
+                        plain_envoy_arm(ports, "ROUND_ROBIN", weights, slots, concurrency=1) as rrw, \
+                        plain_envoy_arm(ports, "LEAST_REQUEST", weights, slots, concurrency=1) as lrw:
+                    plain: dict[str, PlainEnvoy] = {"RR": rr, "LR": lr, "RR+w+cap": rrw, "LR+w+cap": lrw}
+                    if mix != "deadline":
+                        for arm, envoy in plain.items():
+                            configs.append(f"#### {fleet}, {mix} bodies: `{arm}` (`envoy --concurrency "
+                                           f"{envoy.concurrency}`)\n\n```yaml\n{_arm_part(envoy.bootstrap)}```\n")
+                    for level in levels:
+                        for arrival in ("constant", "poisson") if (fleet, level) == POISSON else ("constant",):
+                            cell = Cell(fleet, mix, level, arrival, level * capacity)
+                            seed = SEED + int(level * 100) + (1000 if arrival == "poisson" else 0)
+                            jobs = draw_jobs(cell.rate, WINDOWS_S[fleet], arrival, seed)
+                            if mix == "deadline":
+                                twin = next((c for c in cells if c.fleet == fleet and c.mix == "open"
+                                             and c.level == level and c.arrival == arrival), None)
+                                arms = {"sluice": config["base_url"]}
+                                if twin is None:
+                                    arms.update({a: e.base for a, e in plain.items()})
+                                else:
+                                    cell.figures.update({a: twin.figures[a] for a in BASELINES})
+                            else:
+                                arms = {"sluice": config["base_url"], **{a: e.base for a, e in plain.items()}}
+                            counters_before = {a: plain[a].counters() for a in ("RR+w+cap", "LR+w+cap")}
+                            run_cell(cell, jobs, arms, urls)
+                            for a in ("RR+w+cap", "LR+w+cap"):
+                                if a in arms:
+                                    after = plain[a].counters()
+                                    for k in ("upstream_rq_pending_total", "upstream_rq_pending_overflow",
+                                              "upstream_cx_overflow"):
+                                        cell.figures[a][k] = after.get(k, 0) - counters_before[a].get(k, 0)
+                            cells.append(cell)
+                            sections.append(_fmt_table(cell, slots, names))
+    elapsed = time.monotonic() - started
+    verdicts = [(c, verdict(c)) for c in cells]
+    summary = []
+    misses = []
+    for c, v in verdicts:
+        s = c.figures["sluice"]
+        b90, bg = c.figures[v["best_p90_arm"]], c.figures[v["best_good_arm"]]
+        ok = v["p90_pass"] and v["good_pass"] and v["overload_pass"] is not False
+        peak_load = max(c.figures[a].get("loadavg", 0.0) for a in ARMS)
+        summary.append(f"| {c.fleet} | {c.mix} | {c.level:.0%} | {c.arrival} | {s['ttft_p90']:.2f} | "
+                       f"{b90['ttft_p90']:.2f} ({v['best_p90_arm']}) | {s['goodput']:.2f} | {bg['goodput']:.2f} "
+                       f"({v['best_good_arm']}) | {v['good_ratio']:.2f}x | {'PASS' if ok else '**MISS**'} | "
+                       f"{peak_load:.1f} |")
+        if not ok:
+            failed = [k for k, key in (("TTFT p90", "p90_pass"), ("goodput", "good_pass"), ("1.3x", "overload_pass"))
+                      if v[key] is False]
+            misses.append(f"{c.fleet}/{c.mix}/{c.level:.0%}/{c.arrival} ({', '.join(failed)})")
+    cap_lines, over_cap = [], []
+    for c in cells:
+        slots = [PROFILES[p].max_num_seqs for _, p in FLEETS[c.fleet]]
+        for a in ("RR+w+cap", "LR+w+cap"):
+            f = c.figures[a]
+            if "upstream_rq_pending_total" in f and c.mix != "deadline":
+                where = f"{c.fleet}/{c.mix}/{c.level:.0%}/{c.arrival} {a}"
+                cap_lines.append(f"{where}: peak run+wait {'/'.join(map(str, f['peaks']))}; held back by the "
+                                 f"per-host cap {f['upstream_cx_overflow']} times; through the pending queue "
+                                 f"{f['upstream_rq_pending_total']}; rejected {f['upstream_rq_pending_overflow']}")
+                if any(p > s for p, s in zip(f["peaks"], slots)) or f["upstream_rq_pending_overflow"]:
+                    over_cap.append(where)
+    plot = _plot(cells)
+    doc = (__doc__ or "").replace("{SPEED}", f"{SPEED:g}")
+    body = f"""{doc}
+Run: simulator speed x{SPEED:g}; arrivals for {', '.join(f'{w:g} s ({f})' for f, w in WINDOWS_S.items())} per cell;
+TTFT SLO {SLO_MS} ms wall ({SLO_MS * SPEED / 1000:g} s emulated); calibration {CAL_S:g} s per fleet and body shape
+({CAL_WARM_S:g} s warm-up); Poisson arrivals besides constant ones on {POISSON[0]} at {POISSON[1]:.0%} only. sluice: `sluice up` defaults, no setting
+changed. Machine {_load_note()} at the end, {load_before} at the start; {elapsed / 60:.1f} min.
+
+## Measured capacity
+
+{chr(10).join(calibration_lines)}
+
+## Headline (every cell against the best baseline of that cell, measured in the same run)
+
+| fleet | mix | load | arrival | sluice TTFT p90 (s) | best baseline p90 (arm) | sluice goodput | best baseline goodput (arm) | goodput ratio | targets | max load avg |
+|---|---|---|---|---|---|---|---|---|---|---|
+{chr(10).join(summary)}
+
+{len(cells) - len(misses)} of {len(cells)} cells meet every target.{' Missed: ' + '; '.join(misses) + '.' if misses else ''}
+
+![steady]({plot})
+
+## Cells
+
+{chr(10).join(sections)}
+## The capped Envoy arms stayed within max_num_seqs
+
+Peak running + waiting per engine (sampled every 100 ms) and Envoy's own counters: `upstream_cx_overflow` (a request found
+its host at the connection cap and stayed pending), `upstream_rq_pending_total` (requests that went through the pending
+queue at all, including a wait for a new connection) and `upstream_rq_pending_overflow` (rejections):
+
+{chr(10).join('- ' + ln for ln in cap_lines)}
+
+{'Over a cap or rejected: ' + '; '.join(over_cap) if over_cap else 'No engine exceeded its max_num_seqs under a capped arm, and Envoy rejected nothing.'}
+
+## Every baseline's Envoy configuration
+
+Each plain Envoy runs `envoy/bench-plain.yaml` (listener, route with `timeout: 0s`, router) with these clusters, exactly as
+rendered (ports are this run's):
+
+{chr(10).join(configs)}
+"""
+    path = write_report("steady", "sluice bench steady: sluice vs the best plain-Envoy arm at measured capacity", body)
+    print(body[body.index("## Measured capacity"):body.index("## Cells")])
+    print(f"report: {path}")
+    return 0 if not misses else 1
+
+
+def _arm_part(bootstrap: str) -> str:
+    """The lines of a plain-Envoy bootstrap that differ between arms (the rest is envoy/bench-plain.yaml, printed once):
+    the cluster from ``lb_policy`` to the end."""
+    return bootstrap[bootstrap.index("    - name: engine"):]
+
