@@ -1,17 +1,24 @@
-# Two commands: `make run` and `make test`. Each builds .venv from scratch when needed.
+# Two commands: `make run` and `make test`. Each builds .venv from scratch when needed. `make test-real` (not part of
+# `make test`): a real llama.cpp llama-server, built once from the pinned llama-cpp-python sdist and cached, behind sluice.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 STUBS  := sluice/admin/v1/admin_pb2.py sluice/admin/v1/admin_pb2_grpc.py
 
-.PHONY: run test install stubs bench clean prometheus
+.PHONY: run test test-real install stubs bench clean prometheus
 
 run: install
 	$(VENV)/bin/sluice up
 
 test: install prometheus
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Builds llama-server first unless ${XDG_CACHE_HOME:-~/.cache}/sluice/llama.cpp/<version>/ holds it (about 15 minutes on 2
+# cores, at nice 19; the time is printed), then runs tests/real through sluice and Envoy (under a minute).
+test-real: install
+	$(PY) -m sluice.real.llama build
+	$(PY) -m pytest -q -p no:cacheprovider tests/real
 
 install: $(STAMP) $(STUBS)
 
