@@ -1,30 +1,40 @@
-"""``sluice.admin.v1.Admin``: what operators (and tests) read about the running control plane."""
+"""``sluice.admin.v1.Admin``: what operators (and tests) read about the running control plane, and the changes they make.
+
+Every call passes the ``AdminGuard`` first (``controlplane/adminauth.py``): a change (reload, drain, undrain, floor) needs a
+valid bearer token, a read one only with ``admin.require_token_for_reads``. Every accepted or refused change is one line of
+the audit log."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 
+from controlplane.adminauth import AdminGuard, audit
 from controlplane.admin_views import engine_proto, explain_proto, explain_request, status_proto
+from controlplane.policytext import policy_yaml
 from controlplane.core.decide import explain
-from controlplane.core.model import EngineView, Fleet
-from controlplane.core.policy import PRIORITIES
+from controlplane.core.model import EngineView, Fleet, Priority
 from controlplane.ports import AdminPort
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    def __init__(self, plane: AdminPort) -> None:
+    def __init__(self, plane: AdminPort, guard: AdminGuard) -> None:
         self.plane = plane
+        self.guard = guard
 
     async def GetStatus(  # noqa: N802
         self, request: admin_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.GetStatusResponse:
+        await self.guard.require(context, "GetStatus", mutating=False)
         now = self.plane.now()
         return status_proto(self.plane.status(now), self.plane.fleet(now))
 
     async def ListEngines(  # noqa: N802
         self, request: admin_pb2.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListEnginesResponse:
+        await self.guard.require(context, "ListEngines", mutating=False)
         now = self.plane.now()
         fleet = self.plane.fleet(now)
         return admin_pb2.ListEnginesResponse(engines=[self._engine(e, fleet, now) for e in fleet.engines])
@@ -32,8 +42,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def DrainEngine(  # noqa: N802
         self, request: admin_pb2.DrainEngineRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.Engine:
+        what = {"method": "DrainEngine", "engine": request.name, "drained": request.drained}
+        who = await self.guard.require(context, "DrainEngine", mutating=True, what=what)
+        before = next((e.drained for e in self.plane.fleet(self.plane.now()).engines if e.name == request.name), None)
         if not await self.plane.set_drained(request.name, request.drained):
+            audit(who=who, what=what, before=None, after=None, result="refused: no such engine", peer=context.peer())
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no engine named {request.name!r}")
+        audit(who=who, what=what, before={"drained": before}, after={"drained": request.drained}, result="applied",
+              peer=context.peer())
         now = self.plane.now()
         fleet = self.plane.fleet(now)
         return self._engine(next(e for e in fleet.engines if e.name == request.name), fleet, now)
@@ -41,11 +57,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ExplainDecision(  # noqa: N802
         self, request: admin_pb2.ExplainDecisionRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ExplainDecisionResponse:
-        priority = request.priority or "standard"
-        if priority not in PRIORITIES or not request.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"need a model and a priority in {PRIORITIES}")
+        await self.guard.require(context, "ExplainDecision", mutating=False)
+        names = tuple(p.value for p in Priority)
+        if (request.priority or Priority.STANDARD) not in names or not request.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"need a model and a priority in {names}")
         now = self.plane.now()
-        inference = explain_request(request, priority, self.plane.policy)
+        inference = explain_request(request, Priority(request.priority or Priority.STANDARD), self.plane.policy)
         decision, ahead = self.plane.decide_for(inference, now)
         fleet = self.plane.fleet(now)
         return explain_proto(decision, ahead, explain(inference, fleet, self.plane.policy, now))
@@ -53,9 +70,49 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ReloadConfig(  # noqa: N802
         self, request: admin_pb2.ReloadConfigRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ReloadConfigResponse:
+        what = {"method": "ReloadConfig", "path": request.path or None}
+        who = await self.guard.require(context, "ReloadConfig", mutating=True, what=what)
+        before = policy_yaml(self.plane.policy)
         result = await self.plane.reload(request.path or None)
+        after = policy_yaml(self.plane.policy)
+        audit(who=who, what=what, before=before if result.applied else None, after=after if result.applied else None,
+              result=f"applied; changed: {', '.join(result.changed) or 'nothing'}" if result.applied
+              else "refused: " + "; ".join(result.problems), peer=context.peer())
         return admin_pb2.ReloadConfigResponse(applied=result.applied, problems=list(result.problems),
                                               changed=list(result.changed), source=result.source)
+
+    async def SetVersionFloor(  # noqa: N802
+        self, request: admin_pb2.SetVersionFloorRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.SetVersionFloorResponse:
+        what = {"method": "SetVersionFloor", "model_pattern": request.model_pattern, "version": request.version}
+        who = await self.guard.require(context, "SetVersionFloor", mutating=True, what=what)
+        result = await self.plane.set_version_floor(request.model_pattern, request.version)
+        audit(who=who, what=what, before=result.before or None, after=result.after or None,
+              result="applied" if result.applied else "refused: " + "; ".join(result.problems), peer=context.peer())
+        return admin_pb2.SetVersionFloorResponse(applied=result.applied, problems=list(result.problems),
+                                                 before=result.before, after=result.after)
+
+    async def GetPolicy(  # noqa: N802
+        self, request: admin_pb2.GetPolicyRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetPolicyResponse:
+        await self.guard.require(context, "GetPolicy", mutating=False)
+        return admin_pb2.GetPolicyResponse(yaml=policy_yaml(self.plane.policy), source=self.plane.config_source)
+
+    async def WatchDecisions(  # noqa: N802
+        self, request: admin_pb2.WatchDecisionsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.DecisionEvent]:
+        await self.guard.require(context, "WatchDecisions", mutating=False)
+        watcher = self.plane.watch(request.model or None)
+        try:
+            while True:
+                event, dropped = await watcher.next()
+                yield admin_pb2.DecisionEvent(
+                    at_unix=event.at_unix, request_id=event.request_id, verdict=event.verdict, reason=event.reason,
+                    engine=event.engine, model=event.model, tenant=event.tenant, parked_ms=event.parked_ms,
+                    expected_ttft_s=event.expected_ttft_s, retry_after_s=event.retry_after_s, priority=event.priority,
+                    dropped_since_last=dropped)
+        finally:
+            self.plane.unwatch(watcher)
 
     def _engine(self, e: EngineView, fleet: Fleet, now: float) -> admin_pb2.Engine:
         model = e.models[0].model_id if e.models else None

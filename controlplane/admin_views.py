@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from controlplane.core.fit import effective_load
-from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest
+from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Priority
 from controlplane.core.policy import Policy
 from controlplane.edge import http_status
 from controlplane.ports import StatusFacts
@@ -63,7 +63,7 @@ def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
         last_error=e.last_error,
         version=e.version or "",
         effective_load=int(effective_load(e, fleet)),
-        flavor=e.flavor or "",
+        flavor=e.flavor.value if e.flavor else "",
         chip_class=e.chip_class,
         kv_capacity_tokens=e.kv_capacity_tokens or 0,
         discovered_concurrency=e.discovered_concurrency or 0,
@@ -77,7 +77,7 @@ def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
     )
 
 
-def explain_request(request: admin_pb2.ExplainDecisionRequest, priority: str, policy: Policy) -> InferenceRequest:
+def explain_request(request: admin_pb2.ExplainDecisionRequest, priority: Priority, policy: Policy) -> InferenceRequest:
     return InferenceRequest(
         "POST", "/v1/chat/completions", request.model, prompt_tokens=max(0, request.prompt_tokens),
         max_tokens=request.max_tokens or None, priority=priority,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from controlplane.config import Config
@@ -19,6 +20,7 @@ from controlplane.core.model import EngineView, InferenceRequest, Ticket, Verdic
 from controlplane.metrics import SluiceMetrics
 from controlplane.observation import Observation
 from controlplane.ports import CheckSettings
+from controlplane.watch import DecisionEvent, DecisionFeed
 
 log = logging.getLogger("sluice.admission")
 
@@ -35,13 +37,15 @@ class AdmissionService:
         self.metrics = metrics
         self.clock = clock
         self._parked: dict[str, asyncio.Future[Outcome]] = {}
+        self.feed = DecisionFeed(metrics)
+        """Every final answer, for the admin API's ``WatchDecisions`` (bounded per watcher)."""
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- CheckPort ---------------------------------------------------------------------------------------------------
     @property
     def settings(self) -> CheckSettings:
         cp = self.config.controlplane
-        return CheckSettings(self.config.policy, self.config.authz_timeout_seconds, cp.max_check_queue_ms,
+        return CheckSettings(self.config.policy, self.config.authz_timeout_s, cp.max_check_queue_ms,
                              cp.overload_retry_after_seconds)
 
     def check(self, request_id: str, request: InferenceRequest) -> Outcome:
@@ -77,7 +81,7 @@ class AdmissionService:
         if outcome is not None and outcome.ticket is not None:
             self.release_ticket(outcome.ticket.ticket_id)
 
-    def record_outcome(self, model: str | None, outcome: Outcome) -> None:
+    def record_outcome(self, model: str | None, outcome: Outcome, request: InferenceRequest | None = None) -> None:
         d = outcome.decision
         m = self.metrics
         m.admission_decisions.labels(self.model_label(model), d.verdict.value, d.reason.value).inc()
@@ -85,6 +89,11 @@ class AdmissionService:
             m.admission_rejected.labels(d.reason.value).inc()
         if outcome.parked_for > 0:
             m.park_seconds.observe(outcome.parked_for)
+        if self.feed.watchers:
+            self.feed.publish(DecisionEvent(
+                time.time(), outcome.request_id, d.verdict.value, d.reason.value, d.engine or "", model or "", "",
+                round(outcome.parked_for * 1000, 1), d.expected_ttft_s, d.retry_after_s or 0,
+                str(getattr(request.priority, "value", request.priority)) if request is not None else ""))
 
     def model_label(self, model: str | None) -> str:
         return self.observation.model_label(model)

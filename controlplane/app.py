@@ -1,5 +1,5 @@
-"""Wiring only: the control plane's parts, one gRPC server (ADS, ext_authz, access log, admin), the HTTP endpoint, and the
-process entry point (signals: SIGTERM stops, SIGHUP reloads)."""
+"""Wiring only: the control plane's parts, the Envoy-facing gRPC server (ADS, ext_authz, access log), the admin API's own
+gRPC listener, the HTTP endpoint, and the process entry point (signals: SIGTERM stops, SIGHUP reloads)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from pathlib import Path
 from importlib.metadata import PackageNotFoundError, version
 
 import grpc
@@ -21,23 +22,26 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from controlplane.accesslog import AccessLogServicer
 from controlplane.admin import AdminServicer
+from controlplane.adminauth import AdminGuard, load_tokens
 from controlplane.admission_service import AdmissionService
 from controlplane.authz import AuthorizationServicer
 from controlplane.config import (
-    RELOADABLE, Config, ConfigError, changed_sections, load_config, load_resolved_config, resolve_engines,
+    RELOADABLE, Config, ConfigError, OnStale, changed_sections, is_loopback, load_config, load_resolved_config,
+    resolve_engines,
 )
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Ticket
-from controlplane.core.policy import Policy
+from controlplane.core.policy import Policy, version_key
 from controlplane.core.weights import Weights
 from controlplane.httpendpoint import HttpEndpoint
 from controlplane.metrics import SluiceMetrics
 from controlplane.observation import Observation
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import RateBook
-from controlplane.ports import ReloadResult, StatusFacts, XdsTypeStatus
+from controlplane.ports import FloorResult, ReloadResult, StatusFacts, XdsTypeStatus
+from controlplane.watch import Watcher
 from controlplane.xds.publisher import XdsPublisher
 from controlplane.xds.server import AdsServicer
 from controlplane.xds.snapshot import Snapshot, SnapshotCache
@@ -74,7 +78,7 @@ class ControlPlane:
         self.ledger = Ledger(config.tickets.lease_seconds)
         self.metrics = SluiceMetrics(
             open_tickets=lambda: {p.config.name: self.ledger.open_tickets(p.config.name) for p in self.pollers})
-        self.admission = AdmissionCore(config.policy, self.ledger, admit_stale=config.observe.on_stale == "open",
+        self.admission = AdmissionCore(config.policy, self.ledger, admit_stale=config.observe.on_stale is OnStale.OPEN,
                                        draw=random.random)
         self.observation = Observation(config, self.admission, self.metrics, clock, self._on_probe)
         self.service = AdmissionService(config, self.admission, self.observation, self.metrics, clock)
@@ -82,7 +86,9 @@ class ControlPlane:
         self.http = HttpEndpoint(config.controlplane.host, config.controlplane.metrics_port, self.metrics,
                                  self.service)
         self.grpc_port = 0
+        self.admin_port = 0
         self._server: grpc.aio.Server | None = None
+        self._admin_server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- shortcuts tests and benches read ----------------------------------------------------------------------------
@@ -167,7 +173,45 @@ class ControlPlane:
         assert request.model is not None
         ahead = self.admission.queued_ahead(request.model, request.priority)
         return decide(request, self.fleet(now), self.config.policy, now, ahead,
-                      self.admission.sessions.get(request.session)), ahead
+                      self.admission.sessions.get(request.session), arriving=True), ahead
+
+    @property
+    def config_source(self) -> str:
+        return self.config.source
+
+    def watch(self, model: str | None) -> Watcher:
+        return self.service.feed.subscribe(model)
+
+    def unwatch(self, watcher: Watcher) -> None:
+        self.service.feed.unsubscribe(watcher)
+
+    async def set_version_floor(self, pattern: str, version: str) -> FloorResult:
+        """Set (empty ``version``: remove) one version floor, through the same door as a reload (``set_policy``)."""
+        floors = dict(self.config.policy.version_floors)
+        before = floors.get(pattern, "")
+        if not pattern or (version and not version_key(version)):
+            return FloorResult(False, (f"version_floors.{pattern or '?'}: need a model pattern and a version like "
+                                       f"0.11.0, got {version!r}",), before, before)
+        if version:
+            floors[pattern] = version
+        else:
+            floors.pop(pattern, None)
+        policy = replace(self.config.policy, version_floors=tuple(floors.items()))
+        self._set_config(replace(self.config, policy=policy))
+        self.admission.set_policy(policy, admit_stale=self.admission.admit_stale)
+        log.warning("version floor %s: %s -> %s", pattern, before or "none", version or "none")
+        await self.refresh_weights()
+        self.wake()
+        return FloorResult(True, (), before, version)
+
+    def reload_allowed(self, path: str) -> bool:
+        """A reload may name the running config file, or a file under ``admin.reload_dir``; nothing else the server can
+        read (a file naming other engine URLs would redirect everyone's prompts)."""
+        wanted = Path(path).resolve()
+        if not self.config.source.startswith(("bundled:", "<")) and wanted == Path(self.config.source).resolve():
+            return True
+        root = self.config.admin.reload_dir
+        return root is not None and wanted.is_relative_to(Path(root).resolve())
 
     async def reload(self, path: str | None = None) -> ReloadResult:
         """Apply a config file's policy, all or nothing. Every attempt is counted in ``sluice_config_reloads_total``."""
@@ -179,6 +223,10 @@ class ControlPlane:
         return result
 
     async def _reload(self, path: str | None) -> ReloadResult:
+        if path is not None and not self.reload_allowed(path):
+            return ReloadResult(False, (f"(file): a reload may name only the running config file or a file under "
+                                        f"admin.reload_dir ({self.config.admin.reload_dir or 'not set'}); not {path}",),
+                                (), path)
         source = path or (None if self.config.source.startswith("bundled:") else self.config.source)
         if source == "<memory>":
             return ReloadResult(False, ("(file): this control plane was not started from a file; name one",), (),
@@ -196,7 +244,7 @@ class ControlPlane:
                          source=fresh.source)
         self.observation.apply_engines(config)
         self._set_config(config)
-        self.admission.set_policy(fresh.policy, admit_stale=fresh.observe.on_stale == "open")
+        self.admission.set_policy(fresh.policy, admit_stale=fresh.observe.on_stale is OnStale.OPEN)
         log.warning("policy reloaded from %s; changed: %s", fresh.source, ", ".join(changed) or "nothing")
         if "engines" in changed:
             await self.publish()  # clusters and endpoints first-class over CDS/EDS; the listener does not move
@@ -226,6 +274,7 @@ class ControlPlane:
         HTTP, probe every engine once, publish the first snapshot, then answer gRPC."""
         self._set_config(await resolve_engines(self.config))
         cfg = self.config
+        guard = AdminGuard(load_tokens(cfg.admin), cfg.admin.require_token_for_reads, self.metrics)  # ConfigError
         await self.http.start()  # its port is the retry redirector's endpoint in every engine cluster
         await self.observation.start()  # one probe round before any Check is answered or any weight published
         now = self.clock()
@@ -236,17 +285,28 @@ class ControlPlane:
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.xds.ads, server)
         external_auth_pb2_grpc.add_AuthorizationServicer_to_server(AuthorizationServicer(self.service), server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.service), server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), server)
         self.grpc_port = server.add_insecure_port(f"{cfg.controlplane.host}:{cfg.controlplane.grpc_port}")
         if not self.grpc_port:
             raise OSError(f"cannot bind gRPC on {cfg.controlplane.host}:{cfg.controlplane.grpc_port}")
+        if not is_loopback(cfg.controlplane.host):
+            log.warning("the Envoy-facing gRPC port (ADS, ext_authz, access log) listens on %s, not loopback, without "
+                        "mTLS: restrict who reaches it (deploy/ NetworkPolicy lets only Envoy in)", cfg.controlplane.host)
+        # The admin API on a listener of its own (loopback by default), every call through the token guard.
+        admin_server = grpc.aio.server(options=GRPC_OPTIONS)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self, guard), admin_server)
+        self.admin_port = admin_server.add_insecure_port(f"{cfg.controlplane.admin_host}:{cfg.controlplane.admin_port}")
+        if not self.admin_port:
+            raise OSError(f"cannot bind the admin API on {cfg.controlplane.admin_host}:{cfg.controlplane.admin_port}")
         await server.start()
         self._server = server
+        await admin_server.start()
+        self._admin_server = admin_server
         self.service.start()
         self._tasks.append(asyncio.create_task(self._watch_staleness(), name="staleness"))
         log.info(
-            "control plane on %s:%d (ADS, ext_authz, ALS, admin), metrics on :%d, %d engines",
-            cfg.controlplane.host, self.grpc_port, self.metrics_port, len(cfg.engines),
+            "control plane on %s:%d (ADS, ext_authz, ALS), admin on %s:%d, metrics on :%d, %d engines",
+            cfg.controlplane.host, self.grpc_port, cfg.controlplane.admin_host, self.admin_port, self.metrics_port,
+            len(cfg.engines),
         )
 
     async def stop(self) -> None:
@@ -256,6 +316,8 @@ class ControlPlane:
         self._tasks.clear()
         await self.service.stop()
         await self.observation.stop()
+        if self._admin_server is not None:
+            await self._admin_server.stop(grace=0.2)
         if self._server is not None:
             await self._server.stop(grace=0.5)
         await self.http.stop()

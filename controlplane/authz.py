@@ -11,7 +11,7 @@ control plane, as "let the request through unpinned", past every cap. So:
   ticket or parked entry the failed Check already held is given back;
 - a call that waited in gRPC's queue longer than ``controlplane.max_check_queue_ms`` is answered 503
   ``controlplane_overloaded`` + retry-after before any parsing. The wait is read from the deadline Envoy sets
-  (``authz_timeout_seconds``): grpc-core fixes the deadline when the call arrives, so ``authz_timeout_seconds -
+  (``authz_timeout_s``): grpc-core fixes the deadline when the call arrives, so ``authz_timeout_s -
   context.time_remaining()`` includes the time the call queued before this handler ran (measured, not assumed).
 
 Only a cancelled Check (the client left) ends without an answer, and it leaves no ticket or parked entry behind.
@@ -28,7 +28,7 @@ from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 
 from controlplane.core.admission import Outcome
 from controlplane.core.decide import refuse
-from controlplane.core.model import Verdict
+from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.ports import CheckPort, CheckSettings
 from controlplane.core.request import RequestError, parse_request
 # The CheckResponse builders live at the edge, with every status and error code (edge.py).
@@ -42,11 +42,11 @@ OVERLOADED = Failure.CONTROLPLANE_OVERLOADED
 _OVERLOAD_LOG_EVERY_S = 5.0
 
 
-def queued_seconds(context: grpc.aio.ServicerContext, authz_timeout_seconds: float) -> float | None:
+def queued_s(context: grpc.aio.ServicerContext, authz_timeout_s: float) -> float | None:
     """How long the call waited before its handler ran: Envoy's timeout minus what its deadline leaves. None without a
     deadline (a caller other than Envoy), which is never shed."""
     remaining = context.time_remaining()
-    return None if remaining is None else max(0.0, authz_timeout_seconds - remaining)
+    return None if remaining is None else max(0.0, authz_timeout_s - remaining)
 
 
 def avoided_engine(path: str) -> str | None:
@@ -65,15 +65,18 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
     ) -> external_auth_pb2.CheckResponse:
         started = time.perf_counter()
         port, settings = self.admission, self.admission.settings
-        queued = queued_seconds(context, settings.authz_timeout_s)
+        queued = queued_s(context, settings.authz_timeout_s)
         if queued is not None and queued * 1000 > settings.max_check_queue_ms:
             response = self._overloaded(queued, settings)
         else:
-            request_id = uuid.uuid4().hex
+            http = request.attributes.request.http
+            # Envoy's own x-request-id (its HCM makes one per request and forwards it to the engine), so the control
+            # plane's log, the watch stream and the engine's log name a request the same way.
+            request_id = http.headers.get("x-request-id") or uuid.uuid4().hex
             outcome: Outcome | None = None  # the latest answer from admission: a failure after it must give its hold back
             try:
-                http = request.attributes.request.http
                 model: str | None = None
+                parsed: InferenceRequest | None = None
                 try:
                     parsed = parse_request(http.method, http.path, http.raw_body, http.headers, settings.policy)
                 except RequestError as error:
@@ -83,7 +86,7 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
                     outcome = port.check(request_id, parsed)
                 if outcome.decision.verdict is Verdict.PARK:
                     outcome = await port.wait_parked(request_id)
-                port.record_outcome(model, outcome)
+                port.record_outcome(model, outcome, parsed)
                 response = self._answer(outcome, avoided_engine(http.path))
             except Exception:  # not BaseException: a cancelled Check (CancelledError) must still end the RPC
                 log.exception("Check %s failed inside the control plane; answered 500 %s", request_id, INTERNAL_ERROR)

@@ -30,22 +30,73 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import ipaddress
 import re
 import socket
 from collections.abc import Iterator
 from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
 
+from controlplane.core.model import Flavor
 from controlplane.core.policy import Box, ModelPolicy, Policy, version_key
 
 BUNDLED_CONFIG = "default.yaml"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _RESERVED_PREFIX = "sluice_"
+
+
+class OnFailure(enum.StrEnum):
+    """``envoy.on_controlplane_failure``: what Envoy does when the control plane does not answer a Check."""
+
+    OPEN = "open"
+    """Unpinned requests follow each model's last capacity weights."""
+    CLOSED = "closed"
+    """503 + Retry-After."""
+
+
+class OnStale(enum.StrEnum):
+    """``observe.on_stale``: whether an engine whose probes stopped answering is still admitted to."""
+
+    OPEN = "open"
+    """Still admitted, after fresh engines (seed 004's choice)."""
+    CLOSED = "closed"
+
+
+class EngineFlavor(enum.StrEnum):
+    """``engines[].flavor``: ``auto`` (detected from ``/metrics``) or one ``Flavor``."""
+
+    AUTO = "auto"
+    VLLM = Flavor.VLLM.value
+    SGLANG = Flavor.SGLANG.value
+    LLAMACPP = Flavor.LLAMACPP.value
+    TGI = Flavor.TGI.value
+
+    @property
+    def configured(self) -> Flavor | None:
+        """The flavour to parse with, or None to detect it."""
+        return None if self is EngineFlavor.AUTO else Flavor(self.value)
+
+
+class SimFlavor(enum.StrEnum):
+    """``engines[].sim_flavor``: the metric dialect a simulator speaks (``enginesim.exposition.Dialect``, which a unit test
+    keeps equal: the config does not import the simulator)."""
+
+    VLLM_V1 = "vllm-v1"
+    VLLM_V0 = "vllm-v0"
+    SGLANG = "sglang"
+    LLAMACPP = "llamacpp"
+
+    @property
+    def vllm(self) -> bool:
+        return self in (SimFlavor.VLLM_V1, SimFlavor.VLLM_V0)
+
+
+_E = TypeVar("_E", bound=enum.StrEnum)
 
 
 class ConfigError(ValueError):
@@ -69,6 +120,29 @@ class ControlPlaneConfig:
     max_pending_rpcs: int
     """grpc-core's pending-call limits (soft and hard): calls beyond them are cancelled by gRPC itself, which Envoy would
     treat as an ext_authz error. Sized well above every parking lot together."""
+    admin_host: str = "127.0.0.1"
+    """The admin API's own listener (never the Envoy-facing port). A non-loopback address needs an admin token source."""
+    admin_port: int = 18001
+    """0: any free port (the control plane reports the one it bound, like ``grpc_port``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    """Who may use the admin API. A token is a line ``name:secret`` (or just ``secret``, named ``default``); a token file
+    holds one per line (``#`` comments allowed), the environment variable one. Mutating calls (reload, drain, undrain,
+    floors) always need a token; with no token source configured they are all refused."""
+
+    token_file: str | None = None
+    token_env: str | None = None
+    require_token_for_reads: bool = False
+    """Reads (status, engines, explain, policy, watch) need a token too."""
+    reload_dir: str | None = None
+    """A reload may name the running config file, or a file under this directory; no other path (None: only the
+    running file)."""
+
+    @property
+    def has_token_source(self) -> bool:
+        return bool(self.token_file or self.token_env)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +161,7 @@ class EnvoyConfig:
     """Connect timeout to an engine."""
     client_headers_kept: tuple[str, ...]
     """``x-sluice-*`` request headers a client may send (inputs, never routing); every other one is stripped."""
-    on_controlplane_failure: str
+    on_controlplane_failure: OnFailure
     """``open``: Envoy routes unpinned requests by each model's last capacity weights; ``closed``: 503 + retry-after."""
     failure_retry_after_seconds: int
     """Retry-After on the fail-closed 503."""
@@ -117,7 +191,7 @@ class ObserveConfig:
     stale_after_polls: int
     models_refresh_seconds: float
     max_backoff_seconds: float
-    on_stale: str
+    on_stale: OnStale
     """``open``: a stale engine is still admitted to (after fresh ones; seed 004's choice); ``closed``: it is not."""
     rate_ring_size: int
     """Samples kept per (model, chip class) for the prefill and solo-decode medians."""
@@ -127,7 +201,7 @@ class ObserveConfig:
     """A prefill-rate sample needs at least this many prompt tokens in its interval (tiny prompts mislead)."""
 
     @property
-    def stale_after_seconds(self) -> float:
+    def stale_after_s(self) -> float:
         return self.poll_interval_seconds * self.stale_after_polls
 
 
@@ -154,11 +228,11 @@ class EngineConfig:
     sim: str | None
     """Simulator profile ``sluice up`` starts for this engine, or None for an engine running elsewhere."""
     sim_speed: float
-    flavor: str
+    flavor: EngineFlavor
     """``auto`` (detected from ``/metrics``) or one of ``vllm``, ``sglang``, ``llamacpp``, ``tgi``."""
     chip_class: str
     """Engines of one chip class share prefill/decode medians; defaults to the engine's own name."""
-    sim_flavor: str
+    sim_flavor: SimFlavor
     """Metric dialect the simulator speaks (``vllm-v1``, ``vllm-v0``, ``sglang``, ``llamacpp``)."""
     prefill_tokens_per_s: float | None = None
     """Operator's anchor for this engine's prefill rate, used until one is measured."""
@@ -186,11 +260,12 @@ class Config:
     engines: tuple[EngineConfig, ...]
     source: str
     policy: Policy = Policy()
+    admin: AdminConfig = AdminConfig()
 
     @property
-    def authz_timeout_seconds(self) -> float:
+    def authz_timeout_s(self) -> float:
         """Envoy's ext_authz timeout: tied to the stream idle timeout, not to the (reloadable) park bound, so the listener
-        never changes on a policy reload. Validation keeps ``max_park_seconds + grace`` below it."""
+        never changes on a policy reload. Validation keeps ``max_park_s + grace`` below it."""
         return self.envoy.stream_idle_timeout_seconds - AUTHZ_TIMEOUT_GRACE_S
 
     def restart_needed(self, other: Config) -> list[str]:
@@ -206,7 +281,7 @@ class Config:
         return changed
 
 
-_PROCESS_SECTIONS = ("controlplane", "envoy", "observe", "tickets")
+_PROCESS_SECTIONS = ("controlplane", "envoy", "observe", "tickets", "admin")
 """The sections read once, when a process starts (less any field ``RELOADABLE`` names)."""
 _POLICY_PARTS = ("models", "version_floors", "boxes")
 """Sections of the config that become ``Policy`` fields of the same name; ``admission`` is the rest of ``Policy``."""
@@ -231,7 +306,9 @@ def changed_sections(old: Config, new: Config) -> list[str]:
 
 DEFAULTS: dict[str, Any] = {
     "controlplane": {"host": "127.0.0.1", "grpc_port": 18000, "metrics_port": 9090, "max_check_queue_ms": 1000.0,
-                     "overload_retry_after_seconds": 1, "max_pending_rpcs": 100000},
+                     "overload_retry_after_seconds": 1, "max_pending_rpcs": 100000, "admin_host": "127.0.0.1",
+                     "admin_port": 18001},
+    "admin": {"token_file": None, "token_env": None, "require_token_for_reads": False, "reload_dir": None},
     "envoy": {
         "listen_host": "127.0.0.1",
         "listen_port": 8080,
@@ -265,7 +342,7 @@ DEFAULTS: dict[str, Any] = {
     "tickets": {"lease_seconds": 900.0, "reap_interval_seconds": 5.0, "idle_reap_grace_seconds": 5.0},
     "admission": {},  # filled in below from Policy's own defaults
 }
-_POLICY_NAME = {"retry_after_min_seconds": "retry_after_min_s", "retry_after_max_seconds": "retry_after_max_s",
+_POLICY_NAME = {"max_park_seconds": "max_park_s", "retry_after_min_seconds": "retry_after_min_s", "retry_after_max_seconds": "retry_after_max_s",
                 "serve_half_life_seconds": "serve_half_life_s"}
 """``admission`` keys whose ``Policy`` field is spelled differently; every other key is the field's own name."""
 _CONFIG_NAME = {field: key for key, field in _POLICY_NAME.items()}
@@ -325,11 +402,17 @@ class _Checker:
             return False
         return value
 
-    def choice(self, path: str, value: Any, allowed: tuple[str, ...]) -> str:
-        if value not in allowed:
+    def choice(self, path: str, value: Any, kind: type[_E]) -> _E:
+        allowed = [member.value for member in kind]
+        if not isinstance(value, str) or value not in allowed:
             self.problems.append(f"{path}: must be one of {', '.join(allowed)}, got {value!r}")
-            return allowed[0]
-        return str(value)
+            return kind(allowed[0])
+        return kind(value)
+
+    def optional_text(self, path: str, value: Any) -> str | None:
+        if value is None:
+            return None
+        return self.text(path, value)
 
     def text(self, path: str, value: Any) -> str:
         if not isinstance(value, str) or not value:
@@ -356,7 +439,19 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
                                                   cp["overload_retry_after_seconds"], minimum=1, integer=True)),
         max_pending_rpcs=int(c.number("controlplane.max_pending_rpcs", cp["max_pending_rpcs"], minimum=1000,
                                       integer=True)),
+        admin_host=c.text("controlplane.admin_host", cp["admin_host"]),
+        admin_port=c.port("controlplane.admin_port", cp["admin_port"], any_free=True),
     )
+    am = c.section(raw, "admin")
+    admin = AdminConfig(
+        token_file=c.optional_text("admin.token_file", am["token_file"]),
+        token_env=c.optional_text("admin.token_env", am["token_env"]),
+        require_token_for_reads=c.flag("admin.require_token_for_reads", am["require_token_for_reads"]),
+        reload_dir=c.optional_text("admin.reload_dir", am["reload_dir"]),
+    )
+    if not is_loopback(controlplane.admin_host) and not admin.has_token_source:
+        c.problems.append(f"controlplane.admin_host: {controlplane.admin_host!r} is not a loopback address; an admin "
+                          "listener reachable from other hosts needs admin.token_file or admin.token_env")
     ev = c.section(raw, "envoy")
     kept = ev["client_headers_kept"]
     if not isinstance(kept, list) or not all(isinstance(h, str) and h.lower().startswith("x-sluice-") for h in kept):
@@ -378,8 +473,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         ),
         connect_timeout_seconds=float(c.number("envoy.connect_timeout_seconds", ev["connect_timeout_seconds"], minimum=0.01)),
         client_headers_kept=tuple(h.lower() for h in kept),
-        on_controlplane_failure=c.choice("envoy.on_controlplane_failure", ev["on_controlplane_failure"],
-                                         ("open", "closed")),
+        on_controlplane_failure=c.choice("envoy.on_controlplane_failure", ev["on_controlplane_failure"], OnFailure),
         failure_retry_after_seconds=int(c.number("envoy.failure_retry_after_seconds", ev["failure_retry_after_seconds"],
                                                  minimum=1, integer=True)),
         weight_change_threshold=float(c.number("envoy.weight_change_threshold", ev["weight_change_threshold"],
@@ -403,7 +497,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         stale_after_polls=int(c.number("observe.stale_after_polls", ob["stale_after_polls"], minimum=1, integer=True)),
         models_refresh_seconds=float(c.number("observe.models_refresh_seconds", ob["models_refresh_seconds"], minimum=0.1)),
         max_backoff_seconds=float(c.number("observe.max_backoff_seconds", ob["max_backoff_seconds"], minimum=0.05)),
-        on_stale=c.choice("observe.on_stale", ob["on_stale"], ("open", "closed")),
+        on_stale=c.choice("observe.on_stale", ob["on_stale"], OnStale),
         rate_ring_size=int(c.number("observe.rate_ring_size", ob["rate_ring_size"], minimum=1, integer=True)),
         rate_min_samples=int(c.number("observe.rate_min_samples", ob["rate_min_samples"], minimum=1, integer=True)),
         prefill_sample_min_tokens=int(c.number("observe.prefill_sample_min_tokens", ob["prefill_sample_min_tokens"],
@@ -422,7 +516,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     )
     engines = _parse_engines(c, raw.get("engines"))
     policy = _parse_policy(c, raw, {e.name for e in engines})
-    if envoy.stream_idle_timeout_seconds < policy.max_park_seconds + 2 * AUTHZ_TIMEOUT_GRACE_S:
+    if envoy.stream_idle_timeout_seconds < policy.max_park_s + 2 * AUTHZ_TIMEOUT_GRACE_S:
         c.problems.append(
             f"admission.max_park_seconds: must stay {2 * AUTHZ_TIMEOUT_GRACE_S:g} s below "
             f"envoy.stream_idle_timeout_seconds ({envoy.stream_idle_timeout_seconds:g}): a parked request is a silent "
@@ -430,7 +524,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         )
     if c.problems:
         raise ConfigError(c.problems)
-    return Config(controlplane, envoy, observe, tickets, engines, source, policy)
+    return Config(controlplane, envoy, observe, tickets, engines, source, policy, admin)
 
 
 def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> Policy:
@@ -443,7 +537,7 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
         default_expected_output_tokens=int(c.number("admission.default_expected_output_tokens",
                                                     ad["default_expected_output_tokens"], minimum=1, integer=True)),
         chars_per_token=float(c.number("admission.chars_per_token", ad["chars_per_token"], minimum=0.5)),
-        max_park_seconds=float(c.number("admission.max_park_seconds", ad["max_park_seconds"], minimum=0)),
+        max_park_s=float(c.number("admission.max_park_seconds", ad["max_park_seconds"], minimum=0)),
         max_queue_depth=int(c.number("admission.max_queue_depth", ad["max_queue_depth"], minimum=0, integer=True)),
         retry_after_min_s=int(c.number("admission.retry_after_min_seconds", ad["retry_after_min_seconds"], minimum=0,
                                        integer=True)),
@@ -520,8 +614,6 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
 
 _ENGINE_FIELDS = {"name", "url", "max_num_seqs", "models", "sim", "speed", "flavor", "chip_class", "sim_flavor",
                   "prefill_tokens_per_s", "decode_tokens_per_s", "sim_model"}
-FLAVORS = ("auto", "vllm", "sglang", "llamacpp", "tgi")
-SIM_FLAVORS = ("vllm-v1", "vllm-v0", "sglang", "llamacpp")
 
 
 def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
@@ -554,8 +646,8 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
             c.problems.append(f"{path}.sim: must be a simulator profile name, got {sim!r}")
             sim = None
         speed = float(c.number(f"{path}.speed", item.get("speed", 1.0), minimum=0.001))
-        flavor = c.choice(f"{path}.flavor", item.get("flavor", "auto"), FLAVORS)
-        sim_flavor = c.choice(f"{path}.sim_flavor", item.get("sim_flavor", "vllm-v1"), SIM_FLAVORS)
+        flavor = c.choice(f"{path}.flavor", item.get("flavor", "auto"), EngineFlavor)
+        sim_flavor = c.choice(f"{path}.sim_flavor", item.get("sim_flavor", "vllm-v1"), SimFlavor)
         chip_class = item.get("chip_class", name)
         if not isinstance(chip_class, str) or not chip_class:
             c.problems.append(f"{path}.chip_class: must be a non-empty string")
@@ -588,6 +680,16 @@ def _host_port(c: _Checker, path: str, url: str) -> tuple[str, int]:
         c.problems.append(f"{path}: an engine's URL needs its real port, got {url!r}")
         return "", 0
     return parts.hostname, port
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1); a wildcard (``0.0.0.0``, ``::``) or any other host is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _is_address(host: str) -> bool:

@@ -92,6 +92,14 @@ class SluiceMetrics:
                      0.025, 0.05, 0.1, 0.5, 1, 5, 30, 130),
             registry=r,
         )
+        self.admin_refused = Counter(
+            "sluice_admin_refused", "Admin API calls refused UNAUTHENTICATED (no token, or a wrong one).", ["method"],
+            registry=r,
+        )
+        self.watch_dropped = Counter(
+            "sluice_admin_watch_dropped", "Decision events a WatchDecisions watcher lost because it read too slowly.",
+            registry=r,
+        )
         self.authz_internal_errors = Counter(
             "sluice_authz_internal_errors",
             "Checks that failed inside the control plane, answered 500 internal_error (never left to Envoy's fail-open).",

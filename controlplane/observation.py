@@ -225,4 +225,4 @@ class Observation:
         self.core.note_view(view)
         if view.last_ok_at is not None and not view.stale:
             # When this view turns stale unless a probe lands first (EnginePoller.view: strictly older than the window).
-            heapq.heappush(self._stale_at, (view.last_ok_at + self.config.observe.stale_after_seconds, view.name))
+            heapq.heappush(self._stale_at, (view.last_ok_at + self.config.observe.stale_after_s, view.name))

@@ -11,6 +11,7 @@ same simulated engine.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -21,7 +22,24 @@ from prometheus_client.registry import Collector
 from enginesim.batcher import Batcher
 from enginesim.hist import LATENCY_BUCKETS, TOKEN_BUCKETS, Hist
 
-FLAVORS = ("vllm-v1", "vllm-v0", "sglang", "llamacpp")
+class Dialect(enum.StrEnum):
+    """The metric dialect (and discovery endpoints) a simulator speaks: the config's ``sim_flavor``."""
+
+    VLLM_V1 = "vllm-v1"
+    VLLM_V0 = "vllm-v0"
+    SGLANG = "sglang"
+    LLAMACPP = "llamacpp"
+
+    @property
+    def vllm(self) -> bool:
+        return self in (Dialect.VLLM_V1, Dialect.VLLM_V0)
+
+    @classmethod
+    def of(cls, flavor: str) -> Dialect:
+        """``flavor`` as a dialect; ValueError naming the known ones otherwise."""
+        if flavor not in {d.value for d in cls}:
+            raise ValueError(f"unknown flavour {flavor!r}; known: {', '.join(cls)}")
+        return cls(flavor)
 
 
 @dataclass
@@ -56,17 +74,15 @@ def _counter(name: str, doc: str, labels: dict[str, str], value: float) -> Count
 
 class SimCollector(Collector):
     def __init__(self, flavor: str, model: str, batcher: Batcher, stats: RequestStats) -> None:
-        if flavor not in FLAVORS:
-            raise ValueError(f"unknown flavour {flavor!r}; known: {', '.join(FLAVORS)}")
-        self.flavor = flavor
+        self.flavor = Dialect.of(flavor)
         self.model = model
         self.b = batcher
         self.stats = stats
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
-        if self.flavor.startswith("vllm"):
-            yield from self._vllm(v1=self.flavor == "vllm-v1")
-        elif self.flavor == "sglang":
+        if self.flavor.vllm:
+            yield from self._vllm(v1=self.flavor is Dialect.VLLM_V1)
+        elif self.flavor is Dialect.SGLANG:
             yield from self._sglang()
         else:
             yield from self._llamacpp()

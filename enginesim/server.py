@@ -24,6 +24,7 @@ it can compare with real deadlines; ``/sim/log`` and ``/sim/stats`` are in emula
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 import math
@@ -37,7 +38,7 @@ from typing import Any
 
 from aiohttp import web
 from enginesim.batcher import Batcher, SimRequest
-from enginesim.exposition import FLAVORS, RequestStats, SimCollector, render
+from enginesim.exposition import Dialect, RequestStats, SimCollector, render
 from enginesim.profiles import OUTPUT_MODELS, Profile
 
 log = logging.getLogger("sluice.sim")
@@ -52,7 +53,12 @@ def _error(status: int, message: str, err_type: str, code: str | None = None) ->
     return web.json_response(body, status=status)
 
 
-FAULTS = ("ok", "hang", "error")
+class MetricsFault(enum.StrEnum):
+    """What ``/metrics`` does (``POST /sim/fault``): answer, hang until the client gives up, or answer 500."""
+
+    OK = "ok"
+    HANG = "hang"
+    ERROR = "error"
 
 
 class EngineSimulator:
@@ -62,8 +68,7 @@ class EngineSimulator:
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
-        if flavor not in FLAVORS:
-            raise ValueError(f"unknown flavour {flavor!r}; known: {', '.join(FLAVORS)}")
+        dialect = Dialect.of(flavor)
         if output_model is not None and output_model not in OUTPUT_MODELS:
             raise ValueError(f"unknown output model {output_model!r}; known: {', '.join(OUTPUT_MODELS)}")
         if model:
@@ -76,11 +81,11 @@ class EngineSimulator:
         self.profile = profile
         self.name = name
         self.speed = speed
-        self.flavor = flavor
+        self.flavor = dialect
         self.batcher = Batcher(profile, metrics_time_scale=1.0 / speed)
         self.stats = RequestStats()
-        self.collector = SimCollector(flavor, profile.model, self.batcher, self.stats)
-        self.metrics_fault = "ok"
+        self.collector = SimCollector(dialect, profile.model, self.batcher, self.stats)
+        self.metrics_fault = MetricsFault.OK
         """``hang``: /metrics never answers; ``error``: /metrics answers 500 (set through POST /sim/fault)."""
         self.served: list[dict[str, Any]] = []
         self._streams: dict[SimRequest, asyncio.Queue[int | None]] = {}
@@ -135,9 +140,9 @@ class EngineSimulator:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
-        if self.flavor.startswith("vllm"):
+        if self.flavor.vllm:
             app.router.add_get("/version", self.version)
-        elif self.flavor == "sglang":
+        elif self.flavor is Dialect.SGLANG:
             app.router.add_get("/server_info", self.server_info)
         else:
             app.router.add_get("/props", self.props)
@@ -157,7 +162,7 @@ class EngineSimulator:
             self._loop_task.cancel()
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.flavor == "llamacpp":
+        if self.flavor is Dialect.LLAMACPP:
             return web.json_response({"status": "ok"})
         return web.Response(status=200)
 
@@ -199,28 +204,28 @@ class EngineSimulator:
 
     async def models(self, request: web.Request) -> web.Response:
         p = self.profile
-        if self.flavor == "llamacpp":
+        if self.flavor is Dialect.LLAMACPP:
             entry = {"id": p.model, "object": "model", "created": int(self._t0), "owned_by": "llamacpp",
                      "meta": {"n_ctx_train": p.max_model_len, "n_vocab": 151936}}
         else:
             entry = {"id": p.model, "object": "model", "created": int(self._t0),
-                     "owned_by": "vllm" if self.flavor.startswith("vllm") else "sglang", "root": p.model,
+                     "owned_by": "vllm" if self.flavor.vllm else "sglang", "root": p.model,
                      "parent": None, "max_model_len": p.max_model_len, "permission": []}
         return web.json_response({"object": "list", "data": [entry]})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        if self.metrics_fault == "hang":
+        if self.metrics_fault is MetricsFault.HANG:
             await asyncio.Event().wait()  # until the client gives up and the handler is cancelled
-        if self.metrics_fault == "error":
+        if self.metrics_fault is MetricsFault.ERROR:
             return web.Response(status=500, text="internal error (simulated)")
         return web.Response(body=render(self.collector), content_type="text/plain", charset="utf-8")
 
     async def sim_fault(self, request: web.Request) -> web.Response:
         body = await request.json()
         fault = body.get("metrics", "ok") if isinstance(body, dict) else None
-        if fault not in FAULTS:
-            return _error(400, f"metrics fault must be one of {', '.join(FAULTS)}", "BadRequestError")
-        self.metrics_fault = fault
+        if not isinstance(fault, str) or fault not in {f.value for f in MetricsFault}:
+            return _error(400, f"metrics fault must be one of {', '.join(MetricsFault)}", "BadRequestError")
+        self.metrics_fault = MetricsFault(fault)
         return web.json_response({"metrics": fault})
 
     async def sim_log(self, request: web.Request) -> web.Response:
@@ -277,6 +282,7 @@ class EngineSimulator:
             "completion_tokens": 0,
             "x_sluice_engine": request.headers.getall("x-sluice-engine", []),
             "x_sluice_headers": sorted(k.lower() for k in request.headers if k.lower().startswith("x-sluice-")),
+            "x_request_id": request.headers.get("x-request-id", ""),
             "arrived_at": sim_request.arrived_at,
             "status": "running",
         }

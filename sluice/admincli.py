@@ -1,14 +1,55 @@
-"""``sluice admin <verb>``: read the control plane's admin API; a table for people, ``--json`` for scripts."""
+"""``sluice admin <verb>``: the control plane's admin API; a table for people, ``--json`` for scripts.
+
+The admin API has a listener of its own (``controlplane.admin_port``, 18001 by default). The token a change needs (and a
+read, with ``admin.require_token_for_reads``) comes from ``--token-file`` or the ``SLUICE_ADMIN_TOKEN`` environment variable
+(the secret alone, or the ``name:secret`` line of the server's token file) and is sent as ``authorization: Bearer``."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """Adds ``authorization: Bearer <secret>`` to every call."""
+
+    def __init__(self, secret: str) -> None:
+        self.metadata = (("authorization", f"Bearer {secret}"),)
+
+    def _with(self, details: Any) -> Any:
+        return details._replace(metadata=(*(details.metadata or ()), *self.metadata))
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._with(details), request)
+
+    def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._with(details), request)
+
+
+def read_token(token_file: str | None) -> str | None:
+    """The secret to send: ``--token-file`` (its first token line) or ``SLUICE_ADMIN_TOKEN``; a ``name:secret`` line gives
+    its secret."""
+    text = Path(token_file).read_text() if token_file else os.environ.get("SLUICE_ADMIN_TOKEN", "")
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            return line.partition(":")[2].strip() if ":" in line else line
+    return None
+
+
+def admin_channel(target: str, token: str | None) -> grpc.Channel:
+    channel = grpc.insecure_channel(target)
+    return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
 
 
 def _num(value: float, fmt: str = "{:g}") -> str:
@@ -75,12 +116,62 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+WATCH_COLUMNS = ("TIME", "VERDICT", "REASON", "ENGINE", "MODEL", "PRIORITY", "PARKED", "TTFT EST", "REQUEST")
+
+
+def watch_row(e: admin_pb2.DecisionEvent) -> str:
+    cells = (datetime.datetime.fromtimestamp(e.at_unix).strftime("%H:%M:%S.%f")[:-3], e.verdict, e.reason,
+             e.engine or "-", e.model or "-", e.priority or "-", f"{e.parked_ms:.0f}ms",
+             f"{e.expected_ttft_s:.2f}s" if e.expected_ttft_s else "-", e.request_id)
+    widths = (12, 7, 22, 14, 24, 9, 8, 8, 0)
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+
+def watch(stub: admin_pb2_grpc.AdminStub, model: str | None, as_json: bool, limit: int | None = None) -> int:
+    """Tail ``WatchDecisions`` until interrupted (or ``limit`` events)."""
+    if not as_json:
+        print("  ".join(c.ljust(w) for c, w in zip(WATCH_COLUMNS, (12, 7, 22, 14, 24, 9, 8, 8, 0))).rstrip(), flush=True)
+    seen = 0
+    try:
+        for event in stub.WatchDecisions(admin_pb2.WatchDecisionsRequest(model=model or "")):
+            if event.dropped_since_last:
+                note = f"... {event.dropped_since_last} decision(s) dropped: this watcher read too slowly"
+                print(json.dumps({"dropped": event.dropped_since_last}) if as_json else note, flush=True)
+            print(json.dumps(MessageToDict(event, always_print_fields_with_no_presence=True)) if as_json
+                  else watch_row(event), flush=True)
+            seen += 1
+            if limit is not None and seen >= limit:
+                break
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None,
-              explain: admin_pb2.ExplainDecisionRequest | None = None) -> int:
-    with grpc.insecure_channel(target) as channel:
+              explain: admin_pb2.ExplainDecisionRequest | None = None, token: str | None = None,
+              version: str | None = None, limit: int | None = None) -> int:
+    with admin_channel(target, token) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         try:
-            if verb == "reload":
+            if verb == "watch":
+                return watch(stub, name, as_json, limit)
+            if verb == "policy":
+                policy = stub.GetPolicy(admin_pb2.GetPolicyRequest(), timeout=5)
+                text = (json.dumps(MessageToDict(policy, always_print_fields_with_no_presence=True), indent=2)
+                        if as_json else f"# running policy, from {policy.source}\n{policy.yaml.rstrip()}")
+            elif verb == "floor":
+                if not name or version is None:
+                    print("sluice admin floor: name a model pattern and a version (\"\" removes the floor)",
+                          file=sys.stderr)
+                    return 2
+                floor = stub.SetVersionFloor(admin_pb2.SetVersionFloorRequest(model_pattern=name, version=version),
+                                             timeout=10)
+                if not floor.applied:
+                    print("sluice admin floor: refused:\n  " + "\n  ".join(floor.problems), file=sys.stderr)
+                    return 1
+                text = (json.dumps(MessageToDict(floor, always_print_fields_with_no_presence=True), indent=2)
+                        if as_json else f"version floor {name}: {floor.before or 'none'} -> {floor.after or 'none'}")
+            elif verb == "reload":
                 result = stub.ReloadConfig(admin_pb2.ReloadConfigRequest(path=name or ""), timeout=10)
                 if as_json:
                     text = json.dumps(MessageToDict(result, always_print_fields_with_no_presence=True), indent=2)
@@ -111,7 +202,8 @@ def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None,
                 text = (json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True), indent=2)
                         if as_json else status_text(status))
         except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                              grpc.StatusCode.UNAUTHENTICATED):
                 print(f"sluice admin: {exc.details()}", file=sys.stderr)
             else:
                 print(f"sluice admin: cannot reach the control plane at {target}: {exc.code().name}", file=sys.stderr)

@@ -45,10 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, help="seed of the output-length draws (default: derived from the name)")
 
     p = sub.add_parser("admin", help="talk to a running control plane's admin API")
-    p.add_argument("--target", default="127.0.0.1:18000", help="control plane gRPC address")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("verb", choices=["status", "engines", "drain", "undrain", "explain", "reload"])
-    p.add_argument("name", nargs="?", help="engine name (drain, undrain), model (explain) or config file (reload)")
+    p.add_argument("--target", default="127.0.0.1:18001", help="the control plane's admin address (controlplane.admin_host"
+                   ":admin_port)")
+    p.add_argument("--token-file", help="file holding the admin token (default: the SLUICE_ADMIN_TOKEN variable)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table (watch: one JSON line per decision)")
+    p.add_argument("verb", choices=["status", "engines", "drain", "undrain", "explain", "reload", "floor", "policy",
+                                    "watch"])
+    p.add_argument("name", nargs="?", help="engine name (drain, undrain), model (explain, watch), model pattern (floor) "
+                   "or config file (reload)")
+    p.add_argument("version", nargs="?", help="floor: the minimum engine version (\"\" removes the floor)")
+    p.add_argument("--count", type=int, help="watch: stop after this many decisions")
     p.add_argument("--prompt-tokens", type=int, default=0, help="explain: the request's prompt size")
     p.add_argument("--max-tokens", type=int, default=0, help="explain: its max_tokens (0: the policy default)")
     p.add_argument("--priority", default="standard", help="explain: critical | standard | sheddable")
@@ -56,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
     p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos"])
-    p.add_argument("--engines", type=int, default=1000, help="observe: simulated engines to poll")
+    p.add_argument("--engines", metavar="N|FILE",
+                   help="observe: how many simulated engines to poll (default 1000); overhead: a YAML file listing the "
+                        "engines to front instead of a simulator (e.g. real llama.cpp servers, see sluice/real/llama.py)")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
     p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open)")
     p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable")
@@ -119,14 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.scenario == "overhead":
             from sluice.bench.overhead import run_overhead_bench
 
-            return run_overhead_bench()
+            return run_overhead_bench(args.engines)
         if args.scenario == "t10":
             from sluice.bench.t10 import run_t10_bench
 
             return run_t10_bench()
         from sluice.bench.observe import run_observe_bench
 
-        return run_observe_bench(args.engines, args.cycles)
+        if args.engines is not None and not args.engines.isdigit():
+            parser.error("observe: --engines is a number of simulated engines")
+        return run_observe_bench(int(args.engines or 1000), args.cycles)
     if args.command == "deploy":
         from sluice.deploy import run_render
 
@@ -141,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             explain = admin_pb2.ExplainDecisionRequest(
                 model=args.name or "", prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                 priority=args.priority, max_ttft_ms=args.max_ttft_ms)
-        return run_admin(args.target, args.verb, as_json=args.json, name=args.name, explain=explain)
+        from sluice.admincli import read_token
+
+        return run_admin(args.target, args.verb, as_json=args.json, name=args.name, explain=explain,
+                         token=read_token(args.token_file), version=args.version, limit=args.count)
     parser.error("unknown command")
     return 2
 

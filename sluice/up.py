@@ -274,6 +274,7 @@ def check_ports(config: Config) -> None:
         ("Envoy listener", config.envoy.listen_host, config.envoy.listen_port),
         ("Envoy admin", "127.0.0.1", config.envoy.admin_port),
         ("control plane gRPC", config.controlplane.host, config.controlplane.grpc_port),
+        ("control plane admin", config.controlplane.admin_host, config.controlplane.admin_port),
         ("control plane metrics", config.controlplane.host, config.controlplane.metrics_port),
         *((f"simulated engine {e.name}", e.host, e.port) for e in config.engines if e.sim),
     ]
@@ -348,6 +349,7 @@ def prepare_config(config_path: str | None) -> tuple[Config, Any, bool]:
     config = resolve_engines_blocking(parse_config(completed, source))
     fixed = [("controlplane.grpc_port", config.controlplane.grpc_port),
              ("controlplane.metrics_port", config.controlplane.metrics_port),
+             ("controlplane.admin_port", config.controlplane.admin_port),
              ("envoy.listen_port", config.envoy.listen_port), ("envoy.admin_port", config.envoy.admin_port)]
     zero = [f"{path}: sluice up needs a fixed port (0, any free port, is for processes that report what they bound)"
             for path, port in fixed if port == 0]
@@ -414,7 +416,8 @@ def run_up(config_path: str | None) -> int:
     try:
         models = wait_ready(base, children)
         print(f"sluice is up.\n  base URL: {base}\n  model:    {', '.join(models)}\n"
-              f"  admin:    sluice admin engines --target {config.controlplane.host}:{config.controlplane.grpc_port}\n"
+              f"  admin:    sluice admin engines --target {config.controlplane.admin_host}:"
+              f"{config.controlplane.admin_port}\n"
               f"  logs:     {work_dir}\n"
               "The control plane and simulators are restarted if they exit; Envoy keeps serving meanwhile.\n"
               "Ctrl-C stops everything.", flush=True)

@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-import grpc
-
 from controlplane.app import ControlPlane
 from controlplane.config import Config, parse_config
 from controlplane.xds.resources import LISTENER_NAME
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
+from sluice.admincli import admin_channel, read_token
 from sluice.bench.common import free_port  # noqa: F401  (re-exported: tests that start processes which cannot report back)
 from sluice.envoyrun import envoy_command, listener_port, read_admin_address, write_bootstrap
 from sluice.simulated import with_profile_defaults
@@ -147,9 +146,11 @@ class Stack:
         if self.plane_config is None:
             given = plane.config
             self.plane_config = replace(given, controlplane=replace(
-                given.controlplane, grpc_port=plane.grpc_port, metrics_port=plane.metrics_port))
+                given.controlplane, grpc_port=plane.grpc_port, metrics_port=plane.metrics_port,
+                admin_port=plane.admin_port))
         self.config = replace(self.config, controlplane=replace(
-            self.config.controlplane, grpc_port=plane.grpc_port, metrics_port=plane.metrics_port))
+            self.config.controlplane, grpc_port=plane.grpc_port, metrics_port=plane.metrics_port,
+            admin_port=plane.admin_port))
 
     @property
     def base_url(self) -> str:
@@ -165,9 +166,23 @@ class Stack:
     def sim_log(self, name: str) -> list[dict[str, Any]]:
         return http_json(self.sim_url(name) + "/sim/log")  # type: ignore[no-any-return]
 
-    def admin(self) -> admin_pb2_grpc.AdminStub:
-        channel = grpc.insecure_channel(f"127.0.0.1:{self.config.controlplane.grpc_port}")
-        return admin_pb2_grpc.AdminStub(channel)
+    @property
+    def admin_target(self) -> str:
+        return f"127.0.0.1:{self.config.controlplane.admin_port}"
+
+    @property
+    def admin_token(self) -> str | None:
+        """The secret of the stack's admin token file (``admin.token_file``), None without one."""
+        return read_token(self.config.admin.token_file) if self.config.admin.token_file else None
+
+    def admin_args(self) -> list[str]:
+        """``sluice admin`` arguments that reach this stack's admin listener with its token."""
+        token = ["--token-file", self.config.admin.token_file] if self.config.admin.token_file else []
+        return ["--target", self.admin_target, *token]
+
+    def admin(self, token: str | None = "") -> admin_pb2_grpc.AdminStub:
+        """A stub on the admin listener, sending the stack's token (``token=None``: none; a string: that one)."""
+        return admin_pb2_grpc.AdminStub(admin_channel(self.admin_target, self.admin_token if token == "" else token))
 
     def engines(self) -> dict[str, admin_pb2.Engine]:
         return {e.name: e for e in self.admin().ListEngines(admin_pb2.ListEnginesRequest(), timeout=5).engines}
@@ -228,7 +243,7 @@ def stack_config(engines: list[dict[str, Any]], **sections: Any) -> Config:
 def stack_raw(engines: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
     """A test stack's config: every port 0 (bound by the server, reported back), a quick poller, the given sections."""
     raw: dict[str, Any] = {
-        "controlplane": {"grpc_port": 0, "metrics_port": 0},
+        "controlplane": {"grpc_port": 0, "metrics_port": 0, "admin_port": 0},
         "envoy": {"listen_port": 0, "admin_port": 0},
         "observe": {"poll_interval_seconds": 0.2, "poll_timeout_seconds": 0.2},
         "engines": engines,
@@ -239,6 +254,13 @@ def stack_raw(engines: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
         else:
             raw[key] = value
     return raw
+
+
+def admin_section(work_dir: Path) -> dict[str, Any]:
+    """A stack's ``admin`` section: a token file in its work dir (token ``tests``), reloads of files under it allowed."""
+    token_file = work_dir / "admin-token"
+    token_file.write_text("tests:stack-admin-secret\n")
+    return {"token_file": str(token_file), "reload_dir": str(work_dir)}
 
 
 def start_stack(
@@ -262,6 +284,7 @@ def start_stack(
             sims[entry["name"]], port = launch_sim(entry["sim"], entry["name"], entry["speed"], work_dir, *extra,
                                                    port=wanted)
             entry.setdefault("url", f"http://127.0.0.1:{port}")
+        sections.setdefault("admin", admin_section(work_dir))
         raw = with_profile_defaults(stack_raw(entries, **sections))
         stack = Stack(parse_config(raw), work_dir, raw, sims)
         stack.start_controlplane()

@@ -12,7 +12,7 @@ core builds carries those means so time estimates use them.
 Parking lot: per model, one FIFO per priority class (critical, then standard). The heads are tried in that order each wake;
 the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard). Depth is
 bounded per model by ``max_queue_depth``: a request beyond it is shed (``queue_full``); a parked request whose deadline
-passes is shed: ``park_timeout`` after ``max_park_seconds``, or ``ttft_unmeetable`` once its TTFT deadline no longer leaves
+passes is shed: ``park_timeout`` after ``max_park_s``, or ``ttft_unmeetable`` once its TTFT deadline no longer leaves
 time to prefill. Every shed carries a Retry-After from the ledger. A woken head's TTFT deadline counts from its arrival.
 """
 
@@ -21,19 +21,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 from controlplane.core.decide import decide, earliest_fit, retry_after, shed
 from controlplane.core.fleetindex import DecayedServes, FleetIndex
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import (
-    Decision, EngineView, Fleet, InferenceRequest, RateTables, Reason, Ticket, Verdict,
+    Decision, EngineView, Fleet, InferenceRequest, Priority, RateTables, Reason, Ticket, Verdict,
 )
 from controlplane.core.output_length import OutputLengthBook
 from controlplane.core.policy import Policy
 from controlplane.core.route import ServeCounter, SessionMap
 
 
-PARK_CLASSES = ("critical", "standard")
+PARK_CLASSES = (Priority.CRITICAL, Priority.STANDARD)
+"""The parking lot's classes, tried in this order; a sheddable request is never parked (it would park as standard)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +45,7 @@ class Parked:
     parked_at: float
     deadline: float
     ttft_bound: bool = False
-    """The deadline comes from the request's TTFT deadline, not ``max_park_seconds``."""
+    """The deadline comes from the request's TTFT deadline, not ``max_park_s``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,14 +69,14 @@ class AdmissionCore:
         self.sessions = SessionMap()
         self.output_lengths = OutputLengthBook()
         self.index = FleetIndex()
-        self._lot: dict[str, dict[str, deque[Parked]]] = {}
-        self._where: dict[str, tuple[str, str]] = {}
+        self._lot: dict[str, dict[Priority, deque[Parked]]] = {}
+        self._where: dict[str, tuple[str, Priority]] = {}
 
     # -- views -------------------------------------------------------------------------------------------------------
     def fleet(self, engines: Iterable[EngineView], now: float, rates: RateTables | None = None) -> Fleet:
         """A fleet of exactly ``engines`` (no index: ``decide`` scans every candidate). For tests and tools."""
         engines = tuple(engines)
-        return Fleet(engines, {e.name: self.ledger.view(e.name) for e in engines}, self.admit_stale,
+        return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
                      rates or RateTables(), self._serves_at(now), self.output_lengths.snapshot())
 
     def note_view(self, view: EngineView) -> None:
@@ -102,7 +104,7 @@ class AdmissionCore:
             return len(self._where)
         return sum(len(q) for q in self._lot.get(model, {}).values())
 
-    def queued_ahead(self, model: str, priority: str) -> int:
+    def queued_ahead(self, model: str, priority: Priority) -> int:
         queues = self._lot.get(model, {})
         classes = PARK_CLASSES[: PARK_CLASSES.index(priority) + 1] if priority in PARK_CLASSES else PARK_CLASSES
         return sum(len(queues.get(c, ())) for c in classes)
@@ -115,7 +117,8 @@ class AdmissionCore:
         """A new request. ``Outcome.decision.verdict`` PARK means it is now in the lot under ``request_id``."""
         model = request.model
         ahead = self.queued_ahead(model, request.priority) if model else 0
-        decision = decide(request, fleet, self.policy, now, ahead, self.sessions.get(request.session), self.draw())
+        decision = decide(request, fleet, self.policy, now, ahead, self.sessions.get(request.session), self.draw(),
+                          arriving=True)
         if decision.verdict is Verdict.PARK and ahead and self.policy.backfill and model is not None:
             decision = self._backfill_arrival(request, model, fleet, now, decision)
         if decision.verdict is Verdict.ADMIT:
@@ -130,8 +133,8 @@ class AdmissionCore:
                                             f"{self.depth(model)} requests already parked for {model}", wait))
         klass = _class_of(request)
         limit = decision.park_limit_s
-        ttft_bound = limit is not None and limit < self.policy.max_park_seconds
-        longest = limit if ttft_bound and limit is not None else self.policy.max_park_seconds
+        ttft_bound = limit is not None and limit < self.policy.max_park_s
+        longest = limit if ttft_bound and limit is not None else self.policy.max_park_s
         self._lot.setdefault(model, {c: deque() for c in PARK_CLASSES})[klass].append(
             Parked(request_id, request, now, now + longest, ttft_bound)
         )
@@ -180,7 +183,7 @@ class AdmissionCore:
         next decision must see it. An indexed fleet is re-snapshotted; a plain one gets fresh ledger views."""
         if fleet.index is not None:
             return self.indexed_fleet(now, fleet.rates)
-        return replace(fleet, ledger={e.name: self.ledger.view(e.name) for e in fleet.engines},
+        return replace(fleet, ledger=MappingProxyType({e.name: self.ledger.view(e.name) for e in fleet.engines}),
                        recent_serves=self._serves_at(now), expected_output=self.output_lengths.snapshot())
 
     def wake(self, fleet: Fleet, now: float, models: Iterable[str] | None = None) -> list[Outcome]:
@@ -238,7 +241,7 @@ class AdmissionCore:
                                 f"no slot for {model} in time to meet {parked.request.max_ttft_ms} ms", wait)
             else:
                 decision = shed(Reason.PARK_TIMEOUT,
-                                f"no capacity for {model} within {self.policy.max_park_seconds:g} s", wait)
+                                f"no capacity for {model} within {self.policy.max_park_s:g} s", wait)
             out.append(Outcome(parked.request_id, decision, parked_for=now - parked.parked_at))
         return out
 
@@ -255,7 +258,7 @@ class AdmissionCore:
             return decision
         return parked
 
-    def _backfill(self, model: str, klass: str, head: Parked, fleet_of: Callable[[], Fleet],
+    def _backfill(self, model: str, klass: Priority, head: Parked, fleet_of: Callable[[], Fleet],
                   refresh: Callable[[], None], now: float) -> list[Outcome]:
         """EASY backfilling behind a blocked head: admit a later request of the class that fits now and is expected to
         finish before the head could start, so the head's start is not pushed back."""
@@ -286,5 +289,5 @@ class AdmissionCore:
         return Outcome(request_id, decision, ticket, parked_for)
 
 
-def _class_of(request: InferenceRequest) -> str:
-    return request.priority if request.priority in PARK_CLASSES else "standard"
+def _class_of(request: InferenceRequest) -> Priority:
+    return request.priority if request.priority in PARK_CLASSES else Priority.STANDARD

@@ -35,7 +35,9 @@ import numpy as np
 
 from controlplane.core.explain import EngineExplanation, earliest_fit, explain
 from controlplane.core.fit import effective_load, misfits, model_len, need_tokens
-from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, Reason, ServedModel, Verdict
+from controlplane.core.model import (
+    Decision, EngineView, Fleet, InferenceRequest, Priority, Reason, ServedModel, Verdict,
+)
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.request import RequestError, parse_request
 from controlplane.core.route import Estimate, estimate, expected_output_tokens, prefill_rate, waits_too_long, weighted_pick
@@ -86,7 +88,7 @@ def model_list(fleet: Fleet) -> tuple[ServedModel, ...]:
 # -- the decision ---------------------------------------------------------------------------------------------------------
 def decide(
     request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0,
-    affinity: str | None = None, pick: float = 0.5, behind: int = 0,
+    affinity: str | None = None, pick: float = 0.5, behind: int = 0, arriving: bool = False,
 ) -> Decision:
     """Choose what happens to ``request`` (see the module docstring and route.py). ``queued_ahead``: parked requests of
     this model in this request's priority class or a higher one; ``affinity``: the engine the request's session used last;
@@ -96,7 +98,7 @@ def decide(
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, models=model_list(fleet))
     if fleet.index is not None:
-        indexed = _indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind)
+        indexed = _indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind, arriving)
         if indexed is not None:
             return indexed
     serving = [e for e in fleet.engines if e.serves(model) and not e.drained]
@@ -180,7 +182,7 @@ def decide(
                            for name, rs in blocked.items())
         return _wait(request, candidates, fleet, policy, now, 0, first, detail, park_limit)
 
-    admitted = _finish_soonest(request, estimates, free, fleet, policy, now, affinity, admitted_reason)
+    admitted = _finish_soonest(request, estimates, free, fleet, policy, now, affinity, admitted_reason, arriving)
     if admitted is not None:
         return admitted
     best = min(estimates, key=lambda x: _soonest(x, fleet))
@@ -196,14 +198,23 @@ def _soonest(x: Estimate, fleet: Fleet) -> tuple[float, float, float, str]:
 
 
 def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: list[Estimate], fleet: Fleet,
-                    policy: Policy, now: float, affinity: str | None, admitted_reason: Reason) -> Decision | None:
-    """Without a deadline: the engine where the request finishes soonest (route.py), or None when that means waiting."""
+                    policy: Policy, now: float, affinity: str | None, admitted_reason: Reason,
+                    arriving: bool = False) -> Decision | None:
+    """Without a deadline: the engine where the request finishes soonest (route.py), or None when that means waiting.
+
+    Waiting for a busy faster engine while a slot is free needs: it finishes sooner (by the margin), the wait is bounded
+    (``waits_too_long``), and, for a request just **arriving** (nothing parked ahead of it), that waiting also gives it its
+    first token sooner: an arrival that finds a free slot is its own user's latency, and starting now beats finishing
+    first. A request already parked (a burst's backlog) keeps pure finish-soonest, which is what splits seed 000's bursts
+    the way the best assignment does."""
     def soonest(x: Estimate) -> tuple[float, float, float, str]:
         return _soonest(x, fleet)
 
     best = min(estimates, key=soonest)
     acceptable = [x for x in free if x.finish_s <= best.finish_s * (1 + policy.wait_for_faster_margin)]
-    if not best.can_start and not acceptable and waits_too_long(best, policy):
+    sooner_first_token = bool(free) and best.ttft_s < min(free, key=soonest).ttft_s
+    if not best.can_start and not acceptable and (waits_too_long(best, policy) or (arriving
+                                                                                   and not sooner_first_token)):
         # Work conservation (route.py): the faster engine's wait is unbounded enough that a free slot is taken instead.
         acceptable = free
         if admitted_reason is Reason.FINISH_SOONEST:
@@ -211,7 +222,7 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
     sticky = next((x for x in acceptable if x.engine.name == affinity), None)
     if sticky is not None:
         return _admit(request, sticky, Reason.SESSION_AFFINITY, policy, now, fleet)
-    if request.priority == "sheddable" and not acceptable:
+    if request.priority is Priority.SHEDDABLE and not acceptable:
         acceptable = free  # a sheddable request takes any free slot rather than being shed for want of a faster one
     if best.can_start or acceptable:
         chosen = best if best.can_start else min(acceptable, key=soonest)
@@ -220,7 +231,7 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
 
 
 def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int,
-             affinity: str | None, pick: float, behind: int) -> Decision | None:
+             affinity: str | None, pick: float, behind: int, arriving: bool = False) -> Decision | None:
     """``decide`` on the fleet's index (fleetindex.py): the fit rules and the no-wait estimate of every candidate at once
     (numpy over the model's rows), then real ``Estimate`` objects only for the engines that can be chosen: the band (its
     weighted pick on a cumulative sum), or the soonest free slot, the busy engines whose no-wait lower bound could beat it,
@@ -266,7 +277,7 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         if not band.any():
             # No band: finish-soonest among the engines that meet the deadline (busy ones filtered once estimated).
             return _soonest_indexed(request, rows, candidate, fits & (ttft <= deadline_s), busy, ttft + out / rate,
-                                    prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now)
+                                    prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now, arriving)
         if at is not None and band[at]:
             return _admit(request, exact(at, True), Reason.SESSION_AFFINITY, policy, now, fleet)
         members = np.flatnonzero(band)
@@ -277,12 +288,13 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         return _admit(request, exact(int(members[min(chosen, len(members) - 1)]), True), Reason.SATISFICING_BAND,
                       policy, now, fleet)
     return _soonest_indexed(request, rows, candidate, fits, busy, ttft + out / rate, prefill_s, out, exact, at, affinity,
-                            None, fleet, policy, now)
+                            None, fleet, policy, now, arriving)
 
 
 def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free: Any, busy: Any, finish: Any,
                      prefill_s: Any, out: float, exact: Any, at: int | None, affinity: str | None,
-                     deadline_s: float | None, fleet: Fleet, policy: Policy, now: float) -> Decision | None:
+                     deadline_s: float | None, fleet: Fleet, policy: Policy, now: float,
+                     arriving: bool = False) -> Decision | None:
     """Finish-soonest on the index: ``free`` rows can start now (with a deadline, those meeting it), ``busy`` rows are only
     short of a slot; None when no free row is left (the full scan parks or sheds). Waiting for a faster busy engine parks
     here, as the full scan would."""
@@ -315,7 +327,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
         if deadline_s is None or sticky.ttft_s <= deadline_s:
             estimates.append(sticky)
     admitted = _finish_soonest(request, estimates, [x for x in estimates if x.can_start], fleet, policy, now, affinity,
-                               Reason.FINISH_SOONEST)
+                               Reason.FINISH_SOONEST, arriving)
     if admitted is not None:
         return admitted
     best = min(estimates, key=lambda x: _soonest(x, fleet))
@@ -340,7 +352,7 @@ def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: 
 
 def _wait(request: InferenceRequest, candidates: list[EngineView], fleet: Fleet, policy: Policy, now: float,
           queued_ahead: int, reason: Reason, detail: str, park_limit: float | None = None) -> Decision:
-    if request.priority == "sheddable":
+    if request.priority is Priority.SHEDDABLE:
         # Under saturation a sheddable request is shed at once rather than holding a place in the queue.
         return shed(Reason.SATURATED, f"fleet saturated for {request.model}: {detail}",
                     retry_after(candidates, fleet, policy, now, queued_ahead))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -96,12 +97,12 @@ class ModelArrays:
     """The soonest expected finish of the engine's open tickets (nan: none): a busy engine's slot wait is at least that."""
     name_rank: np.ndarray
     """Rank of the engine's name among the rows (the last tie-break of finish-soonest)."""
-    position: dict[str, int]
+    position: Mapping[str, int]
 
 
 @dataclass(frozen=True, slots=True)
 class IndexSnapshot:
-    models: dict[str, ModelArrays]
+    models: Mapping[str, ModelArrays]
     policy: Policy
     admit_stale: bool
     now: float
@@ -114,7 +115,7 @@ class _Rows:
     def __init__(self, model: str, names: list[str]) -> None:
         self.model = model
         self.names = names
-        self.position = {n: i for i, n in enumerate(names)}
+        self.position: Mapping[str, int] = MappingProxyType({n: i for i, n in enumerate(names)})
         n = len(names)
         self.views: list[EngineView | None] = [None] * n
         self.f = {k: np.zeros(n) for k in ("model_len", "capacity", "usage", "cap", "load", "held", "open_model",
@@ -208,7 +209,7 @@ class FleetIndex:
 
     def snapshot(self, ledger_views: Callable[[str], EngineLedger], changed: set[str], serves: dict[str, tuple[float, float]],
                  policy: Policy, admit_stale: bool, rates: RateTables, now: float,
-                 half_life_s: float) -> tuple[tuple[EngineView, ...], dict[str, EngineLedger], IndexSnapshot]:
+                 half_life_s: float) -> tuple[tuple[EngineView, ...], Mapping[str, EngineLedger], IndexSnapshot]:
         """The engines, their ledger views and the index, all as of now. ``ledger_views(name)`` gives an engine's ledger
         view; ``changed`` names engines whose ledger view changed since the last call (cleared here)."""
         engines = self.engines()
@@ -230,7 +231,8 @@ class FleetIndex:
         self._dirty.clear()
         self._serve_dirty.clear()
         models = {model: self._freeze(rows, policy, rates) for model, rows in self._rows.items()}
-        return engines, dict(self._ledger), IndexSnapshot(models, policy, admit_stale, now, half_life_s)
+        return (engines, MappingProxyType(dict(self._ledger)),
+                IndexSnapshot(MappingProxyType(models), policy, admit_stale, now, half_life_s))
 
     # -- internals -------------------------------------------------------------------------------------------------
     def _rebuild(self, ledger_views: Callable[[str], EngineLedger], serves: dict[str, tuple[float, float]], policy: Policy,

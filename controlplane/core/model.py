@@ -1,6 +1,7 @@
 """The data the decision core works on: immutable views of engines, requests and decisions.
 
-Everything here is a frozen dataclass. Times are seconds on the control plane's monotonic clock, always passed in.
+Everything here is a frozen dataclass, and a mapping one holds is a read-only ``MappingProxyType`` (``frozen_map``).
+Times are seconds on the control plane's monotonic clock, always passed in.
 """
 
 from __future__ import annotations
@@ -8,7 +9,22 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def frozen_map(mapping: Mapping[_K, _V]) -> Mapping[_K, _V]:
+    """A read-only mapping for a frozen dataclass. A ``MappingProxyType`` is taken as it is (whoever built it handed over
+    a fresh dict and keeps no reference: the hot path builds one per Check and must not copy it twice); anything else is
+    copied first, so a caller's dict changing later cannot change the dataclass."""
+    return mapping if type(mapping) is MappingProxyType else MappingProxyType(dict(mapping))
+
+
+def _empty() -> Mapping[Any, Any]:
+    return MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +102,7 @@ class EngineView:
     last_error: str = ""
     stale: bool = True
     """No good probe within the stale window (or never)."""
-    flavor: str | None = None
+    flavor: Flavor | None = None
     chip_class: str = ""
     discovered_capacity_tokens: int | None = None
     discovered_concurrency: int | None = None
@@ -132,6 +148,23 @@ class Ticket:
     expected_done_at: float = 0.0
     """When the ledger expects the request to finish (for Retry-After)."""
     expected_ttft_s: float = 0.0
+
+
+class Priority(enum.StrEnum):
+    """A request's class (``x-sluice-priority``): critical parks ahead of standard; sheddable is shed, never parked."""
+
+    CRITICAL = "critical"
+    STANDARD = "standard"
+    SHEDDABLE = "sheddable"
+
+
+class Flavor(enum.StrEnum):
+    """An engine's metric dialect (detected from its ``/metrics``, or configured)."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    LLAMACPP = "llamacpp"
+    TGI = "tgi"
 
 
 class Verdict(enum.Enum):
@@ -203,8 +236,8 @@ class InferenceRequest:
     """Estimated from the prompt's characters (policy ``chars_per_token``)."""
     max_tokens: int | None = None
     """As the client asked; None = the policy default is reserved."""
-    priority: str = "standard"
-    """critical | standard | sheddable (``x-sluice-priority``)."""
+    priority: Priority = Priority.STANDARD
+    """``x-sluice-priority``."""
     max_ttft_ms: int | None = None
     """TTFT deadline (``x-sluice-max-ttft-ms``, else the model's default); None = no deadline."""
     session: str | None = None
@@ -258,33 +291,50 @@ class EngineLedger:
         return dict(self.open_by_model).get(model, 0)
 
 
+_NO_TICKETS = EngineLedger()
+
+
 @dataclass(frozen=True, slots=True)
 class RateTables:
     """Trusted medians the observation layer has learned (empty until enough samples)."""
 
-    solo_decode: dict[tuple[str, str], float] = field(default_factory=dict)
+    solo_decode: Mapping[tuple[str, str], float] = field(default_factory=_empty)
     """(model, chip class) -> solo decode tokens/s."""
-    prefill_median: dict[tuple[str, str], float] = field(default_factory=dict)
+    prefill_median: Mapping[tuple[str, str], float] = field(default_factory=_empty)
     """(model, chip class) -> prefill tokens/s."""
-    decode_by_batch: dict[str, dict[int, float]] = field(default_factory=dict)
+    decode_by_batch: Mapping[str, Mapping[int, float]] = field(default_factory=_empty)
     """engine -> running requests -> per-request decode tokens/s."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "solo_decode", frozen_map(self.solo_decode))
+        object.__setattr__(self, "prefill_median", frozen_map(self.prefill_median))
+        if type(self.decode_by_batch) is not MappingProxyType:
+            object.__setattr__(self, "decode_by_batch",
+                               MappingProxyType({k: frozen_map(v) for k, v in self.decode_by_batch.items()}))
 
 
 @dataclass(frozen=True, slots=True)
 class Fleet:
     engines: tuple[EngineView, ...]
-    ledger: dict[str, EngineLedger] = field(default_factory=dict)
+    ledger: Mapping[str, EngineLedger] = field(default_factory=_empty)
     admit_stale: bool = True
     """Policy ``observe.on_stale``: open (True) still admits to a stale engine when no fresh one serves the model."""
     rates: RateTables = field(default_factory=RateTables)
-    recent_serves: Mapping[str, float] = field(default_factory=dict)
+    recent_serves: Mapping[str, float] = field(default_factory=_empty)
     """Admissions per engine, decayed (satisficing band weights)."""
-    expected_output: dict[str, float] = field(default_factory=dict)
+    expected_output: Mapping[str, float] = field(default_factory=_empty)
     """model -> tokens its requests are expected to generate, learned from completed requests (output_length.py); a
     model missing here uses ``Policy.default_expected_output_tokens``."""
     index: Any = None
     """A ``fleetindex.IndexSnapshot`` describing exactly these engines and ledger views per model (the control plane's
     fleets carry one; ``decide`` then chooses among hundreds of candidates without estimating each). None: full scan."""
 
+    def __post_init__(self) -> None:
+        # Two type checks when the caller handed over proxies (every Fleet the control plane builds per Check does).
+        if type(self.ledger) is not MappingProxyType:
+            object.__setattr__(self, "ledger", MappingProxyType(dict(self.ledger)))
+        if type(self.expected_output) is not MappingProxyType:
+            object.__setattr__(self, "expected_output", MappingProxyType(dict(self.expected_output)))
+
     def of(self, engine: str) -> EngineLedger:
-        return self.ledger.get(engine, EngineLedger())
+        return self.ledger.get(engine, _NO_TICKETS)

@@ -16,6 +16,8 @@ recorded as they are: they are what that traffic really costs.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
+from types import MappingProxyType
 
 
 class OutputLengthBook:
@@ -50,6 +52,6 @@ class OutputLengthBook:
     def samples(self, model: str) -> int:
         return len(self._rings.get(model, ()))
 
-    def snapshot(self) -> dict[str, float]:
-        """Trusted means by model (a copy: a ``Fleet`` must not change under a decision)."""
-        return dict(self._trusted)
+    def snapshot(self) -> Mapping[str, float]:
+        """Trusted means by model (a read-only copy: a ``Fleet`` must not change under a decision)."""
+        return MappingProxyType(dict(self._trusted))

@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-PRIORITIES = ("critical", "standard", "sheddable")
-
+from types import MappingProxyType
 
 @dataclass(frozen=True, slots=True)
 class ModelPolicy:
@@ -42,7 +41,8 @@ class Policy:
     more than the request's ``max_tokens``). Time estimates only: slot waits, finish-soonest, expected finish times."""
     chars_per_token: float = 4.0
     """Prompt tokens are estimated as characters / this."""
-    max_park_seconds: float = 120.0
+    max_park_s: float = 120.0
+    """Longest a request waits parked (``admission.max_park_seconds``)."""
     max_queue_depth: int = 64
     """Parked requests per model (all priority classes together)."""
     retry_after_min_s: int = 1
@@ -67,10 +67,15 @@ class Policy:
     finish before the head could start (EASY backfilling), so the head is not delayed."""
     backfill_scan: int = 16
     """How far behind a blocked head backfill looks."""
-    models: dict[str, ModelPolicy] = field(default_factory=dict)
+    models: Mapping[str, ModelPolicy] = field(default_factory=lambda: MappingProxyType({}))
+    """Per-model settings (read-only: a copy of what the constructor was given)."""
     version_floors: tuple[tuple[str, str], ...] = ()
     """(pattern, minimum version): a model whose id contains ``pattern`` (case-insensitive) needs engines at or above it."""
     boxes: tuple[Box, ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.models) is not MappingProxyType:
+            object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
 
     def model(self, model_id: str) -> ModelPolicy:
         return self.models.get(model_id, ModelPolicy())

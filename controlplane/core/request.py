@@ -23,9 +23,11 @@ from collections.abc import Mapping
 from itertools import accumulate
 from typing import Any
 
-from controlplane.core.model import InferenceRequest, Reason
-from controlplane.core.policy import PRIORITIES, Policy
+from controlplane.core.model import InferenceRequest, Priority, Reason
+from controlplane.core.policy import Policy
 from controlplane.names import PRIORITY_HEADER, SESSION_HEADER, TTFT_HEADER
+
+_PRIORITIES = {p.value: p for p in Priority}
 
 #: Paths whose body names a model and is routed to an engine.
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -131,9 +133,9 @@ def parse_request(
         return InferenceRequest(method, route, model=None)
     if method != "POST" or route not in INFERENCE_PATHS:
         raise RequestError(Reason.UNKNOWN_PATH, f"Unknown request URL: {method} {route}")
-    priority = headers.get(PRIORITY_HEADER, "standard").strip().lower() or "standard"
-    if priority not in PRIORITIES:
-        raise RequestError(Reason.INVALID_PRIORITY, f"{PRIORITY_HEADER} must be one of {', '.join(PRIORITIES)}")
+    priority = _PRIORITIES.get(headers.get(PRIORITY_HEADER, "standard").strip().lower() or "standard")
+    if priority is None:
+        raise RequestError(Reason.INVALID_PRIORITY, f"{PRIORITY_HEADER} must be one of {', '.join(Priority)}")
     deadline = headers.get(TTFT_HEADER)
     max_ttft_ms: int | None = None
     if deadline is not None:

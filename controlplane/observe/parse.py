@@ -15,7 +15,6 @@ Rules (../shared/docs/engine-metrics.md, learned from other routers' breakages):
 
 from __future__ import annotations
 
-import enum
 import math
 import re
 from collections import defaultdict
@@ -23,16 +22,9 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.core.model import EngineSample
+from controlplane.core.model import EngineSample, Flavor
 
 Series = dict[str, list[tuple[dict[str, str], float]]]
-
-
-class Flavor(enum.Enum):
-    VLLM = "vllm"
-    SGLANG = "sglang"
-    LLAMACPP = "llamacpp"
-    TGI = "tgi"
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,13 +53,13 @@ class EnginePoller:
         self._session = session
         self._on_probe = on_probe
         self._clock = clock
-        self._configured_flavor = None if engine.flavor == "auto" else Flavor(engine.flavor)
+        self._configured_flavor = engine.flavor.configured
         self._view = EngineView(
             name=engine.name,
             url=engine.url,
             max_num_seqs=engine.max_num_seqs,
             models=tuple(ServedModel(m) for m in engine.models),
-            flavor=engine.flavor if self._configured_flavor else None,
+            flavor=self._configured_flavor,
             chip_class=engine.chip_class,
             anchor_prefill_tokens_per_s=engine.prefill_tokens_per_s,
             anchor_decode_tokens_per_s=engine.decode_tokens_per_s,
@@ -73,7 +73,7 @@ class EnginePoller:
 
     @property
     def flavor(self) -> Flavor | None:
-        return self._configured_flavor or (Flavor(self._view.flavor) if self._view.flavor else None)
+        return self._configured_flavor or self._view.flavor
 
     def serves(self, model: str) -> bool:
         """Whether the engine lists ``model`` (no staleness judgement: cheap enough for every Check's metrics label)."""
@@ -98,7 +98,7 @@ class EnginePoller:
     def view(self, now: float) -> EngineView:
         """The engine as of ``now``: staleness is judged here, against the clock the caller passes."""
         v = self._view
-        stale = v.last_ok_at is None or now - v.last_ok_at > self.observe.stale_after_seconds or self.failing
+        stale = v.last_ok_at is None or now - v.last_ok_at > self.observe.stale_after_s or self.failing
         if self.failing and v.last_error != self._failure:
             v = replace(v, last_error=self._failure)
         return v if v.stale == stale else replace(v, stale=stale)
@@ -116,7 +116,7 @@ class EnginePoller:
                 # A plain loop, not tenacity: a retry object per probe was most of the cyclic garbage at 200+ engines,
                 # and the collector's full passes stalled every Check behind them (bench/results/scale.md).
                 self._record_failure(exc)
-                await asyncio.sleep(self.backoff_seconds())
+                await asyncio.sleep(self.backoff_s())
                 continue
             except asyncio.CancelledError:
                 raise
@@ -127,7 +127,7 @@ class EnginePoller:
                 self.failures = 0
             await asyncio.sleep(max(0.0, started + interval - self._clock()))
 
-    def backoff_seconds(self) -> float:
+    def backoff_s(self) -> float:
         """Delay before the next probe after ``failures`` failures in a row: the interval, doubling, at most
         ``max_backoff_seconds``."""
         interval = self.observe.poll_interval_seconds
@@ -177,7 +177,7 @@ class EnginePoller:
         rates = rates_between(previous, sample, self.observe.prefill_sample_min_tokens) if previous is not None else None
         self._view = replace(
             self._view, sample=sample, last_ok_at=self._clock(), last_error="", stale=False,
-            flavor=flavor.value if flavor else None, degraded=missing, rates=rates or self._view.rates,
+            flavor=flavor, degraded=missing, rates=rates or self._view.rates,
         )
         self.probes += 1
         self._on_probe(self._view, rates)

@@ -155,7 +155,8 @@ class RateBook:
     def tables(self) -> RateTables:
         """Every trusted median, for the decision core: the same object until a median changes (O(1) per call)."""
         if self._stale:
-            self._tables = RateTables(dict(self._solo_medians), dict(self._prefill_medians), dict(self._by_engine))
+            # RateTables copies what it is given (every level), so later samples cannot change a published table.
+            self._tables = RateTables(self._solo_medians, self._prefill_medians, self._by_engine)
             self._stale = False
         return self._tables
 

@@ -29,7 +29,7 @@ from envoy.type.v3 import http_status_pb2, percent_pb2
 from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
-from controlplane.config import Config, EngineConfig
+from controlplane.config import Config, EngineConfig, OnFailure
 from controlplane.core.model import Reason
 from controlplane.core.request import MODELS_PATH
 from controlplane.edge import JSON_CONTENT_TYPE, REPLIES, Failure, error_json, header
@@ -72,12 +72,12 @@ def _ads() -> config_source_pb2.ConfigSource:
     )
 
 
-def _controlplane_grpc(timeout_seconds: float | None = None) -> grpc_service_pb2.GrpcService:
+def _controlplane_grpc(timeout_s: float | None = None) -> grpc_service_pb2.GrpcService:
     service = grpc_service_pb2.GrpcService(
         envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=CONTROLPLANE_CLUSTER)
     )
-    if timeout_seconds is not None:
-        service.timeout.CopyFrom(_seconds(timeout_seconds))
+    if timeout_s is not None:
+        service.timeout.CopyFrom(_seconds(timeout_s))
     return service
 
 
@@ -152,7 +152,7 @@ def _json_error_mapper(
 
 def build_listener(config: Config) -> listener_pb2.Listener:
     ev = config.envoy
-    fail_open = ev.on_controlplane_failure == "open"
+    fail_open = ev.on_controlplane_failure is OnFailure.OPEN
     strip = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=_strip_headers_lua(ev.client_headers_kept)))
     # The body's model, lifted into metadata and then into a header the fallback routes match on: when the control plane
     # cannot answer (fail-open), Envoy still sends each request to an engine serving its model, by the last weights.
@@ -171,7 +171,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
     model_header = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=_MODEL_HEADER_LUA),
                                clear_route_cache=wrappers_pb2.BoolValue(value=True))
     authz = ext_authz_pb2.ExtAuthz(
-        grpc_service=_controlplane_grpc(config.authz_timeout_seconds),
+        grpc_service=_controlplane_grpc(config.authz_timeout_s),
         transport_api_version=config_source_pb2.V3,
         failure_mode_allow=fail_open,
         with_request_body=ext_authz_pb2.BufferSettings(

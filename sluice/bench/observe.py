@@ -145,7 +145,7 @@ async def _loop_lag(stop: asyncio.Event, lags: list[float], period: float = 0.01
         lags.append(time.perf_counter() - before - period)
 
 
-async def _measure(port: int, engines: int, cycles: int, spread_seconds: float) -> dict[str, dict[str, list[float]]]:
+async def _measure(port: int, engines: int, cycles: int, spread_s: float) -> dict[str, dict[str, list[float]]]:
     observe = ObserveConfig(poll_interval_seconds=1.0, poll_timeout_seconds=5.0, stale_after_polls=3,
                             models_refresh_seconds=3600, max_backoff_seconds=10, on_stale="open", rate_ring_size=64,
                             rate_min_samples=5, prefill_sample_min_tokens=256)
@@ -181,7 +181,7 @@ async def _measure(port: int, engines: int, cycles: int, spread_seconds: float) 
                 lag_task = asyncio.create_task(_loop_lag(stop, spread_lags))
                 probes0, cpu0, t0 = sum(p.probes for p in pollers), time.process_time(), time.perf_counter()
                 tasks = [asyncio.create_task(p.run(i / engines)) for i, p in enumerate(pollers)]
-                await asyncio.sleep(spread_seconds)
+                await asyncio.sleep(spread_s)
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -216,12 +216,12 @@ def _start_farm(engines: int, data_parallel: int) -> tuple[subprocess.Popen, int
             time.sleep(0.2)
 
 
-def run_observe_bench(engines: int = 1000, cycles: int = 10, spread_seconds: float = 4.0) -> int:
+def run_observe_bench(engines: int = 1000, cycles: int = 10, spread_s: float = 4.0) -> int:
     parse = _parse_figures()
     tables_old, tables_new, tables_changed = _tables_figures()
     farm, port = _start_farm(engines, 1)
     try:
-        figures = asyncio.run(_measure(port, engines, cycles, spread_seconds))
+        figures = asyncio.run(_measure(port, engines, cycles, spread_s))
     finally:
         farm.terminate()
         farm.wait(5)
@@ -251,7 +251,7 @@ the kept lines; the new one finds the kept lines with one compiled regex and rea
 engines served by one aiohttp farm process on loopback, each answering real-size vLLM 0.11 V1 text (about {size} bytes,
 every bucket; 8 pre-rendered variants), both arms in this same run against the same farm. Cycle: all {engines} probed
 concurrently, {cycles} cycles after a warm-up. Spread: as the control plane runs them (every engine on its own 1 s schedule,
-starts staggered over the interval) for {spread_seconds:.0f} s.
+starts staggered over the interval) for {spread_s:.0f} s.
 
 | reader | CPU per probe, median (ms) | max | cycle time, median (s) | max | loop lag during cycles p95 / max (ms) | spread: probes/s | spread: CPU of one core | spread: loop lag p95 / max (ms) |
 |---|---|---|---|---|---|---|---|---|

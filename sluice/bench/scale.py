@@ -48,7 +48,7 @@ def _decisions(metrics_url: str) -> float:
     return sum(float(v) for v in re.findall(r"^sluice_admission_decisions_total\{[^}]*\} (\S+)", text, re.M))
 
 
-def _cpu_seconds(pid: int) -> float:
+def _cpu_s(pid: int) -> float:
     """utime + stime of a process and its reaped children (from /proc), in seconds."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
@@ -134,11 +134,11 @@ def _run_size(size: int, observe: dict[str, float]) -> dict[str, Any]:
             asyncio.run(open_loop(url, 20, 3.0))  # warm the pools, clusters and the Check path
             time.sleep(1.0)
             before, decided_before = _histogram(metrics_url), _decisions(metrics_url)
-            cpu_before, wall_before = (_cpu_seconds(pid) if pid else 0.0), time.monotonic()
+            cpu_before, wall_before = (_cpu_s(pid) if pid else 0.0), time.monotonic()
             load_before = os.getloadavg()[0]
             rows = asyncio.run(open_loop(url, RATE, SECONDS))
             time.sleep(0.5)
-            cpu = (_cpu_seconds(pid) - cpu_before) / (time.monotonic() - wall_before) if pid else float("nan")
+            cpu = (_cpu_s(pid) - cpu_before) / (time.monotonic() - wall_before) if pid else float("nan")
             after, decided_after = _histogram(metrics_url), _decisions(metrics_url)
     finally:
         farm.terminate()

@@ -149,7 +149,7 @@ def test_admin_engines_table_and_json(mixed: Stack) -> None:
     import subprocess
     import sys
 
-    target = f"127.0.0.1:{mixed.config.controlplane.grpc_port}"
+    target = mixed.admin_target
     table = subprocess.run([sys.executable, "-m", "sluice", "admin", "engines", "--target", target],
                            capture_output=True, text=True, timeout=30)
     assert table.returncode == 0

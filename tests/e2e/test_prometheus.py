@@ -39,7 +39,8 @@ JOB = "sluice-controlplane"
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$engine": ".*"}
 #: Metrics with labels that only events not staged here set (an engine failing before its first byte, a policy reload):
 #: their names and types are still checked (from # HELP / # TYPE), their labels only once they have samples.
-EVENT_ONLY = {"sluice_engine_retries_total", "sluice_engine_request_failures_total", "sluice_config_reloads_total"}
+EVENT_ONLY = {"sluice_engine_retries_total", "sluice_engine_request_failures_total", "sluice_config_reloads_total",
+              "sluice_admin_refused_total", "sluice_admin_watch_dropped_total"}
 THRESHOLD = re.compile(r"^(?P<base>.+?)\s*(?:==|!=|>=|<=|>|<)\s*-?[0-9.e+]+\s*$", re.S)
 
 

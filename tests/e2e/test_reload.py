@@ -22,8 +22,8 @@ def reload(stack: Stack, raw: dict[str, Any], tmp_path: Path, name: str) -> subp
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return subprocess.run(
-        [sys.executable, "-m", "sluice", "admin", "reload", str(path), "--target",
-         f"127.0.0.1:{stack.config.controlplane.grpc_port}"], capture_output=True, text=True, timeout=30)
+        [sys.executable, "-m", "sluice", "admin", "reload", str(path), *stack.admin_args()], capture_output=True,
+        text=True, timeout=30)
 
 
 def test_reload_applies_policy_all_or_nothing(tmp_path: Path) -> None:
@@ -66,14 +66,14 @@ def test_sighup_reloads_the_control_planes_own_file(tmp_path: Path) -> None:
     from tests.harness import free_port, wait_for
 
     raw: dict[str, Any] = {
-        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
         "engines": [{"name": "far", "url": "http://127.0.0.1:9", "models": ["cortex"]}],  # discard: nothing answers
     }
     path = tmp_path / "sluice.yaml"
     path.write_text(yaml.safe_dump(raw))
     plane = subprocess.Popen([sys.executable, "-m", "sluice", "controlplane", "--config", str(path)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{raw['controlplane']['grpc_port']}"))
+    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{raw['controlplane']['admin_port']}"))
 
     def verdict() -> str:
         why = stub.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", prompt_tokens=10), timeout=2)

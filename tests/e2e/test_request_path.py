@@ -137,7 +137,7 @@ def test_client_cannot_pick_its_engine(stack: Stack) -> None:
         # An operator asking why sees the drain.
         explained = subprocess.run(
             [sys.executable, "-m", "sluice", "admin", "explain", "cortex", "--prompt-tokens", "100", "--max-tokens",
-             "10", "--target", f"127.0.0.1:{stack.config.controlplane.grpc_port}", "--json"],
+             "10", "--target", stack.admin_target, "--json"],
             capture_output=True, text=True, timeout=30)
         report = json.loads(explained.stdout)
         assert (report["verdict"], report["engine"]) == ("admit", "spark")

@@ -148,7 +148,7 @@ class Up:
 
     def __init__(self, tmp_path: Path, engines: list[dict[str, Any]]) -> None:
         self.raw: dict[str, Any] = {
-            "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+            "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
             "envoy": {"listen_port": free_port(), "admin_port": free_port()},
             "engines": [{"url": f"http://127.0.0.1:{free_port()}", **e} for e in engines],
         }
@@ -212,7 +212,7 @@ class Up:
 
     def admin_engines(self) -> dict[str, admin_pb2.Engine]:
         # A fresh channel per call: a channel's reconnect backoff must not hide the restarted control plane.
-        with grpc.insecure_channel(f"127.0.0.1:{self.raw['controlplane']['grpc_port']}") as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{self.raw['controlplane']['admin_port']}") as channel:
             reply = admin_pb2_grpc.AdminStub(channel).ListEngines(admin_pb2.ListEnginesRequest(), timeout=2)
         return {e.name: e for e in reply.engines}
 

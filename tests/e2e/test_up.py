@@ -17,7 +17,7 @@ from tests.harness import free_port, wait_for
 
 def _config(tmp_path: Path) -> Path:
     raw = {
-        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
         "engines": [
             {"name": "thor", "url": f"http://127.0.0.1:{free_port()}", "sim": "thor", "speed": 20},
@@ -88,7 +88,7 @@ def test_sluice_up_fronts_an_engine_already_running_elsewhere(tmp_path: Path) ->
 
     engine, engine_port = launch_sim("spark", "their-vllm", 20.0, tmp_path)
     raw = {
-        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
         "engines": [{"name": "their-vllm", "url": f"http://localhost:{engine_port}", "max_num_seqs": 2}],
     }

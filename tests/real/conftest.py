@@ -17,7 +17,7 @@ import pytest
 
 from controlplane.config import parse_config
 from sluice.real import llama
-from tests.harness import Stack, ThreadedControlPlane, free_port, http_json, stack_raw, stop
+from tests.harness import Stack, ThreadedControlPlane, admin_section, free_port, http_json, stack_raw, stop
 
 #: Per server: 2 slots sharing 4,096 tokens of context; one thread each (two servers on this 2-core machine).
 PARALLEL = 2
@@ -69,7 +69,8 @@ def require_built() -> None:
 
 def start_real_stack(engines: list[Engine], work_dir: Path, **sections: Any) -> Stack:
     """Control plane (in this process) + Envoy in front of already-running llama-servers."""
-    raw = stack_raw([{"name": e.name, "url": e.url, "flavor": "llamacpp"} for e in engines], **sections)
+    raw = stack_raw([{"name": e.name, "url": e.url, "flavor": "llamacpp"} for e in engines],
+                    **{"admin": admin_section(work_dir), **sections})
     stack = Stack(parse_config(raw), work_dir, raw)
     try:
         stack.controlplane = ThreadedControlPlane(stack.config)

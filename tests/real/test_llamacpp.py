@@ -152,7 +152,7 @@ def test_admin_cli_shows_the_real_engines(stack: Stack, engines: list[Engine]) -
     for _ in range(4):
         client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "rate me"}], max_tokens=48,
                                        extra_body={"ignore_eos": True})
-    target = f"127.0.0.1:{stack.config.controlplane.grpc_port}"
+    target = stack.admin_target
 
     def engines_json() -> dict[str, Any]:
         out = subprocess.run([sys.executable, "-m", "sluice", "admin", "engines", "--json", "--target", target],
@@ -307,19 +307,19 @@ def test_context_overflow_is_a_400_before_the_engine(stack: Stack, engines: list
 
 def _reload(stack: Stack, raw: dict[str, Any], path: Path) -> None:
     path.write_text(yaml.safe_dump(raw))
-    done = subprocess.run([sys.executable, "-m", "sluice", "admin", "reload", str(path), "--target",
-                           f"127.0.0.1:{stack.config.controlplane.grpc_port}"], capture_output=True, text=True, timeout=30)
+    done = subprocess.run([sys.executable, "-m", "sluice", "admin", "reload", str(path), *stack.admin_args()],
+                          capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
 
 
-def test_version_floors_against_the_real_build_info(stack: Stack, tmp_path: Path) -> None:
+def test_version_floors_against_the_real_build_info(stack: Stack) -> None:
     build = int(BUILD_INFO.split("-")[0][1:])
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     try:
         for floor, admitted in ((f"b{build}", True), (f"b{build - 500}", True), (f"b{build + 1}", False)):
             raw = copy.deepcopy(stack.raw)
             raw["version_floors"] = {"tiny": floor}
-            _reload(stack, raw, tmp_path / f"{floor}.yaml")
+            _reload(stack, raw, stack.work_dir / f"{floor}.yaml")  # reloads may only name files under admin.reload_dir
             status, headers, payload = post(stack.base_url, "/chat/completions", body)
             if admitted:
                 assert status == 200 and headers["x-sluice-engine"] in NAMES, (floor, payload)
@@ -328,7 +328,7 @@ def test_version_floors_against_the_real_build_info(stack: Stack, tmp_path: Path
                 assert (status, error["code"]) == (503, "version_floor"), (floor, payload)
                 assert "llama-a" in error["message"] and int(headers["retry-after"]) >= 1
     finally:
-        _reload(stack, stack.raw, tmp_path / "original.yaml")
+        _reload(stack, stack.raw, stack.work_dir / "original.yaml")
     assert post(stack.base_url, "/chat/completions", body)[0] == 200
 
 

@@ -1,16 +1,20 @@
-"""Properties of the admission state machine over random interleavings of requests, releases, probes, cancellations,
-lease expiries and park deadlines: caps hold, KV is never double-spent, floors hold, FIFO within a class, nothing leaks."""
+"""Properties of the admission state machine over random interleavings of requests (every priority, with and without a TTFT
+deadline and a session), releases, probes, cancellations, lease expiries and park deadlines: caps hold, KV is never
+double-spent, floors hold, FIFO within a class, deadlines are kept, one answer per request, nothing leaks."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineSample, EngineView, InferenceRequest, ServedModel, Verdict
+from controlplane.core.model import (
+    EngineSample, EngineView, Fleet, InferenceRequest, Priority, Reason, ServedModel, Verdict,
+)
 from controlplane.core.policy import Policy
 
 CAPACITY = 20_000
@@ -19,13 +23,16 @@ ENGINES = (
     ("b", 3, "0.11.0"),
     ("old", 4, "0.8.0"),  # below the floor: must never get a ticket
 )
-POLICY = Policy(kv_high_watermark=0.9, default_max_tokens=500, max_park_seconds=30, max_queue_depth=6,
+POLICY = Policy(kv_high_watermark=0.9, default_max_tokens=500, max_park_s=30, max_queue_depth=6,
                 version_floors=(("cortex", "0.10"),))
 
 op = st.one_of(
     # A burst of n identical requests: saturation (caps, KV, parking) needs several arrivals between releases.
-    st.tuples(st.just("submit"), st.sampled_from([100, 800, 3_000, 9_000]),
-              st.sampled_from(["critical", "standard", "sheddable"]), st.integers(1, 8)),
+    # With the default prefill anchor (1000 tokens/s) a prompt's idle TTFT is 0.1, 0.8, 3 or 9 s: the deadlines below are
+    # met at once, met only after a slot frees, or never.
+    st.tuples(st.just("submit"), st.sampled_from([100, 800, 3_000, 9_000]), st.sampled_from(list(Priority)),
+              st.integers(1, 8), st.sampled_from([None, None, 500, 2_500, 10_000, 60_000]),
+              st.sampled_from([None, None, "s1", "s2"])),
     st.tuples(st.just("release"), st.integers(0, 50)),
     st.tuples(st.just("probe"), st.sampled_from([e[0] for e in ENGINES])),
     st.tuples(st.just("cancel"), st.integers(0, 50)),
@@ -45,13 +52,13 @@ class World:
             for name, cap, version in ENGINES
         }
         self.tickets: dict[str, tuple[str, int]] = {}  # open ticket -> (engine, prompt tokens it really uses)
-        self.parked_order: dict[str, list[str]] = {"critical": [], "standard": []}
-        self.admitted_from_park: dict[str, list[str]] = {"critical": [], "standard": []}
-        self.priority: dict[str, str] = {}
+        self.parked_order: dict[Priority, list[str]] = {Priority.CRITICAL: [], Priority.STANDARD: []}
+        self.admitted_from_park: dict[Priority, list[str]] = {Priority.CRITICAL: [], Priority.STANDARD: []}
+        self.requests: dict[str, InferenceRequest] = {}
         self.answered: set[str] = set()
         self.seq = 0
 
-    def fleet(self):  # type: ignore[no-untyped-def]
+    def fleet(self) -> Fleet:
         return self.core.fleet(self.views.values(), self.now)
 
     def settle(self, outcomes: list[Outcome]) -> None:
@@ -60,9 +67,15 @@ class World:
             self.answered.add(o.request_id)
             if o.ticket is not None:
                 self.tickets[o.ticket.ticket_id] = (o.ticket.engine, o.ticket.reserved_tokens - 500)
-                klass = self.priority[o.request_id]
-                if o.parked_for > 0 and klass in self.admitted_from_park:
-                    self.admitted_from_park[klass].append(o.request_id)
+                request = self.requests[o.request_id]
+                if o.parked_for > 0 and request.priority in self.admitted_from_park:
+                    self.admitted_from_park[request.priority].append(o.request_id)
+                if request.max_ttft_ms is not None:
+                    # Admitted only with an estimated TTFT inside what is left of the deadline (whole milliseconds).
+                    assert o.parked_for + o.decision.expected_ttft_s <= request.max_ttft_ms / 1000 + 0.001, \
+                        f"{o.request_id} admitted past its {request.max_ttft_ms} ms deadline"
+            elif o.decision.verdict is Verdict.SHED and o.decision.reason is Reason.TTFT_UNMEETABLE:
+                assert self.requests[o.request_id].max_ttft_ms is not None, "ttft_unmeetable without a deadline"
         self.check_invariants()
 
     def check_invariants(self) -> None:
@@ -76,27 +89,27 @@ class World:
         assert ledger.admitted_total == ledger.open_tickets() + ledger.released_total + ledger.expired_total
         assert ledger.open_tickets() == len([t for t in self.tickets if ledger.get(t)])
 
-    def submit(self, prompt_tokens: int, priority: str) -> None:
+    def submit(self, prompt_tokens: int, priority: Priority, max_ttft_ms: int | None, session: str | None) -> None:
         self.now += 0.001  # the control plane's clock is monotonic: no two events share an instant
         self.seq += 1
         rid = f"r{self.seq}"
-        self.priority[rid] = priority
         request = InferenceRequest("POST", "/v1/chat/completions", "cortex", prompt_tokens=prompt_tokens,
-                                   max_tokens=500, priority=priority)
+                                   max_tokens=500, priority=priority, max_ttft_ms=max_ttft_ms, session=session)
+        self.requests[rid] = request
         outcome = self.core.check(rid, request, self.fleet(), self.now)
         if outcome.decision.verdict is Verdict.PARK:
-            assert priority != "sheddable", "sheddable requests are shed, never parked"
+            assert priority is not Priority.SHEDDABLE, "sheddable requests are shed, never parked"
             self.parked_order[priority].append(rid)
             self.check_invariants()
         else:
             self.settle([outcome])
 
-    def apply(self, step: tuple) -> None:  # type: ignore[type-arg]
+    def apply(self, step: tuple[Any, ...]) -> None:
         self.now += 0.001
         kind = step[0]
         if kind == "submit":
             for _ in range(step[3]):
-                self.submit(step[1], step[2])
+                self.submit(step[1], step[2], step[4], step[5])
         elif kind == "release":
             open_ids = [t for t in self.tickets if self.core.ledger.get(t)]
             if open_ids:
@@ -139,9 +152,9 @@ class World:
 @settings(max_examples=400, deadline=None)
 @given(st.lists(op, max_size=80))
 # Leases expire after the probes that counted their tickets: the expiry must free the probe's slots as a release does.
-@example([("submit", 100, "critical", 5), ("probe", "a"), ("probe", "b"), ("tick", 20.0), ("tick", 40.0), ("tick", 40.0),
-          ("submit", 100, "critical", 1)])
-def test_admission_invariants(steps: list[tuple]) -> None:  # type: ignore[type-arg]
+@example([("submit", 100, Priority.CRITICAL, 5, None, None), ("probe", "a"), ("probe", "b"), ("tick", 20.0),
+          ("tick", 40.0), ("tick", 40.0), ("submit", 100, Priority.CRITICAL, 1, None, None)])
+def test_admission_invariants(steps: list[tuple[Any, ...]]) -> None:
     world = run_and_drain(World(), steps)
     # FIFO within a class: parked requests were admitted in the order they parked.
     for klass, admitted in world.admitted_from_park.items():
@@ -150,12 +163,12 @@ def test_admission_invariants(steps: list[tuple]) -> None:  # type: ignore[type-
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(op, max_size=80))
-def test_admission_invariants_with_backfill(steps: list[tuple]) -> None:  # type: ignore[type-arg]
+def test_admission_invariants_with_backfill(steps: list[tuple[Any, ...]]) -> None:
     """Backfill reorders admissions on purpose; every other invariant still holds."""
     run_and_drain(World(replace(POLICY, backfill=True)), steps)
 
 
-def run_and_drain(world: World, steps: list[tuple]) -> World:  # type: ignore[type-arg]
+def run_and_drain(world: World, steps: list[tuple[Any, ...]]) -> World:
     for step in steps:
         world.apply(step)
     # Every request is answered exactly once or still parked; nothing is both.

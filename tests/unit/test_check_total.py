@@ -255,7 +255,7 @@ async def test_queued_check_is_shed_as_overloaded_before_any_work(plane: Control
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     parsed: list[bytes] = []
     monkeypatch.setattr("controlplane.authz.parse_request", lambda *a, **k: parsed.append(a[2]))
-    waited_two_seconds = FakeContext(plane.config.authz_timeout_seconds - 2.0)
+    waited_two_seconds = FakeContext(plane.config.authz_timeout_s - 2.0)
     status, headers, error = denial(await AuthorizationServicer(plane.service).Check(check_request(chat_body()),
                                                                              waited_two_seconds))
     assert status == 503 and headers["retry-after"] == "3"
@@ -266,7 +266,7 @@ async def test_queued_check_is_shed_as_overloaded_before_any_work(plane: Control
 
 @pytest.mark.parametrize("waited", [None, 0.9], ids=["no-deadline", "under-the-limit"])
 async def test_short_or_unknown_queueing_is_not_shed(plane: ControlPlane, waited: float | None) -> None:
-    remaining = None if waited is None else plane.config.authz_timeout_seconds - waited
+    remaining = None if waited is None else plane.config.authz_timeout_s - waited
     response = await AuthorizationServicer(plane.service).Check(check_request(chat_body(max_tokens=5)), FakeContext(remaining))
     assert response.HasField("ok_response")
     assert counter(plane, "sluice_authz_overloaded_total") == 0

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from controlplane.core.decide import decide, retry_after
+from controlplane.core.model import Priority
 from controlplane.core.model import (
     EngineLedger, EngineRates, EngineSample, EngineView, Fleet, InferenceRequest, RateTables, Reason, ServedModel,
     Verdict,
@@ -38,7 +39,7 @@ def fleet(*engines: EngineView, ledger: dict[str, EngineLedger] | None = None, a
 def chat(prompt_tokens: int = 10, max_tokens: int | None = 100, priority: str = "standard",
          model: str = "cortex") -> InferenceRequest:
     return InferenceRequest("POST", "/v1/chat/completions", model, prompt_tokens=prompt_tokens,
-                            max_tokens=max_tokens, priority=priority)
+                            max_tokens=max_tokens, priority=Priority(priority))
 
 
 # -- parsing ------------------------------------------------------------------------------------------------------------

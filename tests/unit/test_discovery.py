@@ -89,5 +89,5 @@ def test_probe_backoff_doubles_from_the_interval_up_to_the_cap() -> None:
     delays = []
     for failures in range(1, 6):
         poller.failures = failures
-        delays.append(poller.backoff_seconds())
+        delays.append(poller.backoff_s())
     assert delays == [0.5, 1.0, 2.0, 3.0, 3.0]

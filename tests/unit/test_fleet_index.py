@@ -10,6 +10,7 @@ import pytest
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
+from controlplane.core.model import Priority
 from controlplane.core.model import (
     EngineRates, EngineSample, EngineView, InferenceRequest, RateTables, ServedModel, Verdict,
 )
@@ -65,7 +66,7 @@ def build(seed: int) -> tuple[AdmissionCore, RateTables, list[EngineView], Polic
 def random_request(rng: random.Random) -> InferenceRequest:
     return InferenceRequest(
         "POST", "/v1/chat/completions", rng.choice(MODELS), prompt_tokens=rng.choice([0, 50, 2000, 30000]),
-        max_tokens=rng.choice([None, 16, 300, 5000]), priority=rng.choice(["critical", "standard", "sheddable"]),
+        max_tokens=rng.choice([None, 16, 300, 5000]), priority=rng.choice(list(Priority)),
         max_ttft_ms=rng.choice([None, None, 500, 3000, 20000]), session=None,
     )
 

@@ -40,7 +40,7 @@ def test_a_scrape_off_the_loop_before_any_on_it_leaves_the_gauge_out() -> None:
 
 def test_the_control_plane_exposes_it_on_metrics() -> None:
     config = parse_config({
-        "controlplane": {"grpc_port": 0, "metrics_port": 0},
+        "controlplane": {"grpc_port": 0, "metrics_port": 0, "admin_port": 0},
         "envoy": {"listen_port": 0, "admin_port": 0},
         "engines": [{"name": "nowhere", "url": "http://127.0.0.1:9"}],  # discard: nothing answers
     })

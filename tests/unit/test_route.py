@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from controlplane.core.admission import AdmissionCore, RateTables
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
+from controlplane.core.model import Priority
 from controlplane.core.model import (
     EngineLedger, EngineSample, EngineView, Fleet, InferenceRequest, Reason, ServedModel, Verdict,
 )
@@ -36,7 +37,7 @@ def engine(name: str, running: int = 0, *, seqs: int = 2, prefill: float = 1000.
 def chat(prompt: int = 10, max_tokens: int = 111, ttft_ms: int | None = None, session: str | None = None,
          priority: str = "standard") -> InferenceRequest:
     return InferenceRequest("POST", "/v1/chat/completions", "cortex", prompt_tokens=prompt, max_tokens=max_tokens,
-                            max_ttft_ms=ttft_ms, session=session, priority=priority)
+                            max_ttft_ms=ttft_ms, session=session, priority=Priority(priority))
 
 
 # Seed 000: per-request decode at 1 and 2 streams (aggregate 18.18 / 50.71 and 49.24 / 87.82 tok/s).

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import pytest
 from aiohttp.test_utils import make_mocked_request
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -15,13 +17,15 @@ from google.protobuf import duration_pb2, struct_pb2
 
 from controlplane.accesslog import AccessLogServicer
 from controlplane.admin import AdminServicer
+from controlplane.adminauth import AdminGuard, Token
 from controlplane.core.model import (
     Decision, EngineSample, EngineView, Fleet, InferenceRequest, Reason, ServedModel, Ticket, Verdict,
 )
 from controlplane.core.policy import Policy
 from controlplane.httpendpoint import HttpEndpoint
 from controlplane.metrics import SluiceMetrics
-from controlplane.ports import ReloadResult, StatusFacts
+from controlplane.ports import FloorResult, ReloadResult, StatusFacts
+from controlplane.watch import DecisionEvent, DecisionFeed, Watcher
 from sluice.admin.v1 import admin_pb2
 
 
@@ -97,6 +101,12 @@ class FakeAdmin:
 
     drained: dict[str, bool] = field(default_factory=dict)
     reloads: list[str | None] = field(default_factory=list)
+    floors: dict[str, str] = field(default_factory=dict)
+    metrics: SluiceMetrics = field(default_factory=SluiceMetrics)
+    feed: DecisionFeed = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.feed = DecisionFeed(self.metrics)
 
     @property
     def policy(self) -> Policy:
@@ -133,19 +143,45 @@ class FakeAdmin:
         self.reloads.append(path)
         return ReloadResult(False, ("admission.x: unknown field",), (), path or "f.yaml")
 
+    @property
+    def config_source(self) -> str:
+        return "f.yaml"
+
+    async def set_version_floor(self, pattern: str, version: str) -> FloorResult:
+        before = self.floors.get(pattern, "")
+        self.floors[pattern] = version
+        return FloorResult(True, (), before, version)
+
+    def watch(self, model: str | None) -> Watcher:
+        return self.feed.subscribe(model, size=2)
+
+    def unwatch(self, watcher: Watcher) -> None:
+        self.feed.unsubscribe(watcher)
+
 
 class AbortedError(Exception):
     pass
 
 
 class FakeContext:
+    def __init__(self, token: str | None = "operator-secret") -> None:
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.code: Any = None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
     async def abort(self, code: Any, details: str) -> None:
+        self.code = code
         raise AbortedError(details)
 
 
 async def test_admin_reports_what_its_port_says() -> None:
     port = FakeAdmin()
-    admin = AdminServicer(port)
+    admin = AdminServicer(port, guard())
     status = await admin.GetStatus(admin_pb2.GetStatusRequest(), FakeContext())  # type: ignore[arg-type]
     assert (status.version, status.open_tickets, status.engines_total, status.engines_ready) == ("1.2.3", 3, 1, 1)
     engines = (await admin.ListEngines(admin_pb2.ListEnginesRequest(), FakeContext())).engines  # type: ignore[arg-type]
@@ -159,6 +195,81 @@ async def test_admin_reports_what_its_port_says() -> None:
     assert (why.verdict, why.engine, why.queued_ahead) == ("admit", "thor", 2)
     reload = await admin.ReloadConfig(admin_pb2.ReloadConfigRequest(path="x.yaml"), FakeContext())  # type: ignore[arg-type]
     assert not reload.applied and list(reload.problems) == ["admission.x: unknown field"] and port.reloads == ["x.yaml"]
+
+
+def guard(port: FakeAdmin | None = None, *, reads: bool = False) -> AdminGuard:
+    metrics = port.metrics if port is not None else SluiceMetrics()
+    return AdminGuard((Token("ops", "operator-secret"),), reads, metrics)
+
+
+def refused(port: FakeAdmin, method: str) -> float:
+    return port.metrics.registry.get_sample_value("sluice_admin_refused_total", {"method": method}) or 0.0
+
+
+async def test_admin_changes_without_or_with_a_wrong_token_are_refused_and_change_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    port = FakeAdmin()
+    admin = AdminServicer(port, guard(port))
+    caplog.set_level("INFO")
+    for token in (None, "wrong-secret"):
+        for call in (lambda c: admin.DrainEngine(admin_pb2.DrainEngineRequest(name="thor", drained=True), c),
+                     lambda c: admin.ReloadConfig(admin_pb2.ReloadConfigRequest(path="evil.yaml"), c),
+                     lambda c: admin.SetVersionFloor(admin_pb2.SetVersionFloorRequest(model_pattern="cortex",
+                                                                                      version="9"), c)):
+            context = FakeContext(token)
+            with pytest.raises(AbortedError):
+                await call(context)
+            assert context.code is grpc.StatusCode.UNAUTHENTICATED
+    assert port.drained == {} and port.reloads == [] and port.floors == {}
+    assert (refused(port, "DrainEngine"), refused(port, "ReloadConfig"), refused(port, "SetVersionFloor")) == (2, 2, 2)
+    audit = [json.loads(r.getMessage()) for r in caplog.records if r.name == "sluice.audit"]
+    assert len(audit) == 6 and all(a["result"] == "refused: unauthenticated" and a["who"] == "-" for a in audit)
+    assert "wrong-secret" not in caplog.text  # the token sent is never logged
+    # Reads need no token by default; with require_token_for_reads they do.
+    assert (await admin.GetStatus(admin_pb2.GetStatusRequest(), FakeContext(None))).version == "1.2.3"  # type: ignore[arg-type]
+    strict = AdminServicer(port, guard(port, reads=True))
+    with pytest.raises(AbortedError):
+        await strict.GetStatus(admin_pb2.GetStatusRequest(), FakeContext("wrong-secret"))  # type: ignore[arg-type]
+    # The right token: applied, and audited with the token's name (never its secret) and before/after.
+    caplog.clear()
+    floor = await admin.SetVersionFloor(admin_pb2.SetVersionFloorRequest(model_pattern="cortex", version="0.11"),
+                                        FakeContext())  # type: ignore[arg-type]
+    assert floor.applied and port.floors == {"cortex": "0.11"}
+    (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "sluice.audit"]
+    assert (line["who"], line["what"]["method"], line["before"], line["after"], line["result"]) == (
+        "ops", "SetVersionFloor", None, "0.11", "applied")
+    assert "operator-secret" not in caplog.text
+
+
+async def test_no_token_configured_refuses_every_change() -> None:
+    port = FakeAdmin()
+    admin = AdminServicer(port, AdminGuard((), False, port.metrics))
+    with pytest.raises(AbortedError, match="no admin token is configured"):
+        await admin.DrainEngine(admin_pb2.DrainEngineRequest(name="thor", drained=True), FakeContext())  # type: ignore[arg-type]
+    assert port.drained == {}
+
+
+def event(n: int) -> DecisionEvent:
+    return DecisionEvent(float(n), f"r{n}", "admit", "finish_soonest", "thor", "cortex", "", 0.0, 0.5, 0, "standard")
+
+
+async def test_a_slow_watcher_drops_events_and_is_told_how_many() -> None:
+    port = FakeAdmin()
+    admin = AdminServicer(port, guard(port))
+    stream = admin.WatchDecisions(admin_pb2.WatchDecisionsRequest(), FakeContext())  # type: ignore[arg-type]
+    first = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)
+    assert len(port.feed.watchers) == 1
+    for n in range(5):  # a queue of 2 (FakeAdmin.watch): r0 and r1 queue, r2..r4 are dropped
+        port.feed.publish(event(n))
+    got = [await asyncio.wait_for(first, 2), await asyncio.wait_for(stream.__anext__(), 2)]
+    port.feed.publish(event(5))
+    got.append(await asyncio.wait_for(stream.__anext__(), 2))
+    assert [e.request_id for e in got] == ["r0", "r1", "r5"]
+    assert sum(e.dropped_since_last for e in got) == 3 and got[-1].dropped_since_last == 0
+    assert port.metrics.registry.get_sample_value("sluice_admin_watch_dropped_total") == 3
+    await stream.aclose()
+    assert port.feed.watchers == []
 
 
 def test_no_servicer_imports_the_wiring() -> None:

@@ -1,0 +1,38 @@
+"""The running policy as config-shaped YAML (``GetPolicy``, ``sluice admin policy``, the audit log's before/after): the
+``admission``, ``models``, ``version_floors`` and ``boxes`` sections, in the spelling a config file uses, so the text can be
+pasted back into one."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict
+from typing import Any
+
+import yaml
+
+from controlplane.config import _POLICY_NAME, DEFAULTS  # the config spelling of Policy's fields
+from controlplane.core.policy import Policy
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def policy_raw(policy: Policy) -> dict[str, Any]:
+    admission = {key: _plain(getattr(policy, _POLICY_NAME.get(key, key))) for key in DEFAULTS["admission"]}
+    return {
+        "admission": admission,
+        "models": {m: _plain(asdict(mp)) for m, mp in sorted(policy.models.items())},
+        "version_floors": {pattern: version for pattern, version in policy.version_floors},
+        "boxes": [_plain(asdict(b)) for b in policy.boxes],
+    }
+
+
+def policy_yaml(policy: Policy) -> str:
+    return yaml.safe_dump(policy_raw(policy), sort_keys=False)
