@@ -39,6 +39,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -383,6 +384,14 @@ def start_stack(config: Config, config_path: str | None, work_dir: Path) -> list
     return list(reversed(children))
 
 
+def write_run_token(work_dir: Path) -> Path:
+    """A fresh admin token for this run (``operator:<secret>``), in a file only this user can read."""
+    path = work_dir / "admin-token"
+    path.touch(mode=0o600)
+    path.write_text(f"operator:{secrets.token_urlsafe(24)}\n")
+    return path
+
+
 def run_up(config_path: str | None) -> int:
     try:
         config, completed, added = prepare_config(config_path)
@@ -405,8 +414,15 @@ def run_up(config_path: str | None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     work_dir = Path(tempfile.mkdtemp(prefix="sluice-up-"))
+    token_file = config.admin.token_file
+    if not config.admin.has_token_source:
+        # Changes through the admin API need a token; a config that names none gets one made for this run, readable by
+        # this user only, so `sluice admin drain|reload|floor` work on `make run` without ever being open to anyone.
+        token_file = str(write_run_token(work_dir))
+        completed = {**completed, "admin": {**(completed.get("admin") or {}), "token_file": token_file}}
+        added = True
     plane_path = config_path
-    if added:  # the control plane reads the copy with the simulators' profile defaults written in
+    if added:  # the control plane reads the copy with what sluice up wrote in (profile defaults, the run's token)
         plane_path = str(work_dir / "config.yaml")
         Path(plane_path).write_text(yaml.safe_dump(completed, sort_keys=False))
         log.info("simulator profile defaults written into %s for the control plane", plane_path)
@@ -417,7 +433,7 @@ def run_up(config_path: str | None) -> int:
         models = wait_ready(base, children)
         print(f"sluice is up.\n  base URL: {base}\n  model:    {', '.join(models)}\n"
               f"  admin:    sluice admin engines --target {config.controlplane.admin_host}:"
-              f"{config.controlplane.admin_port}\n"
+              f"{config.controlplane.admin_port}" + (f" --token-file {token_file}" if token_file else "") + "\n"
               f"  logs:     {work_dir}\n"
               "The control plane and simulators are restarted if they exit; Envoy keeps serving meanwhile.\n"
               "Ctrl-C stops everything.", flush=True)

@@ -68,6 +68,20 @@ def test_sluice_up_serves_streams_refuses_a_twin_and_stops_cleanly(tmp_path: Pat
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
             "the quick river runs through a"
 
+        # The printed admin command works as printed: sluice up made a token for this run (the config names none); a
+        # change without it is refused and changes nothing.
+        admin = next(line for line in lines if "admin:" in line).split("admin:", 1)[1].split()
+        assert admin[:3] == ["sluice", "admin", "engines"] and "--token-file" in admin
+        args = admin[3:]
+        cli = [sys.executable, "-m", "sluice", "admin"]
+        refused = subprocess.run([*cli, *[a for a in args if a != "--token-file" and not a.endswith("admin-token")],
+                                  "drain", "thor"], capture_output=True, text=True, timeout=30)
+        assert refused.returncode != 0 and "missing or wrong bearer token" in refused.stderr
+        drained = subprocess.run([*cli, *args, "drain", "thor"], capture_output=True, text=True, timeout=30)
+        assert drained.returncode == 0, drained.stdout + drained.stderr
+        undrained = subprocess.run([*cli, *args, "undrain", "thor"], capture_output=True, text=True, timeout=30)
+        assert undrained.returncode == 0, undrained.stdout + undrained.stderr
+
         twin = subprocess.run([sys.executable, "-m", "sluice", "up", "--config", str(config)],
                               capture_output=True, text=True, timeout=30)
         assert twin.returncode == 1
