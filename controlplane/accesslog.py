@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
@@ -24,26 +25,26 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
         self.plane = plane
 
     async def StreamAccessLogs(  # noqa: N802 (gRPC method name)
-        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext[Any, Any]
     ) -> als_pb2.StreamAccessLogsResponse:
         async for message in request_iterator:
             for entry in message.http_logs.log_entry:
                 self._record(entry)
         return als_pb2.StreamAccessLogsResponse()
 
-    def _record(self, entry: object) -> None:
+    def _record(self, entry: Any) -> None:
         plane = self.plane
         self._note_engine_failure(entry)
-        metadata = entry.common_properties.metadata.filter_metadata  # type: ignore[attr-defined]
+        metadata = entry.common_properties.metadata.filter_metadata
         if AUTHZ_NAMESPACE not in metadata or "ticket" not in metadata[AUTHZ_NAMESPACE].fields:
             plane.metrics.access_log_entries.labels("no_ticket").inc()
             return
         ticket_id = metadata[AUTHZ_NAMESPACE].fields["ticket"].string_value
         ticket = plane.release_ticket(ticket_id)
         plane.metrics.access_log_entries.labels("released" if ticket else "unknown_ticket").inc()
-        props = entry.common_properties  # type: ignore[attr-defined]
+        props = entry.common_properties
         if ticket is not None and ticket.expected_ttft_s > 0 and props.HasField("time_to_first_upstream_rx_byte") \
-                and entry.response.response_code.value == 200:  # type: ignore[attr-defined]
+                and entry.response.response_code.value == 200:
             # TTFT as the engine delivered it: first upstream byte minus the moment the request was fully sent to it
             # (after any park). Engines that flush headers before the first token make this a lower bound.
             sent = props.time_to_last_upstream_tx_byte.ToTimedelta().total_seconds()
@@ -51,20 +52,20 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
             if actual > 0:
                 plane.metrics.ttft_error.labels(ticket.engine).observe(actual / ticket.expected_ttft_s)
 
-    def _note_engine_failure(self, entry: object) -> None:
+    def _note_engine_failure(self, entry: Any) -> None:
         """An engine that failed a request before its first byte leaves the candidates at once (``note_engine_failure``),
         whether the request was admitted or went by the fail-open weights."""
-        props = entry.common_properties  # type: ignore[attr-defined]
+        props = entry.common_properties
         engine = props.upstream_cluster
         if not engine or props.HasField("time_to_first_upstream_rx_byte") and \
-                entry.response.response_code.value != 503:  # type: ignore[attr-defined]
+                entry.response.response_code.value != 503:
             return  # the engine answered (a 503 from the engine itself counts as a failure)
         f = props.response_flags
         flags = [name for name, seen in (("UF", f.upstream_connection_failure), ("UR", f.upstream_remote_reset),
                                          ("UC", f.upstream_connection_termination), ("UH", f.no_healthy_upstream))
                  if seen]
         if not flags and entry.response.response_code.value == 503 and \
-                props.HasField("time_to_first_upstream_rx_byte"):  # type: ignore[attr-defined]
+                props.HasField("time_to_first_upstream_rx_byte"):
             flags = ["503"]
         if flags and self.plane.knows_engine(engine):
             self.plane.metrics.engine_failures.labels(engine, ",".join(flags)).inc()

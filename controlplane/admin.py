@@ -6,6 +6,8 @@ the audit log."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,14 +27,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.guard = guard
 
     async def GetStatus(  # noqa: N802
-        self, request: admin_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+        self, request: admin_pb2.GetStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> admin_pb2.GetStatusResponse:
         await self.guard.require(context, "GetStatus", mutating=False)
         now = self.plane.now()
         return status_proto(self.plane.status(now), self.plane.fleet(now))
 
     async def ListEngines(  # noqa: N802
-        self, request: admin_pb2.ListEnginesRequest, context: grpc.aio.ServicerContext
+        self, request: admin_pb2.ListEnginesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> admin_pb2.ListEnginesResponse:
         await self.guard.require(context, "ListEngines", mutating=False)
         now = self.plane.now()
@@ -40,7 +42,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.ListEnginesResponse(engines=[self._engine(e, fleet, now) for e in fleet.engines])
 
     async def DrainEngine(  # noqa: N802
-        self, request: admin_pb2.DrainEngineRequest, context: grpc.aio.ServicerContext
+        self, request: admin_pb2.DrainEngineRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> admin_pb2.Engine:
         what = {"method": "DrainEngine", "engine": request.name, "drained": request.drained}
         who = await self.guard.require(context, "DrainEngine", mutating=True, what=what)
@@ -55,7 +57,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return self._engine(next(e for e in fleet.engines if e.name == request.name), fleet, now)
 
     async def ExplainDecision(  # noqa: N802
-        self, request: admin_pb2.ExplainDecisionRequest, context: grpc.aio.ServicerContext
+        self, request: admin_pb2.ExplainDecisionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> admin_pb2.ExplainDecisionResponse:
         await self.guard.require(context, "ExplainDecision", mutating=False)
         names = tuple(p.value for p in Priority)
@@ -68,7 +70,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return explain_proto(decision, ahead, explain(inference, fleet, self.plane.policy, now))
 
     async def ReloadConfig(  # noqa: N802
-        self, request: admin_pb2.ReloadConfigRequest, context: grpc.aio.ServicerContext
+        self, request: admin_pb2.ReloadConfigRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> admin_pb2.ReloadConfigResponse:
         what = {"method": "ReloadConfig", "path": request.path or None}
         who = await self.guard.require(context, "ReloadConfig", mutating=True, what=what)
@@ -82,7 +84,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                                               changed=list(result.changed), source=result.source)
 
     async def SetVersionFloor(  # noqa: N802
-        self, request: admin_pb2.SetVersionFloorRequest, context: grpc.aio.ServicerContext
+        self, request: admin_pb2.SetVersionFloorRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> admin_pb2.SetVersionFloorResponse:
         what = {"method": "SetVersionFloor", "model_pattern": request.model_pattern, "version": request.version}
         who = await self.guard.require(context, "SetVersionFloor", mutating=True, what=what)
@@ -93,13 +95,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                                                  before=result.before, after=result.after)
 
     async def GetPolicy(  # noqa: N802
-        self, request: admin_pb2.GetPolicyRequest, context: grpc.aio.ServicerContext
+        self, request: admin_pb2.GetPolicyRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> admin_pb2.GetPolicyResponse:
         await self.guard.require(context, "GetPolicy", mutating=False)
         return admin_pb2.GetPolicyResponse(yaml=policy_yaml(self.plane.policy), source=self.plane.config_source)
 
     async def WatchDecisions(  # noqa: N802
-        self, request: admin_pb2.WatchDecisionsRequest, context: grpc.aio.ServicerContext
+        self, request: admin_pb2.WatchDecisionsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[admin_pb2.DecisionEvent]:
         await self.guard.require(context, "WatchDecisions", mutating=False)
         watcher = self.plane.watch(request.model or None)

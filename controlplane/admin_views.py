@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from controlplane.core.explain import EngineExplanation
 from controlplane.core.fit import effective_load
 from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Priority
 from controlplane.core.policy import Policy
@@ -85,7 +88,7 @@ def explain_request(request: admin_pb2.ExplainDecisionRequest, priority: Priorit
     )
 
 
-def explain_proto(decision: Decision, ahead: int, explanations: list) -> admin_pb2.ExplainDecisionResponse:  # type: ignore[type-arg]
+def explain_proto(decision: Decision, ahead: int, explanations: Sequence[EngineExplanation]) -> admin_pb2.ExplainDecisionResponse:
     engines = [
         admin_pb2.EngineExplanation(
             name=x.name, serves_model=x.serves_model, meets_version_floor=x.meets_floor, stale=x.stale,

@@ -77,7 +77,7 @@ def load_tokens(config: AdminConfig, environ: dict[str, str] | None = None) -> t
     return tuple(tokens)
 
 
-def bearer(context: grpc.aio.ServicerContext) -> str | None:
+def bearer(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key.lower() == "authorization":
             text = value.decode() if isinstance(value, bytes) else str(value)
@@ -94,7 +94,7 @@ class AdminGuard:
         self.require_for_reads = require_for_reads
         self.metrics = metrics
 
-    def who(self, context: grpc.aio.ServicerContext) -> str | None:
+    def who(self, context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
         """The name of the token the call carries, or None (none sent, or no configured token matches)."""
         sent = bearer(context)
         if not sent:
@@ -105,7 +105,7 @@ class AdminGuard:
                 match = token.name
         return match
 
-    async def require(self, context: grpc.aio.ServicerContext, method: str, *, mutating: bool,
+    async def require(self, context: grpc.aio.ServicerContext[Any, Any], method: str, *, mutating: bool,
                       what: dict[str, Any] | None = None) -> str:
         """The caller's token name; a call that needs a token and has no valid one is aborted ``UNAUTHENTICATED`` (and,
         when it would have changed something, audited as refused)."""

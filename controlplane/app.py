@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import Any
 from pathlib import Path
 from importlib.metadata import PackageNotFoundError, version
 
@@ -89,7 +90,7 @@ class ControlPlane:
         self.admin_port = 0
         self._server: grpc.aio.Server | None = None
         self._admin_server: grpc.aio.Server | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[Any]] = []
 
     # -- shortcuts tests and benches read ----------------------------------------------------------------------------
     @property

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from typing import Any
 from urllib.parse import parse_qs
 import grpc
 from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
@@ -42,7 +43,7 @@ OVERLOADED = Failure.CONTROLPLANE_OVERLOADED
 _OVERLOAD_LOG_EVERY_S = 5.0
 
 
-def queued_s(context: grpc.aio.ServicerContext, authz_timeout_s: float) -> float | None:
+def queued_s(context: grpc.aio.ServicerContext[Any, Any], authz_timeout_s: float) -> float | None:
     """How long the call waited before its handler ran: Envoy's timeout minus what its deadline leaves. None without a
     deadline (a caller other than Envoy), which is never shed."""
     remaining = context.time_remaining()
@@ -61,7 +62,7 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
         self._overload_logged_at = float("-inf")
 
     async def Check(  # noqa: N802 (gRPC method name)
-        self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
+        self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> external_auth_pb2.CheckResponse:
         started = time.perf_counter()
         port, settings = self.admission, self.admission.settings

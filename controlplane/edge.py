@@ -233,7 +233,7 @@ def _denied(status: int, headers: list[base_pb2.HeaderValueOption], body: str) -
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.PERMISSION_DENIED),
         denied_response=external_auth_pb2.DeniedHttpResponse(
-            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=status),
             headers=[header(CONTENT_TYPE_HEADER, JSON_CONTENT_TYPE), *headers],
             body=body,
         ),

@@ -40,9 +40,7 @@ class HttpEndpoint:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        server = site._server  # aiohttp exposes the bound sockets only here
-        assert server is not None and server.sockets
-        self.port = int(server.sockets[0].getsockname()[1])
+        self.port = int(self._runner.addresses[0][1])  # the bound port (``port`` 0: any free one)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -20,7 +20,7 @@ from google.protobuf.json_format import MessageToDict
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 
 
-class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     """Adds ``authorization: Bearer <secret>`` to every call."""
 
     def __init__(self, secret: str) -> None:

@@ -114,13 +114,13 @@ def validate_raw(raw: Any, source: str) -> Config:
 
 def cluster_bootstrap(config: Config) -> dict[str, Any]:
     """``envoy/bootstrap.yaml`` rendered for the cluster: the control plane's cluster resolves the Service by DNS."""
-    bootstrap = yaml.safe_load(render_bootstrap(config))
+    bootstrap: dict[str, Any] = yaml.safe_load(render_bootstrap(config))
     (cluster,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "sluice_controlplane"]
     cluster["type"] = "STRICT_DNS"
     cluster["dns_lookup_family"] = "V4_ONLY"
     endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     endpoint["address"]["socket_address"]["address"] = CONTROLPLANE
-    return bootstrap  # type: ignore[no-any-return]
+    return bootstrap
 
 
 # -- the base --------------------------------------------------------------------------------------------------------------

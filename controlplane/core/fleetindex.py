@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import cast
 
 import numpy as np
 
@@ -309,8 +310,9 @@ class FleetIndex:
         prefill = np.where(chip_trusted > 0, chip_trusted, f["p_fallback"])
         quality_block = f["open_model"] >= qcap[rows.chip]
         rows.shared = True
+        views = cast("tuple[EngineView, ...]", tuple(rows.views))  # _fill has filled every slot
         return ModelArrays(
-            tuple(rows.names), tuple(rows.views), rows.ok, f["model_len"], f["capacity"], f["usage"],  # type: ignore[arg-type]
+            tuple(rows.names), views, rows.ok, f["model_len"], f["capacity"], f["usage"],
             f["cap"], f["load"], f["held"], f["open_model"], prefill, quality_block, f["d_press"], f["d_free"],
             f["serve_value"], f["serve_at"], f["first_done"], rows.name_rank, rows.position,
         )

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from controlplane.core.fit import effective_load
@@ -138,7 +139,7 @@ def waits_too_long(busy: Estimate, policy: Policy) -> bool:
     return busy.slot_wait_s > policy.max_wait_for_faster_services * (busy.finish_s - busy.slot_wait_s)
 
 
-def weighted_pick(estimates: list[Estimate], serves: dict[str, float], pick: float) -> Estimate:
+def weighted_pick(estimates: list[Estimate], serves: Mapping[str, float], pick: float) -> Estimate:
     """Weighted choice with weight 1 / (1 + recent serves); ``pick`` in [0, 1) is the caller's random draw."""
     weights = [1.0 / (1.0 + serves.get(e.engine.name, 0.0)) for e in estimates]
     target = pick * sum(weights)

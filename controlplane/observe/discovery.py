@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane.core.model import ServedModel
-from controlplane.observe.parse import Flavor
+from controlplane.core.model import Flavor
 
 #: Endpoints fetched at discovery, per flavour, after ``/v1/models``. Each is optional: a 404 leaves its fields unknown.
 DISCOVERY_PATHS: dict[Flavor, tuple[str, ...]] = {

@@ -118,16 +118,20 @@ def _wanted_samples() -> frozenset[str]:
 _WANTED = _wanted_samples()
 
 
+_Trie = dict[str, "_Trie"]
+"""One node of a trie: next character -> node ("" marks the end of a word)."""
+
+
 def _trie_pattern(words: list[str]) -> str:
     """A regex alternation of ``words`` as a trie, so a line that matches none fails within a few characters."""
-    root: dict[str, dict] = {}  # type: ignore[type-arg]
+    root: _Trie = {}
     for word in words:
         node = root
         for ch in word:
             node = node.setdefault(ch, {})
         node[""] = {}
 
-    def emit(node: dict) -> str:  # type: ignore[type-arg]
+    def emit(node: _Trie) -> str:
         alternatives = [re.escape(ch) + emit(sub) for ch, sub in sorted(node.items()) if ch]
         if not alternatives:
             return ""
@@ -185,7 +189,7 @@ def _parse_line(name: str, tail: str) -> list[tuple[dict[str, str], float]]:
             labels[key] = _ESCAPE.sub(_unescape, raw) if "\\" in raw else raw
         else:
             return [(labels, _value(m.group(2)))]
-    out = []
+    out: list[tuple[dict[str, str], float]] = []
     for family in text_string_to_metric_families(name + tail + "\n"):
         out.extend((sample.labels, sample.value) for sample in family.samples if sample.name == name)
     return out

@@ -22,9 +22,9 @@ from typing import Any
 import aiohttp
 
 from controlplane.config import EngineConfig, ObserveConfig
-from controlplane.core.model import EngineRates, EngineView, ServedModel
+from controlplane.core.model import EngineRates, EngineView, Flavor, ServedModel
 from controlplane.observe.discovery import DISCOVERY_PATHS, parse_discovery, parse_models, slots_kv_usage
-from controlplane.observe.parse import Flavor, detect_flavor, missing_gauges, read_series, sample_from_series
+from controlplane.observe.parse import detect_flavor, missing_gauges, read_series, sample_from_series
 from controlplane.observe.rates import rates_between
 
 log = logging.getLogger("sluice.observe")
@@ -131,7 +131,7 @@ class EnginePoller:
         """Delay before the next probe after ``failures`` failures in a row: the interval, doubling, at most
         ``max_backoff_seconds``."""
         interval = self.observe.poll_interval_seconds
-        return min(max(interval * 2 ** (self.failures - 1), interval), self.observe.max_backoff_seconds)
+        return min(max(interval * 2.0 ** (self.failures - 1), interval), self.observe.max_backoff_seconds)
 
     def _record_failure(self, exc: ProbeError) -> None:
         self.failures += 1

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from typing import TypeVar
 
 from controlplane.core.model import EngineRates, EngineSample, RateTables
+
+_Key = TypeVar("_Key", tuple[str, str], tuple[str, int])
 
 
 def _delta(a: float | None, b: float | None) -> float | None:
@@ -113,12 +116,12 @@ class RateBook:
         self._tables = RateTables()
         self._stale = False
 
-    def _ring(self, table: dict, key: tuple) -> MedianRing:  # type: ignore[type-arg]
+    def _ring(self, table: dict[_Key, MedianRing], key: _Key) -> MedianRing:
         if key not in table:
             table[key] = MedianRing(self.capacity, self.min_samples)
-        return table[key]  # type: ignore[no-any-return]
+        return table[key]
 
-    def _add(self, rings: dict, medians: dict, key: tuple, value: float) -> None:  # type: ignore[type-arg]
+    def _add(self, rings: dict[_Key, MedianRing], medians: dict[_Key, float], key: _Key, value: float) -> None:
         ring = self._ring(rings, key)
         ring.add(value)
         median = ring.median

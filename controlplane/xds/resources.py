@@ -178,7 +178,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
             max_request_bytes=ev.max_request_bytes, allow_partial_message=False, pack_as_bytes=True
         ),
         clear_route_cache=True,
-        status_on_error=http_status_pb2.HttpStatus(code=FAILURE_STATUS),  # type: ignore[arg-type]
+        status_on_error=http_status_pb2.HttpStatus(code=FAILURE_STATUS),
     )
     access_log = als_pb2.HttpGrpcAccessLogConfig(
         common_config=als_pb2.CommonGrpcAccessLogConfig(

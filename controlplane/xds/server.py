@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
@@ -24,7 +25,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.nacks_total = 0
 
     async def StreamAggregatedResources(  # noqa: N802 (gRPC method name)
-        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
         stream = AdsStream()
         self.streams.add(stream)

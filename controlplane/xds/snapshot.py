@@ -20,6 +20,7 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from google.protobuf import any_pb2
+from google.protobuf.message import Message
 
 from controlplane.xds.resources import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE
 
@@ -67,11 +68,11 @@ def make_snapshot(
     clusters: Iterable[cluster_pb2.Cluster],
     endpoints: Iterable[endpoint_pb2.ClusterLoadAssignment],
 ) -> Snapshot:
-    def pack(items: Iterable[object], name_of: str) -> dict[str, any_pb2.Any]:
+    def pack(items: Iterable[Message], name_of: str) -> dict[str, any_pb2.Any]:
         out: dict[str, any_pb2.Any] = {}
         for item in items:
             packed = any_pb2.Any()
-            packed.Pack(item)  # type: ignore[arg-type]
+            packed.Pack(item)
             out[getattr(item, name_of)] = packed
         return out
 

@@ -68,9 +68,10 @@ def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float 
     last: Any = None
     while time.monotonic() < deadline:
         try:
-            last = predicate()
-            if last:
-                return last
+            value = predicate()
+            if value:
+                return value
+            last = value
         except Exception as exc:  # the thing waited for may not be listening yet
             last = exc
         time.sleep(interval)
@@ -1021,7 +1022,9 @@ def fault_leaks(work: Path) -> Row:
 def run_chaos_bench() -> int:
     only = {int(x) for x in os.environ.get("SLUICE_CHAOS_ONLY", "").split(",") if x}  # a subset, for debugging
     logging.getLogger("sluice").setLevel(logging.WARNING)  # the in-process control plane's routine INFO lines
-    wanted = (lambda n: not only or n in only)
+    def wanted(n: int) -> bool:
+        return not only or n in only
+
     rows: list[Row] = []
     work = Path(tempfile.mkdtemp(prefix="sluice-chaos-"))
     started = time.monotonic()

@@ -6,8 +6,14 @@ import os
 import platform
 import statistics
 import sys
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -26,16 +32,16 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
 
 
-def pct(values: list[float], q: float) -> float:
+def pct(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-def median(values: list[float]) -> float:
+def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
-def pyplot():  # type: ignore[no-untyped-def]
+def pyplot() -> ModuleType:
     """matplotlib's pyplot on the file-only Agg backend (no display here)."""
     import matplotlib
 
@@ -45,7 +51,7 @@ def pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
-def save_figure(fig, name: str) -> str:  # type: ignore[no-untyped-def]
+def save_figure(fig: Figure, name: str) -> str:
     """Write ``fig`` as ``bench/results/<name>.png``; the file name, for the report's image link."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.png"

@@ -88,7 +88,8 @@ def build_engine_app(exposition: str = "vllm-v1", model: str = "reasoning") -> w
     index_of: dict[int, int] = {}
 
     def engine(request: web.Request) -> int:
-        return index_of[request.transport.get_extra_info("sockname")[1]]  # type: ignore[union-attr]
+        assert request.transport is not None  # a request being handled has its connection
+        return index_of[request.transport.get_extra_info("sockname")[1]]
 
     async def metrics(request: web.Request) -> web.Response:
         hits[0] += 1
@@ -143,7 +144,7 @@ async def serve_engines(engines: int, exposition: str = "vllm-v1") -> None:
     for i in range(engines):
         site = web.TCPSite(runner, "127.0.0.1", 0, backlog=512)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = int(runner.addresses[-1][1])  # this site's (the runner lists its sites' sockets in order)
         app["index_of"][port] = i
         ports.append(port)
     sys.stdout.write(json.dumps({"ports": ports}) + "\n")

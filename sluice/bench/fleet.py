@@ -34,18 +34,20 @@ import math
 import random
 import statistics
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
-import controlplane.app as app_module
+import aiohttp
+
 import controlplane.core.admission as admission_module
 import controlplane.core.decide as decide_module
+import controlplane.xds.publisher as publisher_module
 from controlplane.app import ControlPlane
 from controlplane.config import parse_config
 from controlplane.core.admission import Outcome
-from controlplane.core.model import EngineRates, EngineSample, InferenceRequest, ServedModel, Verdict
+from controlplane.core.model import EngineRates, EngineSample, Flavor, InferenceRequest, ServedModel, Verdict
 from controlplane.core.weights import Weights
 from controlplane.observe.poller import EnginePoller
 from sluice.bench.common import pyplot, save_figure, write_report
@@ -67,7 +69,7 @@ KV_CAPACITY = 10**7
 
 
 def per_request_rate(solo: float, n: int) -> float:
-    return solo * max(1, n) ** -0.3
+    return solo * math.pow(max(1, n), -0.3)
 
 
 @dataclass
@@ -89,7 +91,7 @@ class Arrival:
 
 
 def build_fleet(rng: random.Random, size: int) -> list[SimEngine]:
-    engines = []
+    engines: list[SimEngine] = []
     for tier, (share, solo, prefill, cap) in enumerate(TIERS):
         for _ in range(round(share * size)):
             jitter = rng.uniform(0.9, 1.1)
@@ -140,17 +142,18 @@ class Plane:
         self.plane.admission.draw = random.Random(SEED).random
         self.pollers: dict[str, EnginePoller] = {}
         for config in self.plane.config.engines:
-            poller = EnginePoller(config, self.plane.config.observe, None, self.plane.observation.probed,  # type: ignore[arg-type]
-                                  clock=lambda: self.now)
+            # No session: this bench never lets a poller probe (``probe`` below stores what a probe would).
+            poller = EnginePoller(config, self.plane.config.observe, cast(aiohttp.ClientSession, None),
+                                  self.plane.observation.probed, clock=lambda: self.now)
             self.plane.pollers.append(poller)
             self.pollers[config.name] = poller
-        self.cpu: Counter[str] = Counter()
+        self.cpu: defaultdict[str, float] = defaultdict(float)
         self.probes = 0
         self.rng = random.Random(SEED + 11)
         if before:
             plane = self.plane
-            plane.observation.fleet = lambda now: plane.admission.fleet(  # type: ignore[method-assign]
-                (p.view(now) for p in plane.pollers), now, plane.rates.tables())
+            setattr(plane.observation, "fleet", lambda now: plane.admission.fleet(  # the pre-index fleet, per Check
+                (p.view(now) for p in plane.pollers), now, plane.rates.tables()))
 
     def timed(self, what: str, call: Callable[[], Any]) -> Any:
         started = time.process_time()
@@ -171,7 +174,7 @@ class Plane:
                             solo=n == 1, batch=n or None)
         sample = EngineSample(self.now, running=n, waiting=0, kv_usage=0.0, kv_capacity_tokens=KV_CAPACITY)
         poller._view = replace(poller._view, sample=sample, last_ok_at=self.now, stale=False, version="0.11.0",
-                               models=(ServedModel("m", 32_768),), flavor="vllm", rates=rates)
+                               models=(ServedModel("m", 32_768),), flavor=Flavor.VLLM, rates=rates)
         self.timed("probes", lambda: self.plane.observation.probed(poller._view, rates))
         self.probes += 1
 
@@ -180,7 +183,7 @@ async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool, bef
     sim = Plane(engines, band, before)
     plane = sim.plane
     calls = Counter[str]()
-    real_decide, real_indexed = admission_module.decide, decide_module._indexed
+    real_decide, real_indexed = decide_module.decide, decide_module._indexed
 
     def counting_decide(*args: Any, **kwargs: Any) -> Any:
         calls["decide"] += 1
@@ -191,18 +194,20 @@ async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool, bef
         calls["indexed" if result is not None else "full_scan"] += 1
         return result
 
-    real_push = app_module.should_push
+    # Deliberate monkey-patches (setattr): count the real calls, and put back the pre-index push rule for ``before``.
+    # The publisher calls the ``should_push`` it imported; AdmissionCore the ``decide`` it imported.
+    real_push = getattr(publisher_module, "should_push")
     if before:
-        app_module.should_push = lambda published, fresh, threshold, now, last, **_: old_moved(  # type: ignore[assignment]
-            published, fresh, threshold)
-    admission_module.decide = counting_decide  # type: ignore[assignment]
-    decide_module._indexed = counting_indexed  # type: ignore[assignment]
+        setattr(publisher_module, "should_push", lambda published, fresh, threshold, now, last, **_: old_moved(
+            published, fresh, threshold))
+    setattr(admission_module, "decide", counting_decide)
+    setattr(decide_module, "_indexed", counting_indexed)
     try:
         return await _run(sim, plane, engines, jobs, calls)
     finally:
-        admission_module.decide = real_decide  # type: ignore[assignment]
-        decide_module._indexed = real_indexed  # type: ignore[assignment]
-        app_module.should_push = real_push  # type: ignore[assignment]
+        setattr(admission_module, "decide", real_decide)
+        setattr(decide_module, "_indexed", real_indexed)
+        setattr(publisher_module, "should_push", real_push)
 
 
 async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: list[Arrival],

@@ -13,21 +13,25 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane.observe.poller as poller_module
-from controlplane.config import EngineConfig, ObserveConfig
+from controlplane.config import EngineConfig, EngineFlavor, ObserveConfig, OnStale, SimFlavor
 from controlplane.core.model import EngineRates, RateTables
 from controlplane.observe.parse import _WANTED, Series, read_series
 from controlplane.observe.poller import EnginePoller
-from controlplane.observe.rates import RateBook
+from controlplane.observe.rates import MedianRing, RateBook
 from sluice.bench.common import free_port, median, pct, write_report
 from sluice.bench.vllm_exposition import vllm_v1_exposition
+
+_K = TypeVar("_K")
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "engine-metrics"
 LARGEST_REAL = "vllm-0.4.3-datadog-integrations-core.prom"
@@ -68,10 +72,11 @@ def old_read_series(text: str) -> Series:
 
 def _old_tables(book: RateBook) -> RateTables:
     """The previous ``RateBook.tables()``: every ring's median recomputed (twice) on every call."""
-    def trusted(table: dict) -> dict:  # type: ignore[type-arg]
-        def med(ring) -> float | None:  # type: ignore[no-untyped-def]
+    def trusted(table: Mapping[_K, MedianRing]) -> dict[_K, float]:
+        def med(ring: MedianRing) -> float | None:
             return statistics.median(ring._values) if len(ring) >= ring.min_samples else None
-        return {k: med(ring) for k, ring in table.items() if med(ring) is not None}
+        medians = {k: med(ring) for k, ring in table.items()}
+        return {k: m for k, m in medians.items() if m is not None}
 
     by_engine: dict[str, dict[int, float]] = {}
     for (engine, batch), rate in trusted(book._decode_by_batch).items():
@@ -81,19 +86,20 @@ def _old_tables(book: RateBook) -> RateTables:
 
 @contextmanager
 def _poller_reads_with(reader: Callable[[str], Series]) -> Iterator[None]:
-    saved = poller_module.read_series
-    poller_module.read_series = reader  # type: ignore[assignment]
+    # The poller calls the name it imported: swap it in the poller's namespace (setattr: a deliberate monkey-patch).
+    saved = getattr(poller_module, "read_series")
+    setattr(poller_module, "read_series", reader)
     try:
         yield
     finally:
-        poller_module.read_series = saved  # type: ignore[assignment]
+        setattr(poller_module, "read_series", saved)
 
 
 # --- measurements -------------------------------------------------------------------------------------------------------
 def _cpu_us(fn: Callable[[], object], seconds: float = 0.6) -> float:
     """Median CPU microseconds per call over a few batches (the machine is shared: process time, not wall)."""
     fn()
-    per_batch = []
+    per_batch: list[float] = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(per_batch) < 3:
         n, t0 = 0, time.process_time()
@@ -114,8 +120,8 @@ def _parse_figures() -> list[tuple[str, int, float, float]]:
     for label, text in texts:
         assert {k: v for k, v in old_read_series(text).items() if v} == {k: v for k, v in read_series(text).items() if v}, \
             "old and new read the same samples"
-        out.append((label, len(text.encode()), _cpu_us(lambda t=text: old_read_series(t)),
-                    _cpu_us(lambda t=text: read_series(t))))
+        out.append((label, len(text.encode()), _cpu_us(partial(old_read_series, text)),
+                    _cpu_us(partial(read_series, text))))
     return out
 
 
@@ -147,14 +153,14 @@ async def _loop_lag(stop: asyncio.Event, lags: list[float], period: float = 0.01
 
 async def _measure(port: int, engines: int, cycles: int, spread_s: float) -> dict[str, dict[str, list[float]]]:
     observe = ObserveConfig(poll_interval_seconds=1.0, poll_timeout_seconds=5.0, stale_after_polls=3,
-                            models_refresh_seconds=3600, max_backoff_seconds=10, on_stale="open", rate_ring_size=64,
+                            models_refresh_seconds=3600, max_backoff_seconds=10, on_stale=OnStale.OPEN, rate_ring_size=64,
                             rate_min_samples=5, prefill_sample_min_tokens=256)
     out: dict[str, dict[str, list[float]]] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         pollers = [
             EnginePoller(
-                EngineConfig(f"e{i}", f"http://127.0.0.1:{port}/e/{i}", "127.0.0.1", port, 4, (), None, 1.0, "auto",
-                             "v100", "vllm-v1"),
+                EngineConfig(f"e{i}", f"http://127.0.0.1:{port}/e/{i}", "127.0.0.1", port, 4, (), None, 1.0, EngineFlavor.AUTO,
+                             "v100", SimFlavor.VLLM_V1),
                 observe, session, on_probe=lambda view, rates: None,
             )
             for i in range(engines)
@@ -162,7 +168,9 @@ async def _measure(port: int, engines: int, cycles: int, spread_s: float) -> dic
         await asyncio.gather(*(p.poll_once() for p in pollers))  # warm-up: connections, discovery
         for arm, reader in (("old", old_read_series), ("new", read_series)):
             with _poller_reads_with(reader):
-                cycle_s, cpu_per_engine_ms, lags = [], [], []
+                cycle_s: list[float] = []
+                cpu_per_engine_ms: list[float] = []
+                lags: list[float] = []
                 stop = asyncio.Event()
                 lag_task = asyncio.create_task(_loop_lag(stop, lags))
                 for _ in range(cycles):
@@ -198,7 +206,7 @@ async def _measure(port: int, engines: int, cycles: int, spread_s: float) -> dic
     return out
 
 
-def _start_farm(engines: int, data_parallel: int) -> tuple[subprocess.Popen, int]:  # type: ignore[type-arg]
+def _start_farm(engines: int, data_parallel: int) -> tuple[subprocess.Popen[bytes], int]:
     import urllib.request
 
     port = free_port()

@@ -122,7 +122,8 @@ def _run_size(size: int, observe: dict[str, float]) -> dict[str, Any]:
         [sys.executable, "-c", "from sluice.bench.farm import main_engines; main_engines()", "--engines", str(size)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        ports = json.loads(farm.stdout.readline())["ports"]  # type: ignore[union-attr]
+        assert farm.stdout is not None  # stdout=PIPE
+        ports = json.loads(farm.stdout.readline())["ports"]
         engines = [{"name": f"e{i}", "url": f"http://127.0.0.1:{port}", "max_num_seqs": 256, "models": ["reasoning"],
                     "flavor": "vllm"} for i, port in enumerate(ports)]
         started = time.monotonic()

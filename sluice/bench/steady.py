@@ -282,7 +282,8 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
                     f"{s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} | {s['throughput']:.0f} | {s['goodput']:.2f} "
                     f"({s['good_share']:.0%}) | {share} | {s['shed']}{'+' + str(s['errors']) + ' err' if s['errors'] else ''} "
                     f"| {s['preemptions']} | {peak} |")
-    pf = lambda ok: "PASS" if ok else "**MISS**"  # noqa: E731
+    def pf(ok: bool) -> str:
+        return "PASS" if ok else "**MISS**"
     line = (f"sluice / best: TTFT p90 {v['p90_ratio']:.2f}x ({pf(v['p90_pass'])}), goodput {v['good_ratio']:.2f}x "
             f"({pf(v['good_pass'])})")
     if v["overload_pass"] is not None:

@@ -39,7 +39,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_value``."""
-    out, exponent = [], 0
+    out: list[int] = []
+    exponent = 0
     while True:
         for mantissa in (1, 2, 5):
             value = mantissa * 10**exponent
@@ -168,8 +169,8 @@ def vllm_v1_exposition(level: int = 0, data_parallel: int = 1, model: str = "met
     return generate_latest(registry)
 
 
-def variants(count: int = 8, **kwargs: object) -> list[bytes]:
-    return [vllm_v1_exposition(level, **kwargs) for level in range(count)]  # type: ignore[arg-type]
+def variants(count: int = 8, data_parallel: int = 1) -> list[bytes]:
+    return [vllm_v1_exposition(level, data_parallel) for level in range(count)]
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ def gateway(engines: list[dict[str, Any]], **sections: Any) -> Iterator[dict[str
     try:
         seen = ""
         while "Ctrl-C stops everything." not in seen:
-            line = up.stdout.readline()  # type: ignore[union-attr]
+            assert up.stdout is not None  # stdout=PIPE
+            line = up.stdout.readline()
             if not line:
                 raise RuntimeError(f"sluice up failed:\n{seen}")
             seen += line
@@ -132,7 +133,8 @@ async def stream_chat(session: aiohttp.ClientSession, base: str, tag: str, model
 
 def sim_stats(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "/sim/stats", timeout=5) as response:
-        return json.load(response)  # type: ignore[no-any-return]
+        stats: dict[str, Any] = json.load(response)
+        return stats
 
 
 async def sample_stats(url: str, stop: asyncio.Event, out: list[tuple[float, dict[str, Any]]], t0: float,

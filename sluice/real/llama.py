@@ -136,7 +136,8 @@ def build(force: bool = False) -> dict[str, object]:
     """Build ``llama-server`` and write the tiny model unless both are cached. Returns what ``build.json`` records."""
     with _lock():
         if is_built() and not force:
-            return json.loads((cache_dir() / "build.json").read_text())
+            cached: dict[str, object] = json.loads((cache_dir() / "build.json").read_text())
+            return cached
         started = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix=".build-", dir=cache_dir()))
         try:
@@ -214,7 +215,8 @@ def write_model(out: Path, vocab: Path, seed: int = MODEL_SEED, **dims: int) -> 
     rng = np.random.default_rng(seed)
 
     def weight(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        values: np.ndarray = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        return values
 
     ones = np.ones(n_embd, dtype=np.float32)
     writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd))
@@ -259,10 +261,13 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes] | None = None, timeo
     raise TimeoutError(f"llama-server at {url} not healthy within {timeout:g} s")
 
 
-def start_server(port: int, log_path: Path, **kwargs: object) -> subprocess.Popen[bytes]:
-    """Start ``llama-server`` on ``port`` (its log to ``log_path``) and wait until it is healthy."""
+def start_server(port: int, log_path: Path, *, threads: int = 1, parallel: int = 2, ctx: int = 4096,
+                 alias: str = MODEL_ID, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    """Start ``llama-server`` on ``port`` (its log to ``log_path``; the rest as ``server_command``) and wait until it is
+    healthy."""
     out = log_path.open("ab")
-    process = subprocess.Popen(server_command(port, **kwargs), stdout=out, stderr=subprocess.STDOUT)  # type: ignore[arg-type]
+    command = server_command(port, threads=threads, parallel=parallel, ctx=ctx, alias=alias, extra=extra)
+    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", process)
     except BaseException:
