@@ -557,6 +557,7 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
                                          minimum=1)),
         backfill=c.flag("admission.backfill", ad["backfill"]),
         backfill_scan=int(c.number("admission.backfill_scan", ad["backfill_scan"], minimum=1, integer=True)),
+        lifo_after_ms=float(c.number("admission.lifo_after_ms", ad["lifo_after_ms"], minimum=0)),
     )
     if policy["retry_after_min_s"] > policy["retry_after_max_s"]:
         c.problems.append("admission.retry_after_min_seconds: must not exceed admission.retry_after_max_seconds")

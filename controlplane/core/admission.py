@@ -10,7 +10,19 @@ request's completion tokens) teaches the core how long each model's answers real
 core builds carries those means so time estimates use them.
 
 Parking lot: per model, one FIFO per priority class (critical, then standard). The heads are tried in that order each wake;
-the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard). Depth is
+the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard).
+Adaptive LIFO under overload (``lifo_after_ms``, default 2000; 0 = strict FIFO always): when a class's oldest parked
+request has waited longer than that at a wake, the wake serves that class newest first (its "head" is the newest request;
+still critical before standard, still head-of-line: a newest request that does not fit stops the wake). Why: in a FIFO lot
+under sustained overload every request waits about the same time, the backlog's, so once that exceeds the clients' TTFT
+target every request misses it; newest-first lets fresh requests start within their latency while the requests already
+late wait. Below the threshold (a short, transient queue) FIFO is kept. The threshold should be about the TTFT clients
+count as good: an oldest request past it has missed it anyway, so serving newer ones first costs it nothing it could
+still get; a lower one (1000 ms in ``bench steady``) also reorders the transient queues of 95% load and makes some
+requests miss a target FIFO would have met. Failure mode: unfairness under sustained
+overload: the oldest wait until capacity frees faster than requests arrive, or until ``max_park_s`` sheds them
+(``park_timeout`` with a Retry-After, a clear answer). A request with a TTFT deadline keeps its own bound either way: it is
+shed ``ttft_unmeetable`` once its deadline leaves no time to prefill. Depth is
 bounded per model by ``max_queue_depth``: a request beyond it is shed (``queue_full``); a parked request whose deadline
 passes is shed: ``park_timeout`` after ``max_park_s``, or ``ttft_unmeetable`` once its TTFT deadline no longer leaves
 time to prefill. Every shed carries a Retry-After from the ledger. A woken head's TTFT deadline counts from its arrival.
@@ -201,8 +213,12 @@ class AdmissionCore:
             for klass in PARK_CLASSES:
                 queue = queues[klass]
                 blocked = False
+                # Adaptive LIFO: the mode is fixed for the whole wake (popping the oldest leaves a younger one; popping
+                # the newest leaves the oldest), so one class's admissions in one wake are all oldest-first or all
+                # newest-first.
+                lifo = self._lifo(queue, now)
                 while queue:
-                    head = queue[0]
+                    head = queue[-1] if lifo else queue[0]
                     request = head.request
                     if request.max_ttft_ms:
                         # The deadline counts from arrival: what is left of it is what a wake can still promise.
@@ -215,9 +231,12 @@ class AdmissionCore:
                         if self.policy.backfill:
                             def refresh() -> None:
                                 current[0] = self.refreshed(current[0], now)
-                            out.extend(self._backfill(model, klass, head, fleet_of, refresh, now))
+                            out.extend(self._backfill(model, klass, head, fleet_of, refresh, now, lifo))
                         break
-                    queue.popleft()
+                    if lifo:
+                        queue.pop()
+                    else:
+                        queue.popleft()
                     del self._where[head.request_id]
                     if decision.verdict is Verdict.ADMIT:
                         out.append(self._admit(head.request_id, head.request, decision, now, now - head.parked_at))
@@ -258,16 +277,23 @@ class AdmissionCore:
             return decision
         return parked
 
+    def _lifo(self, queue: deque[Parked], now: float) -> bool:
+        """Whether a wake serves ``queue`` newest first: its oldest request has waited longer than ``lifo_after_ms``."""
+        limit = self.policy.lifo_after_ms
+        return bool(limit > 0 and queue and (now - queue[0].parked_at) * 1000 > limit)
+
     def _backfill(self, model: str, klass: Priority, head: Parked, fleet_of: Callable[[], Fleet],
-                  refresh: Callable[[], None], now: float) -> list[Outcome]:
+                  refresh: Callable[[], None], now: float, lifo: bool = False) -> list[Outcome]:
         """EASY backfilling behind a blocked head: admit a later request of the class that fits now and is expected to
-        finish before the head could start, so the head's start is not pushed back."""
+        finish before the head could start, so the head's start is not pushed back (under adaptive LIFO the head is
+        the newest and "later" means older)."""
         head_start = earliest_fit(head.request, fleet_of(), self.policy, now)
         if head_start is None:
             return []
         out = []
         queue = self._lot[model][klass]
-        for parked in list(queue)[1:self.policy.backfill_scan + 1]:
+        order = list(reversed(queue)) if lifo else list(queue)
+        for parked in order[1:self.policy.backfill_scan + 1]:
             decision = decide(parked.request, fleet_of(), self.policy, now, 0,
                               self.sessions.get(parked.request.session), self.draw())
             if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= head_start:

@@ -67,6 +67,10 @@ class Policy:
     finish before the head could start (EASY backfilling), so the head is not delayed."""
     backfill_scan: int = 16
     """How far behind a blocked head backfill looks."""
+    lifo_after_ms: float = 2000.0
+    """Adaptive LIFO: once a class's oldest parked request has waited longer than this, its wake tries the newest parked
+    request first (fresh requests meet their latency; the old ones, already late, wait for capacity or ``max_park_s``).
+    0: strict FIFO always."""
     models: Mapping[str, ModelPolicy] = field(default_factory=lambda: MappingProxyType({}))
     """Per-model settings (read-only: a copy of what the constructor was given)."""
     version_floors: tuple[tuple[str, str], ...] = ()

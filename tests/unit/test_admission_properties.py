@@ -1,6 +1,7 @@
 """Properties of the admission state machine over random interleavings of requests (every priority, with and without a TTFT
 deadline and a session), releases, probes, cancellations, lease expiries and park deadlines: caps hold, KV is never
-double-spent, floors hold, FIFO within a class, deadlines are kept, one answer per request, nothing leaks."""
+double-spent, floors hold, FIFO within a class (while its oldest has waited no longer than ``lifo_after_ms``; past it a
+wake serves newest first), deadlines are kept, one answer per request, nothing leaks."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ ENGINES = (
     ("old", 4, "0.8.0"),  # below the floor: must never get a ticket
 )
 POLICY = Policy(kv_high_watermark=0.9, default_max_tokens=500, max_park_s=30, max_queue_depth=6,
-                version_floors=(("cortex", "0.10"),))
+                version_floors=(("cortex", "0.10"),), lifo_after_ms=5000)
+"""Ticks of 0.1-40 s put a class's oldest parked request on both sides of the adaptive-LIFO threshold."""
 
 op = st.one_of(
     # A burst of n identical requests: saturation (caps, KV, parking) needs several arrivals between releases.
@@ -60,6 +62,24 @@ class World:
 
     def fleet(self) -> Fleet:
         return self.core.fleet(self.views.values(), self.now)
+
+    def wake(self) -> list[Outcome]:
+        """``core.wake``, checking each class's order: while its oldest parked request has waited no longer than
+        ``lifo_after_ms`` the wake answers the oldest first (FIFO); past it, the newest first (adaptive LIFO)."""
+        before: dict[Priority, list[str]] = {Priority.CRITICAL: [], Priority.STANDARD: []}
+        oldest: dict[Priority, float] = {}
+        for p in self.core.parked():  # per class, in parking order
+            before[p.request.priority].append(p.request_id)
+            oldest.setdefault(p.request.priority, p.parked_at)
+        outcomes = self.core.wake(self.fleet(), self.now)
+        if not self.core.policy.backfill:  # backfill reorders on purpose
+            limit = self.core.policy.lifo_after_ms
+            for klass, order in before.items():
+                answered = [o.request_id for o in outcomes if o.request_id in order]
+                lifo = limit > 0 and klass in oldest and (self.now - oldest[klass]) * 1000 > limit
+                expected = (order[::-1] if lifo else order)[:len(answered)]
+                assert answered == expected, f"{klass} {'LIFO' if lifo else 'FIFO'} order broken"
+        return outcomes
 
     def settle(self, outcomes: list[Outcome]) -> None:
         for o in outcomes:
@@ -115,7 +135,7 @@ class World:
             if open_ids:
                 ticket = open_ids[step[1] % len(open_ids)]
                 self.core.release(ticket, self.now)
-                self.settle(self.core.wake(self.fleet(), self.now))
+                self.settle(self.wake())
         elif kind == "probe":
             name = step[1]
             held = [(e, used) for t, (e, used) in self.tickets.items() if e == name and self.core.ledger.get(t)]
@@ -123,7 +143,7 @@ class World:
                                   kv_capacity_tokens=CAPACITY)
             self.views[name] = replace(self.views[name], sample=sample, last_ok_at=self.now)
             self.core.note_probe(name, self.now, idle=False, idle_grace_s=0.0)
-            self.settle(self.core.wake(self.fleet(), self.now))
+            self.settle(self.wake())
         elif kind == "cancel":
             parked = self.core.parked()
             if parked:
@@ -146,7 +166,7 @@ class World:
                     if o.request_id in order:
                         order.remove(o.request_id)
             self.settle(expired)
-            self.settle(self.core.wake(self.fleet(), self.now))
+            self.settle(self.wake())
 
 
 @settings(max_examples=400, deadline=None)
@@ -155,10 +175,19 @@ class World:
 @example([("submit", 100, Priority.CRITICAL, 5, None, None), ("probe", "a"), ("probe", "b"), ("tick", 20.0),
           ("tick", 40.0), ("tick", 40.0), ("submit", 100, Priority.CRITICAL, 1, None, None)])
 def test_admission_invariants(steps: list[tuple[Any, ...]]) -> None:
-    world = run_and_drain(World(), steps)
+    """Strict FIFO (``lifo_after_ms: 0``): parked requests are admitted in the order they parked, however long they wait."""
+    world = run_and_drain(World(replace(POLICY, lifo_after_ms=0)), steps)
     # FIFO within a class: parked requests were admitted in the order they parked.
     for klass, admitted in world.admitted_from_park.items():
         assert admitted == [r for r in world.parked_order[klass] if r in admitted], f"{klass} not FIFO"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op, max_size=80))
+def test_admission_invariants_with_adaptive_lifo(steps: list[tuple[Any, ...]]) -> None:
+    """Past ``lifo_after_ms`` a wake serves newest first (``World.wake`` checks each wake's order); every other invariant
+    holds, and the drain still admits every parked request."""
+    run_and_drain(World(), steps)
 
 
 @settings(max_examples=300, deadline=None)
@@ -181,6 +210,6 @@ def run_and_drain(world: World, steps: list[tuple[Any, ...]]) -> World:
             world.now += 0.001
             world.core.release(ticket, world.now)
         world.now += 0.001
-        world.settle(world.core.wake(world.fleet(), world.now))
+        world.settle(world.wake())
     assert not world.core.parked(), "a parked request was never admitted although the fleet went idle"
     return world
