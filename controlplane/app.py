@@ -27,8 +27,8 @@ from controlplane.adminauth import AdminGuard, load_tokens
 from controlplane.admission_service import AdmissionService
 from controlplane.authz import AuthorizationServicer
 from controlplane.config import (
-    RELOADABLE, Config, ConfigError, OnStale, changed_sections, is_loopback, load_config, load_resolved_config,
-    resolve_engines,
+    RELOADABLE, Config, ConfigError, OnStale, ServerTls, changed_sections, is_loopback, load_config,
+    load_resolved_config, resolve_engines,
 )
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
@@ -41,6 +41,7 @@ from controlplane.metrics import SluiceMetrics
 from controlplane.observation import Observation
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import RateBook
+from controlplane.tls import server_credentials
 from controlplane.ports import FloorResult, ReloadResult, StatusFacts, XdsTypeStatus
 from controlplane.watch import Watcher
 from controlplane.xds.publisher import XdsPublisher
@@ -276,6 +277,9 @@ class ControlPlane:
         self._set_config(await resolve_engines(self.config))
         cfg = self.config
         guard = AdminGuard(load_tokens(cfg.admin), cfg.admin.require_token_for_reads, self.metrics)  # ConfigError
+        # TLS files are read before anything starts (ConfigError with the dotted path if one cannot be read).
+        grpc_tls = _credentials(cfg.controlplane.tls, "controlplane.tls")
+        admin_tls = _credentials(cfg.admin.tls, "admin.tls")
         await self.http.start()  # its port is the retry redirector's endpoint in every engine cluster
         await self.observation.start()  # one probe round before any Check is answered or any weight published
         now = self.clock()
@@ -286,16 +290,16 @@ class ControlPlane:
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.xds.ads, server)
         external_auth_pb2_grpc.add_AuthorizationServicer_to_server(AuthorizationServicer(self.service), server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.service), server)
-        self.grpc_port = server.add_insecure_port(f"{cfg.controlplane.host}:{cfg.controlplane.grpc_port}")
+        self.grpc_port = _bind(server, f"{cfg.controlplane.host}:{cfg.controlplane.grpc_port}", grpc_tls)
         if not self.grpc_port:
             raise OSError(f"cannot bind gRPC on {cfg.controlplane.host}:{cfg.controlplane.grpc_port}")
-        if not is_loopback(cfg.controlplane.host):
+        if not is_loopback(cfg.controlplane.host) and not (cfg.controlplane.tls and cfg.controlplane.tls.mutual):
             log.warning("the Envoy-facing gRPC port (ADS, ext_authz, access log) listens on %s, not loopback, without "
                         "mTLS: restrict who reaches it (deploy/ NetworkPolicy lets only Envoy in)", cfg.controlplane.host)
         # The admin API on a listener of its own (loopback by default), every call through the token guard.
         admin_server = grpc.aio.server(options=GRPC_OPTIONS)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self, guard), admin_server)
-        self.admin_port = admin_server.add_insecure_port(f"{cfg.controlplane.admin_host}:{cfg.controlplane.admin_port}")
+        self.admin_port = _bind(admin_server, f"{cfg.controlplane.admin_host}:{cfg.controlplane.admin_port}", admin_tls)
         if not self.admin_port:
             raise OSError(f"cannot bind the admin API on {cfg.controlplane.admin_host}:{cfg.controlplane.admin_port}")
         await server.start()
@@ -305,9 +309,9 @@ class ControlPlane:
         self.service.start()
         self._tasks.append(asyncio.create_task(self._watch_staleness(), name="staleness"))
         log.info(
-            "control plane on %s:%d (ADS, ext_authz, ALS), admin on %s:%d, metrics on :%d, %d engines",
-            cfg.controlplane.host, self.grpc_port, cfg.controlplane.admin_host, self.admin_port, self.metrics_port,
-            len(cfg.engines),
+            "control plane on %s:%d (ADS, ext_authz, ALS; %s), admin on %s:%d (%s), metrics on :%d, %d engines",
+            cfg.controlplane.host, self.grpc_port, _tls_mode(cfg.controlplane.tls), cfg.controlplane.admin_host,
+            self.admin_port, _tls_mode(cfg.admin.tls), self.metrics_port, len(cfg.engines),
         )
 
     async def stop(self) -> None:
@@ -322,6 +326,19 @@ class ControlPlane:
         if self._server is not None:
             await self._server.stop(grace=0.5)
         await self.http.stop()
+
+
+def _credentials(tls: ServerTls | None, section: str) -> grpc.ServerCredentials | None:
+    return None if tls is None else server_credentials(tls, section)
+
+
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind ``address``: plaintext without credentials, TLS (mutual when they ask for a client certificate) with them."""
+    return server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+
+
+def _tls_mode(tls: ServerTls | None) -> str:
+    return "plaintext" if tls is None else ("mutual TLS" if tls.mutual else "TLS")
 
 
 def grpc_options(config: Config) -> list[tuple[str, int]]:

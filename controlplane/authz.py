@@ -89,8 +89,12 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
                     outcome = await port.wait_parked(request_id)
                 port.record_outcome(model, outcome, parsed)
                 response = self._answer(outcome, avoided_engine(http.path))
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("Check %s: %s %s on %s", request_id, outcome.decision.verdict.value, model or "?",
+                              outcome.decision.engine or "-", extra={"request_id": request_id})
             except Exception:  # not BaseException: a cancelled Check (CancelledError) must still end the RPC
-                log.exception("Check %s failed inside the control plane; answered 500 %s", request_id, INTERNAL_ERROR)
+                log.exception("Check %s failed inside the control plane; answered 500 %s", request_id, INTERNAL_ERROR,
+                              extra={"request_id": request_id})
                 port.metrics.authz_internal_errors.inc()
                 port.give_back(request_id, outcome)
                 response = _error(INTERNAL_ERROR, f"The admission control plane failed on this request (id "

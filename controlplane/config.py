@@ -99,6 +99,34 @@ class SimFlavor(enum.StrEnum):
 _E = TypeVar("_E", bound=enum.StrEnum)
 
 
+@dataclass(frozen=True, slots=True)
+class ServerTls:
+    """A gRPC listener's TLS (``controlplane.tls``, ``admin.tls``): its certificate chain and key (PEM files), and for
+    mutual TLS the CA whose signature a client's certificate must carry (then a client without one cannot connect). Files
+    are read when the server starts, not when the config is validated."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    @property
+    def mutual(self) -> bool:
+        return self.client_ca_file is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientTls:
+    """``envoy.controlplane_tls``: how Envoy's ``sluice_controlplane`` cluster (ADS, ext_authz, access log) speaks TLS: the
+    CA that signed the control plane's certificate, Envoy's own client certificate and key (for mutual TLS), and the name
+    the control plane's certificate must carry (SNI and the subject alternative name checked; default the control plane's
+    host)."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
+
+
 class ConfigError(ValueError):
     """Every problem found in a config, one per line, each with its dotted path."""
 
@@ -124,6 +152,9 @@ class ControlPlaneConfig:
     """The admin API's own listener (never the Envoy-facing port). A non-loopback address needs an admin token source."""
     admin_port: int = 18001
     """0: any free port (the control plane reports the one it bound, like ``grpc_port``)."""
+    tls: ServerTls | None = None
+    """TLS on the Envoy-facing gRPC port (ADS, ext_authz, access log); with ``client_ca_file``, mutual TLS: only a client
+    (Envoy) whose certificate that CA signed gets a connection. None: plaintext."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +170,8 @@ class AdminConfig:
     reload_dir: str | None = None
     """A reload may name the running config file, or a file under this directory; no other path (None: only the
     running file)."""
+    tls: ServerTls | None = None
+    """TLS on the admin listener (server certificate only: callers authenticate with the bearer token)."""
 
     @property
     def has_token_source(self) -> bool:
@@ -182,6 +215,9 @@ class EnvoyConfig:
     retry_on_engine_failure: bool
     """An engine that fails before its first byte (connect failure, reset, 503) is retried once on another engine through
     a new Check (an internal redirect), never on the same engine."""
+    controlplane_tls: ClientTls | None = None
+    """TLS from Envoy to the control plane's gRPC port (the bootstrap cluster's ``transport_socket``); needed exactly when
+    ``controlplane.tls`` is set, with a client certificate when that asks for one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,8 +343,8 @@ def changed_sections(old: Config, new: Config) -> list[str]:
 DEFAULTS: dict[str, Any] = {
     "controlplane": {"host": "127.0.0.1", "grpc_port": 18000, "metrics_port": 9090, "max_check_queue_ms": 1000.0,
                      "overload_retry_after_seconds": 1, "max_pending_rpcs": 100000, "admin_host": "127.0.0.1",
-                     "admin_port": 18001},
-    "admin": {"token_file": None, "token_env": None, "require_token_for_reads": False, "reload_dir": None},
+                     "admin_port": 18001, "tls": None},
+    "admin": {"token_file": None, "token_env": None, "require_token_for_reads": False, "reload_dir": None, "tls": None},
     "envoy": {
         "listen_host": "127.0.0.1",
         "listen_port": 8080,
@@ -327,6 +363,7 @@ DEFAULTS: dict[str, Any] = {
         "request_headers_timeout_seconds": 10.0,
         "retry_on_engine_failure": True,
         "delayed_close_timeout_seconds": 0.1,
+        "controlplane_tls": None,
     },
     "observe": {
         "poll_interval_seconds": 1.0,
@@ -420,6 +457,46 @@ class _Checker:
             return ""
         return value
 
+    def files(self, path: str, value: Any, known: tuple[str, ...]) -> dict[str, str | None] | None:
+        """A TLS block: None when absent (or refused: its problems reported), else each of ``known`` (a non-empty path
+        string, or None when not given)."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            self.problems.append(f"{path}: must be a mapping of {', '.join(known)}")
+            return None
+        before = len(self.problems)
+        for key in sorted(set(value) - set(known)):
+            self.problems.append(f"{path}.{key}: unknown field")
+        block = {key: self.optional_text(f"{path}.{key}", value.get(key)) for key in known}
+        return block if len(self.problems) == before else None  # a block with a bad field is refused whole, once
+
+
+def _server_tls(c: _Checker, path: str, value: Any, *, mutual: bool) -> ServerTls | None:
+    """``controlplane.tls`` (``mutual``: may name ``client_ca_file``) or ``admin.tls``: a certificate and its key, both or
+    neither."""
+    block = c.files(path, value, ("cert_file", "key_file", "client_ca_file") if mutual else ("cert_file", "key_file"))
+    if block is None:
+        return None
+    cert, key, ca = block["cert_file"], block["key_file"], block.get("client_ca_file")
+    if not cert or not key:
+        c.problems.append(f"{path}: needs both cert_file and key_file (TLS is all or nothing)")
+        return None
+    return ServerTls(cert, key, ca)
+
+
+def _client_tls(c: _Checker, path: str, value: Any) -> ClientTls | None:
+    block = c.files(path, value, ("ca_file", "cert_file", "key_file", "server_name"))
+    if block is None:
+        return None
+    if not block["ca_file"]:
+        c.problems.append(f"{path}.ca_file: needed (the CA that signed the control plane's certificate)")
+        return None
+    if bool(block["cert_file"]) != bool(block["key_file"]):
+        c.problems.append(f"{path}: cert_file and key_file go together (Envoy's client certificate and its key)")
+        return None
+    return ClientTls(block["ca_file"], block["cert_file"], block["key_file"], block["server_name"])
+
 
 def parse_config(raw: Any, source: str = "<memory>") -> Config:
     """Validate a raw mapping into a frozen ``Config``; raise ``ConfigError`` listing every problem."""
@@ -441,6 +518,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
                                       integer=True)),
         admin_host=c.text("controlplane.admin_host", cp["admin_host"]),
         admin_port=c.port("controlplane.admin_port", cp["admin_port"], any_free=True),
+        tls=_server_tls(c, "controlplane.tls", cp["tls"], mutual=True),
     )
     am = c.section(raw, "admin")
     admin = AdminConfig(
@@ -448,6 +526,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         token_env=c.optional_text("admin.token_env", am["token_env"]),
         require_token_for_reads=c.flag("admin.require_token_for_reads", am["require_token_for_reads"]),
         reload_dir=c.optional_text("admin.reload_dir", am["reload_dir"]),
+        tls=_server_tls(c, "admin.tls", am["tls"], mutual=False),
     )
     if not is_loopback(controlplane.admin_host) and not admin.has_token_source:
         c.problems.append(f"controlplane.admin_host: {controlplane.admin_host!r} is not a loopback address; an admin "
@@ -489,7 +568,10 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         delayed_close_timeout_seconds=float(c.number("envoy.delayed_close_timeout_seconds",
                                                      ev["delayed_close_timeout_seconds"], minimum=0)),
         retry_on_engine_failure=c.flag("envoy.retry_on_engine_failure", ev["retry_on_engine_failure"]),
+        controlplane_tls=_client_tls(c, "envoy.controlplane_tls", ev["controlplane_tls"]),
     )
+    _check_tls_pair(c, controlplane.tls, envoy.controlplane_tls, server_given=cp["tls"] is not None,
+                    client_given=ev["controlplane_tls"] is not None)
     ob = c.section(raw, "observe")
     observe = ObserveConfig(
         poll_interval_seconds=float(c.number("observe.poll_interval_seconds", ob["poll_interval_seconds"], minimum=0.05)),
@@ -525,6 +607,20 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     if c.problems:
         raise ConfigError(c.problems)
     return Config(controlplane, envoy, observe, tickets, engines, source, policy, admin)
+
+
+def _check_tls_pair(c: _Checker, server: ServerTls | None, client: ClientTls | None, *, server_given: bool,
+                    client_given: bool) -> None:
+    """Both ends of the Envoy-facing port, from one config, must agree (a block refused already is not reported again)."""
+    if server is not None and client is None and not client_given:
+        c.problems.append("envoy.controlplane_tls: needed when controlplane.tls is set (Envoy must speak TLS to the "
+                          "control plane: ca_file, and cert_file/key_file for mutual TLS)")
+    if client is not None and server is None and not server_given:
+        c.problems.append("envoy.controlplane_tls: set, but controlplane.tls is not (the control plane's gRPC port would "
+                          "be plaintext)")
+    if server is not None and server.mutual and client is not None and client.cert_file is None:
+        c.problems.append("envoy.controlplane_tls.cert_file: needed, controlplane.tls.client_ca_file asks every client "
+                          "for a certificate (mutual TLS)")
 
 
 def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> Policy:

@@ -2,7 +2,8 @@
 
 The admin API has a listener of its own (``controlplane.admin_port``, 18001 by default). The token a change needs (and a
 read, with ``admin.require_token_for_reads``) comes from ``--token-file`` or the ``SLUICE_ADMIN_TOKEN`` environment variable
-(the secret alone, or the ``name:secret`` line of the server's token file) and is sent as ``authorization: Bearer``."""
+(the secret alone, or the ``name:secret`` line of the server's token file) and is sent as ``authorization: Bearer``. A
+listener with ``admin.tls`` is reached with ``--ca-file`` (the CA that signed its certificate)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,11 @@ def read_token(token_file: str | None) -> str | None:
     return None
 
 
-def admin_channel(target: str, token: str | None) -> grpc.Channel:
-    channel = grpc.insecure_channel(target)
+def admin_channel(target: str, token: str | None, ca_file: str | None = None) -> grpc.Channel:
+    """A channel to the admin listener: plaintext, or TLS verified against ``ca_file`` (the listener's ``admin.tls``; the
+    certificate must name the target's host)."""
+    channel = (grpc.insecure_channel(target) if ca_file is None
+               else grpc.secure_channel(target, grpc.ssl_channel_credentials(Path(ca_file).read_bytes())))
     return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
 
 
@@ -149,8 +153,8 @@ def watch(stub: admin_pb2_grpc.AdminStub, model: str | None, as_json: bool, limi
 
 def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None,
               explain: admin_pb2.ExplainDecisionRequest | None = None, token: str | None = None,
-              version: str | None = None, limit: int | None = None) -> int:
-    with admin_channel(target, token) as channel:
+              version: str | None = None, limit: int | None = None, ca_file: str | None = None) -> int:
+    with admin_channel(target, token, ca_file) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         try:
             if verb == "watch":

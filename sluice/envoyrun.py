@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
+import ipaddress
 import string
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from controlplane.config import Config, ConfigError, load_config, resolve_engines_blocking
+import yaml
+
+from controlplane.config import ClientTls, Config, ConfigError, load_config, resolve_engines_blocking
+from controlplane.xds.resources import CONTROLPLANE_CLUSTER
 
 log = logging.getLogger("sluice.envoy")
 
@@ -23,13 +28,50 @@ def envoy_binary() -> Path:
 
 
 def render_bootstrap(config: Config, node_id: str = "sluice-envoy") -> str:
-    return string.Template(TEMPLATE.read_text()).substitute(
+    """The template with the config's values; with ``envoy.controlplane_tls``, the control plane's cluster also gets its
+    TLS ``transport_socket`` (then the bootstrap is re-written from its parsed form, without the template's comments)."""
+    text = string.Template(TEMPLATE.read_text()).substitute(
         node_id=node_id,
         admin_port=config.envoy.admin_port,
         controlplane_host=config.controlplane.host,
         controlplane_port=config.controlplane.grpc_port,
         max_connections=config.envoy.max_downstream_connections,
     )
+    tls = config.envoy.controlplane_tls
+    if tls is None:
+        return text
+    bootstrap = yaml.safe_load(text)
+    (cluster,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == CONTROLPLANE_CLUSTER]
+    cluster["transport_socket"] = controlplane_transport_socket(tls, tls.server_name or config.controlplane.host)
+    return yaml.safe_dump(bootstrap, sort_keys=False)
+
+
+def controlplane_transport_socket(tls: ClientTls, server_name: str) -> dict[str, Any]:
+    """An ``UpstreamTlsContext``: Envoy verifies the control plane's certificate against ``ca_file`` and checks that it
+    names ``server_name`` (a DNS or IP subject alternative name; also sent as SNI when it is a name), and presents its own
+    certificate when ``cert_file`` is set (mutual TLS). ALPN h2: gRPC."""
+    try:
+        ipaddress.ip_address(server_name)
+        san_type, sni = "IP_ADDRESS", None
+    except ValueError:
+        san_type, sni = "DNS", server_name
+    common: dict[str, Any] = {
+        "alpn_protocols": ["h2"],
+        "validation_context": {
+            "trusted_ca": {"filename": tls.ca_file},
+            "match_typed_subject_alt_names": [{"san_type": san_type, "matcher": {"exact": server_name}}],
+        },
+    }
+    if tls.cert_file and tls.key_file:
+        common["tls_certificates"] = [{"certificate_chain": {"filename": tls.cert_file},
+                                       "private_key": {"filename": tls.key_file}}]
+    context: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": common,
+    }
+    if sni:
+        context["sni"] = sni
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
 
 def envoy_command(config: Config, bootstrap_path: Path, log_level: str = "warning",

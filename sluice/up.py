@@ -359,9 +359,9 @@ def prepare_config(config_path: str | None) -> tuple[Config, Any, bool]:
     return config, completed, completed is not raw
 
 
-def start_stack(config: Config, config_path: str | None, work_dir: Path) -> list[Child]:
+def start_stack(config: Config, config_path: str | None, work_dir: Path, log_format: str = "text") -> list[Child]:
     """Start sims, control plane, Envoy; returned in the order they should be stopped (Envoy first). ``config_path`` is the
-    file the control plane reads (None: the bundled default)."""
+    file the control plane reads (None: the bundled default); ``log_format``: the control plane's (``--log-format``)."""
     py = sys.executable
     children: list[Child] = []
     try:
@@ -374,7 +374,8 @@ def start_stack(config: Config, config_path: str | None, work_dir: Path) -> list
                     py, "-m", "sluice", "sim", "--profile", engine.sim, "--host", engine.host, "--port", str(engine.port),
                     "--name", engine.name, "--speed", str(engine.sim_speed), "--flavor", engine.sim_flavor, *cap,
                 ], work_dir))
-        cp_args = [py, "-m", "sluice", "controlplane"] + (["--config", config_path] if config_path else [])
+        cp_args = [py, "-m", "sluice", "controlplane", "--log-format", log_format] + (
+            ["--config", config_path] if config_path else [])
         children.append(_spawn("controlplane", cp_args, work_dir))
         bootstrap = write_bootstrap(config, work_dir)
         children.append(_spawn("envoy", envoy_command(config, bootstrap), work_dir, restart=False))
@@ -392,7 +393,7 @@ def write_run_token(work_dir: Path) -> Path:
     return path
 
 
-def run_up(config_path: str | None) -> int:
+def run_up(config_path: str | None, log_format: str = "text") -> int:
     try:
         config, completed, added = prepare_config(config_path)
     except ConfigError as exc:
@@ -426,7 +427,7 @@ def run_up(config_path: str | None) -> int:
         plane_path = str(work_dir / "config.yaml")
         Path(plane_path).write_text(yaml.safe_dump(completed, sort_keys=False))
         log.info("simulator profile defaults written into %s for the control plane", plane_path)
-    children = start_stack(config, plane_path, work_dir)
+    children = start_stack(config, plane_path, work_dir, log_format)
     base = f"http://{config.envoy.listen_host}:{config.envoy.listen_port}/v1"
     code = 0
     try:

@@ -133,6 +133,8 @@ class Stack:
     plane_config: Config | None = None
     """What a control plane of this stack runs: the config as given, on the gRPC and metrics ports the first one bound (so
     a replacement takes Envoy back: ``ThreadedControlPlane(stack.plane_config)``)."""
+    admin_ca_file: str | None = None
+    """The CA that signed the admin listener's certificate, when the stack runs ``admin.tls``."""
 
     def start_controlplane(self) -> None:
         self.controlplane = ThreadedControlPlane(self.plane_config or self.config)
@@ -176,13 +178,15 @@ class Stack:
         return read_token(self.config.admin.token_file) if self.config.admin.token_file else None
 
     def admin_args(self) -> list[str]:
-        """``sluice admin`` arguments that reach this stack's admin listener with its token."""
+        """``sluice admin`` arguments that reach this stack's admin listener with its token (and CA, over TLS)."""
         token = ["--token-file", self.config.admin.token_file] if self.config.admin.token_file else []
-        return ["--target", self.admin_target, *token]
+        ca = ["--ca-file", self.admin_ca_file] if self.admin_ca_file else []
+        return ["--target", self.admin_target, *token, *ca]
 
     def admin(self, token: str | None = "") -> admin_pb2_grpc.AdminStub:
         """A stub on the admin listener, sending the stack's token (``token=None``: none; a string: that one)."""
-        return admin_pb2_grpc.AdminStub(admin_channel(self.admin_target, self.admin_token if token == "" else token))
+        return admin_pb2_grpc.AdminStub(admin_channel(self.admin_target, self.admin_token if token == "" else token,
+                                                      self.admin_ca_file))
 
     def engines(self) -> dict[str, admin_pb2.Engine]:
         return {e.name: e for e in self.admin().ListEngines(admin_pb2.ListEnginesRequest(), timeout=5).engines}
