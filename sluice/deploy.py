@@ -23,12 +23,15 @@ What the manifests describe, and why:
   endpoint of every engine cluster, so it must be an address other pods reach. A changed policy ConfigMap rolls the
   Deployment (the pod template carries the config's hash).
 - Envoy: a Deployment (2 replicas, an HPA on CPU) whose bootstrap points at the Service ``sluice-controlplane``.
-- NetworkPolicy: today the admin API shares ``controlplane.grpc_port`` with ADS/ext_authz/access log, so that port
-  admits Envoy's pods and the operator namespace (label ``sluice.io/operator: "true"``); once
-  ``controlplane.admin_port`` exists the admin port gets the operator rule and the gRPC port Envoy's alone. The metrics
-  port admits the monitoring namespace (Prometheus) and Envoy (the retry redirector is served on it).
-- Secrets ``sluice-admin-token`` and ``sluice-tenant-keys`` are declared empty for the admin listener and tenants to
-  come; nothing reads them yet.
+- The admin API listens on the pod (``controlplane.admin_host: 0.0.0.0``, ``controlplane.admin_port``, a Service port
+  ``admin``) with its bearer token from the Secret ``sluice-admin-token``, mounted read-only at
+  ``/etc/sluice-admin/token`` (``admin.token_file``; any ``admin.token_env`` of the source config is dropped: the pod has
+  no such variable). The Secret is declared empty: fill it in (its ``sluice.io/fill-in`` annotation) before the pod can
+  start (a token file that cannot be read refuses the start). ``sluice-tenant-keys`` is declared empty for tenants to
+  come; nothing reads it yet.
+- NetworkPolicy: the gRPC port (ADS, ext_authz, access log) admits Envoy's pods alone; the admin port admits namespaces
+  labelled ``sluice.io/operator: "true"``; the metrics port admits the monitoring namespace (Prometheus) and Envoy (the
+  retry redirector is served on it).
 - ServiceMonitor and PrometheusRule (``monitoring.coreos.com/v1``, the Prometheus Operator's CRDs) carry the scrape and
   ``deploy/prometheus/alerts.yaml``.
 """
@@ -44,7 +47,7 @@ from typing import Any
 import yaml
 
 from controlplane.config import Config, ConfigError, parse_config
-from sluice.envoyrun import render_bootstrap
+from sluice.envoyrun import controlplane_transport_socket, render_bootstrap
 
 log = logging.getLogger("sluice.deploy")
 
@@ -67,6 +70,10 @@ POD_IP_PLACEHOLDER = "@POD_IP@"
 CONFIG_DIR = "/etc/sluice"
 RUNTIME_CONFIG = "/tmp/sluice.yaml"
 BOOTSTRAP_DIR = "/etc/envoy"
+ADMIN_TOKEN_DIR = "/etc/sluice-admin"
+ADMIN_TOKEN_SECRET = "sluice-admin-token"
+ADMIN_TOKEN_KEY = "token"
+ADMIN_TOKEN_FILE = f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}"
 OPERATOR_LABEL = {"sluice.io/operator": "true"}
 MONITORING_NAMESPACE = "monitoring"
 UID = 10001
@@ -81,9 +88,15 @@ Manifest = dict[str, Any]
 
 # -- the config and the bootstrap as the cluster sees them ---------------------------------------------------------------------
 def cluster_raw_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """The config as the control plane pod runs it: bound to the pod IP, Envoy's listener on every interface."""
+    """The config as the control plane pod runs it: bound to the pod IP, the admin listener on the pod with the token
+    Secret as its token file, Envoy's listener on every interface."""
     out = copy.deepcopy(raw)
     out.setdefault("controlplane", {})["host"] = POD_IP_PLACEHOLDER
+    out["controlplane"]["admin_host"] = "0.0.0.0"
+    admin = out.setdefault("admin", {}) or {}
+    admin.pop("token_env", None)
+    admin["token_file"] = ADMIN_TOKEN_FILE
+    out["admin"] = admin
     out.setdefault("envoy", {})["listen_host"] = "0.0.0.0"
     for engine in out.get("engines") or []:
         if isinstance(engine, dict):
@@ -120,6 +133,9 @@ def cluster_bootstrap(config: Config) -> dict[str, Any]:
     cluster["dns_lookup_family"] = "V4_ONLY"
     endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     endpoint["address"]["socket_address"]["address"] = CONTROLPLANE
+    tls = config.envoy.controlplane_tls
+    if tls is not None and tls.server_name is None:  # the certificate names the Service, not the pod IP
+        cluster["transport_socket"] = controlplane_transport_socket(tls, CONTROLPLANE)
     return bootstrap
 
 
@@ -168,6 +184,7 @@ def base_manifests(raw: dict[str, Any], config: Config) -> dict[str, list[Manife
                          "command": ["sh", "-c", CONTROLPLANE_SCRIPT],
                          "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
                          "ports": [{"name": "grpc", "containerPort": cp.grpc_port, "protocol": "TCP"},
+                                   {"name": "admin", "containerPort": cp.admin_port, "protocol": "TCP"},
                                    {"name": "metrics", "containerPort": cp.metrics_port, "protocol": "TCP"}],
                          "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 2},
                          "livenessProbe": {**probe, "initialDelaySeconds": 10, "periodSeconds": 10,
@@ -175,9 +192,13 @@ def base_manifests(raw: dict[str, Any], config: Config) -> dict[str, list[Manife
                          "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
                          "securityContext": _SECURITY,
                          "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                                          {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
                                           {"name": "tmp", "mountPath": "/tmp"}],
                      }],
                      "volumes": [{"name": "config", "configMap": {"name": "sluice-config"}},
+                                 # Readable by the pod's group only (fsGroup); the container cannot write it.
+                                 {"name": "admin-token", "secret": {"secretName": ADMIN_TOKEN_SECRET,
+                                                                    "defaultMode": 0o440}},
                                  {"name": "tmp", "emptyDir": {"sizeLimit": "16Mi"}}],
                  },
              },
@@ -185,6 +206,7 @@ def base_manifests(raw: dict[str, Any], config: Config) -> dict[str, list[Manife
         {"apiVersion": "v1", "kind": "Service", "metadata": _meta(CONTROLPLANE, "controlplane"),
          "spec": {"selector": _labels("controlplane"), "ports": [
              {"name": "grpc", "port": cp.grpc_port, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
+             {"name": "admin", "port": cp.admin_port, "targetPort": "admin", "protocol": "TCP", "appProtocol": "grpc"},
              {"name": "metrics", "port": cp.metrics_port, "targetPort": "metrics", "protocol": "TCP"}]}},
         {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(CONTROLPLANE, "controlplane"),
          "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels("controlplane")}}},
@@ -268,10 +290,12 @@ def base_manifests(raw: dict[str, Any], config: Config) -> dict[str, list[Manife
 
     secrets = [
         {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-         "metadata": _meta("sluice-admin-token", "controlplane", annotations={
-             "sluice.io/purpose": "bearer token of the secured admin listener (to come); not read yet",
-             "sluice.io/fill-in": "kubectl create secret generic sluice-admin-token --from-literal=token=... "
-                                  "--dry-run=client -o yaml | kubectl apply -f -"}),
+         "metadata": _meta(ADMIN_TOKEN_SECRET, "controlplane", annotations={
+             "sluice.io/purpose": f"the admin API's bearer tokens (one name:secret line each), mounted read-only at "
+                                  f"{ADMIN_TOKEN_FILE} (admin.token_file); the control plane does not start without it",
+             "sluice.io/fill-in": f"kubectl create secret generic {ADMIN_TOKEN_SECRET} --from-literal="
+                                  f"{ADMIN_TOKEN_KEY}=operator:$(openssl rand -hex 24) --dry-run=client -o yaml | "
+                                  "kubectl apply -f -"}),
          "data": {}},
         {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
          "metadata": _meta("sluice-tenant-keys", "controlplane", annotations={
@@ -287,10 +311,11 @@ def base_manifests(raw: dict[str, Any], config: Config) -> dict[str, list[Manife
          "spec": {
              "podSelector": {"matchLabels": _labels("controlplane")}, "policyTypes": ["Ingress"],
              "ingress": [
-                 # ADS, ext_authz, the access log and (until controlplane.admin_port exists) the admin API share
-                 # this port: Envoy and the operator namespace.
-                 {"from": [envoy_pods, {"namespaceSelector": {"matchLabels": OPERATOR_LABEL}}],
-                  "ports": [{"port": "grpc", "protocol": "TCP"}]},
+                 # ADS, ext_authz, the access log: Envoy alone.
+                 {"from": [envoy_pods], "ports": [{"port": "grpc", "protocol": "TCP"}]},
+                 # The admin API: the operator namespaces (its changes also need the token).
+                 {"from": [{"namespaceSelector": {"matchLabels": OPERATOR_LABEL}}],
+                  "ports": [{"port": "admin", "protocol": "TCP"}]},
                  # /metrics for Prometheus; the retry redirector for Envoy.
                  {"from": [envoy_pods, {"namespaceSelector": {"matchLabels": {
                      "kubernetes.io/metadata.name": MONITORING_NAMESPACE}}}],
@@ -433,7 +458,8 @@ def render(config_path: str, out: Path = DEFAULT_OUT, overlay: str = EXAMPLE_OVE
     config = validate_raw(in_cluster, config_path)
     # The ports are written out: the manifests' containerPorts and Services are these.
     in_cluster["controlplane"].update(grpc_port=config.controlplane.grpc_port,
-                                      metrics_port=config.controlplane.metrics_port)
+                                      metrics_port=config.controlplane.metrics_port,
+                                      admin_port=config.controlplane.admin_port)
     in_cluster["envoy"].update(listen_port=config.envoy.listen_port, admin_port=config.envoy.admin_port)
     written: list[Path] = []
     base = out / "base"

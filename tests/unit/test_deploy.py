@@ -168,17 +168,42 @@ def test_envoy_bootstrap_points_ads_authz_and_access_log_at_the_controlplane_ser
     assert config["engines"][0]["url"].startswith("http://vllm-a.inference.svc")
 
 
-def test_network_policy_today_and_after_the_admin_port(objects: list[dict[str, Any]]) -> None:
+def test_network_policy_envoy_alone_on_grpc_operators_on_admin(objects: list[dict[str, Any]]) -> None:
     policy = deploy.find(objects, "NetworkPolicy", deploy.CONTROLPLANE)
     rules = {rule["ports"][0]["port"]: rule["from"] for rule in policy["spec"]["ingress"]}
-    assert set(rules) == {"grpc", "metrics"}  # no admin port yet: the admin API is on grpc
+    assert set(rules) == {"grpc", "admin", "metrics"}
     envoy_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "sluice",
                                                   "app.kubernetes.io/component": "envoy"}}}
-    assert rules["grpc"] == [envoy_pods, {"namespaceSelector": {"matchLabels": deploy.OPERATOR_LABEL}}]
+    assert rules["grpc"] == [envoy_pods]  # ADS, ext_authz, access log: Envoy only
+    assert rules["admin"] == [{"namespaceSelector": {"matchLabels": deploy.OPERATOR_LABEL}}]
     assert envoy_pods in rules["metrics"]  # the retry redirector
+    # The named ports exist on the pod and the Service.
+    (container,) = deploy.find(objects, "Deployment", deploy.CONTROLPLANE)["spec"]["template"]["spec"]["containers"]
+    service = deploy.find(objects, "Service", deploy.CONTROLPLANE)
+    assert {"grpc", "admin", "metrics"} <= {p["name"] for p in container["ports"]}
+    assert {"grpc", "admin", "metrics"} <= {p["name"] for p in service["spec"]["ports"]}
     valkey = deploy.find(objects, "NetworkPolicy", deploy.VALKEY)["spec"]["ingress"]
     assert valkey[0]["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "sluice",
                                                                   "app.kubernetes.io/component": "controlplane"}}}]
+
+
+def test_admin_listener_on_the_pod_with_the_token_secret_mounted(objects: list[dict[str, Any]]) -> None:
+    config = yaml.safe_load(deploy.find(objects, "ConfigMap", "sluice-config")["data"]["config.yaml"])
+    assert config["controlplane"]["admin_host"] == "0.0.0.0"
+    assert config["admin"]["token_file"] == deploy.ADMIN_TOKEN_FILE and "token_env" not in config["admin"]
+    spec = deploy.find(objects, "Deployment", deploy.CONTROLPLANE)["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    admin_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "admin")
+    assert admin_port == config["controlplane"]["admin_port"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == deploy.ADMIN_TOKEN_DIR]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == deploy.ADMIN_TOKEN_SECRET
+    secret = deploy.find(objects, "Secret", deploy.ADMIN_TOKEN_SECRET)
+    assert secret["data"] == {}  # never a secret in the repo: the annotation says how to fill it in
+    assert f"--from-literal={deploy.ADMIN_TOKEN_KEY}=" in secret["metadata"]["annotations"]["sluice.io/fill-in"]
+    # The rendered config validates as the pod runs it (a non-loopback admin host needs its token source).
+    deploy.validate_raw(config, "configmap")
 
 
 def test_monitoring_carries_the_alert_rules(objects: list[dict[str, Any]]) -> None:

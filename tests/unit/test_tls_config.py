@@ -89,3 +89,13 @@ def test_bootstrap_transport_socket() -> None:
     assert context["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"] == [
         {"san_type": "DNS", "matcher": {"exact": "cp.example"}}]
 
+
+def test_the_cluster_bootstrap_checks_the_service_name() -> None:
+    from sluice import deploy
+
+    config = parse(controlplane={"tls": SERVER}, envoy={"controlplane_tls": CLIENT})
+    (cluster,) = deploy.cluster_bootstrap(config)["static_resources"]["clusters"]
+    context = cluster["transport_socket"]["typed_config"]
+    assert context["sni"] == deploy.CONTROLPLANE  # the certificate names the Service, not the pod IP
+    assert context["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"] == [
+        {"san_type": "DNS", "matcher": {"exact": deploy.CONTROLPLANE}}]
