@@ -198,7 +198,6 @@ def _counts(counter: Counter[str]) -> str:
     return ", ".join(f"{key}: {n}" for key, n in counter.most_common()) or "-"
 
 
-
 def _row(rate: int, plain_ms: list[float], plain_failed: int, sluice_ms: list[float], sluice_failed: int,
          check: tuple[float, float]) -> str:
     """One rate's line of the report table: both paths' p50 / p99, what sluice adds, the Check's own quantiles."""
