@@ -60,6 +60,8 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
     def __init__(self, admission: CheckPort) -> None:
         self.admission = admission
         self._overload_logged_at = float("-inf")
+        self._in_flight: set[str] = set()
+        """Request ids of the Checks being answered (parked ones included): the parking lot's keys."""
 
     async def Check(  # noqa: N802 (gRPC method name)
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -72,8 +74,10 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
         else:
             http = request.attributes.request.http
             # Envoy's own x-request-id (its HCM makes one per request and forwards it to the engine), so the control
-            # plane's log, the watch stream and the engine's log name a request the same way.
-            request_id = http.headers.get("x-request-id") or uuid.uuid4().hex
+            # plane's log, the watch stream and the engine's log name a request the same way. It keys the parking lot,
+            # so it must be unique among Checks in flight: a client can send its own (Envoy keeps an internal caller's),
+            # and a duplicate gets a suffix rather than the other request's place.
+            request_id = self._unique(http.headers.get("x-request-id") or uuid.uuid4().hex)
             outcome: Outcome | None = None  # the latest answer from admission: a failure after it must give its hold back
             try:
                 model: str | None = None
@@ -99,8 +103,16 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
                 port.give_back(request_id, outcome)
                 response = _error(INTERNAL_ERROR, f"The admission control plane failed on this request (id "
                                   f"{request_id}); it was not forwarded", None)
+            finally:
+                self._in_flight.discard(request_id)
         port.metrics.authz_seconds.observe(time.perf_counter() - started)
         return response
+
+    def _unique(self, request_id: str) -> str:
+        while request_id in self._in_flight:
+            request_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
+        self._in_flight.add(request_id)
+        return request_id
 
     def _answer(self, outcome: Outcome, avoided: str | None) -> external_auth_pb2.CheckResponse:
         if outcome.ticket is None:

@@ -285,3 +285,23 @@ async def test_cancelled_parked_check_propagates_and_leaves_nothing(plane: Contr
         await task
     assert plane.admission.depth() == 0 and plane.ledger.open_tickets() == 0
     assert counter(plane, "sluice_authz_internal_errors_total") == 0, "a client leaving is not a control-plane defect"
+
+
+async def test_checks_sharing_a_client_request_id_keep_their_own_places(plane: ControlPlane) -> None:
+    """A client may send its own x-request-id, twice: both requests park under distinct keys and both are answered when
+    capacity frees (the second must not take the first's place in the lot, or one Check would never be answered)."""
+    plane.cap_running = (2, 2)  # type: ignore[attr-defined]
+    servicer = AuthorizationServicer(plane.service)
+    same = {"x-request-id": "client-chosen"}
+    tasks = [asyncio.create_task(servicer.Check(check_request(chat_body(max_tokens=5), same), FakeContext(290.0)))
+             for _ in range(2)]
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if plane.admission.depth() == 2:
+            break
+    assert plane.admission.depth() == 2, "both requests should be parked, each under its own key"
+    plane.cap_running = (2, 0)  # type: ignore[attr-defined]
+    plane.service.wake()
+    responses = await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
+    assert all(r.HasField("ok_response") for r in responses)
+    assert plane.ledger.open_tickets() == 2
