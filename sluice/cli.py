@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
     p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos"])
     p.add_argument("--engines", metavar="N|FILE",
-                   help="observe: how many simulated engines to poll (default 1000); overhead: a YAML file listing the "
+                   help="observe: how many simulated engines to poll (default 1000); overhead, steady: a YAML file listing the "
                         "engines to front instead of a simulator (e.g. real llama.cpp servers, see sluice/real/llama.py)")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
     p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open)")
@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.scenario == "steady":
             from sluice.bench.steady import run_steady_bench
 
-            return run_steady_bench(args.quick, args.fleet, args.mix, args.level)
+            if args.engines is not None and args.engines.isdigit():
+                parser.error("steady: --engines is a YAML file of real llama.cpp engines")
+            return run_steady_bench(args.quick, args.fleet, args.mix, args.level, args.engines)
         if args.scenario == "overhead":
             from sluice.bench.overhead import run_overhead_bench
 

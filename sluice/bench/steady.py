@@ -41,11 +41,24 @@ tokens per emulated second until the last completion; goodput = requests complet
 second of the arrival window (a shed request is not good); share = requests each engine served (its ``/sim/stats``).
 Targets per cell: sluice's TTFT p90 <= the lowest baseline TTFT p90, sluice's goodput >= the highest baseline goodput
 (each "best" taken over all four baseline arms separately), and at 110% sluice's goodput >= 1.3x the best baseline's.
+
+``--engines FILE`` (llama.cpp only): the one fleet is the engines a YAML file lists (as for ``sluice bench overhead``:
+started by the user, on 127.0.0.1, fronted by ``sluice up`` as engines without ``sim:``), at speed x1 and the report is
+``bench/results/steady-llamacpp.md``. The model is the first of the engines' ``/v1/models``; slots are an entry's
+``max_num_seqs`` or llama.cpp's ``/props`` ``total_slots``. Output lengths are the same draws, sent as llama.cpp's
+``{"n_predict": N, "ignore_eos": true}`` (sluice does not read ``n_predict``); prompts are ``"word " * N`` (one token a
+word with llama.cpp's tokenizer, plus the chat template's few), both clipped so prompt + output fit a slot's context
+(``/props`` ``default_generation_settings.n_ctx``). The prompts share their prefix, so llama.cpp's prompt cache makes
+prefill nearly free. Engine-side figures: running = ``/slots`` entries ``is_processing``, waiting =
+``llamacpp:requests_deferred``, capacity and "served" = ``llamacpp:tokens_predicted_total`` (completion tokens per
+engine, not requests); preemptions "-" (llama.cpp has none). Windows ``REAL_WINDOW_S``; the ``--fleet`` option does not
+apply. Other engine flavours (vLLM, SGLang) are not supported here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import re
@@ -54,6 +67,7 @@ import time
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -86,6 +100,24 @@ POISSON = ("thor+spark", 0.95)
 matter (at 50-80% both processes leave slack, at 110% both overload), and thor+spark is issue 9's fleet. Constant arrivals
 (the issue's load generator) run everywhere. The whole matrix in both processes would take over an hour here."""
 _GEN = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)", re.M)
+_LLAMA_GEN = re.compile(r"^llamacpp:tokens_predicted_total ([0-9.e+]+)", re.M)
+_LLAMA_DEFERRED = re.compile(r"^llamacpp:requests_deferred ([0-9.e+]+)", re.M)
+REAL_WINDOW_S = 10.0
+REAL_REPORT = "steady-llamacpp"
+
+
+@dataclass
+class Target:
+    """What the bench drives: the simulators (defaults) or real llama.cpp servers (``--engines FILE``)."""
+
+    real: bool = False
+    speed: float = SPEED
+    model: str = MODEL
+    n_ctx: int = 0
+    """Tokens of context per slot (real engines): prompt + output are clipped to fit."""
+
+
+_T = Target()
 
 
 @dataclass(frozen=True)
@@ -134,9 +166,16 @@ def mean_output(mix: str) -> float:
 
 async def _one(session: aiohttp.ClientSession, base: str, job: Job, mix: str, t0: float, tag: str) -> Result:
     headers = {"x-sluice-max-ttft-ms": str(SLO_MS)} if mix == "deadline" and tag == "sluice" else {}
+    if _T.real:  # llama.cpp: n_predict + ignore_eos, one token a word, prompt + output within a slot's context
+        cap = mix_max_tokens(mix) or 10**9
+        natural = min(job.natural, cap, _T.n_ctx // 2)
+        prompt = max(1, min(job.prompt_tokens, _T.n_ctx - natural - 64))
+        content, extra = "word " * prompt, {"n_predict": natural, "ignore_eos": True}
+    else:
+        content, extra = "x" * (job.prompt_tokens * 4), {"sim_output_tokens": job.natural}
     try:
-        return await stream_chat(session, base, tag, MODEL, "x" * (job.prompt_tokens * 4), mix_max_tokens(mix), headers,
-                                 t0=t0, extra={"sim_output_tokens": job.natural})
+        return await stream_chat(session, base, tag, _T.model, content, mix_max_tokens(mix), headers,
+                                 t0=t0, extra=extra)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return Result(tag, 599, time.perf_counter() - t0, headers={"error": type(exc).__name__})
 
@@ -150,10 +189,9 @@ async def _drive(base: str, jobs: list[Job], mix: str, tag: str, urls: list[str]
         while not stop.is_set():
             for i, url in enumerate(urls):
                 try:
-                    async with session.get(url + "/sim/stats") as response:
-                        s = await response.json()
+                    s = await _engine_stats_async(session, url)
                     peaks[i] = max(peaks[i], s["running"] + s["waiting"])
-                except aiohttp.ClientError:
+                except (aiohttp.ClientError, ValueError):
                     pass
             await asyncio.sleep(0.1)
 
@@ -174,8 +212,39 @@ async def _drive(base: str, jobs: list[Job], mix: str, tag: str, urls: list[str]
 
 def _gen_tokens(url: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
-        match = _GEN.search(response.read().decode())
+        match = (_LLAMA_GEN if _T.real else _GEN).search(response.read().decode())
     return float(match.group(1)) if match else 0.0
+
+
+def _llama_stats(slots: Any, metrics: str) -> dict[str, Any]:
+    """llama.cpp's ``/slots`` and ``/metrics`` as the simulator's ``/sim/stats`` keys the bench reads (served = completion
+    tokens so far, preemptions none)."""
+    deferred, predicted = _LLAMA_DEFERRED.search(metrics), _LLAMA_GEN.search(metrics)
+    return {"running": sum(1 for s in slots if s.get("is_processing")),
+            "waiting": int(float(deferred.group(1))) if deferred else 0,
+            "served": int(float(predicted.group(1))) if predicted else 0, "preemptions": 0}
+
+
+def _engine_stats(url: str) -> dict[str, Any]:
+    if not _T.real:
+        return sim_stats(url)
+    with urllib.request.urlopen(url + "/slots", timeout=5) as response:
+        slots = json.load(response)
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    return _llama_stats(slots, metrics)
+
+
+async def _engine_stats_async(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    if not _T.real:
+        async with session.get(url + "/sim/stats") as response:
+            stats: dict[str, Any] = await response.json()
+            return stats
+    async with session.get(url + "/slots") as response:
+        slots = await response.json()
+    async with session.get(url + "/metrics") as response:
+        metrics = await response.text()
+    return _llama_stats(slots, metrics)
 
 
 async def _calibrate(urls: list[str], slots: list[int], mix: str) -> list[float]:
@@ -196,20 +265,20 @@ async def _calibrate(urls: list[str], slots: list[int], mix: str) -> list[float]
         await asyncio.sleep(CAL_S - CAL_WARM_S)
         after, t_after = [_gen_tokens(u) for u in urls], time.perf_counter()
         await asyncio.gather(*tasks)
-    return [(a - b) / (t_after - t_before) / SPEED for a, b in zip(after, before)]
+    return [(a - b) / (t_after - t_before) / _T.speed for a, b in zip(after, before)]
 
 
 def _wait_idle(urls: list[str]) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        stats = [sim_stats(u) for u in urls]
+        stats = [_engine_stats(u) for u in urls]
         if all(s["running"] == 0 and s["waiting"] == 0 for s in stats):
             time.sleep(0.3)  # let the access log close sluice's tickets
             return
         time.sleep(0.2)
 
 
-def summarise(results: list[Result], served: list[int], peaks: list[int], preemptions: int,
+def summarise(results: list[Result], served: list[int], peaks: list[int], preemptions: int | str,
               window: float) -> dict[str, Any]:
     ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -223,7 +292,7 @@ def summarise(results: list[Result], served: list[int], peaks: list[int], preemp
         "ttft_p50": pct(ttfts, 50) if ttfts else nan, "ttft_p90": pct(ttfts, 90) if ttfts else nan,
         "ttft_p99": pct(ttfts, 99) if ttfts else nan,
         "e2e_p50": pct(e2e, 50) if e2e else nan, "e2e_p99": pct(e2e, 99) if e2e else nan,
-        "throughput": sum(r.completion_tokens for r in ok) / end / SPEED,
+        "throughput": sum(r.completion_tokens for r in ok) / end / _T.speed,
         "goodput": len(good) / window, "good_share": len(good) / max(1, len(results)),
         "shed": sum(1 for r in results if r.status in (429, 503)),
         "errors": sum(1 for r in results if r.status not in (200, 429, 503)),
@@ -236,12 +305,12 @@ def summarise(results: list[Result], served: list[int], peaks: list[int], preemp
 def run_cell(cell: Cell, jobs: list[Job], arms: dict[str, str], urls: list[str]) -> None:
     for arm, base in arms.items():
         _wait_idle(urls)
-        before = [sim_stats(u) for u in urls]
+        before = [_engine_stats(u) for u in urls]
         results, peaks = asyncio.run(_drive(base, jobs, cell.mix, arm, urls))
-        after = [sim_stats(u) for u in urls]  # every stream has ended: its engine counted it
+        after = [_engine_stats(u) for u in urls]  # every stream has ended: its engine counted it
         served = [a["served"] - b["served"] for a, b in zip(after, before)]
         pre = sum(a["preemptions"] - b["preemptions"] for a, b in zip(after, before))
-        cell.figures[arm] = summarise(results, served, peaks, pre, WINDOWS_S[cell.fleet])
+        cell.figures[arm] = summarise(results, served, peaks, pre if not _T.real else "-", WINDOWS_S[cell.fleet])
         cell.figures[arm]["loadavg"] = _loadavg()
         s = cell.figures[arm]
         print(f"  {cell.fleet} {cell.mix} {cell.level:.0%} {cell.arrival} {arm}: n={s['n']} TTFT p50/p90 "
@@ -294,7 +363,7 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
     reuse = " Baseline rows: the `open` cell's (identical requests)." if cell.mix == "deadline" else ""
     return f"""#### {cell.fleet}, {cell.mix}, {cell.level:.0%} ({cell.rate:.2f} req/s wall, {cell.arrival}, {s['n']} requests)
 
-| arm | TTFT p50 / p90 / p99 (s) | e2e p50 / p99 (s) | tok/s | goodput req/s (share) | served {' / '.join(names)} | shed | preempt | peak run+wait (slots {' / '.join(map(str, slots))}) |
+| arm | TTFT p50 / p90 / p99 (s) | e2e p50 / p99 (s) | tok/s | goodput req/s (share) | served{' tokens' if _T.real else ''} {' / '.join(names)} | shed | preempt | peak run+wait (slots {' / '.join(map(str, slots))}) |
 |---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
@@ -303,7 +372,7 @@ Machine load average after each arm ({', '.join(ARMS)}): {' / '.join(f'{x:.1f}' 
 """
 
 
-def _plot(cells: list[Cell]) -> str:
+def _plot(cells: list[Cell], name: str = "steady") -> str:
     plt = pyplot()
     fleets = sorted({c.fleet for c in cells})
     mixes = [m for m in MIXES if any(c.mix == m for c in cells)]
@@ -320,7 +389,7 @@ def _plot(cells: list[Cell]) -> str:
             ax.set_ylabel("goodput (req/s within SLO)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"sluice bench steady: goodput, TTFT SLO {SLO_MS} ms")
-    return save_figure(fig, "steady")
+    return save_figure(fig, name)
 
 
 def _loadavg() -> float:
@@ -340,8 +409,33 @@ def _load_note() -> str:
         return "load average unknown"
 
 
+def _real_fleet(engines_file: str) -> tuple[str, list[dict[str, Any]], list[int], list[str]]:
+    """The ``--engines`` file's llama.cpp servers: sets ``_T`` (speed 1, their model, a slot's context) and returns the
+    fleet's name, entries, slots and names."""
+    from sluice.bench.overhead import _get_json, _local_port, load_engines
+
+    entries = load_engines(engines_file)
+    slots, models, contexts = [], set(), []
+    for entry in entries:
+        if "sim" in entry:
+            raise SystemExit(f"{engines_file}: {entry['name']}: steady --engines drives real llama.cpp servers only")
+        url = entry["url"].rstrip("/")
+        _local_port(url)
+        props = _get_json(url + "/props") or {}
+        listing = _get_json(url + "/v1/models") or {}
+        models.add((entry.get("models") or [m["id"] for m in listing.get("data", [])] or ["?"])[0])
+        slots.append(int(entry.get("max_num_seqs") or props.get("total_slots") or 1))
+        contexts.append(int((props.get("default_generation_settings") or {}).get("n_ctx") or 2048))
+    if len(models) != 1:
+        raise SystemExit(f"the engines serve different models {sorted(models)}: the bench needs one")
+    _T.real, _T.speed, _T.model, _T.n_ctx = True, 1.0, models.pop(), min(contexts)
+    fleet = Path(engines_file).stem
+    WINDOWS_S[fleet] = REAL_WINDOW_S
+    return fleet, [dict(e) for e in entries], slots, [str(e["name"]) for e in entries]
+
+
 def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes: list[str] | None = None,
-                     levels: list[float] | None = None) -> int:
+                     levels: list[float] | None = None, engines_file: str | None = None) -> int:
     fleets = fleets or (["thor+spark"] if quick else list(FLEETS))
     mixes = mixes or (["open"] if quick else list(MIXES))
     levels = levels or list(LEVELS)
@@ -350,12 +444,17 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
     sections: list[str] = []
     configs: list[str] = []
     calibration_lines: list[str] = []
-    for fleet in fleets:
-        engines = [{"name": n, "sim": p, "speed": SPEED, "sim_model": MODEL} for n, p in FLEETS[fleet]]
-        slots = [PROFILES[p].max_num_seqs for _, p in FLEETS[fleet]]
-        names = [n for n, _ in FLEETS[fleet]]
+    plan: list[tuple[str, list[dict[str, Any]], list[int], list[str]]] = []
+    if engines_file is not None:
+        plan.append(_real_fleet(engines_file))
+    else:
+        for fleet in fleets:
+            plan.append((fleet, [{"name": n, "sim": p, "speed": SPEED, "sim_model": MODEL} for n, p in FLEETS[fleet]],
+                         [PROFILES[p].max_num_seqs for _, p in FLEETS[fleet]], [n for n, _ in FLEETS[fleet]]))
+    slots_of = {fleet: slots for fleet, _, slots, _ in plan}
+    for fleet, engines, slots, names in plan:
         with gateway(engines) as config:
-            urls = [e["url"] for e in config["engines"]]
+            urls = [e["url"].rstrip("/") for e in config["engines"]]
             ports = [int(u.rsplit(":", 1)[1]) for u in urls]
             shapes = {"open": "open", "deadline": "open", "capped": "capped"}
             measured: dict[str, list[float]] = {}
@@ -363,15 +462,16 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                 _wait_idle(urls)
                 measured[shape] = asyncio.run(_calibrate(urls, slots, shape))
                 tok = measured[shape]
+                profiles = ([f"{n} slots" for n in slots] if _T.real else
+                            [f"{PROFILES[p].decode_aggregate_tokens_per_s[-1]:.1f} profile" for _, p in FLEETS[fleet]])
                 calibration_lines.append(
                     f"- {fleet}, {shape} bodies (mean output {mean_output(shape):.0f} tokens): "
-                    + ", ".join(f"{n} {t:.1f} tok/s ({PROFILES[p].decode_aggregate_tokens_per_s[-1]:.1f} profile)"
-                                for (n, p), t in zip(FLEETS[fleet], tok))
-                    + f"; fleet {sum(tok) / mean_output(shape) * SPEED:.2f} req/s wall")
+                    + ", ".join(f"{n} {t:.1f} tok/s ({p})" for n, p, t in zip(names, profiles, tok))
+                    + f"; fleet {sum(tok) / mean_output(shape) * _T.speed:.2f} req/s wall")
                 print(calibration_lines[-1], flush=True)
             for mix in mixes:
                 shape = shapes[mix]
-                capacity = sum(measured[shape]) / mean_output(mix) * SPEED
+                capacity = sum(measured[shape]) / mean_output(mix) * _T.speed
                 weights = [max(1, round(t)) for t in measured[shape]]
                 with plain_envoy_arm(ports, "ROUND_ROBIN") as rr, plain_envoy_arm(ports, "LEAST_REQUEST") as lr, \
                         plain_envoy_arm(ports, "ROUND_ROBIN", weights, slots, concurrency=1) as rrw, \
@@ -425,7 +525,7 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
             misses.append(f"{c.fleet}/{c.mix}/{c.level:.0%}/{c.arrival} ({', '.join(failed)})")
     cap_lines, over_cap = [], []
     for c in cells:
-        slots = [PROFILES[p].max_num_seqs for _, p in FLEETS[c.fleet]]
+        slots = slots_of[c.fleet]
         for a in ("RR+w+cap", "LR+w+cap"):
             f = c.figures[a]
             if "upstream_rq_pending_total" in f and c.mix != "deadline":
@@ -435,11 +535,18 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                                  f"{f['upstream_rq_pending_total']}; rejected {f['upstream_rq_pending_overflow']}")
                 if any(p > s for p, s in zip(f["peaks"], slots)) or f["upstream_rq_pending_overflow"]:
                     over_cap.append(where)
-    plot = _plot(cells)
-    doc = (__doc__ or "").replace("{SPEED}", f"{SPEED:g}")
+    report = REAL_REPORT if _T.real else "steady"
+    plot = _plot(cells, report)
+    doc = (__doc__ or "").replace("{SPEED}", f"{_T.speed:g}")
+    windows = {f: WINDOWS_S[f] for f in slots_of}
+    engines_note = ""
+    if engines_file is not None:
+        engines_note = (f"Against the real engines of `{engines_file}` (model `{_T.model}`, slots "
+                        f"{' / '.join(map(str, slots_of[plan[0][0]]))}, {_T.n_ctx} tokens of context a slot):\n\n"
+                        f"```yaml\n{Path(engines_file).read_text().rstrip()}\n```\n\n")
     body = f"""{doc}
-Run: simulator speed x{SPEED:g}; arrivals for {', '.join(f'{w:g} s ({f})' for f, w in WINDOWS_S.items())} per cell;
-TTFT SLO {SLO_MS} ms wall ({SLO_MS * SPEED / 1000:g} s emulated); calibration {CAL_S:g} s per fleet and body shape
+{engines_note}Run: {'real engines, speed x1' if _T.real else f'simulator speed x{SPEED:g}'}; arrivals for {', '.join(f'{w:g} s ({f})' for f, w in windows.items())} per cell;
+TTFT SLO {SLO_MS} ms wall ({SLO_MS * _T.speed / 1000:g} s emulated); calibration {CAL_S:g} s per fleet and body shape
 ({CAL_WARM_S:g} s warm-up); Poisson arrivals besides constant ones on {POISSON[0]} at {POISSON[1]:.0%} only. sluice: `sluice up` defaults, no setting
 changed. Machine {_load_note()} at the end, {load_before} at the start; {elapsed / 60:.1f} min.
 
@@ -477,7 +584,8 @@ rendered (ports are this run's):
 
 {chr(10).join(configs)}
 """
-    path = write_report("steady", "sluice bench steady: sluice vs the best plain-Envoy arm at measured capacity", body)
+    title = "sluice bench steady: sluice vs the best plain-Envoy arm at measured capacity"
+    path = write_report(report, title + (f" ({Path(engines_file).stem}, real engines)" if engines_file else ""), body)
     print(body[body.index("## Measured capacity"):body.index("## Cells")])
     print(f"report: {path}")
     return 0 if not misses else 1
