@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from controlplane.core.explain import EngineExplanation, earliest_fit, explain
-from controlplane.core.fit import effective_load, misfits, model_len, need_tokens
+from controlplane.core.fit import context_tokens, effective_load, misfits, model_len, need_tokens
 from controlplane.core.model import (
     Decision, EngineView, Fleet, InferenceRequest, Priority, Reason, ServedModel, Verdict,
 )
@@ -121,10 +121,12 @@ def decide(
         detail = f"no ready engine serves {model} ({', '.join(e.name for e in eligible)} stale)"
         return shed(Reason.NO_READY_ENGINE, detail, policy.retry_after_min_s)
 
-    need = need_tokens(request, policy)
+    # The context must hold the prompt and any max_tokens the client set (context_tokens); the KV budget must hold the
+    # reservation (need_tokens: the default output when none is set), or the request could never fit anywhere.
+    need = context_tokens(request)
     candidates = [e for e in fresh if (model_len(e, model) or need) >= need]
     budgets = [e.kv_capacity_tokens * policy.kv_high_watermark for e in candidates if e.kv_capacity_tokens]
-    if not candidates or (len(budgets) == len(candidates) and need > max(budgets)):
+    if not candidates or (len(budgets) == len(candidates) and need_tokens(request, policy) > max(budgets)):
         limit = max((model_len(e, model) or 0 for e in fresh), default=0)
         message = (f"This model's maximum context length is {limit} tokens. However, you requested {need} tokens "
                    f"({request.prompt_tokens} in the messages, {need - request.prompt_tokens} in the completion).")
@@ -245,7 +247,8 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     if rows is None:
         return None
     need = need_tokens(request, policy)
-    candidate = rows.ok & (rows.model_len >= need)
+    fits_context = context_tokens(request)
+    candidate = rows.ok & (rows.model_len >= fits_context)
     if not candidate.any():
         return None
     capacity = rows.capacity

@@ -42,6 +42,13 @@ def need_tokens(request: InferenceRequest, policy: Policy) -> int:
     return request.prompt_tokens + (request.max_tokens or policy.default_max_tokens)
 
 
+def context_tokens(request: InferenceRequest) -> int:
+    """What must fit an engine's context for it to take the request at all: the prompt plus ``max_tokens`` when the
+    client set one. Without one the engine caps the answer at its context itself (vLLM: max_model_len - prompt;
+    llama.cpp: the slot's n_ctx), so only the prompt (and one token) must fit; the KV rules still reserve the default."""
+    return request.prompt_tokens + (request.max_tokens or 1)
+
+
 def held_tokens(engine: EngineView, fleet: Fleet) -> float:
     """KV the engine holds or has promised: the larger of its open tickets' reservations and what the probe saw, corrected
     for tickets admitted or released since."""

@@ -255,3 +255,20 @@ def test_a_deadline_only_a_freed_slot_can_meet_parks_as_ttft_deadline_not_cap() 
     no_deadline = decide(InferenceRequest("POST", "/v1/chat/completions", "cortex", prompt_tokens=10, max_tokens=100),
                          full, P, now=10.0)
     assert (no_deadline.verdict, no_deadline.reason) == (Verdict.PARK, Reason.CAP)
+
+
+def test_without_max_tokens_only_the_prompt_must_fit_the_context() -> None:
+    """An engine caps an answer without max_tokens at its context itself, so a prompt that fits is not refused because
+    the policy's default output would not (it used to be 400 context_length_exceeded); with max_tokens set, both must fit."""
+    from controlplane.core.decide import decide as decide_
+    from controlplane.core.model import EngineSample, EngineView, Fleet, InferenceRequest, ServedModel, Verdict
+    from controlplane.core.policy import Policy
+
+    view = EngineView("a", "", 2, (ServedModel("m", 4096),), "1.0", EngineSample(0.0, running=0, waiting=0),
+                      last_ok_at=0.0, stale=False, chip_class="a")
+    policy = Policy(default_max_tokens=1024)
+    open_ended = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=3500, max_tokens=None)
+    assert decide_(open_ended, Fleet((view,)), policy, now=0.0).verdict is Verdict.ADMIT
+    capped = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=3500, max_tokens=1000)
+    refused = decide_(capped, Fleet((view,)), policy, now=0.0)
+    assert refused.verdict is Verdict.REJECT and refused.reason.value == "context_length_exceeded"
