@@ -9,45 +9,26 @@ so a reload of a variant of it changes no port."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
-from controlplane.app import ControlPlane
 from controlplane.config import Config, parse_config
 from controlplane.xds.resources import LISTENER_NAME
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 from sluice.admincli import admin_channel, read_token
-from sluice.bench.common import free_port  # noqa: F401  (re-exported: tests that start processes which cannot report back)
+from sluice.bench.common import free_port, wait_for  # noqa: F401  (re-exported for the tests)
 from sluice.envoyrun import envoy_command, listener_port, read_admin_address, write_bootstrap
 from sluice.simulated import with_profile_defaults
+from sluice.threaded import ThreadedControlPlane  # noqa: F401  (re-exported: tests import it from here)
 
-T = TypeVar("T")
 _LISTENING = re.compile(r"listening on http://[^\s:]+:(\d+)")
-
-
-def wait_for(predicate: Callable[[], T], timeout: float = 15.0, interval: float = 0.05, what: str = "condition") -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-            if last:
-                return last
-        except Exception as exc:  # the thing we wait for may not be listening yet
-            last = exc
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def http_json(url: str, timeout: float = 5.0) -> Any:
@@ -98,25 +79,6 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-class ThreadedControlPlane:
-    """A real ControlPlane (real grpc.aio server on a real port) on an event loop of its own."""
-
-    def __init__(self, config: Config) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="controlplane")
-        self.thread.start()
-        self.plane = ControlPlane(config)
-        self.call(self.plane.start())
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 15.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.call(self.plane.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @dataclass

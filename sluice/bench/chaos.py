@@ -36,19 +36,18 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import grpc
 import yaml
 
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
-from sluice.bench.common import free_port, median, pct, write_report
+from sluice.bench.common import free_port, median, pct, wait_for, write_report
+from sluice.threaded import ThreadedControlPlane
 
-T = TypeVar("T")
 
 SPEED = 50.0
 """Simulator speed on the local stack: one-token requests take milliseconds, a 20,000-token stream several seconds."""
@@ -63,19 +62,6 @@ CRASH_STREAMS = 2
 
 
 # -- small helpers ---------------------------------------------------------------------------------------------------
-def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-            last = value
-        except Exception as exc:  # the thing waited for may not be listening yet
-            last = exc
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def http_json(url: str, timeout: float = 5.0) -> Any:
@@ -273,27 +259,6 @@ def stack_raw(engines: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
     return raw
 
 
-class PlaneThread:
-    """A real ControlPlane on an event loop of its own, in a thread of this process (the bench can block its loop)."""
-
-    def __init__(self, config: Any) -> None:
-        from controlplane.app import ControlPlane
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="controlplane")
-        self.thread.start()
-        self.plane = ControlPlane(config)
-        self.call(self.plane.start())
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.call(self.plane.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 class Stack:
     """Simulators as processes, a control plane (in a thread, or ``sluice controlplane`` when ``subprocess_plane``)
     and the real Envoy, on one parsed config."""
@@ -310,7 +275,7 @@ class Stack:
         self.profiles = dict(engines)
         self.speed = speed
         self.sims: dict[str, subprocess.Popen[bytes]] = {}
-        self.plane: PlaneThread | None = None
+        self.plane: ThreadedControlPlane | None = None
         self.plane_process: subprocess.Popen[bytes] | None = None
         self.envoy: subprocess.Popen[bytes] | None = None
         try:
@@ -324,7 +289,7 @@ class Stack:
                     stdout=(work / "controlplane.log").open("wb"), stderr=subprocess.STDOUT)
                 wait_for(lambda: open_tickets(self.grpc_port) == 0, what="the control plane's admin API")
             else:
-                self.plane = PlaneThread(self.config)
+                self.plane = ThreadedControlPlane(self.config)
             bootstrap = write_bootstrap(self.config, work)
             self.envoy = subprocess.Popen(envoy_command(self.config, bootstrap),
                                           stdout=(work / "envoy.log").open("wb"), stderr=subprocess.STDOUT)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import platform
 import statistics
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -68,3 +70,51 @@ def write_report(name: str, title: str, body: str) -> Path:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     path.write_text(f"# {title}\n\n- command: `{command}`\n- when: {stamp}\n- machine: {machine()}\n\n{body}\n")
     return path
+
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy (returned); exceptions count as "not yet" (what is waited for
+    may not be listening yet). TimeoutError names ``what`` and the last value or exception."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+            last = value
+        except Exception as exc:  # the thing we wait for may not be listening yet
+            last = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+async def paced(rate: float, seconds: float, start: Callable[[], Awaitable[object]]) -> None:
+    """Open-loop arrivals: ``start()`` every ``1 / rate`` seconds for ``seconds`` on the clock (never waiting for the
+    earlier ones to finish, so a slow server cannot slow the offered load), then wait for all of them."""
+    tasks = []
+    t0 = time.perf_counter()
+    for i in range(int(rate * seconds)):
+        delay = t0 + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(start()))
+    await asyncio.gather(*tasks)
+
+
+def latency_plot(series: Mapping[str, Sequence[tuple[float, float, float]]], name: str, title: str) -> str:
+    """p50 (solid) and p99 (dashed) end-to-end latency by offered rate, one line pair per path; the PNG's file name."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in series.items():
+        rates = [p[0] for p in points]
+        ax.plot(rates, [p[1] for p in points], marker="o", label=f"{label} p50")
+        ax.plot(rates, [p[2] for p in points], marker="x", linestyle="--", label=f"{label} p99")
+    ax.set_xlabel("requests/s")
+    ax.set_ylabel("end-to-end latency (ms)")
+    ax.set_title(title)
+    ax.legend()
+    return save_figure(fig, name)

@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from sluice.bench.common import median, pct, pyplot, save_figure, write_report
+from sluice.bench.common import latency_plot, median, pct, paced, write_report
 from sluice.bench.plain import plain_envoy
 from sluice.bench.workload import gateway
 
@@ -75,14 +75,7 @@ async def open_loop(url: str, rate: int, seconds: float, body: dict[str, Any] | 
         for counter in (served, failed):
             if counter is not None:
                 counter.clear()
-        tasks = []
-        t0 = time.perf_counter()
-        for i in range(int(rate * seconds)):
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(session)))
-        await asyncio.gather(*tasks)
+        await paced(rate, seconds, lambda: one(session))
     return latencies, failures
 
 
@@ -255,17 +248,7 @@ def _run_on_engines(engines_file: str) -> int:
                               f"{_counts(sluice_failures)} |")
         load_after = os.getloadavg()
     name = "overhead-" + Path(engines_file).stem
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, points in series.items():
-        xs = [p[0] for p in points]
-        ax.plot(xs, [p[1] for p in points], marker="o", label=f"{label} p50")
-        ax.plot(xs, [p[2] for p in points], marker="x", linestyle="--", label=f"{label} p99")
-    ax.set_xlabel("requests/s")
-    ax.set_ylabel("end-to-end latency (ms)")
-    ax.set_title(f"what sluice adds to a one-token request ({Path(engines_file).stem})")
-    ax.legend()
-    plot = save_figure(fig, name)
+    plot = latency_plot(series, name, f"what sluice adds to a one-token request ({Path(engines_file).stem})")
     engine_rows = "\n".join(
         f"| {m['name']} | {m['url']} | {m['version'] or '-'} | {m['slots']} | {m['one_token_ms']:.1f} | "
         f"{m['decode_tokens_per_s']:.0f} |" for m in measured)
@@ -328,17 +311,7 @@ def _run_on_simulator() -> int:
                 series["Envoy + sluice"].append((rate, median(sluice_ms), pct(sluice_ms, 99)))
                 rows.append(_row(rate, plain_ms, plain_failed, sluice_ms, sluice_failed, check))
     at200 = dict(checks)[200]
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, points in series.items():
-        rates = [p[0] for p in points]
-        ax.plot(rates, [p[1] for p in points], marker="o", label=f"{label} p50")
-        ax.plot(rates, [p[2] for p in points], marker="x", linestyle="--", label=f"{label} p99")
-    ax.set_xlabel("requests/s")
-    ax.set_ylabel("end-to-end latency (ms)")
-    ax.set_title("what sluice adds to a one-token request")
-    ax.legend()
-    plot = save_figure(fig, "overhead")
+    plot = latency_plot(series, "overhead", "what sluice adds to a one-token request")
     body = f"""Open loop, {SECONDS:g} s per rate and path, non-streaming chat completions answered with one token.
 
 | requests/s | plain Envoy p50 / p99 (ms) | Envoy + sluice p50 / p99 (ms) | added p50 (ms) | Check p50 / p99 (ms, server) | failures plain / sluice |

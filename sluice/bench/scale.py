@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from sluice.bench.common import median, pct, write_report
+from sluice.bench.common import median, paced, pct, write_report
 from sluice.bench.overhead import _histogram, _quantile
 from sluice.bench.workload import gateway
 
@@ -98,13 +98,7 @@ async def open_loop(url: str, rate: int, seconds: float) -> list[dict[str, Any]]
         results.append(row)
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = []
-        for i in range(int(rate * seconds)):
-            delay = t0 + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(session)))
-        await asyncio.gather(*tasks)
+        await paced(rate, seconds, lambda: one(session))
     return results
 
 
