@@ -43,10 +43,16 @@ class AdmissionService:
 
     # -- CheckPort ---------------------------------------------------------------------------------------------------
     @property
-    def settings(self) -> CheckSettings:
-        cp = self.config.controlplane
-        return CheckSettings(self.config.policy, self.config.authz_timeout_s, cp.max_check_queue_ms,
-                             cp.overload_retry_after_seconds)
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        """Start-up and reloads: the settings a Check reads are built here once, not per Check."""
+        self._config = config
+        cp = config.controlplane
+        self.settings = CheckSettings(config.policy, config.authz_timeout_s, cp.max_check_queue_ms,
+                                      cp.overload_retry_after_seconds)
 
     def check(self, request_id: str, request: InferenceRequest) -> Outcome:
         now = self.clock()

@@ -52,8 +52,11 @@ def queued_s(context: grpc.aio.ServicerContext[Any, Any], authz_timeout_s: float
 
 def avoided_engine(path: str) -> str | None:
     """The engine a retried request must not go back to (``?sluice_avoid=<engine>``, added by the retry redirector)."""
-    query = path.partition("?")[2]
-    return next((values[0] for key, values in parse_qs(query).items() if key == AVOID_PARAM and values), None)
+    _, sep, query = path.partition("?")
+    if not sep:  # almost every Check: no query string, nothing to parse
+        return None
+    values = parse_qs(query).get(AVOID_PARAM)
+    return values[0] if values else None
 
 
 class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):

@@ -44,6 +44,7 @@ import yaml
 
 from controlplane.core.model import Flavor
 from controlplane.core.policy import Box, ModelPolicy, Policy, version_key
+from controlplane.names import CLIENT_HEADERS, ENGINE_HEADER, TICKET_HEADER
 
 BUNDLED_CONFIG = "default.yaml"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -353,7 +354,7 @@ DEFAULTS: dict[str, Any] = {
         "access_log_flush_seconds": 0.05,
         "stream_idle_timeout_seconds": 300.0,
         "connect_timeout_seconds": 1.0,
-        "client_headers_kept": ["x-sluice-priority", "x-sluice-max-ttft-ms", "x-sluice-session"],
+        "client_headers_kept": list(CLIENT_HEADERS),
         "on_controlplane_failure": "open",
         "failure_retry_after_seconds": 5,
         "weight_change_threshold": 0.10,
@@ -536,7 +537,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     if not isinstance(kept, list) or not all(isinstance(h, str) and h.lower().startswith("x-sluice-") for h in kept):
         c.problems.append("envoy.client_headers_kept: must be a list of x-sluice-* header names")
         kept = []
-    for internal in ("x-sluice-engine", "x-sluice-ticket"):
+    for internal in (ENGINE_HEADER, TICKET_HEADER):
         if internal in [h.lower() for h in kept]:
             c.problems.append(f"envoy.client_headers_kept: {internal} can never come from a client")
     envoy = EnvoyConfig(

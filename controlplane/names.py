@@ -23,7 +23,6 @@ TICKET_HEADER = "x-sluice-ticket"
 """The admission's ticket, for the retry redirector to release; rides to the engine, never back to the client."""
 MODEL_HEADER = "x-sluice-model"
 """The body's ``model``, set by Envoy itself so the fail-open fallback routes can match on it."""
-INTERNAL_HEADERS = (ENGINE_HEADER, TICKET_HEADER, MODEL_HEADER)
 
 # On the response to the client.
 ROUTE_REASON_HEADER = "x-sluice-route-reason"

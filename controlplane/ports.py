@@ -15,7 +15,7 @@ from controlplane.watch import Watcher
 
 @dataclass(frozen=True, slots=True)
 class CheckSettings:
-    """What the ext_authz servicer reads from the config (a reload changes it, so it is read per Check)."""
+    """What the ext_authz servicer reads from the config (rebuilt when a reload changes the config)."""
 
     policy: Policy
     authz_timeout_s: float

@@ -5,7 +5,8 @@ holds the Check open until ``wake``/``expire_parked`` returns an outcome for tha
 ``cancel``), or answered (refused, shed, the model list). ``release`` (access log), ``expire_leases`` (lease TTL) and new probes
 free capacity; each returns the parked requests it could admit, in order. Every ticket event goes through this class
 (``check``, ``release``, ``note_probe``'s idle reaping, ``expire_leases``), and so does a reload (``set_policy``): the shell
-never writes to the ledger itself. ``wake`` takes the fleet as data and refreshes it itself after each admission. ``record_output`` (access log: a finished
+never writes to the ledger itself. ``wake`` takes the fleet as data and, after each admission, replaces it with
+``refreshed(fleet, now)`` (an indexed fleet is re-snapshotted). ``record_output`` (access log: a finished
 request's completion tokens) teaches the core how long each model's answers really are (output_length.py); every fleet the
 core builds carries those means so time estimates use them.
 

@@ -39,13 +39,13 @@ from controlplane.core.model import (
     Decision, EngineView, Fleet, InferenceRequest, Priority, Reason, ServedModel, Verdict,
 )
 from controlplane.core.policy import Policy, meets_floor
-from controlplane.core.request import RequestError, parse_request
+from controlplane.core.request import RequestError
 from controlplane.core.route import Estimate, estimate, expected_output_tokens, prefill_rate, waits_too_long, weighted_pick
 
-# Callers that import these from here (the Check, the admin API, admission, tests) keep working; they live beside this.
+# Names callers import from here (the admin API, admission, tests) though they live beside this module.
 __all__ = [
     "EngineExplanation", "RequestError", "decide", "earliest_fit", "explain", "misfits", "model_list", "need_tokens",
-    "parse_request", "refuse", "retry_after", "shed",
+    "refuse", "retry_after", "shed",
 ]
 
 

@@ -33,9 +33,7 @@ from controlplane.config import Config, EngineConfig, OnFailure
 from controlplane.core.model import Reason
 from controlplane.core.request import MODELS_PATH
 from controlplane.edge import JSON_CONTENT_TYPE, REPLIES, Failure, error_json, header
-from controlplane.names import (  # noqa: F401 (ENGINE_/TICKET_HEADER, AVOID_PARAM: still importable from here)
-    AVOID_PARAM, CONTENT_TYPE_HEADER, ENGINE_HEADER, MODEL_HEADER, RETRY_AFTER_HEADER, TICKET_HEADER,
-)
+from controlplane.names import CONTENT_TYPE_HEADER, ENGINE_HEADER, MODEL_HEADER, RETRY_AFTER_HEADER
 
 LISTENER_NAME = "sluice_openai"
 ROUTE_CONFIG_NAME = "sluice_routes"
