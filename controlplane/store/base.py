@@ -1,0 +1,165 @@
+"""The ``Store`` port: the state that must outlive a control-plane process or be shared by several (issue 11).
+
+What it holds:
+
+- **tickets**, with their engine, model, reserved KV tokens, expected finish, lease and owner (the replica that admitted
+  them), and for each engine its open tickets and the KV they reserve;
+- the **parking order** per model and class, across replicas (a member is ``<replica>|<request id>``; the parked Check
+  itself can only be answered by the replica holding it, so only its place in line is shared);
+- **sessions** (``x-sluice-session`` -> the engine that served it last), with a TTL.
+
+Recent-serve counts are not stored: every replica derives them from the admissions it hears about (``StoreEvent``), which
+carry everything a serve count needs. Learned rate medians are not stored either: every replica probes every engine and
+learns them itself within a few probes (the issue made them optional).
+
+**Exactness.** ``reserve`` is the one place a ticket comes into being, and it checks and writes in one atomic step: the
+engine's open tickets below its cap, the engine's reserved KV plus this request's within its KV limit, and the request's
+place in line (``QueueRule``). A replica decides on its local mirror of the ledger (kept current by ``listen``), so a
+``reserve`` may be refused because another replica took the slot a moment earlier; it then learns the engine's true
+tickets from the refusal (``Reserved.engine_tickets``) and decides again. Caps and KV therefore hold exactly with any
+number of replicas, whatever the mirrors' lag.
+
+**Time** in the store is shared time: seconds since the epoch (``time.time()``), so replicas on different hosts agree.
+The admission service converts its monotonic clock to shared time (``SharedClock``) at this port, and back.
+
+Two backends run the same contract suite (``tests/unit/test_store_contract.py``): ``memory.py`` (one process; the default)
+and ``valkey.py`` (Valkey or Redis, server-side Lua scripts).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from controlplane.core.model import Ticket
+
+
+class StoreUnavailable(Exception):
+    """The store could not be reached or did not answer in time; the caller applies ``store.on_failure``."""
+
+
+class QueueRule(enum.StrEnum):
+    """What ``reserve`` checks about the parking line before it admits."""
+
+    NONE = "none"
+    """No check (backfill: a request admitted past the line because it finishes before the head could start)."""
+    ARRIVAL = "arrival"
+    """A new request: nobody of its class or a higher one may be parked, on any replica (else it parks behind them)."""
+    OLDEST = "oldest"
+    """A woken head in FIFO order: it must be the oldest of its class everywhere, and no higher class may be parked."""
+    NEWEST = "newest"
+    """A woken head under adaptive LIFO: it must be the newest of its class, and no higher class may be parked."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A request a replica decided to admit, as ``reserve`` checks and writes it (times in shared time)."""
+
+    ticket: Ticket
+    cap: int | None
+    """The engine's concurrency cap (None: not checked)."""
+    kv_limit: int | None
+    """KV tokens the engine's open tickets may reserve together: capacity x high watermark (None: not checked)."""
+    session: str | None = None
+    queue: QueueRule = QueueRule.NONE
+    klass: int = 1
+    """The request's parking class: an index into ``PARK_CLASSES`` (0 critical, 1 standard)."""
+
+
+class Refusal(enum.StrEnum):
+    CAP = "cap"
+    KV = "kv"
+    QUEUED = "queued"
+    EXISTS = "exists"
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    refusal: Refusal | None = None
+    engine_tickets: tuple[Ticket, ...] = ()
+    """On a CAP or KV refusal: every open ticket of the engine, as the store holds them (the caller's mirror catches up)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.refusal is None
+
+
+class EventKind(enum.StrEnum):
+    ADMITTED = "admitted"
+    RELEASED = "released"
+    UNPARKED = "unparked"
+    """A parked request left the line (admitted, shed, cancelled): a replica whose head waited behind it may go."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEvent:
+    kind: EventKind
+    replica: str
+    """The replica whose action this was (a replica ignores its own events)."""
+    ticket_id: str
+    ticket: Ticket | None = None
+    """ADMITTED: the new ticket (shared time); RELEASED: the closed one."""
+    session: str | None = None
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreState:
+    """What a (re)starting replica reads: every open ticket and its owner, and the live sessions."""
+
+    tickets: tuple[tuple[Ticket, str], ...]
+    sessions: Mapping[str, str]
+
+
+class Store(Protocol):
+    """The shared ledger. Every method may raise ``StoreUnavailable``."""
+
+    replica_id: str
+
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+    async def reserve(self, claim: Claim) -> Reserved: ...
+    async def release(self, ticket_id: str) -> Ticket | None:
+        """Close a ticket, whoever admitted it; ``None`` if it is unknown (already released, expired, never stored)."""
+    async def expire(self, now: float, limit: int = 256) -> list[Ticket]:
+        """Close tickets whose lease ended by ``now`` (shared time), at most ``limit`` per call; each goes to one caller."""
+    async def restore(self, tickets: list[Ticket]) -> int:
+        """Write back tickets this replica owns that the store lacks (after a store outage), without checks; how many."""
+    async def park(self, model: str, klass: int, request_id: str) -> None: ...
+    async def unpark(self, model: str, klass: int, request_id: str) -> None: ...
+    async def heartbeat(self, ttl_s: float) -> None:
+        """This replica is alive for ``ttl_s`` more seconds. A replica whose heartbeat lapsed is dead: its parked
+        members are dropped from every line the next time a ``reserve`` looks at them."""
+    async def load(self) -> StoreState: ...
+    async def listen(self, handler: Callable[[StoreEvent], None], on_connected: Callable[[], None]) -> None:
+        """Deliver every other replica's events to ``handler`` until cancelled (reconnecting when the store comes back;
+        ``on_connected`` each time the subscription is (re)established, so the caller can resynchronise)."""
+
+
+def member(replica: str, request_id: str) -> str:
+    """A parked request's member in a shared line: which replica holds its Check, and its id."""
+    return f"{replica}|{request_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class SharedClock:
+    """Converts the admission service's monotonic seconds to shared (epoch) seconds and back; the offset is read once."""
+
+    offset: float
+
+    @staticmethod
+    def here(monotonic: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> SharedClock:
+        return SharedClock(wall() - monotonic())
+
+    def to_shared(self, ticket: Ticket) -> Ticket:
+        o = self.offset
+        return replace(ticket, admitted_at=ticket.admitted_at + o, lease_deadline=ticket.lease_deadline + o,
+                       expected_done_at=ticket.expected_done_at + o)
+
+    def to_local(self, ticket: Ticket) -> Ticket:
+        o = self.offset
+        return replace(ticket, admitted_at=ticket.admitted_at - o, lease_deadline=ticket.lease_deadline - o,
+                       expected_done_at=ticket.expected_done_at - o)

