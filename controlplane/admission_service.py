@@ -1,26 +1,47 @@
-"""The admission service: the asyncio shell around ``AdmissionCore`` that holds parked Checks.
+"""The admission service: the asyncio shell around ``AdmissionCore`` that holds parked Checks and keeps the shared store.
 
 A parked request keeps its Check open: the handler awaits a future this service resolves when a wake admits the request
 or its park deadline sheds it. Wakes follow everything that can free capacity: a released ticket (access log), a probe, a
 reaped ticket, a drain lifted, a reload. Two background tasks sweep park deadlines (every 0.1 s) and ticket leases. Every
 ticket event goes through the core (``check``, ``release``, ``note_probe``, ``expire_leases``): nothing here writes to the
 ledger. It is the port the ext_authz servicer (``CheckPort``) and the access-log servicer (``CompletionPort``) use.
+
+**The store** (controlplane/store/). The core decides on its own ledger, which mirrors the shared store: every admission
+is then written by ``Store.reserve``, which checks the engine's cap, its KV and the line across replicas atomically. A
+refusal undoes the local admission (``retract``; a woken request goes back to its place, ``restore``), teaches the mirror
+what the store holds (the engine's tickets), and the request is decided again, at most ``store.reserve_attempts`` times
+before it parks. Other replicas' admissions and releases arrive as ``StoreEvent``s (``_heard``): the mirror follows, and a
+release wakes the parking lot. Releases reach the store in the background; until the store confirms one, a refusal's list
+of the engine's tickets never brings that ticket back (``_releasing``).
+
+With the memory store (one replica) the store agrees with the mirror by construction, no call suspends, and the port
+costs a few dictionary writes per admission. When the store cannot be reached, ``store.on_failure`` decides: ``open``
+keeps the admission on this replica's ledger (``_unsynced``: written back when the store returns), ``closed`` answers
+503 ``store_unavailable``. Each time the store's event stream (re)connects, the replica resynchronises: releases it
+could not send are sent, its own tickets the store lacks are restored, and every ticket the store holds is learned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
-from controlplane.config import Config
+from controlplane.config import Config, StoreOnFailure
 from controlplane.core.admission import AdmissionCore, Outcome
-from controlplane.core.model import EngineView, InferenceRequest, Ticket, Verdict
+from controlplane.core.decide import shed
+from controlplane.core.model import EngineView, Fleet, InferenceRequest, QueueRule, Reason, Ticket, Verdict
 from controlplane.metrics import SluiceMetrics
 from controlplane.observation import Observation
 from controlplane.ports import CheckSettings
+from controlplane.store.base import Claim, EventKind, Refusal, SharedClock, Store, StoreEvent, StoreUnavailable
+from controlplane.store.memory import MemoryStore
 from controlplane.watch import DecisionEvent, DecisionFeed
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("sluice.admission")
 
@@ -30,16 +51,31 @@ PARK_SWEEP_S = 0.1
 
 class AdmissionService:
     def __init__(self, config: Config, core: AdmissionCore, observation: Observation, metrics: SluiceMetrics,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], store: Store | None = None) -> None:
         self.config = config
         self.core = core
         self.observation = observation
         self.metrics = metrics
         self.clock = clock
+        self.store: Store = store or MemoryStore()
+        self.shared = SharedClock.here(clock)
         self._parked: dict[str, asyncio.Future[Outcome]] = {}
         self.feed = DecisionFeed(metrics)
         """Every final answer, for the admin API's ``WatchDecisions`` (bounded per watcher)."""
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self._wake_models: set[str] | None = set()
+        """Models a scheduled wake will look at (None: all); empty with no wake scheduled."""
+        self._wake_task: asyncio.Task[None] | None = None
+        self._releasing: set[str] = set()
+        self._release_tasks: set[asyncio.Task[None]] = set()
+        self._release_backlog: set[str] = set()
+        """Releases the store could not take (it was unreachable): sent when it is back."""
+        self._owned: set[str] = set()
+        """Open tickets this replica wrote: restored to a store that lost them."""
+        self._unsynced: dict[str, Ticket] = {}
+        """Tickets admitted while the store was unreachable (``on_failure: open``)."""
+        self.store_up = True
 
     # -- CheckPort ---------------------------------------------------------------------------------------------------
     @property
@@ -54,12 +90,64 @@ class AdmissionService:
         self.settings = CheckSettings(config.policy, config.authz_timeout_s, cp.max_check_queue_ms,
                                       cp.overload_retry_after_seconds)
 
-    def check(self, request_id: str, request: InferenceRequest) -> Outcome:
-        now = self.clock()
-        outcome = self.core.check(request_id, request, self.observation.fleet(now), now)
-        if outcome.decision.verdict is Verdict.PARK:
-            self.metrics.admission_parked.labels(self.model_label(request.model)).inc()
-        return outcome
+    async def check(self, request_id: str, request: InferenceRequest) -> Outcome:
+        """Decide on the mirror, then write the admission to the store; decide again when another replica was first."""
+        ahead_elsewhere = 0
+        for attempt in range(self.config.store.reserve_attempts + 1):
+            now = self.clock()
+            fleet = self.observation.fleet(now)
+            if attempt == self.config.store.reserve_attempts:  # other replicas won every race: wait in line
+                outcome = self.core.force_park(request_id, request, fleet, now)
+            else:
+                outcome = self.core.check(request_id, request, fleet, now, ahead_elsewhere)
+            if outcome.decision.verdict is Verdict.PARK:
+                self.metrics.admission_parked.labels(self.model_label(request.model)).inc()
+                assert request.model is not None
+                await self._call("park", self.store.park(request.model, self.core.class_index(request), request_id),
+                                 None)
+                return outcome
+            if outcome.ticket is None:
+                return outcome
+            refusal = await self._commit(outcome, request, fleet, now)
+            if refusal is None:
+                return outcome
+            if refusal is Refusal.QUEUED:
+                ahead_elsewhere = 1
+            elif refusal in (Refusal.CAP, Refusal.KV):
+                await self._releases_sent()
+            elif refusal is Refusal.UNAVAILABLE:
+                return Outcome(request_id, shed(Reason.STORE_UNAVAILABLE, "the shared ledger cannot be reached",
+                                                self.config.controlplane.overload_retry_after_seconds))
+        raise AssertionError("unreachable: the last attempt parks")
+
+    async def _commit(self, outcome: Outcome, request: InferenceRequest, fleet: Fleet, now: float) -> Refusal | None:
+        """Write an admission the core made to the store; on a refusal it is undone here (and ``None`` means written)."""
+        ticket = outcome.ticket
+        assert ticket is not None
+        view = self.observation.view_of(ticket.engine, now) or next(e for e in fleet.engines if e.name == ticket.engine)
+        capacity = view.kv_capacity_tokens
+        claim = Claim(self.shared.to_shared(ticket), view.cap,
+                      math.floor(capacity * self.core.policy.kv_high_watermark) if capacity else None,
+                      request.session, outcome.rule, self.core.class_index(request))
+        try:
+            reserved = await self._timed("reserve", self.store.reserve(claim))
+        except StoreUnavailable:
+            if self.config.store.on_failure is StoreOnFailure.OPEN:
+                self.metrics.store_fail_open.inc()
+                self._unsynced[ticket.ticket_id] = ticket
+                return None
+            self.core.retract(outcome, now)
+            return Refusal.UNAVAILABLE
+        if reserved.ok:
+            self._owned.add(ticket.ticket_id)
+            return None
+        assert reserved.refusal is not None
+        self.metrics.store_refusals.labels(reserved.refusal.value).inc()
+        self.core.retract(outcome, now)
+        for held in reserved.engine_tickets:  # the mirror catches up with what the store holds for that engine
+            if held.ticket_id not in self._releasing:
+                self.core.learn(self.shared.to_local(held), None, now)
+        return reserved.refusal
 
     async def wait_parked(self, request_id: str) -> Outcome:
         """Hold a parked Check until a wake admits it or its deadline sheds it; a cancelled Check leaves nothing."""
@@ -70,8 +158,10 @@ class AdmissionService:
             return await future
         except asyncio.CancelledError:
             self._parked.pop(request_id, None)
+            where = self.core.where(request_id)
             if self.core.cancel(request_id):
                 self.metrics.park_cancelled.inc()
+                self._unpark_later(where, request_id)
             elif future.done() and not future.cancelled():
                 ticket = future.result().ticket
                 if ticket is not None:
@@ -82,8 +172,10 @@ class AdmissionService:
 
     def give_back(self, request_id: str, outcome: Outcome | None) -> None:
         """A Check failed inside the control plane: whatever it holds (a place in the lot, a ticket) is returned."""
+        where = self.core.where(request_id)
         if self.core.cancel(request_id):
             self.metrics.parked_now.set(self.core.depth())
+            self._unpark_later(where, request_id)
         if outcome is not None and outcome.ticket is not None:
             self.release_ticket(outcome.ticket.ticket_id)
 
@@ -106,11 +198,36 @@ class AdmissionService:
 
     # -- CompletionPort ----------------------------------------------------------------------------------------------
     def release_ticket(self, ticket_id: str) -> Ticket | None:
+        """Close a ticket (the access log, the retry redirector): at once here, in the store in the background."""
         ticket = self.core.release(ticket_id, self.clock())
         if ticket is not None:
             self.metrics.tickets_released.labels(ticket.engine).inc()
             self.wake([ticket.model])
+        self._release_in_store(ticket_id)
         return ticket
+
+    def _release_in_store(self, ticket_id: str) -> None:
+        self._owned.discard(ticket_id)
+        if self._unsynced.pop(ticket_id, None) is not None:
+            return  # the store never had it
+        self._releasing.add(ticket_id)
+
+        async def release() -> None:
+            try:
+                await self._timed("release", self.store.release(ticket_id))
+            except StoreUnavailable:
+                self._release_backlog.add(ticket_id)
+            finally:
+                self._releasing.discard(ticket_id)
+        self._release_tasks.add(self._spawn(release()))
+
+    async def _releases_sent(self) -> None:
+        """Wait for the releases in flight: a refusal may have counted one of them, so deciding again before they land
+        would only be refused again."""
+        if self._release_tasks:
+            await asyncio.gather(*self._release_tasks, return_exceptions=True)
+        else:
+            await asyncio.sleep(0)
 
     def note_engine_failure(self, engine: str, why: str) -> None:
         self.observation.note_failure(engine, why)
@@ -120,15 +237,66 @@ class AdmissionService:
 
     # -- capacity events ---------------------------------------------------------------------------------------------
     def wake(self, models: list[str] | None = None) -> None:
-        """Capacity may have freed: admit whatever parked requests now fit, in order."""
+        """Capacity may have freed: admit whatever parked requests now fit, in order (on the next turn of the loop, one
+        wake at a time, its admissions written to the store in order)."""
         if not self.core.depth():
             return
         if models is not None:
             models = [m for m in models if self.core.depth(m)]  # a probe of an engine whose models have no queue
             if not models:
                 return
-        now = self.clock()
-        self._resolve(self.core.wake(self.observation.fleet(now), now, models))
+        if models is None or self._wake_models is None:
+            self._wake_models = None
+        else:
+            self._wake_models.update(models)
+        if self._wake_task is None or self._wake_task.done():
+            self._wake_task = asyncio.get_running_loop().create_task(self._wake_loop(), name="wake")
+
+    async def _wake_loop(self) -> None:
+        while self._wake_models is None or self._wake_models:
+            if self._release_tasks:  # the releases that woke this wake reach the store before its admissions do
+                await self._releases_sent()
+            models, self._wake_models = self._wake_models, set()
+            now = self.clock()
+            outcomes = self.core.wake(self.observation.fleet(now), now, None if models is None else list(models))
+            again = await self._settle(outcomes, now)
+            if again:
+                await self._releases_sent()
+                if self._wake_models is not None:
+                    self._wake_models.update(again)
+
+    async def _settle(self, outcomes: list[Outcome], now: float) -> set[str]:
+        """Write a wake's admissions to the store in order and answer them. After a refusal every later admission of
+        that model goes back to its place too (its line order must hold). Returns models to wake again (the mirror
+        learned tickets it lacked)."""
+        blocked: set[str] = set()
+        again: set[str] = set()
+        answered: list[Outcome] = []
+        for outcome in outcomes:
+            parked = outcome.parked
+            model = parked.request.model if parked is not None else None
+            if outcome.ticket is None:
+                answered.append(outcome)
+                if outcome.parked is not None and model is not None:
+                    self._unpark_later((model, self.core.class_index(outcome.parked.request)), outcome.request_id)
+                continue
+            if parked is None or model is None:
+                answered.append(outcome)
+                continue
+            refusal: Refusal | None = Refusal.QUEUED
+            if model not in blocked:
+                refusal = await self._commit(outcome, parked.request, self.observation.fleet(now), now)
+            else:
+                self.core.retract(outcome, now)
+            if refusal is None:
+                answered.append(outcome)
+                continue
+            blocked.add(model)
+            self.core.restore(parked)
+            if refusal in (Refusal.CAP, Refusal.KV):
+                again.add(model)
+        self._resolve(answered)
+        return again
 
     def on_probe(self, view: EngineView) -> None:
         """A good probe: tickets of an engine seen idle lost their log entry (reaped at once), then wake its models."""
@@ -139,6 +307,11 @@ class AdmissionService:
                                           self.config.tickets.idle_reap_grace_seconds)
             self._expired(reaped, "its engine is idle")
         self.wake([model.model_id for model in view.models])
+
+    def _unpark_later(self, where: tuple[str, int] | None, request_id: str) -> None:
+        """A request left the lot without an admission (cancelled, shed): it leaves the shared line too."""
+        if where is not None:
+            self._spawn(self._call("unpark", self.store.unpark(where[0], where[1], request_id), None))
 
     def _resolve(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
@@ -156,26 +329,139 @@ class AdmissionService:
             log.warning("ticket %s on %s reaped (%s): its access-log entry never arrived", ticket.ticket_id,
                         ticket.engine, why)
             self.metrics.tickets_expired.labels(ticket.engine).inc()
+            self._release_in_store(ticket.ticket_id)
         if tickets:
             self.wake()
 
     # -- lifecycle -------------------------------------------------------------------------------------------------------
+    async def open_store(self) -> None:
+        """Before any Check: join the store and learn every ticket it holds (a restart picks up the ledger)."""
+        await self.store.open()
+        connected = asyncio.Event()
+
+        def on_connected() -> None:
+            if connected.is_set():  # a reconnection: events may have been missed meanwhile
+                self._spawn(self._resync())
+            connected.set()
+        self._tasks.append(asyncio.create_task(self.store.listen(self._heard, on_connected), name="store-events"))
+        await self._resync()
+        self.metrics.store_up.set(1)
+        try:
+            await asyncio.wait_for(connected.wait(), self.config.store.timeout_seconds * 4)
+        except asyncio.TimeoutError:
+            log.warning("the store's event stream is not connected yet; other replicas' admissions arrive once it is")
+
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._sweep_park_deadlines(), name="park-deadlines"))
         self._tasks.append(asyncio.create_task(self._reap_leases(), name="lease-reaper"))
+        self._tasks.append(asyncio.create_task(self._heartbeats(), name="store-heartbeat"))
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._background]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
         self._tasks.clear()
+        await self.store.close()
+
+    def _heard(self, event: StoreEvent) -> None:
+        """Another replica's admission, release or unpark: the mirror follows; freed capacity or a shorter line wakes."""
+        now = self.clock()
+        if event.kind is EventKind.ADMITTED and event.ticket is not None:
+            self.core.learn(self.shared.to_local(event.ticket), event.session, now)
+            if self.core.depth(event.model):  # it may have been the line's head that held ours back
+                self.wake([event.model])
+        elif event.kind is EventKind.RELEASED:
+            if self.core.release(event.ticket_id, now) is not None or self.core.depth(event.model):
+                self.wake([event.model])
+        elif event.kind is EventKind.UNPARKED:
+            self.wake([event.model])
+
+    async def _resync(self) -> None:
+        """Bring the store and the mirror together: backlogged releases, tickets the store lost, tickets it holds."""
+        try:
+            for ticket_id in list(self._release_backlog):
+                await self._timed("release", self.store.release(ticket_id))
+                self._release_backlog.discard(ticket_id)
+            mine = [self.shared.to_shared(t) for t in self.core.tickets()
+                    if t.ticket_id in self._owned or t.ticket_id in self._unsynced]
+            restored = await self._timed("restore", self.store.restore(mine))
+            self._owned.update(self._unsynced)
+            self._unsynced.clear()
+            state = await self._timed("load", self.store.load())
+        except StoreUnavailable as exc:
+            log.warning("store resync failed (%s); retried when it is back", exc)
+            return
+        now = self.clock()
+        held = {t.ticket_id for t, _ in state.tickets}
+        for ticket, owner in state.tickets:
+            if self.core.learn(self.shared.to_local(ticket), None, now) and owner == self.store.replica_id:
+                self._owned.add(ticket.ticket_id)
+        for session, engine in state.sessions.items():
+            self.core.sessions.set(session, engine)
+        for ticket in self.core.tickets():  # closed elsewhere while this replica was not listening
+            if ticket.ticket_id not in held and ticket.ticket_id not in self._owned:
+                self.core.release(ticket.ticket_id, now)
+        if restored:
+            log.warning("restored %d tickets the store had lost", restored)
+        self.wake()
+
+    async def _heartbeats(self) -> None:
+        every = self.config.store.heartbeat_seconds
+        while True:
+            try:
+                await self._timed("heartbeat", self.store.heartbeat(every * 3))
+                expired = await self._timed("expire", self.store.expire(self.shared.offset + self.clock()))
+                for ticket in expired:  # any replica's sweep closes a lapsed lease once; this one was first
+                    self.core.release(ticket.ticket_id, self.clock())
+                if not self.store_up:
+                    log.warning("the shared store answers again")
+                    self._spawn(self._resync())
+                self.store_up = True
+            except StoreUnavailable as exc:
+                if self.store_up:
+                    log.error("the shared store does not answer (%s); store.on_failure: %s", exc,
+                              self.config.store.on_failure.value)
+                self.store_up = False
+            self.metrics.store_up.set(1 if self.store_up else 0)
+            await asyncio.sleep(every)
+
+    async def _timed(self, op: str, call: Awaitable[_T]) -> _T:
+        started = time.perf_counter()
+        try:  # bounded by the store's own client timeout (store.timeout_seconds); no task per call
+            return await call
+        except StoreUnavailable as exc:
+            self.metrics.store_errors.labels(op).inc()
+            raise StoreUnavailable(f"{op}: {exc}") from exc
+        finally:
+            self.metrics.store_seconds.labels(op).observe(time.perf_counter() - started)
+
+    async def _call(self, op: str, call: Awaitable[_T], default: _T) -> _T:
+        """A store call whose failure changes nothing but the line's accuracy (park, unpark): logged and counted."""
+        try:
+            return await self._timed(op, call)
+        except StoreUnavailable as exc:
+            log.debug("store %s failed: %s", op, exc)
+            return default
+
+    def _spawn(self, work: Awaitable[None]) -> asyncio.Task[None]:
+        async def run() -> None:
+            await work
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._release_tasks.discard)
+        return task
 
     async def _sweep_park_deadlines(self) -> None:
         while True:
             await asyncio.sleep(PARK_SWEEP_S)
             if self.core.depth():
                 now = self.clock()
-                self._resolve(self.core.expire_parked(self.observation.fleet(now), now))
+                wheres = {p.request_id: self.core.where(p.request_id) for p in self.core.parked() if p.deadline <= now}
+                expired = self.core.expire_parked(self.observation.fleet(now), now)
+                for outcome in expired:
+                    self._unpark_later(wheres.get(outcome.request_id), outcome.request_id)
+                self._resolve(expired)
 
     async def _reap_leases(self) -> None:
         while True:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
+import socket
+import uuid
 import random
 import signal
 import time
@@ -27,7 +30,7 @@ from controlplane.adminauth import AdminGuard, load_tokens
 from controlplane.admission_service import AdmissionService
 from controlplane.authz import AuthorizationServicer
 from controlplane.config import (
-    RELOADABLE, Config, ConfigError, OnStale, ServerTls, changed_sections, is_loopback, load_config,
+    RELOADABLE, Config, ConfigError, OnStale, ServerTls, StoreBackend, changed_sections, is_loopback, load_config,
     load_resolved_config, resolve_engines,
 )
 from controlplane.core.admission import AdmissionCore
@@ -41,6 +44,9 @@ from controlplane.metrics import SluiceMetrics
 from controlplane.observation import Observation
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import RateBook
+from controlplane.store.base import Store
+from controlplane.store.memory import MemoryStore
+from controlplane.store.valkey import ValkeyStore
 from controlplane.tls import server_credentials
 from controlplane.ports import FloorResult, ReloadResult, StatusFacts, XdsTypeStatus
 from controlplane.watch import Watcher
@@ -83,7 +89,8 @@ class ControlPlane:
         self.admission = AdmissionCore(config.policy, self.ledger, admit_stale=config.observe.on_stale is OnStale.OPEN,
                                        draw=random.random)
         self.observation = Observation(config, self.admission, self.metrics, clock, self._on_probe)
-        self.service = AdmissionService(config, self.admission, self.observation, self.metrics, clock)
+        self.store = make_store(config)
+        self.service = AdmissionService(config, self.admission, self.observation, self.metrics, clock, self.store)
         self.xds = XdsPublisher(config, self.metrics)
         self.http = HttpEndpoint(config.controlplane.host, config.controlplane.metrics_port, self.metrics,
                                  self.service)
@@ -282,9 +289,12 @@ class ControlPlane:
         admin_tls = _credentials(cfg.admin.tls, "admin.tls")
         await self.http.start()  # its port is the retry redirector's endpoint in every engine cluster
         await self.observation.start()  # one probe round before any Check is answered or any weight published
+        await self.service.open_store()  # the shared ledger learned (a restart picks it up) before any Check
+        self.metrics.replica_info.labels(self.store.replica_id, cfg.store.backend.value).set(1)
         now = self.clock()
-        redirector = (cfg.controlplane.host, self.http.port) if cfg.envoy.retry_on_engine_failure else None
-        self.xds.start(self.fleet(now), self.observation.reported_caps(now), redirector, now)
+        redirectors = [(r.host, r.metrics_port) for r in cfg.controlplane.addresses(self.http.port)] \
+            if cfg.envoy.retry_on_engine_failure else []
+        self.xds.start(self.fleet(now), self.observation.reported_caps(now), redirectors, now)
         await self.publish()
         server = grpc.aio.server(options=grpc_options(cfg))
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.xds.ads, server)
@@ -326,6 +336,17 @@ class ControlPlane:
         if self._server is not None:
             await self._server.stop(grace=0.5)
         await self.http.stop()
+
+
+def make_store(config: Config) -> Store:
+    """The store ``store.backend`` names: memory (one process) or Valkey/Redis at ``store.url``."""
+    st = config.store
+    replica = st.replica_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+    if st.backend is StoreBackend.MEMORY:
+        return MemoryStore(replica_id=replica)
+    if st.url is None:
+        raise ConfigError(["store.url: the valkey backend needs a server URL (sluice up --store valkey starts one)"])
+    return ValkeyStore(st.url, replica, st.prefix, st.timeout_seconds, st.session_ttl_seconds)
 
 
 def _credentials(tls: ServerTls | None, section: str) -> grpc.ServerCredentials | None:

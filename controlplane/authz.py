@@ -91,7 +91,7 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
                     outcome = Outcome(request_id, refuse(error))
                 else:
                     model = parsed.model
-                    outcome = port.check(request_id, parsed)
+                    outcome = await port.check(request_id, parsed)
                 if outcome.decision.verdict is Verdict.PARK:
                     outcome = await port.wait_parked(request_id)
                 port.record_outcome(model, outcome, parsed)

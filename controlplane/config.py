@@ -137,6 +137,15 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaAddress:
+    """One control-plane replica as Envoy reaches it: gRPC (ADS, ext_authz, access log) and HTTP (the retry redirector)."""
+
+    host: str
+    grpc_port: int
+    metrics_port: int
+
+
+@dataclass(frozen=True, slots=True)
 class ControlPlaneConfig:
     host: str
     grpc_port: int
@@ -156,6 +165,14 @@ class ControlPlaneConfig:
     tls: ServerTls | None = None
     """TLS on the Envoy-facing gRPC port (ADS, ext_authz, access log); with ``client_ca_file``, mutual TLS: only a client
     (Envoy) whose certificate that CA signed gets a connection. None: plaintext."""
+    replicas: tuple[ReplicaAddress, ...] = ()
+    """Every control-plane replica sharing one store (this one included); empty: just this one. Envoy's bootstrap lists
+    each replica's gRPC address in the control plane's cluster, and every replica publishes every replica's redirector,
+    so all replicas serve identical xDS resources (same content hashes, same versions)."""
+
+    def addresses(self, bound_metrics_port: int | None = None) -> tuple[ReplicaAddress, ...]:
+        """The replicas Envoy uses: the configured list, or this control plane alone."""
+        return self.replicas or (ReplicaAddress(self.host, self.grpc_port, bound_metrics_port or self.metrics_port),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +259,43 @@ class ObserveConfig:
         return self.poll_interval_seconds * self.stale_after_polls
 
 
+class StoreBackend(enum.StrEnum):
+    MEMORY = "memory"
+    """One process holds the ledger (the default for ``make run``); a restart forgets it."""
+    VALKEY = "valkey"
+    """Valkey or Redis holds it (controlplane/store/valkey.py): several replicas share one exact ledger, and a restarted
+    replica picks it up."""
+
+
+class StoreOnFailure(enum.StrEnum):
+    """``store.on_failure``: what a Check gets while the shared store cannot be reached."""
+
+    OPEN = "open"
+    """Admitted on this replica's own ledger (its caps exact for its own admissions, counted in
+    ``sluice_store_fail_open_total``); written back to the store when it returns."""
+    CLOSED = "closed"
+    """503 ``store_unavailable`` + retry-after; parked requests keep waiting."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    backend: StoreBackend = StoreBackend.MEMORY
+    url: str | None = None
+    """``redis://host:port/db`` (``rediss://`` for TLS). With ``valkey`` and no url, ``sluice up`` starts a server."""
+    prefix: str = "sluice"
+    """Every key and the event channel start with this (several sluice deployments may share one server)."""
+    replica_id: str | None = None
+    """This replica's name in the store (heartbeat, parked members, metrics); default: host-pid-random."""
+    on_failure: StoreOnFailure = StoreOnFailure.OPEN
+    timeout_seconds: float = 0.5
+    """One store call's bound; past it the call counts as a failure (``on_failure``)."""
+    heartbeat_seconds: float = 1.0
+    """How often a replica says it is alive; one silent for 3x this is dead and its parked requests leave the line."""
+    session_ttl_seconds: float = 3600.0
+    reserve_attempts: int = 3
+    """Admissions tried per Check when other replicas keep taking the chosen slot first; then the request parks."""
+
+
 @dataclass(frozen=True, slots=True)
 class TicketConfig:
     lease_seconds: float
@@ -298,6 +352,7 @@ class Config:
     source: str
     policy: Policy = Policy()
     admin: AdminConfig = AdminConfig()
+    store: StoreConfig = StoreConfig()
 
     @property
     def authz_timeout_s(self) -> float:
@@ -318,7 +373,7 @@ class Config:
         return changed
 
 
-_PROCESS_SECTIONS = ("controlplane", "envoy", "observe", "tickets", "admin")
+_PROCESS_SECTIONS = ("controlplane", "envoy", "observe", "tickets", "admin", "store")
 """The sections read once, when a process starts (less any field ``RELOADABLE`` names)."""
 _POLICY_PARTS = ("models", "version_floors", "boxes")
 """Sections of the config that become ``Policy`` fields of the same name; ``admission`` is the rest of ``Policy``."""
@@ -344,7 +399,7 @@ def changed_sections(old: Config, new: Config) -> list[str]:
 DEFAULTS: dict[str, Any] = {
     "controlplane": {"host": "127.0.0.1", "grpc_port": 18000, "metrics_port": 9090, "max_check_queue_ms": 1000.0,
                      "overload_retry_after_seconds": 1, "max_pending_rpcs": 100000, "admin_host": "127.0.0.1",
-                     "admin_port": 18001, "tls": None},
+                     "admin_port": 18001, "tls": None, "replicas": []},
     "admin": {"token_file": None, "token_env": None, "require_token_for_reads": False, "reload_dir": None, "tls": None},
     "envoy": {
         "listen_host": "127.0.0.1",
@@ -378,6 +433,8 @@ DEFAULTS: dict[str, Any] = {
         "prefill_sample_min_tokens": 256,
     },
     "tickets": {"lease_seconds": 900.0, "reap_interval_seconds": 5.0, "idle_reap_grace_seconds": 5.0},
+    "store": {f.name: (f.default.value if isinstance(f.default, enum.Enum) else f.default)
+              for f in fields(StoreConfig)},
     "admission": {},  # filled in below from Policy's own defaults
 }
 _POLICY_NAME = {"max_park_seconds": "max_park_s", "retry_after_min_seconds": "retry_after_min_s", "retry_after_max_seconds": "retry_after_max_s",
@@ -520,6 +577,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         admin_host=c.text("controlplane.admin_host", cp["admin_host"]),
         admin_port=c.port("controlplane.admin_port", cp["admin_port"], any_free=True),
         tls=_server_tls(c, "controlplane.tls", cp["tls"], mutual=True),
+        replicas=_parse_replicas(c, cp["replicas"], cp["host"]),
     )
     am = c.section(raw, "admin")
     admin = AdminConfig(
@@ -597,6 +655,22 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         idle_reap_grace_seconds=float(c.number("tickets.idle_reap_grace_seconds", tk["idle_reap_grace_seconds"],
                                                minimum=0.1)),
     )
+    st = c.section(raw, "store")
+    store = StoreConfig(
+        backend=c.choice("store.backend", st["backend"], StoreBackend),
+        url=c.optional_text("store.url", st["url"]),
+        prefix=c.text("store.prefix", st["prefix"]),
+        replica_id=c.optional_text("store.replica_id", st["replica_id"]),
+        on_failure=c.choice("store.on_failure", st["on_failure"], StoreOnFailure),
+        timeout_seconds=float(c.number("store.timeout_seconds", st["timeout_seconds"], minimum=0.01)),
+        heartbeat_seconds=float(c.number("store.heartbeat_seconds", st["heartbeat_seconds"], minimum=0.05)),
+        session_ttl_seconds=float(c.number("store.session_ttl_seconds", st["session_ttl_seconds"], minimum=1)),
+        reserve_attempts=int(c.number("store.reserve_attempts", st["reserve_attempts"], minimum=1, integer=True)),
+    )
+    if store.url is not None and not store.url.startswith(("redis://", "rediss://", "unix://")):
+        c.problems.append(f"store.url: must be a redis://, rediss:// or unix:// URL, got {store.url!r}")
+    if store.replica_id is not None and ("|" in store.replica_id or ":" in store.replica_id):
+        c.problems.append("store.replica_id: must not contain '|' or ':'")
     engines = _parse_engines(c, raw.get("engines"))
     policy = _parse_policy(c, raw, {e.name for e in engines})
     if envoy.stream_idle_timeout_seconds < policy.max_park_s + 2 * AUTHZ_TIMEOUT_GRACE_S:
@@ -607,7 +681,19 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         )
     if c.problems:
         raise ConfigError(c.problems)
-    return Config(controlplane, envoy, observe, tickets, engines, source, policy, admin)
+    return Config(controlplane, envoy, observe, tickets, engines, source, policy, admin, store)
+
+
+def _parse_replicas(c: _Checker, raw: Any, default_host: Any) -> tuple[ReplicaAddress, ...]:
+    if not isinstance(raw, list):
+        c.problems.append("controlplane.replicas: must be a list of {host, grpc_port, metrics_port}")
+        return ()
+    out = []
+    for _, path, item in c.entries("controlplane.replicas", raw, {"host", "grpc_port", "metrics_port"}):
+        out.append(ReplicaAddress(c.text(f"{path}.host", item.get("host", default_host)),
+                                  c.port(f"{path}.grpc_port", item.get("grpc_port")),
+                                  c.port(f"{path}.metrics_port", item.get("metrics_port"))))
+    return tuple(out)
 
 
 def _check_tls_pair(c: _Checker, server: ServerTls | None, client: ClientTls | None, *, server_given: bool,

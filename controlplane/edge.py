@@ -123,6 +123,7 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Reason.QUEUE_FULL: _server("queue_full"),
     Reason.PARK_TIMEOUT: _server("park_timeout"),
     Reason.TTFT_UNMEETABLE: _server("ttft_unmeetable"),
+    Reason.STORE_UNAVAILABLE: _server("store_unavailable"),
     # no decision behind them: the Check's own answers
     Failure.INTERNAL_ERROR: _server("internal_error", 500),
     Failure.CONTROLPLANE_OVERLOADED: _server("controlplane_overloaded"),

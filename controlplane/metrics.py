@@ -137,6 +137,23 @@ class SluiceMetrics:
         self.observer_degraded = Gauge(
             "sluice_observer_degraded", "1 when the engine lacks a load gauge its flavour needs.", ["engine"], registry=r
         )
+        # The shared store (controlplane/store/): every replica exports its own; ``replica`` names which one it is.
+        self.replica_info = Gauge("sluice_replica_info", "1, labelled with this control plane's replica id and store "
+                                  "backend.", ["replica", "backend"], registry=r)
+        self.store_seconds = Histogram(
+            "sluice_store_seconds", "Time one call to the shared store took (reserve, release, park, ...).", ["op"],
+            buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
+        )
+        self.store_errors = Counter("sluice_store_errors", "Store calls that failed or timed out (store.on_failure "
+                                    "applied).", ["op"], registry=r)
+        self.store_refusals = Counter(
+            "sluice_store_refusals", "Admissions the shared store refused because another replica was first (cap, kv, "
+            "queued); the request was decided again.", ["refusal"], registry=r)
+        self.store_fail_open = Counter(
+            "sluice_store_fail_open", "Admissions made on this replica's own ledger while the store was unreachable "
+            "(store.on_failure: open).", registry=r)
+        self.store_up = Gauge("sluice_store_up", "1 while the shared store answers this replica.", registry=r)
         self.engine_prefill_rate = Gauge(
             "sluice_engine_prefill_tokens_per_second", "Prefill tokens per second of prefill, last interval.", ["engine"],
             registry=r,

@@ -83,6 +83,10 @@ class Observation:
             return model
         return "-"
 
+    def view_of(self, engine: str, now: float) -> EngineView | None:
+        poller = self._by_name.get(engine) or self._find(engine)
+        return None if poller is None else poller.view(now)
+
     def knows(self, engine: str) -> bool:
         return engine in self._by_name or any(p.config.name == engine for p in self.pollers)
 

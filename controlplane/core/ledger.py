@@ -65,6 +65,29 @@ class Ledger:
         self.admitted_total += 1
         return ticket
 
+    def insert(self, ticket: Ticket) -> bool:
+        """A ticket admitted elsewhere (another replica, or this process before a restart), as the shared store holds it:
+        counted like one admitted here. False if it is already open."""
+        if ticket.ticket_id in self._open:
+            return False
+        self._open[ticket.ticket_id] = ticket
+        self._by_engine[ticket.engine].add(ticket.ticket_id)
+        self._dirty(ticket.engine)
+        return True
+
+    def retract(self, ticket_id: str) -> Ticket | None:
+        """Undo an admission the shared store refused: the ticket never existed (not a release: nothing finished)."""
+        ticket = self._open.pop(ticket_id, None)
+        if ticket is None:
+            return None
+        self._by_engine[ticket.engine].discard(ticket_id)
+        self._dirty(ticket.engine)
+        self.admitted_total -= 1
+        return ticket
+
+    def tickets(self) -> list[Ticket]:
+        return list(self._open.values())
+
     def release(self, ticket_id: str, now: float) -> Ticket | None:
         """Close a ticket; ``None`` if it is unknown or already closed (a duplicate log entry is harmless)."""
         ticket = self._open.pop(ticket_id, None)

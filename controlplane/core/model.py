@@ -150,6 +150,20 @@ class Ticket:
     expected_ttft_s: float = 0.0
 
 
+class QueueRule(enum.StrEnum):
+    """Where an admission stands against the parking line, which the shared store checks before it writes a ticket
+    (controlplane/store/): with several control-plane replicas the line is theirs together."""
+
+    NONE = "none"
+    """No check (backfill: a request admitted past the line because it finishes before the head could start)."""
+    ARRIVAL = "arrival"
+    """A new request: nobody of its class or a higher one may be parked, on any replica (else it parks behind them)."""
+    OLDEST = "oldest"
+    """A woken head in FIFO order: it must be the oldest of its class everywhere, and no higher class may be parked."""
+    NEWEST = "newest"
+    """A woken head under adaptive LIFO: it must be the newest of its class, and no higher class may be parked."""
+
+
 class Priority(enum.StrEnum):
     """A request's class (``x-sluice-priority``): critical parks ahead of standard; sheddable is shed, never parked."""
 
@@ -224,6 +238,8 @@ class Reason(enum.Enum):
     QUEUE_FULL = "queue_full"
     PARK_TIMEOUT = "park_timeout"
     TTFT_UNMEETABLE = "ttft_unmeetable"
+    STORE_UNAVAILABLE = "store_unavailable"
+    """The shared store cannot be reached and ``store.on_failure`` is ``closed`` (controlplane/store/)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,6 +164,10 @@ class ServeCounter:
     def add(self, engine: str, now: float) -> None:
         self._values[engine] = (self._decayed(engine, now) + 1.0, now)
 
+    def remove(self, engine: str, now: float) -> None:
+        """Take back one ``add`` (an admission the shared store refused)."""
+        self._values[engine] = (max(0.0, self._decayed(engine, now) - 1.0), now)
+
     def snapshot(self, now: float) -> dict[str, float]:
         return {engine: self._decayed(engine, now) for engine in self._values}
 

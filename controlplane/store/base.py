@@ -34,24 +34,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from controlplane.core.model import Ticket
+# QueueRule is defined beside the core that chooses it; the store checks it (re-exported for the backends).
+from controlplane.core.model import QueueRule as QueueRule, Ticket
 
 
 class StoreUnavailable(Exception):
     """The store could not be reached or did not answer in time; the caller applies ``store.on_failure``."""
-
-
-class QueueRule(enum.StrEnum):
-    """What ``reserve`` checks about the parking line before it admits."""
-
-    NONE = "none"
-    """No check (backfill: a request admitted past the line because it finishes before the head could start)."""
-    ARRIVAL = "arrival"
-    """A new request: nobody of its class or a higher one may be parked, on any replica (else it parks behind them)."""
-    OLDEST = "oldest"
-    """A woken head in FIFO order: it must be the oldest of its class everywhere, and no higher class may be parked."""
-    NEWEST = "newest"
-    """A woken head under adaptive LIFO: it must be the newest of its class, and no higher class may be parked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +62,8 @@ class Refusal(enum.StrEnum):
     KV = "kv"
     QUEUED = "queued"
     EXISTS = "exists"
+    UNAVAILABLE = "unavailable"
+    """Never from a store: the admission service's own answer when the store cannot be reached (``on_failure: closed``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""The xDS publisher: a pure ``build_snapshot(config, weights, caps, redirector)`` and the little state around it.
+"""The xDS publisher: a pure ``build_snapshot(config, weights, caps, redirectors)`` and the little state around it.
 
 The state is what was last pushed: the fallback weights (and which engines were eligible, and when), and the concurrency
 caps engines report (their circuit breakers follow them). ``refresh_weights`` pushes a new route table only on a real
@@ -9,7 +9,7 @@ at most every 10 s.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from envoy.config.cluster.v3 import cluster_pb2
 
@@ -25,15 +25,15 @@ log = logging.getLogger("sluice.xds")
 
 
 def build_snapshot(config: Config, weights: Weights, caps: Mapping[str, int | None],
-                   redirector: tuple[str, int] | None, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
+                   redirectors: Sequence[tuple[str, int]], extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
     """Everything Envoy gets, from data alone: the listener, the routes with the fallback ``weights``, a cluster per
-    engine (its circuit breaker from the configured or reported cap) and its endpoints (the retry ``redirector`` at
+    engine (its circuit breaker from the configured or reported cap) and its endpoints (every replica's retry ``redirectors`` at
     priority 1 when retries are on)."""
     return make_snapshot(
         listeners=[build_listener(config)],
         routes=[build_routes(config, weights)],
         clusters=[*(build_cluster(e, config, caps.get(e.name)) for e in config.engines), *extra_clusters],
-        endpoints=[build_load_assignment(e, redirector) for e in config.engines],
+        endpoints=[build_load_assignment(e, redirectors) for e in config.engines],
     )
 
 
@@ -42,7 +42,7 @@ class XdsPublisher:
         self.config = config
         self.cache = SnapshotCache()
         self.ads = AdsServicer(self.cache, metrics)
-        self.redirector: tuple[str, int] | None = None
+        self.redirectors: tuple[tuple[str, int], ...] = ()
         self.weights: Weights = {}
         self.caps: dict[str, int | None] = {}
         self._eligible: dict[str, frozenset[str]] | None = None
@@ -50,17 +50,17 @@ class XdsPublisher:
         self.weight_pushes = 0
         """Route tables pushed because fallback weights changed (benchmarks count them)."""
 
-    def start(self, fleet: Fleet, caps: Mapping[str, int | None], redirector: tuple[str, int] | None,
+    def start(self, fleet: Fleet, caps: Mapping[str, int | None], redirectors: Sequence[tuple[str, int]],
               now: float) -> None:
         """What the first snapshot carries: the weights and caps of the first probe round."""
         self.caps = dict(caps)
-        self.redirector = redirector
+        self.redirectors = tuple(redirectors)
         self.weights = compute_weights(fleet, self.config.policy)
         self._eligible = eligible_engines(fleet, self.config.policy)
         del now  # the first push sets no drift clock: the next real change goes out at once
 
     def build(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
-        return build_snapshot(self.config, self.weights, self.caps, self.redirector, extra_clusters)
+        return build_snapshot(self.config, self.weights, self.caps, self.redirectors, extra_clusters)
 
     async def publish(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
         snapshot = self.build(extra_clusters)

@@ -10,6 +10,8 @@ and EDS only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, grpc_service_pb2, substitution_format_string_pb2
@@ -400,11 +402,11 @@ def _lb_endpoint(host: str, port: int) -> endpoint_components_pb2.LbEndpoint:
 
 
 def build_load_assignment(engine: EngineConfig,
-                          redirector: tuple[str, int] | None = None) -> endpoint_pb2.ClusterLoadAssignment:
-    """The engine at priority 0; the control plane's retry redirector (when given) at priority 1, which only a retry
-    reaches (``previous_priorities``)."""
+                          redirectors: Sequence[tuple[str, int]] = ()) -> endpoint_pb2.ClusterLoadAssignment:
+    """The engine at priority 0; the control plane's retry redirectors (every replica's, when given) at priority 1, which
+    only a retry reaches (``previous_priorities``)."""
     localities = [endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[_lb_endpoint(engine.host, engine.port)])]
-    if redirector is not None:
+    if redirectors:
         localities.append(endpoint_components_pb2.LocalityLbEndpoints(
-            priority=1, lb_endpoints=[_lb_endpoint(*redirector)]))
+            priority=1, lb_endpoints=[_lb_endpoint(host, port) for host, port in redirectors]))
     return endpoint_pb2.ClusterLoadAssignment(cluster_name=engine.name, endpoints=localities)

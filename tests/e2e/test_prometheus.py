@@ -40,7 +40,9 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$engine": ".*"}
 #: Metrics with labels that only events not staged here set (an engine failing before its first byte, a policy reload):
 #: their names and types are still checked (from # HELP / # TYPE), their labels only once they have samples.
 EVENT_ONLY = {"sluice_engine_retries_total", "sluice_engine_request_failures_total", "sluice_config_reloads_total",
-              "sluice_admin_refused_total", "sluice_admin_watch_dropped_total"}
+              "sluice_admin_refused_total", "sluice_admin_watch_dropped_total",
+              # the shared store failing, or another replica taking a slot first: never with one replica on memory
+              "sluice_store_errors_total", "sluice_store_refusals_total"}
 THRESHOLD = re.compile(r"^(?P<base>.+?)\s*(?:==|!=|>=|<=|>|<)\s*-?[0-9.e+]+\s*$", re.S)
 
 

@@ -25,7 +25,7 @@ REFUSED = {Reason.INVALID_JSON, Reason.JSON_TOO_DEEP, Reason.MISSING_MODEL, Reas
            Reason.INVALID_PRIORITY, Reason.INVALID_MAX_TTFT_MS, Reason.INVALID_SESSION, Reason.UNKNOWN_MODEL,
            Reason.UNKNOWN_PATH, Reason.CONTEXT_LENGTH}
 SHED = {Reason.NO_READY_ENGINE, Reason.VERSION_FLOOR, Reason.SATURATED, Reason.QUEUE_FULL, Reason.PARK_TIMEOUT,
-        Reason.TTFT_UNMEETABLE}
+        Reason.TTFT_UNMEETABLE, Reason.STORE_UNAVAILABLE}
 
 
 def test_every_reason_and_failure_has_one_reply() -> None:
