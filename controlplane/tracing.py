@@ -27,8 +27,9 @@ then removing or upgrading either package deletes or replaces the other's files.
 ``googleapis-common-protos``, whose 59 ``google/api`` and ``google/rpc`` modules collide with ``xds-protos``' in the same way
 (different generated contents; the ext_authz responses use ``google.rpc.status_pb2``). The JSON exporter encodes with
 ``opentelemetry-proto-json`` (plain dataclasses under ``opentelemetry/proto_json/``) and needs neither package, so no file
-has two owners. OTLP/HTTP JSON is part of the OTLP specification; the OpenTelemetry Collector, Jaeger and Tempo receive it on
-the same port as protobuf (4318). Measured in a scratch venv; the versions are pinned in ``pyproject.toml``.
+has two owners. JSON is one of OTLP/HTTP's two specified encodings; the OpenTelemetry Collector's OTLP receiver takes it on
+the same port and path as protobuf (4318, ``/v1/traces``). The price is CPU: the JSON encoder is pure Python (see the cost
+in ``docs/architecture.md``, Tracing). Measured in a scratch venv; the versions are pinned in ``pyproject.toml``.
 """
 
 from __future__ import annotations
