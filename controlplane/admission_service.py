@@ -62,6 +62,8 @@ class AdmissionService:
         self._parked: dict[str, asyncio.Future[Outcome]] = {}
         self.feed = DecisionFeed(metrics)
         """Every final answer, for the admin API's ``WatchDecisions`` (bounded per watcher)."""
+        self.trace_outcome: Callable[[str | None, Outcome, InferenceRequest | None], None] | None = None
+        """Set when tracing is on (``CheckTracing.record``): every final answer also goes on its Check's span."""
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._wake_models: set[str] | None = set()
@@ -187,6 +189,8 @@ class AdmissionService:
             m.admission_rejected.labels(d.reason.value).inc()
         if outcome.parked_for > 0:
             m.park_seconds.observe(outcome.parked_for)
+        if self.trace_outcome is not None:
+            self.trace_outcome(model, outcome, request)
         if self.feed.watchers:
             self.feed.publish(DecisionEvent(
                 time.time(), outcome.request_id, d.verdict.value, d.reason.value, d.engine or "", model or "", "",

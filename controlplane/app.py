@@ -48,6 +48,7 @@ from controlplane.store.base import Store
 from controlplane.store.memory import MemoryStore
 from controlplane.store.valkey import ValkeyStore
 from controlplane.tls import server_credentials
+from controlplane.tracing import CheckTracing, TracedAuthorizationServicer
 from controlplane.ports import FloorResult, ReloadResult, StatusFacts, XdsTypeStatus
 from controlplane.watch import Watcher
 from controlplane.xds.publisher import XdsPublisher
@@ -94,6 +95,10 @@ class ControlPlane:
         self.xds = XdsPublisher(config, self.metrics)
         self.http = HttpEndpoint(config.controlplane.host, config.controlplane.metrics_port, self.metrics,
                                  self.service)
+        self.tracing = CheckTracing(config.tracing, self.version) if config.tracing.enabled else None
+        """OpenTelemetry traces of the Checks (``tracing.enabled``); None: off, and no Check pays for it."""
+        if self.tracing is not None:
+            self.service.trace_outcome = self.tracing.record
         self.grpc_port = 0
         self.admin_port = 0
         self._server: grpc.aio.Server | None = None
@@ -298,7 +303,9 @@ class ControlPlane:
         await self.publish()
         server = grpc.aio.server(options=grpc_options(cfg))
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.xds.ads, server)
-        external_auth_pb2_grpc.add_AuthorizationServicer_to_server(AuthorizationServicer(self.service), server)
+        authz = (AuthorizationServicer(self.service) if self.tracing is None
+                 else TracedAuthorizationServicer(self.service, self.tracing))
+        external_auth_pb2_grpc.add_AuthorizationServicer_to_server(authz, server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.service), server)
         self.grpc_port = _bind(server, f"{cfg.controlplane.host}:{cfg.controlplane.grpc_port}", grpc_tls)
         if not self.grpc_port:
@@ -336,6 +343,8 @@ class ControlPlane:
         if self._server is not None:
             await self._server.stop(grace=0.5)
         await self.http.stop()
+        if self.tracing is not None:  # after the gRPC server: the last Checks' spans are ended and go out with the flush
+            await self.tracing.shutdown()
 
 
 def make_store(config: Config) -> Store:

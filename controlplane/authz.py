@@ -15,6 +15,9 @@ control plane, as "let the request through unpinned", past every cap. So:
   context.time_remaining()`` includes the time the call queued before this handler ran (measured, not assumed).
 
 Only a cancelled Check (the client left) ends without an answer, and it leaves no ticket or parked entry behind.
+
+With ``tracing.enabled`` the wiring registers ``tracing.TracedAuthorizationServicer`` instead, which runs this Check as it is
+inside an OpenTelemetry span; tracing off, nothing here changes.
 """
 
 from __future__ import annotations

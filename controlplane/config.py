@@ -197,6 +197,27 @@ class AdminConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """``tracing``: OpenTelemetry traces of the Checks, opt-in (``controlplane/tracing.py``). Off, a Check costs nothing
+    more. On, every Check is one span (a child of the client's W3C ``traceparent`` when it sends one) exported over OTLP/HTTP
+    (JSON) in batches, and an admitted request reaches its engine with a ``traceparent`` naming that span. The field defaults
+    are the section's defaults (``DEFAULTS["tracing"]`` is derived from them). Read once at start-up: a change needs a
+    restart."""
+
+    enabled: bool = False
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    """The collector's OTLP/HTTP traces URL, path included (the OTLP default port and path). Headers a collector wants
+    (credentials) come from the standard ``OTEL_EXPORTER_OTLP_TRACES_HEADERS`` variable, so they stay out of the file."""
+    service_name: str = "sluice-controlplane"
+    """The spans' ``service.name``."""
+    sample_ratio: float = 1.0
+    """Share of Checks traced (0..1) among those that arrive without a ``traceparent``; a client's own sampled flag is
+    followed (parent-based sampling), so a trace the client records is never cut at the gateway."""
+    export_timeout_seconds: float = 10.0
+    """Longest one batch export may take (retries included); also bounds how long a stopping control plane flushes."""
+
+
+@dataclass(frozen=True, slots=True)
 class EnvoyConfig:
     listen_host: str
     listen_port: int
@@ -353,6 +374,7 @@ class Config:
     policy: Policy = Policy()
     admin: AdminConfig = AdminConfig()
     store: StoreConfig = StoreConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @property
     def authz_timeout_s(self) -> float:
@@ -373,7 +395,7 @@ class Config:
         return changed
 
 
-_PROCESS_SECTIONS = ("controlplane", "envoy", "observe", "tickets", "admin", "store")
+_PROCESS_SECTIONS = ("controlplane", "envoy", "observe", "tickets", "admin", "store", "tracing")
 """The sections read once, when a process starts (less any field ``RELOADABLE`` names)."""
 _POLICY_PARTS = ("models", "version_floors", "boxes")
 """Sections of the config that become ``Policy`` fields of the same name; ``admission`` is the rest of ``Policy``."""
@@ -436,6 +458,7 @@ DEFAULTS: dict[str, Any] = {
     "store": {f.name: (f.default.value if isinstance(f.default, enum.Enum) else f.default)
               for f in fields(StoreConfig)},
     "admission": {},  # filled in below from Policy's own defaults
+    "tracing": {f.name: f.default for f in fields(TracingConfig)},
 }
 _POLICY_NAME = {"max_park_seconds": "max_park_s", "retry_after_min_seconds": "retry_after_min_s", "retry_after_max_seconds": "retry_after_max_s",
                 "serve_half_life_seconds": "serve_half_life_s"}
@@ -671,6 +694,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         c.problems.append(f"store.url: must be a redis://, rediss:// or unix:// URL, got {store.url!r}")
     if store.replica_id is not None and ("|" in store.replica_id or ":" in store.replica_id):
         c.problems.append("store.replica_id: must not contain '|' or ':'")
+    tracing = _parse_tracing(c, c.section(raw, "tracing"))
     engines = _parse_engines(c, raw.get("engines"))
     policy = _parse_policy(c, raw, {e.name for e in engines})
     if envoy.stream_idle_timeout_seconds < policy.max_park_s + 2 * AUTHZ_TIMEOUT_GRACE_S:
@@ -681,7 +705,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         )
     if c.problems:
         raise ConfigError(c.problems)
-    return Config(controlplane, envoy, observe, tickets, engines, source, policy, admin, store)
+    return Config(controlplane, envoy, observe, tickets, engines, source, policy, admin, store, tracing)
 
 
 def _parse_replicas(c: _Checker, raw: Any, default_host: Any) -> tuple[ReplicaAddress, ...]:
@@ -694,6 +718,25 @@ def _parse_replicas(c: _Checker, raw: Any, default_host: Any) -> tuple[ReplicaAd
                                   c.port(f"{path}.grpc_port", item.get("grpc_port")),
                                   c.port(f"{path}.metrics_port", item.get("metrics_port"))))
     return tuple(out)
+
+
+def _parse_tracing(c: _Checker, tr: dict[str, Any]) -> TracingConfig:
+    endpoint = c.text("tracing.otlp_endpoint", tr["otlp_endpoint"])
+    if endpoint:
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            c.problems.append(f"tracing.otlp_endpoint: must be an http:// or https:// URL with a host, got {endpoint!r}")
+        elif parts.path in ("", "/"):
+            # The exporter posts to the URL as given; a bare collector address would get every batch answered 404.
+            c.problems.append(f"tracing.otlp_endpoint: must name the traces path, e.g. {endpoint.rstrip('/')}/v1/traces")
+    return TracingConfig(
+        enabled=c.flag("tracing.enabled", tr["enabled"]),
+        otlp_endpoint=endpoint,
+        service_name=c.text("tracing.service_name", tr["service_name"]),
+        sample_ratio=float(c.number("tracing.sample_ratio", tr["sample_ratio"], minimum=0, maximum=1)),
+        export_timeout_seconds=float(c.number("tracing.export_timeout_seconds", tr["export_timeout_seconds"],
+                                              minimum=0.1)),
+    )
 
 
 def _check_tls_pair(c: _Checker, server: ServerTls | None, client: ClientTls | None, *, server_given: bool,

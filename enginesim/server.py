@@ -2,7 +2,9 @@
 
 Speaks what vLLM speaks (V1 metric names, ``/v1/models`` with ``max_model_len``, ``/health``, ``/version``) so the control
 plane cannot tell it from a real engine. Extras for tests, all under ``/sim/``: the log of what it served and the most requests
-it ever ran at once.
+it ever ran at once. Each log entry keeps the headers the request arrived with that tests check end to end: the
+``x-sluice-*`` ones, ``x-request-id``, and the W3C trace context (``traceparent``, ``tracestate``: every value, in order,
+so a duplicated header shows), which is what a real engine's tracing would continue.
 
 Request extensions (ignored by real engines, honoured here):
 - ``sim_prompt_tokens``: the prompt's token count, so a 65k-token prompt fits in a small body.
@@ -283,6 +285,8 @@ class EngineSimulator:
             "x_sluice_engine": request.headers.getall("x-sluice-engine", []),
             "x_sluice_headers": sorted(k.lower() for k in request.headers if k.lower().startswith("x-sluice-")),
             "x_request_id": request.headers.get("x-request-id", ""),
+            "traceparent": request.headers.getall("traceparent", []),
+            "tracestate": request.headers.getall("tracestate", []),
             "arrived_at": sim_request.arrived_at,
             "status": "running",
         }
