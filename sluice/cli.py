@@ -58,6 +58,16 @@ def main(argv: list[str] | None = None) -> int:
                         "every request generates exactly its max_tokens (the old behaviour)")
     p.add_argument("--seed", type=int, help="seed of the output-length draws (default: derived from the name)")
 
+    p = sub.add_parser("ratelimit", help="Envoy's rate-limit service (envoy.service.ratelimit.v3) over sluice's limiter")
+    p.add_argument("--config", required=True, help="descriptor file: domain + descriptors (see ratelimit/README.md)")
+    p.add_argument("--port", type=int, default=18081, help="gRPC port (default 18081; 0: any free port, printed)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--store-url", help="redis://host:port/db: share the budgets with every process on that Valkey "
+                                       "(default: this process only)")
+    p.add_argument("--store-timeout", type=float, default=0.5,
+                   help="seconds a store call may take before the request is answered UNAVAILABLE (default 0.5)")
+    _add_log_format(p)
+
     p = sub.add_parser("admin", help="talk to a running control plane's admin API")
     p.add_argument("--target", default="127.0.0.1:18001", help="the control plane's admin address (controlplane.admin_host"
                    ":admin_port)")
@@ -155,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.engines is not None and not args.engines.isdigit():
             parser.error("observe: --engines is a number of simulated engines")
         return run_observe_bench(int(args.engines or 1000), args.cycles)
+    if args.command == "ratelimit":
+        from ratelimit.rls import run_ratelimit_service
+
+        return run_ratelimit_service(args.config, args.port, args.host, args.store_url, args.store_timeout)
     if args.command == "deploy":
         from sluice.deploy import run_render
 
