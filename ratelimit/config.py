@@ -135,7 +135,8 @@ class DescriptorConfig:
 def limiter_key(domain: str, entries: Sequence[tuple[str, str]]) -> str:
     """``rls:<domain>:<k1>=<v1>:<k2>=<v2>`` with ``%``, ``:`` and ``=`` escaped (so no two descriptors share a key);
     past 256 characters (a long header value), its SHA-256 instead."""
-    text = "rls:" + ":".join([quote(domain, safe="")] + [f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in entries])
+    parts = [quote(domain, safe="")] + [f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in entries]
+    text = "rls:" + ":".join(parts)
     if len(text) > 256:
         return "rls:" + quote(domain, safe="") + ":sha256:" + hashlib.sha256(text.encode()).hexdigest()
     return text

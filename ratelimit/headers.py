@@ -11,8 +11,8 @@ OpenAI's names and formats (its rate-limits guide, "Rate limits in headers")::
 
 plus ``retry-after`` in whole seconds on a refusal: seconds until there is room for *this* request (rounded up, so a
 client that waits exactly that long fits). A charge that touched several scopes (a tenant and its model) reports, per
-kind, the limit with the least remaining (on a tie, the one that takes longer to reset). Concurrency limits have no OpenAI
-header and are not rendered.
+kind, the limit with the least remaining (on a tie, the one that takes longer to reset). Concurrency limits have no
+OpenAI header and are not rendered.
 """
 
 from __future__ import annotations

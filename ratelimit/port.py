@@ -8,8 +8,8 @@ Exceptions (all from this module)::
     │                              closed); the limiter never decides it.
     └── ChargeIdInUse              a charge named an id that is still open (ids must be unique, like ticket ids)
 
-Bad arguments (a negative cost, a malformed key) are ``ValueError`` from the dataclasses in ``core.py``, raised before any
-store is touched.
+Bad arguments (a negative cost, a malformed key) are ``ValueError`` from the dataclasses in ``core.py``, raised before
+any store is touched.
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ static_resources:
     type: STATIC
     load_assignment:
       cluster_name: backend
-      endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $backend_port}}}}]}]
+      endpoints:
+      - lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $backend_port}}}}]
   - name: ratelimit
     type: STATIC
     typed_extension_protocol_options:

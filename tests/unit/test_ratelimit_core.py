@@ -81,7 +81,8 @@ def test_a_refused_verdict_says_what_refused_and_the_longest_wait() -> None:
 
 
 def test_headers_report_the_tightest_limit_of_each_kind() -> None:
-    states = (LimitState("t", LimitKind.TOKENS, 10_000, 9_000, 6.0), LimitState("t/m", LimitKind.TOKENS, 1000, 50, 57.0),
+    states = (LimitState("t", LimitKind.TOKENS, 10_000, 9_000, 6.0),
+              LimitState("t/m", LimitKind.TOKENS, 1000, 50, 57.0),
               LimitState("t", LimitKind.REQUESTS, 60, 59, 1.0), LimitState("t", LimitKind.CONCURRENT, 4, 0, 0.0))
     assert tightest(states, LimitKind.TOKENS) == states[1]
     headers = openai_headers(Verdict(Outcome.OVER_LIMIT, states, (states[1],), retry_after_s=2.5))

@@ -1,6 +1,6 @@
-"""Properties of the limiter over random interleavings of charges, settles (refunds and extras) and lease expiries, on the
-memory backend (the pure core over dicts; the Valkey scripts are held to the same results by the differential test in
-``test_ratelimit_valkey.py``):
+"""Properties of the limiter over random interleavings of charges, settles (refunds and extras) and lease expiries, on
+the memory backend (the pure core over dicts; the Valkey scripts are held to the same results by the differential test
+in ``test_ratelimit_valkey.py``):
 
 - GCRA's bound: the charges admitted in any interval of W seconds total at most ``limit + W x limit / period``;
 - with settles, the final usage of the requests charged in such an interval stays within that bound plus the extra of
