@@ -79,7 +79,10 @@ CHARGE_LUA = _COMMON_LUA + """
 --       then per meter: unit_s, period_s, cost, kind; then per slot set: limit.
 local now, lease, id = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local nm, ns, slack, tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
-if id ~= '' and redis.call('EXISTS', KEYS[1]) == 1 then return {'in_use'} end
+if id ~= '' then                                        -- an open charge by this id (its lease not run out)
+  local open = redis.call('GET', KEYS[1])
+  if open and tonumber(cjson.decode(open).deadline) > now then return {'in_use'} end
+end
 local allowed = true
 local states, waits = {}, {}
 for i = 1, nm do                                        -- check_meter

@@ -200,6 +200,9 @@ async def test_an_open_charge_id_cannot_be_reused(backend: Backend) -> None:
         await limiter.charge(ChargeRequest(scope(requests=10), charge_id="dup"), T0)
     await limiter.settle("dup", 0, T0)
     assert (await limiter.charge(ChargeRequest(scope(requests=10), charge_id="dup"), T0)).allowed
+    # Once its lease has run out, the id is free again.
+    lease = limiter.settings.lease_s
+    assert (await limiter.charge(ChargeRequest(scope(requests=10), charge_id="dup"), T0 + lease)).allowed
 
 
 # ---- concurrency ----------------------------------------------------------------------------------------------------
