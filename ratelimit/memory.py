@@ -2,8 +2,9 @@
 through the Valkey backend.
 
 No method awaits anything, so on one event loop every charge and settle runs whole: 200 concurrent charges are 200
-sequential ones. Expired state is dropped as time passes (each call sweeps what ``now`` has made stale, through a heap
-with at most one pending entry per item), so idle keys vanish here as they do in Valkey by TTL.
+sequential ones. Expired state is dropped as time passes (each call sweeps what ``now`` has made stale: a heap of when
+each meter, slot set and open charge may expire, re-checked when that time comes), so idle keys vanish here as they do in
+Valkey by TTL. ``now`` must not go backwards: what a sweep dropped is gone for earlier times too.
 """
 
 from __future__ import annotations
