@@ -43,7 +43,8 @@ def done(coro: Coroutine[Any, Any, T]) -> T:
     try:
         coro.send(None)
     except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
+        value: T = stop.value
+        return value
     raise AssertionError("the memory backend awaited: a charge would not be atomic")
 
 
