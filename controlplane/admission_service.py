@@ -45,6 +45,9 @@ _T = TypeVar("_T")
 
 log = logging.getLogger("sluice.admission")
 
+RECENT_RELEASES = 100_000
+"""How many released ticket ids a replica remembers so that a late copy of a ticket never re-enters its mirror."""
+
 PARK_SWEEP_S = 0.1
 """How often park deadlines are checked (a shed comes at most this late)."""
 
@@ -71,6 +74,8 @@ class AdmissionService:
         self._wake_task: asyncio.Task[None] | None = None
         self._releasing: set[str] = set()
         self._release_tasks: set[asyncio.Task[None]] = set()
+        self._recently_released: dict[str, None] = {}
+        """Ticket ids other replicas released lately (insertion-ordered, bounded by ``RECENT_RELEASES``)."""
         self._release_backlog: set[str] = set()
         """Releases the store could not take (it was unreachable): sent when it is back."""
         self._owned: set[str] = set()
@@ -147,7 +152,9 @@ class AdmissionService:
         self.metrics.store_refusals.labels(reserved.refusal.value).inc()
         self.core.retract(outcome, now)
         for held in reserved.engine_tickets:  # the mirror catches up with what the store holds for that engine
-            if held.ticket_id not in self._releasing:
+            # ... except tickets whose release this replica sent or already heard of (the refusal's list and the release
+            # event race: a ticket learned after its release would hold a slot here until its lease).
+            if held.ticket_id not in self._releasing and held.ticket_id not in self._recently_released:
                 self.core.learn(self.shared.to_local(held), None, now)
         return reserved.refusal
 
@@ -375,6 +382,9 @@ class AdmissionService:
             if self.core.depth(event.model):  # it may have been the line's head that held ours back
                 self.wake([event.model])
         elif event.kind is EventKind.RELEASED:
+            self._recently_released[event.ticket_id] = None
+            while len(self._recently_released) > RECENT_RELEASES:
+                del self._recently_released[next(iter(self._recently_released))]
             if self.core.release(event.ticket_id, now) is not None or self.core.depth(event.model):
                 self.wake([event.model])
         elif event.kind is EventKind.UNPARKED:

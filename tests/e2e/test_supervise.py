@@ -146,7 +146,7 @@ def test_stopping_drops_a_restart_still_waiting_out_its_backoff(tmp_path: Path) 
 class Up:
     """``sluice up`` as a subprocess; its combined output collected by a thread; its children found by command line."""
 
-    def __init__(self, tmp_path: Path, engines: list[dict[str, Any]]) -> None:
+    def __init__(self, tmp_path: Path, engines: list[dict[str, Any]], args: tuple[str, ...] = ()) -> None:
         self.raw: dict[str, Any] = {
             "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
             "envoy": {"listen_port": free_port(), "admin_port": free_port()},
@@ -155,7 +155,7 @@ class Up:
         config = tmp_path / "sluice.yaml"
         config.write_text(yaml.safe_dump(self.raw))
         self.lines: list[str] = []
-        self.process = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(config)],
+        self.process = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(config), *args],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -195,7 +195,11 @@ class Up:
             if state == "Z":
                 continue
             if "controlplane" in argv:
-                found["controlplane"] = pid
+                config = argv[argv.index("--config") + 1] if "--config" in argv else ""
+                # one replica: "controlplane"; several (--replicas): "controlplane-<i>", from its config file's name
+                found[Path(config).stem if Path(config).stem.startswith("controlplane-") else "controlplane"] = pid
+            elif "valkey-server" in argv[0]:  # sluice store execs it (and Valkey retitles itself "... host:port")
+                found["store"] = pid
             elif "sim" in argv and "--name" in argv:
                 found[f"sim-{argv[argv.index('--name') + 1]}"] = pid
             elif Path(argv[0]).name == "envoy":
