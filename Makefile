@@ -11,7 +11,7 @@ STUBS  := sluice/admin/v1/admin_pb2.py sluice/admin/v1/admin_pb2_grpc.py
 run: install
 	$(VENV)/bin/sluice up
 
-# mypy --strict over controlplane/, sluice/ and enginesim/ first (settings: pyproject's [tool.mypy]; its cache in
+# mypy --strict over controlplane/, sluice/, enginesim/ and ratelimit/ first (settings: pyproject's [tool.mypy]; its cache in
 # .mypy_cache makes a rerun take seconds), then every test.
 test: install prometheus
 	$(VENV)/bin/mypy

@@ -70,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
                         "every request generates exactly its max_tokens (the old behaviour)")
     p.add_argument("--seed", type=int, help="seed of the output-length draws (default: derived from the name)")
 
+    p = sub.add_parser("ratelimit", help="Envoy's rate-limit service (envoy.service.ratelimit.v3) over sluice's limiter")
+    p.add_argument("--config", required=True, help="descriptor file: domain + descriptors (see ratelimit/README.md)")
+    p.add_argument("--port", type=int, default=18081, help="gRPC port (default 18081; 0: any free port, printed)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--store-url", help="redis://host:port/db: share the budgets with every process on that Valkey "
+                                       "(default: this process only)")
+    p.add_argument("--store-timeout", type=float, default=0.5,
+                   help="seconds a store call may take before the request is answered UNAVAILABLE (default 0.5)")
+    _add_log_format(p)
+
     p = sub.add_parser("admin", help="talk to a running control plane's admin API")
     p.add_argument("--target", default="127.0.0.1:18001", help="the control plane's admin address (controlplane.admin_host"
                    ":admin_port)")
@@ -88,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-ttft-ms", type=int, default=0, help="explain: a TTFT deadline (0: none)")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
-    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos"])
+    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos", "ratelimit"])
     p.add_argument("--engines", metavar="N|FILE",
                    help="observe: how many simulated engines to poll (default 1000); overhead, steady: a YAML file listing the "
                         "engines to front instead of a simulator (e.g. real llama.cpp servers, see sluice/real/llama.py)")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
-    p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open)")
+    p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open); ratelimit: "
+                   "a tenth of the charges")
     p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable")
     p.add_argument("--mix", action="append", help="steady: only this client mix (open, capped, deadline); repeatable")
     p.add_argument("--level", action="append", type=float, help="steady: only this load level (e.g. 1.1); repeatable")
@@ -144,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             from sluice.bench.chaos import run_chaos_bench
 
             return run_chaos_bench()
+        if args.scenario == "ratelimit":
+            from sluice.bench.ratelimit import run_ratelimit_bench
+
+            return run_ratelimit_bench(args.quick)
         if args.scenario == "cag4":
             from sluice.bench.cag4 import run_cag4_bench
 
@@ -171,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.engines is not None and not args.engines.isdigit():
             parser.error("observe: --engines is a number of simulated engines")
         return run_observe_bench(int(args.engines or 1000), args.cycles)
+    if args.command == "ratelimit":
+        from ratelimit.rls import run_ratelimit_service
+
+        return run_ratelimit_service(args.config, args.port, args.host, args.store_url, args.store_timeout)
     if args.command == "deploy":
         from sluice.deploy import run_render
 

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("controlplane", "sluice", "enginesim")
+PACKAGES = ("controlplane", "sluice", "enginesim", "ratelimit")
 
 
 def _module_name(path: Path) -> str:
