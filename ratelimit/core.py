@@ -33,10 +33,12 @@ still ahead of now* (``refund_s``): a segment that has drained returned its budg
 crediting it again would let a late refund buy a second burst. A refund moves every later segment down; the meter counts
 the seconds refunded (``MeterState.credit_s``) so that a later settle finds its segment where it is now, not where it
 was charged (a hypothesis property found the over-credit the recorded end alone gives). Usage beyond the charge (a
-prompt estimate that was low) is billed at settle time on top of the meter, unchecked. Hence the bounds the property
-tests check: a settle never credits more than exact accounting would; over any interval ``W``, the final usage of the
-requests charged in it is at most ``limit + W x limit / period_s`` plus the extra of those still unsettled when the
-last of them was charged. Racing requests never overshoot: each charge sees every earlier one's full pre-charge.
+prompt estimate that was low) is billed at settle time on top of the meter, unchecked; it can overdraw the meter (a
+debt beyond the period), and then every charge waits, even one of 0 units, until the overdraft drains. Hence the bounds
+the property tests check: a settle never credits more than exact accounting would; over any interval ``W``, the final
+usage of the requests charged in it is at most ``limit + W x limit / period_s`` plus the extra of those still
+unsettled when the last of them was charged. Racing requests never overshoot: each charge sees every earlier one's
+full pre-charge.
 
 **Concurrency** is a set of leased slots per key: a charge holds one slot until it is settled or its lease
 (``LimiterSettings.lease_s``) runs out, so a lost completion signal cannot leak a slot. An expired charge keeps its
@@ -279,7 +281,11 @@ def debt_s(state: MeterState | None, now: float) -> float:
 
 
 def check_meter(state: MeterState | None, now: float, rate: Rate, cost: int) -> MeterCheck:
-    """Does ``cost`` fit a meter in ``state`` (``None``: never charged, or full again)?"""
+    """Does ``cost`` fit a meter in ``state`` (``None``: never charged, or full again)?
+
+    A settle's unchecked extra can leave a meter *overdrawn*, in debt by more than its whole period: then nothing fits,
+    not even a cost of 0, until the overdraft has drained (``wait_s``), and ``remaining_units`` reads 0 (it is clamped:
+    a header cannot show the negative balance)."""
     unit_s = rate.unit_s
     if cost * unit_s > rate.period_s + SLACK_S:
         return MeterCheck(NEVER)
@@ -447,7 +453,8 @@ class Verdict:
     states: tuple[LimitState, ...]
     """Every limit the charge touched, in plan order."""
     denied_by: tuple[LimitState, ...] = ()
-    """The limits without room (empty when admitted)."""
+    """Every limit without room for this charge, in plan order (empty when admitted). A rate's ``remaining`` here is
+    below the charge's cost, or 0 when the meter is overdrawn (see ``check_meter``)."""
     retry_after_s: float | None = None
     """Refused: seconds until every limit has room for this same charge (rates: exact, so charging again at
     ``now + retry_after_s`` fits if nothing else was charged; concurrency: ``concurrency_retry_after_s``). ``None``
@@ -479,13 +486,14 @@ def verdict(request: ChargeRequest, plan: ChargePlan, decision: ChargeDecision, 
             refusing_slots.append(slots)
     if decision.allowed:
         return Verdict(Outcome.ALLOWED, tuple(states), charge_id=request.charge_id)
-    never = tuple(state for state, wait in refusing_rates if wait == NEVER)
-    if never:
-        return Verdict(Outcome.TOO_LARGE, tuple(states), never)
+    # Every limit without room is named, whichever decides the outcome: a too-large charge may also find every slot
+    # held, and the rate-limit service marks each descriptor by it.
+    denied = tuple(state for state, _ in refusing_rates) + tuple(refusing_slots)
+    if any(wait == NEVER for _, wait in refusing_rates):
+        return Verdict(Outcome.TOO_LARGE, tuple(states), denied)
     waits = [wait for _, wait in refusing_rates]
     if refusing_slots:
         waits.append(settings.concurrency_retry_after_s)
-    denied = tuple(state for state, _ in refusing_rates) + tuple(refusing_slots)
     outcome = Outcome.OVER_LIMIT if refusing_rates else Outcome.CONCURRENCY
     return Verdict(outcome, tuple(states), denied, max(waits))
 

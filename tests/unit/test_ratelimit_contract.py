@@ -266,6 +266,30 @@ async def test_a_charge_larger_than_the_budget_is_refused_for_good_and_charges_n
     assert await remaining(limiter, scopes, LimitKind.REQUESTS, T0) == 10
 
 
+async def test_a_too_large_charge_names_every_limit_without_room(backend: Backend) -> None:
+    limiter = backend.limiter()
+    scopes = scope(tokens=1000, concurrent=1)
+    assert (await limiter.charge(ChargeRequest(scopes, tokens=10, charge_id="holds-the-slot"), T0)).allowed
+    refused = await limiter.charge(ChargeRequest(scopes, tokens=1001, charge_id="too-large"), T0)
+    assert (refused.outcome, refused.retry_after_s) == (Outcome.TOO_LARGE, None)
+    assert [s.kind for s in refused.denied_by] == [LimitKind.TOKENS, LimitKind.CONCURRENT]
+
+
+async def test_an_overdrawn_meter_refuses_even_a_charge_of_nothing_until_the_overdraft_drains(backend: Backend) -> None:
+    """801 tokens settled as 1001 on 1000/min (0.06 s a token) leave 60.06 s of debt: 0.06 s beyond the period."""
+    limiter = backend.limiter()
+    scopes = scope(tokens=1000)
+    assert (await limiter.charge(ChargeRequest(scopes, tokens=801, charge_id="low-estimate"), T0)).allowed
+    await limiter.settle("low-estimate", 1001, T0)
+    refused = await limiter.charge(ChargeRequest(scopes, tokens=0), T0)
+    assert refused.outcome is Outcome.OVER_LIMIT
+    assert refused.retry_after_s == pytest.approx(0.06)
+    assert [(s.kind, s.remaining) for s in refused.denied_by] == [(LimitKind.TOKENS, 0)]
+    assert dict(openai_headers(refused))["x-ratelimit-remaining-tokens"] == "0"
+    assert (await limiter.charge(ChargeRequest(scopes, tokens=0), T0 + 0.06)).allowed
+    assert (await limiter.charge(ChargeRequest(scopes, tokens=1), T0 + 0.12)).allowed
+
+
 async def test_a_charge_is_all_or_nothing_across_scopes(backend: Backend) -> None:
     limiter = backend.limiter()
     tenant = Scope("acme", Limits.per_minute(requests=100, tokens=100_000))

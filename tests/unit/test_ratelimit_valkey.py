@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
@@ -131,6 +131,10 @@ async def _run(limiter: Any, sequence: list[tuple[Any, ...]]) -> list[Any]:
     return seen
 
 
+# The cases the core's property test found (an overdrawn meter refusing a charge of 0; a too-large charge while every
+# slot is held): the scripts must report them alike.
+@example([("charge", 700, 0.0), ("settle", 0, 1.3, 0.0, False), ("charge", 0, 0.0)])
+@example([("charge", 0, 0.0), ("charge", 0, 0.0), ("charge", 0, 0.0), ("charge", 801, 0.0)])
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops)
 def test_the_scripts_decide_exactly_as_the_core(valkey: ValkeyServer, sequence: list[tuple[Any, ...]]) -> None:
