@@ -32,7 +32,9 @@ actual usage is known, ``settle`` gives back the unused top ``(cost - actual) x 
 still ahead of now* (``refund_s``): a segment that has drained returned its budget to everyone in the meantime, and
 crediting it again would let a late refund buy a second burst. A refund moves every later segment down; the meter counts
 the seconds refunded (``MeterState.credit_s``) so that a later settle finds its segment where it is now, not where it
-was charged (a hypothesis property found the over-credit the recorded end alone gives). Usage beyond the charge (a
+was charged (a hypothesis property found the over-credit the recorded end alone gives); since only refunds of the
+segments below it move it, the move is at most the debt below it at its charge (``ChargedMeter.below_s``: without that
+bound, a later request's refund settled first took an early request's refund away). Usage beyond the charge (a
 prompt estimate that was low) is billed at settle time on top of the meter, unchecked; it can overdraw the meter (a
 debt beyond the period), and then every charge waits, even one of 0 units, until the overdraft drains. Hence the bounds
 the property tests check: a settle never credits more than exact accounting would; over any interval ``W``, the final
@@ -331,6 +333,10 @@ class ChargedMeter:
     """The meter's ``tat_s`` right after this charge: the top of the charge's segment, seconds after ``born``."""
     credit_s: float
     """The meter's ``credit_s`` when charged."""
+    below_s: float = 0.0
+    """The meter's debt just before this charge: the segments below this one. Only their refunds can move this
+    segment down, so the settle's correction is at most this much (refunds of later charges, above it, never move
+    it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,7 +380,8 @@ def open_charge(request: ChargeRequest, plan: ChargePlan, decision: ChargeDecisi
     """The record an admitted charge leaves for its settle (``None`` without a charge id)."""
     if request.charge_id is None or not decision.allowed:
         return None
-    meters = tuple(ChargedMeter(m.key, m.kind, m.cost, m.rate.unit_s, state.born, state.tat_s, state.credit_s)
+    meters = tuple(ChargedMeter(m.key, m.kind, m.cost, m.rate.unit_s, state.born, state.tat_s, state.credit_s,
+                                max(0.0, state.tat_s - m.cost * m.rate.unit_s - (now - state.born)))
                    for m, state in zip(plan.meters, decision.states, strict=True) if state is not None)
     return OpenCharge(request.charge_id, request.tokens, now + settings.lease_s, meters,
                       tuple(s.key for s in plan.slot_sets))
@@ -391,8 +398,9 @@ def settle_meter(meter: ChargedMeter, state: MeterState | None, now: float, actu
                  refund_request: bool) -> MeterState | None:
     """The meter's state after a settle (``None``: full again, forget it).
 
-    Unused units give back ``refund_s`` of the charge's segment where it is now (its recorded end moved down by every
-    credit since); an extra is put on top, unchecked."""
+    Unused units give back ``refund_s`` of the charge's segment where it is now, at worst: its recorded end moved down
+    by every credit since, but never by more than the debt that lay below it when it was charged (only refunds of those
+    segments move it); an extra is put on top, unchecked."""
     current = live(state, now)
     if meter.kind is LimitKind.TOKENS:
         unused = meter.cost - actual_tokens
@@ -402,7 +410,8 @@ def settle_meter(meter: ChargedMeter, state: MeterState | None, now: float, actu
         return charged_state(current, now, -unused * meter.unit_s)
     if unused == 0 or current is None or current.born != meter.born:
         return current  # nothing unused, or the segment drained before the meter last started afresh
-    end_now = meter.end_s - (current.credit_s - meter.credit_s)
+    # Refunds since the charge moved its segment down by at most their sum, and by at most what lay below it.
+    end_now = meter.end_s - min(current.credit_s - meter.credit_s, meter.below_s)
     credit = refund_s(end_now, unused * meter.unit_s, now - current.born)
     if credit <= 0.0:
         return current

@@ -116,8 +116,9 @@ if allowed then                                         -- decide_charge + open_
     local m = charged(states[i], now, cost * unit)
     store(KEYS[1 + i], m, now)
     states[i] = m
-    -- key, kind, cost, unit_s, born, end_s, credit_s (ChargedMeter)
-    meters[i] = {KEYS[1 + i], ARGV[a + 4], ARGV[a + 3], num(unit), num(m[1]), num(m[2]), num(m[3])}
+    -- key, kind, cost, unit_s, born, end_s, credit_s, below_s (ChargedMeter)
+    meters[i] = {KEYS[1 + i], ARGV[a + 4], ARGV[a + 3], num(unit), num(m[1]), num(m[2]), num(m[3]),
+                 num(math.max(0, m[2] - cost * unit - (now - m[1])))}
   end
   local slots = {}
   for j = 1, ns do
@@ -154,7 +155,7 @@ local nm = #rec.meters
 for i = 1, nm do                                        -- settle_meter
   local r = rec.meters[i]
   local key, kind, cost, unit = KEYS[1 + i], r[2], tonumber(r[3]), tonumber(r[4])
-  local born, end_s, credit_s = tonumber(r[5]), tonumber(r[6]), tonumber(r[7])
+  local born, end_s, credit_s, below_s = tonumber(r[5]), tonumber(r[6]), tonumber(r[7]), tonumber(r[8])
   local unused = 0
   if kind == 'tokens' then unused = cost - actual elseif refund_request then unused = cost end
   local m = load(key, now)
@@ -162,7 +163,7 @@ for i = 1, nm do                                        -- settle_meter
   if unused < 0 then
     after = charged(m, now, -unused * unit)
   elseif unused > 0 and m ~= nil and m[1] == born then
-    local end_now = end_s - (m[3] - credit_s)
+    local end_now = end_s - math.min(m[3] - credit_s, below_s)
     local credit = math.max(0, end_now - math.max(now - m[1], end_now - unused * unit))
     if credit > 0 then after = {m[1], m[2] - credit, m[3] + credit} end
   end
@@ -272,7 +273,8 @@ class ValkeyRateLimiter:
         raw = await self._redis.get(self.charge_key(charge_id))
         if raw is None:
             return None
-        return [ChargedMeter(m[0], LimitKind(m[1]), int(m[2]), float(m[3]), float(m[4]), float(m[5]), float(m[6]))
+        return [ChargedMeter(m[0], LimitKind(m[1]), int(m[2]), float(m[3]), float(m[4]), float(m[5]), float(m[6]),
+                             float(m[7]))
                 for m in json.loads(raw)["meters"]]
 
     async def meter_state(self, key: str, kind: LimitKind, now: float) -> MeterState | None:

@@ -170,6 +170,18 @@ async def test_a_refund_moves_later_charges_down(backend: Backend) -> None:
     assert await remaining(limiter, scopes, LimitKind.TOKENS, T0 + 35) == 5500
 
 
+async def test_settles_in_any_order_refund_what_was_not_used(backend: Backend) -> None:
+    """a [0, 10 s] and b [10, 20 s] on 6000/min; b settles first with nothing used, then a with 100 of its 1000: a's
+    segment never moved (b lay above it), so its 900 unused come back too."""
+    limiter = backend.limiter()
+    scopes = scope(tokens=6000)
+    await limiter.charge(ChargeRequest(scopes, tokens=1000, charge_id="a"), T0)
+    await limiter.charge(ChargeRequest(scopes, tokens=1000, charge_id="b"), T0)
+    await limiter.settle("b", 0, T0)
+    await limiter.settle("a", 100, T0)
+    assert await remaining(limiter, scopes, LimitKind.TOKENS, T0) == 5900
+
+
 async def test_settle_is_idempotent(backend: Backend) -> None:
     limiter = backend.limiter()
     scopes = scope(tokens=6000, concurrent=1)
