@@ -3,6 +3,11 @@
 The ticket id travels from ``Check`` to here in ext_authz dynamic metadata (namespace ``envoy.filters.http.ext_authz``), which
 Envoy copies into every entry's ``common_properties.metadata``. Entries without a ticket (denied or locally answered requests)
 are counted and otherwise ignored. Envoy never gets a reply on this stream.
+
+A tenant's request (its entry's ext_authz metadata names the tenant) is also settled here: what it really used
+(``core/tenants.py``'s ``settled_usage``: the engine's ``usage`` object, else the prompt estimate plus the content
+deltas) comes from the ``sluice.usage`` metadata Envoy's Lua usage filter wrote while the body streamed by
+(``xds/resources.py``), and replaces the pre-charge (``quota.py``).
 """
 
 from __future__ import annotations
@@ -13,16 +18,17 @@ from typing import Any
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
-from controlplane.xds.resources import AUTHZ_NAMESPACE
-
-from controlplane.ports import CompletionPort
+from controlplane.core.tenants import ObservedResponse, settled_usage
+from controlplane.ports import CompletionPort, QuotaPort
+from controlplane.xds.resources import AUTHZ_NAMESPACE, USAGE_NAMESPACE
 
 log = logging.getLogger("sluice.accesslog")
 
 
 class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
-    def __init__(self, plane: CompletionPort) -> None:
+    def __init__(self, plane: CompletionPort, quota: QuotaPort | None = None) -> None:
         self.plane = plane
+        self.quota = quota
 
     async def StreamAccessLogs(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext[Any, Any]
@@ -39,10 +45,13 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
         if AUTHZ_NAMESPACE not in metadata or "ticket" not in metadata[AUTHZ_NAMESPACE].fields:
             plane.metrics.access_log_entries.labels("no_ticket").inc()
             return
-        ticket_id = metadata[AUTHZ_NAMESPACE].fields["ticket"].string_value
+        authz = metadata[AUTHZ_NAMESPACE].fields
+        ticket_id = authz["ticket"].string_value
         ticket = plane.release_ticket(ticket_id)
         plane.metrics.access_log_entries.labels("released" if ticket else "unknown_ticket").inc()
         props = entry.common_properties
+        if "tenant" in authz and self.quota is not None:
+            self._settle(entry, ticket_id, authz)
         if ticket is not None and ticket.expected_ttft_s > 0 and props.HasField("time_to_first_upstream_rx_byte") \
                 and entry.response.response_code.value == 200:
             # TTFT as the engine delivered it: first upstream byte minus the moment the request was fully sent to it
@@ -51,6 +60,26 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
             actual = props.time_to_first_upstream_rx_byte.ToTimedelta().total_seconds() - sent
             if actual > 0:
                 plane.metrics.ttft_error.labels(ticket.engine).observe(actual / ticket.expected_ttft_s)
+
+    def _settle(self, entry: Any, ticket_id: str, authz: Any) -> None:
+        """A tenant's finished request: its usage from the Lua filter's metadata (or the prompt estimate and the deltas
+        it counted), settled against its pre-charge when it had one."""
+        assert self.quota is not None
+        props = entry.common_properties
+        usage = props.metadata.filter_metadata[USAGE_NAMESPACE].fields \
+            if USAGE_NAMESPACE in props.metadata.filter_metadata else {}
+
+        def count(name: str) -> int | None:
+            return int(usage[name].number_value) if name in usage else None
+
+        seen = ObservedResponse(
+            prompt_estimate=int(authz["prompt_tokens"].number_value) if "prompt_tokens" in authz else 0,
+            status=entry.response.response_code.value,
+            reached_engine=props.HasField("time_to_last_upstream_tx_byte"),
+            deltas=count("deltas") or 0, prompt_tokens=count("prompt_tokens"),
+            completion_tokens=count("completion_tokens"), total_tokens=count("total_tokens"))
+        charged = "charged" in authz and authz["charged"].bool_value
+        self.quota.settle(authz["tenant"].string_value, ticket_id if charged else None, settled_usage(seen))
 
     def _note_engine_failure(self, entry: Any) -> None:
         """An engine that failed a request before its first byte leaves the candidates at once (``note_engine_failure``),

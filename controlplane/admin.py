@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from controlplane.adminauth import AdminGuard, audit
-from controlplane.admin_views import engine_proto, explain_proto, explain_request, status_proto
+from controlplane.admin_views import engine_proto, explain_proto, explain_request, status_proto, tenant_proto
 from controlplane.policytext import policy_yaml
 from controlplane.core.decide import explain
 from controlplane.core.model import EngineView, Fleet, Priority
@@ -115,6 +115,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                     dropped_since_last=dropped)
         finally:
             self.plane.unwatch(watcher)
+
+    async def ListTenants(  # noqa: N802
+        self, request: admin_pb2.ListTenantsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> admin_pb2.ListTenantsResponse:
+        await self.guard.require(context, "ListTenants", mutating=False)
+        return admin_pb2.ListTenantsResponse(tenants=[tenant_proto(u) for u in await self.plane.tenant_usage()])
 
     def _engine(self, e: EngineView, fleet: Fleet, now: float) -> admin_pb2.Engine:
         model = e.models[0].model_id if e.models else None

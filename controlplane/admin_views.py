@@ -10,6 +10,7 @@ from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, In
 from controlplane.core.policy import Policy
 from controlplane.edge import http_status
 from controlplane.ports import StatusFacts
+from controlplane.quota import TenantUsage
 from sluice.admin.v1 import admin_pb2
 
 
@@ -102,3 +103,14 @@ def explain_proto(decision: Decision, ahead: int, explanations: Sequence[EngineE
         status=http_status(decision), retry_after_s=decision.retry_after_s or 0, detail=decision.detail,
         queued_ahead=ahead, engines=engines,
     )
+
+
+def tenant_proto(usage: TenantUsage) -> admin_pb2.Tenant:
+    """A tenant and its limits as they stand; its key digests stay in the config (only their number is shown)."""
+    t = usage.tenant
+    return admin_pb2.Tenant(
+        name=t.name, keys=len(t.key_digests), default_priority=t.default_priority.value,
+        max_priority=t.max_priority.value, models_allowed=sorted(t.models_allowed or ()), error=usage.error,
+        limits=[admin_pb2.TenantLimit(scope=s.key, kind=s.kind.value, limit=s.limit, remaining=s.remaining,
+                                      used=s.limit - s.remaining, reset_seconds=round(s.reset_s, 3))
+                for s in usage.states])

@@ -95,7 +95,7 @@ class AdmissionService:
         self._config = config
         cp = config.controlplane
         self.settings = CheckSettings(config.policy, config.authz_timeout_s, cp.max_check_queue_ms,
-                                      cp.overload_retry_after_seconds)
+                                      cp.overload_retry_after_seconds, config.tenants)
 
     async def check(self, request_id: str, request: InferenceRequest) -> Outcome:
         """Decide on the mirror, then write the admission to the store; decide again when another replica was first."""
@@ -188,7 +188,8 @@ class AdmissionService:
         if outcome is not None and outcome.ticket is not None:
             self.release_ticket(outcome.ticket.ticket_id)
 
-    def record_outcome(self, model: str | None, outcome: Outcome, request: InferenceRequest | None = None) -> None:
+    def record_outcome(self, model: str | None, outcome: Outcome, request: InferenceRequest | None = None,
+                       tenant: str = "") -> None:
         d = outcome.decision
         m = self.metrics
         m.admission_decisions.labels(self.model_label(model), d.verdict.value, d.reason.value).inc()
@@ -200,7 +201,7 @@ class AdmissionService:
             self.trace_outcome(model, outcome, request)
         if self.feed.watchers:
             self.feed.publish(DecisionEvent(
-                time.time(), outcome.request_id, d.verdict.value, d.reason.value, d.engine or "", model or "", "",
+                time.time(), outcome.request_id, d.verdict.value, d.reason.value, d.engine or "", model or "", tenant,
                 round(outcome.parked_for * 1000, 1), d.expected_ttft_s, d.retry_after_s or 0,
                 str(getattr(request.priority, "value", request.priority)) if request is not None else ""))
 

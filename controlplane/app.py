@@ -50,6 +50,7 @@ from controlplane.store.valkey import ValkeyStore
 from controlplane.tls import server_credentials
 from controlplane.tracing import CheckTracing, TracedAuthorizationServicer
 from controlplane.ports import FloorResult, ReloadResult, StatusFacts, XdsTypeStatus
+from controlplane.quota import Quota, TenantUsage, make_limiter
 from controlplane.watch import Watcher
 from controlplane.xds.publisher import XdsPublisher
 from controlplane.xds.server import AdsServicer
@@ -93,8 +94,10 @@ class ControlPlane:
         self.store = make_store(config)
         self.service = AdmissionService(config, self.admission, self.observation, self.metrics, clock, self.store)
         self.xds = XdsPublisher(config, self.metrics)
+        self.quota = Quota(config, make_limiter(config), self.metrics)
+        """Tenants' budgets (``tenants:``, ``ratelimit:``); a Check charges only a tenant's request."""
         self.http = HttpEndpoint(config.controlplane.host, config.controlplane.metrics_port, self.metrics,
-                                 self.service)
+                                 self.service, self.quota)
         self.tracing = CheckTracing(config.tracing, self.version) if config.tracing.enabled else None
         """OpenTelemetry traces of the Checks (``tracing.enabled``); None: off, and no Check pays for it."""
         if self.tracing is not None:
@@ -199,6 +202,9 @@ class ControlPlane:
     def unwatch(self, watcher: Watcher) -> None:
         self.service.feed.unsubscribe(watcher)
 
+    async def tenant_usage(self) -> tuple[TenantUsage, ...]:
+        return await self.quota.usage()
+
     async def set_version_floor(self, pattern: str, version: str) -> FloorResult:
         """Set (empty ``version``: remove) one version floor, through the same door as a reload (``set_policy``)."""
         floors = dict(self.config.policy.version_floors)
@@ -255,7 +261,7 @@ class ControlPlane:
                                              f"{', '.join(RELOADABLE)})" for name in restart), (), fresh.source)
         changed = changed_sections(self.config, fresh)
         config = replace(self.config, policy=fresh.policy, observe=fresh.observe, engines=fresh.engines,
-                         source=fresh.source)
+                         tenants=fresh.tenants, source=fresh.source)
         self.observation.apply_engines(config)
         self._set_config(config)
         self.admission.set_policy(fresh.policy, admit_stale=fresh.observe.on_stale is OnStale.OPEN)
@@ -267,7 +273,7 @@ class ControlPlane:
         return ReloadResult(True, (), tuple(changed), fresh.source)
 
     def _set_config(self, config: Config) -> None:
-        self.config = self.service.config = self.xds.config = self.observation.config = config
+        self.config = self.service.config = self.xds.config = self.observation.config = self.quota.config = config
 
     # -- events between the parts ------------------------------------------------------------------------------------
     def _on_probe(self, view: EngineView, rates: EngineRates | None) -> None:
@@ -303,10 +309,10 @@ class ControlPlane:
         await self.publish()
         server = grpc.aio.server(options=grpc_options(cfg))
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.xds.ads, server)
-        authz = (AuthorizationServicer(self.service) if self.tracing is None
-                 else TracedAuthorizationServicer(self.service, self.tracing))
+        authz = (AuthorizationServicer(self.service, self.quota) if self.tracing is None
+                 else TracedAuthorizationServicer(self.service, self.tracing, self.quota))
         external_auth_pb2_grpc.add_AuthorizationServicer_to_server(authz, server)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.service), server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.service, self.quota), server)
         self.grpc_port = _bind(server, f"{cfg.controlplane.host}:{cfg.controlplane.grpc_port}", grpc_tls)
         if not self.grpc_port:
             raise OSError(f"cannot bind gRPC on {cfg.controlplane.host}:{cfg.controlplane.grpc_port}")
@@ -343,6 +349,7 @@ class ControlPlane:
         if self._server is not None:
             await self._server.stop(grace=0.5)
         await self.http.stop()
+        await self.quota.close()
         if self.tracing is not None:  # after the gRPC server: the last Checks' spans are ended and go out with the flush
             await self.tracing.shutdown()
 

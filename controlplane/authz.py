@@ -16,6 +16,14 @@ control plane, as "let the request through unpinned", past every cap. So:
 
 Only a cancelled Check (the client left) ends without an answer, and it leaves no ticket or parked entry behind.
 
+**Tenants** (``tenants:`` configured; ``core/tenants.py``, ``quota.py``): before the body is read the bearer key is
+hashed and looked up (unknown or missing: 401 ``invalid_api_key``); after it, the model must be one the tenant may use
+(403 ``model_not_allowed``), ``x-sluice-priority`` is capped at the tenant's highest class (a request without one gets
+the tenant's default), and the request is pre-charged under its id (over a budget: 429 ``rate_limit_exceeded``) before
+admission decides. Whatever the Check then answers other than an admission gives the charge back. An admission carries
+the tenant, the prompt estimate and whether it was charged to the access log (ext_authz metadata), and the limits'
+``x-ratelimit-*`` headers to the client.
+
 With ``tracing.enabled`` the wiring registers ``tracing.TracedAuthorizationServicer`` instead, which runs this Check as it is
 inside an OpenTelemetry span; tracing off, nothing here changes.
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qs
 import grpc
@@ -32,12 +41,15 @@ from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 
 from controlplane.core.admission import Outcome
 from controlplane.core.decide import refuse
-from controlplane.core.model import InferenceRequest, Verdict
-from controlplane.ports import CheckPort, CheckSettings
+from controlplane.core.model import Decision, InferenceRequest, Reason, Verdict
+from controlplane.core.tenants import Tenant, tenant_priority
+from controlplane.ports import CheckPort, CheckSettings, QuotaPort
 from controlplane.core.request import RequestError, parse_request
 # The CheckResponse builders live at the edge, with every status and error code (edge.py).
-from controlplane.edge import Failure, check_admit as _admit, check_deny as _deny, check_error as _error
-from controlplane.names import AVOID_PARAM
+from controlplane.edge import Failure, TenantCharge, check_admit as _admit, check_deny as _deny, check_error as _error
+from controlplane.names import AVOID_PARAM, PRIORITY_HEADER
+from controlplane.quota import Refused
+from ratelimit import ChargeIdInUse
 
 log = logging.getLogger("sluice.authz")
 
@@ -53,6 +65,14 @@ def queued_s(context: grpc.aio.ServicerContext[Any, Any], authz_timeout_s: float
     return None if remaining is None else max(0.0, authz_timeout_s - remaining)
 
 
+def _models_for(tenant: Tenant, outcome: Outcome) -> Outcome:
+    """``GET /v1/models`` lists only the models a tenant may use."""
+    if tenant.models_allowed is None:
+        return outcome
+    d = outcome.decision
+    return replace(outcome, decision=replace(d, models=tuple(m for m in d.models if tenant.allows(m.model_id))))
+
+
 def avoided_engine(path: str) -> str | None:
     """The engine a retried request must not go back to (``?sluice_avoid=<engine>``, added by the retry redirector)."""
     _, sep, query = path.partition("?")
@@ -62,9 +82,25 @@ def avoided_engine(path: str) -> str | None:
     return values[0] if values else None
 
 
+@dataclass(slots=True)
+class _Gate:
+    """What a tenant's request brings from the tenant gate to the answer."""
+
+    request_id: str
+    request: InferenceRequest
+    outcome: Outcome | None = None
+    """A refusal (model not allowed, over the budget, limiter unavailable): no admission is asked for."""
+    charge: TenantCharge | None = None
+    """Its pre-charge (``charge.charged``: an open charge under ``request_id``, to settle or give back)."""
+    headers: tuple[tuple[str, str], ...] = ()
+    """A refusal's ``x-ratelimit-*``."""
+
+
 class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
-    def __init__(self, admission: CheckPort) -> None:
+    def __init__(self, admission: CheckPort, quota: QuotaPort | None = None) -> None:
         self.admission = admission
+        self.quota = quota
+        """Tenants' budgets; None: nothing is charged (tenants still authenticate)."""
         self._overload_logged_at = float("-inf")
         self._in_flight: set[str] = set()
         """Request ids of the Checks being answered (parked ones included): the parking lot's keys."""
@@ -85,20 +121,42 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
             # and a duplicate gets a suffix rather than the other request's place.
             request_id = self._unique(http.headers.get("x-request-id") or uuid.uuid4().hex)
             outcome: Outcome | None = None  # the latest answer from admission: a failure after it must give its hold back
+            charge: TenantCharge | None = None  # a tenant's pre-charge: given back unless the request is admitted
+            admitted = False
             try:
                 model: str | None = None
                 parsed: InferenceRequest | None = None
-                try:
-                    parsed = parse_request(http.method, http.path, http.raw_body, http.headers, settings.policy)
-                except RequestError as error:
-                    outcome = Outcome(request_id, refuse(error))
+                tenant: Tenant | None = None
+                extra: tuple[tuple[str, str], ...] = ()
+                if settings.tenants.enabled:
+                    # The key is hashed and dropped here: only its digest is looked up, nothing logs it.
+                    tenant = settings.tenants.identify(http.headers.get("authorization"))
+                if settings.tenants.enabled and tenant is None:
+                    port.metrics.auth_refusals.labels(Reason.INVALID_API_KEY.value).inc()
+                    outcome = Outcome(request_id, Decision(
+                        Verdict.REJECT, Reason.INVALID_API_KEY,
+                        detail="Incorrect API key provided (send it as Authorization: Bearer <key>)"))
                 else:
-                    model = parsed.model
-                    outcome = await port.check(request_id, parsed)
+                    try:
+                        parsed = parse_request(http.method, http.path, http.raw_body, http.headers, settings.policy)
+                    except RequestError as error:
+                        outcome = Outcome(request_id, refuse(error))
+                    else:
+                        model = parsed.model
+                        if tenant is not None:
+                            gate = await self._tenant_gate(tenant, parsed, request_id,
+                                                           http.headers.get(PRIORITY_HEADER))
+                            request_id, parsed, charge, extra = gate.request_id, gate.request, gate.charge, gate.headers
+                            outcome = gate.outcome
+                        if outcome is None:
+                            outcome = await port.check(request_id, parsed)
                 if outcome.decision.verdict is Verdict.PARK:
                     outcome = await port.wait_parked(request_id)
-                port.record_outcome(model, outcome, parsed)
-                response = self._answer(outcome, avoided_engine(http.path))
+                if tenant is not None and outcome.decision.verdict is Verdict.ANSWER:
+                    outcome = _models_for(tenant, outcome)
+                port.record_outcome(model, outcome, parsed, tenant.name if tenant is not None else "")
+                response = self._answer(outcome, avoided_engine(http.path), charge, extra)
+                admitted = response.HasField("ok_response")
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("Check %s: %s %s on %s", request_id, outcome.decision.verdict.value, model or "?",
                               outcome.decision.engine or "-", extra={"request_id": request_id})
@@ -111,8 +169,39 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
                                   f"{request_id}); it was not forwarded", None)
             finally:
                 self._in_flight.discard(request_id)
+                if charge is not None and charge.charged and not admitted and self.quota is not None:
+                    # Refused, shed, timed out in the lot, cancelled, failed: no engine sees it, nothing was used.
+                    self.quota.refund(request_id)
         port.metrics.authz_seconds.observe(time.perf_counter() - started)
         return response
+
+    async def _tenant_gate(self, tenant: Tenant, parsed: InferenceRequest, request_id: str,
+                           asked_priority: str | None) -> _Gate:
+        """A tenant's request before admission: its model allowed, its class capped, its pre-charge taken."""
+        port = self.admission
+        if parsed.model is None:  # GET /v1/models: answered, never charged
+            return _Gate(request_id, parsed)
+        if not tenant.allows(parsed.model):
+            port.metrics.auth_refusals.labels(Reason.MODEL_NOT_ALLOWED.value).inc()
+            return _Gate(request_id, parsed, Outcome(request_id, Decision(
+                Verdict.REJECT, Reason.MODEL_NOT_ALLOWED,
+                detail=f"This API key may not use the model {parsed.model!r}")))
+        parsed = replace(parsed, priority=tenant_priority(tenant, asked_priority, parsed.priority))
+        if self.quota is None:
+            return _Gate(request_id, parsed, charge=TenantCharge(tenant.name, parsed.prompt_tokens, False))
+        try:
+            charged = await self.quota.charge(tenant, parsed, request_id)
+        except ChargeIdInUse:  # a client's own x-request-id, still open from an earlier request: this one gets another
+            request_id = self._renamed(request_id)
+            charged = await self.quota.charge(tenant, parsed, request_id)
+        if isinstance(charged, Refused):
+            return _Gate(request_id, parsed, Outcome(request_id, charged.decision), headers=charged.headers)
+        return _Gate(request_id, parsed, charge=TenantCharge(tenant.name, parsed.prompt_tokens,
+                                                             charged.charge_id is not None, charged.headers))
+
+    def _renamed(self, request_id: str) -> str:
+        self._in_flight.discard(request_id)
+        return self._unique(f"{request_id}.{uuid.uuid4().hex[:8]}")
 
     def _unique(self, request_id: str) -> str:
         while request_id in self._in_flight:
@@ -120,14 +209,15 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
         self._in_flight.add(request_id)
         return request_id
 
-    def _answer(self, outcome: Outcome, avoided: str | None) -> external_auth_pb2.CheckResponse:
+    def _answer(self, outcome: Outcome, avoided: str | None, charge: TenantCharge | None,
+                extra: tuple[tuple[str, str], ...]) -> external_auth_pb2.CheckResponse:
         if outcome.ticket is None:
-            return _deny(outcome)
+            return _deny(outcome, extra)
         if outcome.decision.engine == avoided:  # a retry of a request this engine just failed: never the same twice
             self.admission.release_ticket(outcome.ticket.ticket_id)
             return _error(Failure.UPSTREAM_UNAVAILABLE, f"Engine {avoided} failed this request and no other engine "
                           "could take it; retry later", 1)
-        return _admit(outcome)
+        return _admit(outcome, charge)
 
     def _overloaded(self, queued: float, settings: CheckSettings) -> external_auth_pb2.CheckResponse:
         """Shed before any work: under overload the cheapest answer is the one that lets the backlog drain."""

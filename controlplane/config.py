@@ -42,8 +42,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from controlplane.core.model import Flavor
+from controlplane.core.model import Flavor, Priority
 from controlplane.core.policy import Box, ModelPolicy, Policy, version_key
+from controlplane.core.tenants import PRIORITY_RANK, Tenant, Tenants
+from ratelimit.config import parse_limits
 from controlplane.names import CLIENT_HEADERS, ENGINE_HEADER, TICKET_HEADER
 
 BUNDLED_CONFIG = "default.yaml"
@@ -317,6 +319,30 @@ class StoreConfig:
     """Admissions tried per Check when other replicas keep taking the chosen slot first; then the request parks."""
 
 
+class RateLimitOnFailure(enum.StrEnum):
+    """``ratelimit.on_failure``: what a tenant's request gets while the limiter's store cannot be reached."""
+
+    OPEN = "open"
+    """Admitted uncharged (counted in ``sluice_ratelimit_errors_total`` and as ``store_error`` decisions)."""
+    CLOSED = "closed"
+    """503 ``ratelimit_unavailable`` + retry-after."""
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitConfig:
+    """``ratelimit``: how the tenants' limiter (``ratelimit/``) runs. Its store is the ledger's: the Valkey at
+    ``store.url`` when ``store.backend`` is ``valkey`` (so every replica draws on one budget), else this process's
+    memory. Read at start-up (a change needs a restart); the tenants and their limits are reloadable."""
+
+    on_failure: RateLimitOnFailure = RateLimitOnFailure.OPEN
+    timeout_seconds: float = 0.5
+    """One limiter call's bound (pool wait, connect, reply); past it the call fails and ``on_failure`` applies."""
+    failure_retry_after_seconds: int = 1
+    """Retry-After on ``ratelimit_unavailable`` (``on_failure: closed``)."""
+    concurrency_retry_after_seconds: float = 1.0
+    """Retry-After of a refusal by ``concurrent_requests`` (when a slot frees is not predictable)."""
+
+
 @dataclass(frozen=True, slots=True)
 class TicketConfig:
     lease_seconds: float
@@ -360,7 +386,7 @@ AUTHZ_TIMEOUT_GRACE_S = 10.0
 #: Sections a running control plane can take from a reloaded file; the others shape processes, ports or Envoy's
 #: listener (changing the listener would drain every open stream) and need a restart. Engines added or removed by a
 #: reload reach Envoy over CDS/EDS; ``sluice up`` does not start or stop simulators for them.
-RELOADABLE = ("admission", "models", "version_floors", "boxes", "observe.on_stale", "engines")
+RELOADABLE = ("admission", "models", "version_floors", "boxes", "observe.on_stale", "engines", "tenants")
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +401,9 @@ class Config:
     admin: AdminConfig = AdminConfig()
     store: StoreConfig = StoreConfig()
     tracing: TracingConfig = TracingConfig()
+    tenants: Tenants = Tenants()
+    """API keys, priorities and limits per tenant (``controlplane/core/tenants.py``); none: authentication off."""
+    ratelimit: RateLimitConfig = RateLimitConfig()
 
     @property
     def authz_timeout_s(self) -> float:
@@ -395,7 +424,7 @@ class Config:
         return changed
 
 
-_PROCESS_SECTIONS = ("controlplane", "envoy", "observe", "tickets", "admin", "store", "tracing")
+_PROCESS_SECTIONS = ("controlplane", "envoy", "observe", "tickets", "admin", "store", "tracing", "ratelimit")
 """The sections read once, when a process starts (less any field ``RELOADABLE`` names)."""
 _POLICY_PARTS = ("models", "version_floors", "boxes")
 """Sections of the config that become ``Policy`` fields of the same name; ``admission`` is the rest of ``Policy``."""
@@ -459,6 +488,8 @@ DEFAULTS: dict[str, Any] = {
               for f in fields(StoreConfig)},
     "admission": {},  # filled in below from Policy's own defaults
     "tracing": {f.name: f.default for f in fields(TracingConfig)},
+    "ratelimit": {f.name: (f.default.value if isinstance(f.default, enum.Enum) else f.default)
+                  for f in fields(RateLimitConfig)},
 }
 _POLICY_NAME = {"max_park_seconds": "max_park_s", "retry_after_min_seconds": "retry_after_min_s", "retry_after_max_seconds": "retry_after_max_s",
                 "serve_half_life_seconds": "serve_half_life_s"}
@@ -584,7 +615,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     c = _Checker()
     if not isinstance(raw, dict):
         raise ConfigError(["(top): the config must be a mapping"])
-    for key in sorted(set(raw) - {*DEFAULTS, "engines", "models", "version_floors", "boxes"}):
+    for key in sorted(set(raw) - {*DEFAULTS, "engines", "models", "version_floors", "boxes", "tenants"}):
         c.problems.append(f"{key}: unknown field")
 
     cp = c.section(raw, "controlplane")
@@ -695,6 +726,16 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     if store.replica_id is not None and ("|" in store.replica_id or ":" in store.replica_id):
         c.problems.append("store.replica_id: must not contain '|' or ':'")
     tracing = _parse_tracing(c, c.section(raw, "tracing"))
+    rl = c.section(raw, "ratelimit")
+    ratelimit = RateLimitConfig(
+        on_failure=c.choice("ratelimit.on_failure", rl["on_failure"], RateLimitOnFailure),
+        timeout_seconds=float(c.number("ratelimit.timeout_seconds", rl["timeout_seconds"], minimum=0.01)),
+        failure_retry_after_seconds=int(c.number("ratelimit.failure_retry_after_seconds",
+                                                 rl["failure_retry_after_seconds"], minimum=1, integer=True)),
+        concurrency_retry_after_seconds=float(c.number("ratelimit.concurrency_retry_after_seconds",
+                                                       rl["concurrency_retry_after_seconds"], minimum=0.001)),
+    )
+    tenants = _parse_tenants(c, raw.get("tenants"))
     engines = _parse_engines(c, raw.get("engines"))
     policy = _parse_policy(c, raw, {e.name for e in engines})
     if envoy.stream_idle_timeout_seconds < policy.max_park_s + 2 * AUTHZ_TIMEOUT_GRACE_S:
@@ -705,7 +746,88 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         )
     if c.problems:
         raise ConfigError(c.problems)
-    return Config(controlplane, envoy, observe, tickets, engines, source, policy, admin, store, tracing)
+    return Config(controlplane, envoy, observe, tickets, engines, source, policy, admin, store, tracing, tenants,
+                  ratelimit)
+
+
+_TENANT_FIELDS = {"keys", "priority", "limits", "models", "models_allowed"}
+_TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+"""A tenant's name is a metrics label and a limiter key: short, and without ``/`` (which joins it to a model)."""
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _parse_tenants(c: _Checker, raw: Any) -> Tenants:
+    """``tenants: {name: {keys, priority: {default, max}, limits, models: {model: limits}, models_allowed}}``."""
+    if raw is None:
+        return Tenants()
+    if not isinstance(raw, dict):
+        c.problems.append("tenants: must be a mapping of tenant name -> settings")
+        return Tenants()
+    before = len(c.problems)
+    tenants: list[Tenant] = []
+    owner: dict[str, str] = {}
+    for name, path, item in c.entries("tenants", raw, _TENANT_FIELDS):
+        name = str(name)
+        if not _TENANT_NAME_RE.match(name):
+            c.problems.append(f"{path}: the name must match {_TENANT_NAME_RE.pattern} (it labels metrics and names a "
+                              "budget)")
+        keys = item.get("keys")
+        if not isinstance(keys, list) or not keys:
+            c.problems.append(f"{path}.keys: must be a non-empty list of SHA-256 hex digests of API keys "
+                              "(printf %s KEY | sha256sum)")
+            keys = []
+        digests: list[str] = []
+        for i, digest in enumerate(keys):
+            if not isinstance(digest, str) or not _DIGEST_RE.match(digest.lower()):
+                # Never echo the value: it may be a key pasted where its digest belongs.
+                c.problems.append(f"{path}.keys[{i}]: must be a SHA-256 hex digest (64 hex characters), not a key")
+                continue
+            digest = digest.lower()
+            if digest in owner:
+                c.problems.append(f"{path}.keys[{i}]: the same key digest is listed by tenant {owner[digest]!r}")
+            owner.setdefault(digest, name)
+            digests.append(digest)
+        default_class, max_class = Priority.STANDARD, None
+        priority = item.get("priority")
+        if priority is not None:
+            if not isinstance(priority, dict):
+                c.problems.append(f"{path}.priority: must be a mapping of default and max")
+                priority = {}
+            for key in sorted(set(priority) - {"default", "max"}):
+                c.problems.append(f"{path}.priority.{key}: unknown field")
+            if priority.get("default") is not None:
+                default_class = c.choice(f"{path}.priority.default", priority["default"], Priority)
+            if priority.get("max") is not None:
+                max_class = c.choice(f"{path}.priority.max", priority["max"], Priority)
+        if max_class is None:
+            max_class = default_class
+        if PRIORITY_RANK[default_class] > PRIORITY_RANK[max_class]:
+            c.problems.append(f"{path}.priority.default: {default_class.value} is above max ({max_class.value})")
+        limits, problems = parse_limits(item.get("limits") or {}, f"{path}.limits")
+        c.problems.extend(problems)
+        model_limits = {}
+        models = item.get("models")
+        if models is not None and not isinstance(models, dict):
+            c.problems.append(f"{path}.models: must be a mapping of model id -> limits")
+            models = {}
+        for model, section in (models or {}).items():
+            parsed, problems = parse_limits(section or {}, f"{path}.models.{model}")
+            c.problems.extend(problems)
+            model_limits[str(model)] = parsed
+        allowed = item.get("models_allowed")
+        if allowed is not None and (not isinstance(allowed, list) or not all(isinstance(m, str) and m
+                                                                            for m in allowed)):
+            c.problems.append(f"{path}.models_allowed: must be a list of model ids")
+            allowed = None
+        if allowed is not None:
+            for model in model_limits:
+                if model not in allowed:
+                    c.problems.append(f"{path}.models.{model}: limits a model models_allowed does not allow")
+        tenants.append(Tenant(name, tuple(digests), default_class, max_class, limits, model_limits,
+                              frozenset(allowed) if allowed is not None else None))
+    if len(c.problems) > before:
+        return Tenants()
+    return Tenants.of(tenants)
 
 
 def _parse_replicas(c: _Checker, raw: Any, default_host: Any) -> tuple[ReplicaAddress, ...]:

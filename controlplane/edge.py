@@ -37,6 +37,9 @@ INVALID_REQUEST = "invalid_request_error"
 """OpenAI error type of a request the client must change (4xx)."""
 SERVER_ERROR = "server_error"
 """OpenAI error type of a request the client may retry unchanged (5xx)."""
+RATE_LIMIT_ERROR = "rate_limit_error"
+"""Error type of a 429: the request is fine, its tenant's budget is not (the code, ``rate_limit_exceeded``, is
+OpenAI's; clients such as the ``openai`` package key on the status: ``RateLimitError``)."""
 JSON_CONTENT_TYPE = "application/json"
 
 
@@ -107,6 +110,10 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Reason.CONTEXT_LENGTH: _client(400, "context_length_exceeded"),
     Reason.UNKNOWN_MODEL: _client(404, "model_not_found"),
     Reason.UNKNOWN_PATH: _client(404, "unknown_url"),  # also Envoy's answer to a path it never routes
+    # refused: who asks (tenants), and their budget
+    Reason.INVALID_API_KEY: _client(401, "invalid_api_key"),
+    Reason.MODEL_NOT_ALLOWED: _client(403, "model_not_allowed"),
+    Reason.RATE_LIMITED: Reply(429, "rate_limit_exceeded", RATE_LIMIT_ERROR),
     # parked (fit rules and waits)
     Reason.CAP: _OK,
     Reason.KV_WATERMARK: _OK,
@@ -124,6 +131,7 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Reason.PARK_TIMEOUT: _server("park_timeout"),
     Reason.TTFT_UNMEETABLE: _server("ttft_unmeetable"),
     Reason.STORE_UNAVAILABLE: _server("store_unavailable"),
+    Reason.RATELIMIT_UNAVAILABLE: _server("ratelimit_unavailable"),
     # no decision behind them: the Check's own answers
     Failure.INTERNAL_ERROR: _server("internal_error", 500),
     Failure.CONTROLPLANE_OVERLOADED: _server("controlplane_overloaded"),
@@ -184,10 +192,28 @@ def header(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, value=value), append_action=_OVERWRITE)
 
 
-def authz_metadata(ticket_id: str, engine: str) -> struct_pb2.Struct:
-    """The admission's dynamic metadata: the access log reads the ticket back from it to release it."""
+@dataclass(frozen=True, slots=True)
+class TenantCharge:
+    """What an admitted tenant's request carries to its access-log entry and its client (controlplane/quota.py)."""
+
+    tenant: str
+    prompt_tokens: int
+    """The Check's prompt estimate: the settle's fallback when the engine reports no usage."""
+    charged: bool
+    """An open charge under the ticket id awaits its settle (False: the tenant has no limits, or the limiter failed
+    open)."""
+    headers: tuple[tuple[str, str], ...] = ()
+    """``x-ratelimit-*`` for the client's response."""
+
+
+def authz_metadata(ticket_id: str, engine: str, charge: TenantCharge | None = None) -> struct_pb2.Struct:
+    """The admission's dynamic metadata: the access log reads the ticket back from it to release it, and a tenant's
+    name, prompt estimate and whether it was charged to settle it (Envoy's Lua usage filter counts only when ``tenant``
+    is there)."""
     s = struct_pb2.Struct()
     s.update({"ticket": ticket_id, "engine": engine})
+    if charge is not None:
+        s.update({"tenant": charge.tenant, "prompt_tokens": charge.prompt_tokens, "charged": charge.charged})
     return s
 
 
@@ -195,30 +221,33 @@ def _parked(outcome: Outcome) -> list[base_pb2.HeaderValueOption]:
     return [header(PARKED_MS_HEADER, str(round(outcome.parked_for * 1000)))] if outcome.parked_for > 0 else []
 
 
-def check_admit(outcome: Outcome) -> external_auth_pb2.CheckResponse:
-    """An admission: the engine pinned for the route, the ticket for the retry redirector, the reason for the client."""
+def check_admit(outcome: Outcome, charge: TenantCharge | None = None) -> external_auth_pb2.CheckResponse:
+    """An admission: the engine pinned for the route, the ticket for the retry redirector, the reason (and a tenant's
+    ``x-ratelimit-*``) for the client."""
     decision, ticket = outcome.decision, outcome.ticket
     assert decision.engine is not None and ticket is not None
+    limits = [header(k, v) for k, v in charge.headers] if charge is not None else []
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.OK),
         ok_response=external_auth_pb2.OkHttpResponse(
             # The ticket rides to the engine (never back to the client) so the retry redirector can release it.
             headers=[header(ENGINE_HEADER, decision.engine), header(TICKET_HEADER, ticket.ticket_id)],
             response_headers_to_add=[header(ENGINE_HEADER, decision.engine),
-                                     header(ROUTE_REASON_HEADER, decision.reason.value), *_parked(outcome)],
+                                     header(ROUTE_REASON_HEADER, decision.reason.value), *_parked(outcome), *limits],
         ),
-        dynamic_metadata=authz_metadata(ticket.ticket_id, decision.engine),
+        dynamic_metadata=authz_metadata(ticket.ticket_id, decision.engine, charge),
     )
 
 
-def check_deny(outcome: Outcome) -> external_auth_pb2.CheckResponse:
+def check_deny(outcome: Outcome, extra: tuple[tuple[str, str], ...] = ()) -> external_auth_pb2.CheckResponse:
     """Any outcome without a ticket: a refusal, a shed, or the model list (ANSWER, a "denial" with status 200: Envoy
-    replies locally and no engine is involved)."""
+    replies locally and no engine is involved). ``extra``: more headers (a rate-limit refusal's ``x-ratelimit-*``)."""
     decision = outcome.decision
     headers = [header(ROUTE_REASON_HEADER, decision.reason.value)]
     if decision.retry_after_s is not None:
         headers.append(header(RETRY_AFTER_HEADER, str(decision.retry_after_s)))
     headers += _parked(outcome)
+    headers += [header(k, v) for k, v in extra]
     return _denied(http_status(decision), headers, response_body(decision))
 
 

@@ -3,7 +3,8 @@
 The redirector is where Envoy's one retry of a request whose engine failed before its first byte lands (the priority-1
 endpoint of every engine cluster, see ``xds/resources.py``). The failed attempt's ticket is released, the engine leaves the
 candidates until a probe succeeds, and a 307 to the same URL with ``sluice_avoid=<engine>`` makes Envoy run the request
-again through a new Check (an internal redirect) that will not choose that engine. Only a request carrying an open ticket
+again through a new Check (an internal redirect) that will not choose that engine. A tenant's charge under the failed
+ticket is given back first (nothing was generated); the retry's Check charges it again. Only a request carrying an open ticket
 of that engine counts as a failure: the ticket id is never shown to clients, so nobody can mark an engine failing by
 calling this port.
 """
@@ -16,16 +17,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from controlplane.edge import JSON_CONTENT_TYPE, Failure, error_json, reply
 from controlplane.metrics import SluiceMetrics
 from controlplane.names import AVOID_PARAM, ENGINE_HEADER, RETRY_AFTER_HEADER, TICKET_HEADER
-from controlplane.ports import CompletionPort
+from controlplane.ports import CompletionPort, QuotaPort
 
 
 class HttpEndpoint:
-    def __init__(self, host: str, port: int, metrics: SluiceMetrics, completions: CompletionPort) -> None:
+    def __init__(self, host: str, port: int, metrics: SluiceMetrics, completions: CompletionPort,
+                 quota: QuotaPort | None = None) -> None:
         self.host = host
         self.port = port
         """The bound port once started (the configured one may be 0)."""
         self.metrics = metrics
         self.completions = completions
+        self.quota = quota
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -62,6 +65,10 @@ class HttpEndpoint:
             return web.Response(status=reply(failure).status, content_type=JSON_CONTENT_TYPE,
                                 headers={RETRY_AFTER_HEADER: "1"},
                                 text=error_json(failure, "No engine could take the request (upstream unavailable)"))
+        if self.quota is not None:
+            # The engine generated nothing: a tenant's charge under this ticket id is given back before the 307, so the
+            # retry's Check (same request id) charges afresh instead of finding the id still open.
+            await self.quota.refund_now(ticket.ticket_id)
         self.completions.note_engine_failure(engine, "failed before its first byte; retried elsewhere")
         self.metrics.engine_retries.labels(engine).inc()
         separator = "&" if request.query_string else "?"

@@ -154,6 +154,20 @@ class SluiceMetrics:
             "sluice_store_fail_open", "Admissions made on this replica's own ledger while the store was unreachable "
             "(store.on_failure: open).", registry=r)
         self.store_up = Gauge("sluice_store_up", "1 while the shared store answers this replica.", registry=r)
+        # Tenants (controlplane/quota.py): the label is a configured tenant's name, so its cardinality is the config's.
+        self.ratelimit_decisions = Counter(
+            "sluice_ratelimit_decisions", "Tenants' pre-charges by result: allowed, over_limit, concurrency, too_large "
+            "(refused 429), store_error (the limiter's store did not answer; ratelimit.on_failure applied).",
+            ["tenant", "result"], registry=r)
+        self.ratelimit_errors = Counter(
+            "sluice_ratelimit_errors", "Limiter calls that failed or timed out (charge: ratelimit.on_failure applied; "
+            "settle: the pre-charge stands; peek).", ["op"], registry=r)
+        self.tenant_tokens = Counter(
+            "sluice_tenant_tokens", "Tokens tenants' finished requests used (prompt, completion): the engine's usage, "
+            "else the prompt estimate and the streamed deltas.", ["tenant", "kind"], registry=r)
+        self.auth_refusals = Counter(
+            "sluice_auth_refusals", "Requests refused for who sent them: invalid_api_key (401), model_not_allowed "
+            "(403).", ["reason"], registry=r)
         self.engine_prefill_rate = Gauge(
             "sluice_engine_prefill_tokens_per_second", "Prefill tokens per second of prefill, last interval.", ["engine"],
             registry=r,

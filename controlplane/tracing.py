@@ -57,7 +57,7 @@ from controlplane.core.admission import Outcome
 from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.edge import Failure, header
 from controlplane.names import ROUTE_REASON_HEADER
-from controlplane.ports import CheckPort
+from controlplane.ports import CheckPort, QuotaPort
 
 log = logging.getLogger("sluice.tracing")
 
@@ -166,8 +166,8 @@ class TracedAuthorizationServicer(AuthorizationServicer):
     """The ext_authz servicer with each Check inside its span. The Check itself is ``AuthorizationServicer``'s, unchanged;
     the wiring registers this class only when tracing is on."""
 
-    def __init__(self, admission: CheckPort, tracing: CheckTracing) -> None:
-        super().__init__(admission)
+    def __init__(self, admission: CheckPort, tracing: CheckTracing, quota: QuotaPort | None = None) -> None:
+        super().__init__(admission, quota)
         self.tracing = tracing
 
     async def Check(  # noqa: N802 (gRPC method name)

@@ -28,13 +28,13 @@ __all__ = [
 def open_limiter(store_url: str | None, settings: LimiterSettings | None = None, *, key_prefix: str = "sluice:rl:",
                  timeout_s: float = 0.5) -> RateLimiter:
     """The backend a URL names: ``None`` or ``memory`` -> this process only; ``redis://`` / ``rediss://`` /
-    ``valkey://`` -> a Valkey (or Redis) server shared by every limiter that names it."""
+    ``unix://`` / ``valkey://`` -> a Valkey (or Redis) server shared by every limiter that names it."""
     if store_url is None or store_url == "memory":
         from ratelimit.memory import MemoryRateLimiter
 
         return MemoryRateLimiter(settings)
     scheme = store_url.split("://", 1)[0]
-    if scheme in ("redis", "rediss", "valkey", "valkeys"):
+    if scheme in ("redis", "rediss", "unix", "valkey", "valkeys"):
         from ratelimit.valkey import ValkeyRateLimiter
 
         url = store_url.replace("valkey", "redis", 1) if scheme.startswith("valkey") else store_url

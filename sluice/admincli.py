@@ -116,6 +116,25 @@ def explanation_text(r: admin_pb2.ExplainDecisionResponse) -> str:
     return f"{head}\n{r.detail}\n\n{table}"
 
 
+def tenants_table(response: admin_pb2.ListTenantsResponse) -> str:
+    """One row per limit (the tenant's own, then each model's share), usage against it: what ``sluice admin tenants``
+    prints."""
+    rows = [("TENANT", "KEYS", "PRIORITY", "MODELS", "SCOPE", "KIND", "USED", "LIMIT", "REMAINING", "RESET")]
+    for t in response.tenants:
+        head = (t.name, str(t.keys), f"{t.default_priority}..{t.max_priority}", ",".join(t.models_allowed) or "all")
+        if t.error:
+            rows.append((*head, "-", "-", "-", "-", "-", f"unavailable: {t.error}"))
+        elif not t.limits:
+            rows.append((*head, "-", "-", "-", "unlimited", "-", "-"))
+        for limit in t.limits:
+            per = "" if limit.kind == "concurrent" else "/min"
+            rows.append((*head, limit.scope, limit.kind, str(limit.used), f"{limit.limit}{per}", str(limit.remaining),
+                         f"{limit.reset_seconds:.1f}s"))
+            head = ("", "", "", "")
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -197,6 +216,11 @@ def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None,
                 engine = stub.DrainEngine(admin_pb2.DrainEngineRequest(name=name, drained=verb == "drain"), timeout=5)
                 text = (json.dumps(MessageToDict(engine, always_print_fields_with_no_presence=True), indent=2)
                         if as_json else f"{engine.name}: {'drained' if engine.drained else 'serving'}")
+            elif verb == "tenants":
+                tenants = stub.ListTenants(admin_pb2.ListTenantsRequest(), timeout=5)
+                text = (json.dumps(MessageToDict(tenants, always_print_fields_with_no_presence=True), indent=2)
+                        if as_json else tenants_table(tenants) if tenants.tenants
+                        else "no tenants configured: authentication is off")
             elif verb == "engines":
                 engines = stub.ListEngines(admin_pb2.ListEnginesRequest(), timeout=5)
                 text = (json.dumps(MessageToDict(engines, always_print_fields_with_no_presence=True), indent=2)

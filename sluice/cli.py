@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ca-file", help="the CA that signed the admin listener's certificate (a listener with admin.tls)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table (watch: one JSON line per decision)")
     p.add_argument("verb", choices=["status", "engines", "drain", "undrain", "explain", "reload", "floor", "policy",
-                                    "watch"])
+                                    "watch", "tenants"])
     p.add_argument("name", nargs="?", help="engine name (drain, undrain), model (explain, watch), model pattern (floor) "
                    "or config file (reload)")
     p.add_argument("version", nargs="?", help="floor: the minimum engine version (\"\" removes the floor)")

@@ -31,8 +31,8 @@ from sluice.threaded import ThreadedControlPlane  # noqa: F401  (re-exported: te
 _LISTENING = re.compile(r"listening on http://[^\s:]+:(\d+)")
 
 
-def http_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def http_json(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> Any:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as response:
         return json.load(response)
 
 
@@ -97,6 +97,8 @@ class Stack:
     a replacement takes Envoy back: ``ThreadedControlPlane(stack.plane_config)``)."""
     admin_ca_file: str | None = None
     """The CA that signed the admin listener's certificate, when the stack runs ``admin.tls``."""
+    api_key: str | None = None
+    """A tenant's key, for a stack with ``tenants:`` (its ``/v1/models`` needs one)."""
 
     def start_controlplane(self) -> None:
         self.controlplane = ThreadedControlPlane(self.plane_config or self.config)
@@ -181,8 +183,10 @@ class Stack:
                                                          admin_port=admin_port))
 
     def wait_serving(self) -> None:
+        auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
         def ready() -> bool:
-            listing = http_json(self.base_url + "/models", timeout=2)
+            listing = http_json(self.base_url + "/models", timeout=2, headers=auth)
             return bool(listing["data"])
 
         wait_for(ready, timeout=30, what="Envoy serving /v1/models")
@@ -231,12 +235,12 @@ def admin_section(work_dir: Path) -> dict[str, Any]:
 
 def start_stack(
     engines: list[tuple[str, str] | dict[str, Any]], work_dir: Path, speed: float = 20.0, *, with_envoy: bool = True,
-    **sections: Any,
+    api_key: str | None = None, **sections: Any,
 ) -> Stack:
     """``engines``: (name, profile) pairs or engine config dicts with a ``sim`` profile, each started as a simulator on port 0
     (``sim_flavor``, ``sim_model`` and ``max_num_seqs`` reach the simulator too; its bound port becomes the entry's ``url``).
     The simulators' profile defaults are written into the config as ``sluice up`` does (``sluice/simulated.py``).
-    ``with_envoy=False``: no Envoy (service tests)."""
+    ``with_envoy=False``: no Envoy (service tests). ``api_key``: a tenant's key (with ``tenants=``), to see it serve."""
     entries = [e if isinstance(e, dict) else {"name": e[0], "sim": e[1]} for e in engines]
     sims: dict[str, subprocess.Popen[bytes]] = {}
     stack: Stack | None = None
@@ -252,7 +256,7 @@ def start_stack(
             entry.setdefault("url", f"http://127.0.0.1:{port}")
         sections.setdefault("admin", admin_section(work_dir))
         raw = with_profile_defaults(stack_raw(entries, **sections))
-        stack = Stack(parse_config(raw), work_dir, raw, sims)
+        stack = Stack(parse_config(raw), work_dir, raw, sims, api_key=api_key)
         stack.start_controlplane()
         if with_envoy:
             stack.start_envoy()

@@ -219,6 +219,14 @@ class Reason(enum.Enum):
     UNKNOWN_MODEL = "unknown_model"
     UNKNOWN_PATH = "unknown_path"
     CONTEXT_LENGTH = "context_length_exceeded"
+    # refused: who asks, and their budget (tenants, controlplane/core/tenants.py)
+    INVALID_API_KEY = "invalid_api_key"
+    """Tenants are configured and the request's bearer key is missing or belongs to none of them."""
+    MODEL_NOT_ALLOWED = "model_not_allowed"
+    """The tenant's ``models_allowed`` does not list the request's model."""
+    RATE_LIMITED = "rate_limit_exceeded"
+    """The tenant's budget (requests, tokens or concurrent requests, its own or its share of the model) has no room:
+    shed with the retry-after the limiter computed, or refused without one when the request exceeds a whole budget."""
     # why an engine does not fit (the fit rules, fit.py; park while they last)
     CAP = "cap"
     """The engine runs its concurrency cap."""
@@ -240,6 +248,8 @@ class Reason(enum.Enum):
     TTFT_UNMEETABLE = "ttft_unmeetable"
     STORE_UNAVAILABLE = "store_unavailable"
     """The shared store cannot be reached and ``store.on_failure`` is ``closed`` (controlplane/store/)."""
+    RATELIMIT_UNAVAILABLE = "ratelimit_unavailable"
+    """The tenants' limiter cannot reach its store and ``ratelimit.on_failure`` is ``closed`` (controlplane/quota.py)."""
 
 
 @dataclass(frozen=True, slots=True)

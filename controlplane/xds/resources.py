@@ -1,7 +1,9 @@
 """Build the Envoy resources sluice serves over ADS: one stable listener, one route table, a cluster and CLA per engine.
 
 The listener carries the whole request path (DESIGN.md): strip client ``x-sluice-*`` headers (Lua, first filter) ->
-ext_authz (body up to ``max_request_bytes`` as raw bytes; larger bodies get 413 from Envoy before any Check) -> router. Its
+the body's model as a header (for the fail-open routes) -> the usage counter (Lua, response side only: a tenant's
+streamed deltas and usage, for the access log to settle) -> ext_authz (body up to ``max_request_bytes`` as raw bytes;
+larger bodies get 413 from Envoy before any Check) -> router. Its
 access log goes to the control plane over gRPC ALS; that entry is the completion signal that releases a ticket.
 
 The listener never changes after start (an LDS change drains connections, SSE streams included): routing moves through RDS
@@ -47,6 +49,12 @@ ACCESS_LOG_NAME = "sluice"
 INFERENCE_PATH_REGEX = "^/v1/(chat/completions|completions|embeddings)$"
 """The OpenAI paths that carry a model and are routed to an engine (the same set ``parse_request`` accepts)."""
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
+USAGE_NAMESPACE = "sluice.usage"
+"""Dynamic metadata the Lua usage filter writes on a tenant's response (``deltas``, and the engine's ``prompt_tokens``,
+``completion_tokens``, ``total_tokens`` when its body carries a ``usage`` object); the access log settles with it."""
+USAGE_PENDING_MAX_BYTES = 65536
+"""The Lua usage filter keeps the text after the last complete SSE event (a whole non-streaming body) up to this much;
+past it only the last 4 KiB stay (a body's ``usage`` object comes last)."""
 
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
@@ -115,6 +123,77 @@ end
 """
 
 
+# The response side of a tenant's request (ext_authz metadata names the tenant; every other response returns at once and
+# is never read). It reads body chunks as they pass (bodyChunks: Envoy does not buffer the stream for it) and keeps in
+# dynamic metadata what the access log settles with: the content deltas streamed so far (written after each chunk that
+# added some, so a client that leaves mid-stream is charged what it was sent) and the engine's usage object when one
+# passes (the non-streaming body's, or the last SSE chunk's with stream_options.include_usage). An event is the text
+# between blank lines; a non-streaming body is one event, read when the body ends.
+_USAGE_LUA = f"""
+local NS = "{USAGE_NAMESPACE}"
+local MAX_PENDING = {USAGE_PENDING_MAX_BYTES}
+local FIELDS = {{"prompt_tokens", "completion_tokens", "total_tokens"}}
+
+function envoy_on_response(handle)
+  local authz = handle:streamInfo():dynamicMetadata():get("{AUTHZ_NAMESPACE}")
+  if authz == nil or authz["tenant"] == nil then
+    return
+  end
+  -- Envoy's objects are valid only until the script yields (each chunk): fetch the metadata object afresh every time.
+  local function put(key, value)
+    handle:streamInfo():dynamicMetadata():set(NS, key, value)
+  end
+  local deltas = 0
+  local pending = ""
+  local function event(text)
+    if string.find(text, '"content"%s*:%s*"[^"]') or string.find(text, '"text"%s*:%s*"[^"]') then
+      deltas = deltas + 1
+    end
+    local at = string.find(text, '"usage"%s*:%s*{{')
+    if at ~= nil then
+      local part = string.sub(text, at, at + 1024)
+      for _, name in ipairs(FIELDS) do
+        local n = string.match(part, '"' .. name .. '"%s*:%s*(%d+)')
+        if n ~= nil then
+          put(name, tonumber(n))
+        end
+      end
+    end
+  end
+  for chunk in handle:bodyChunks() do
+    local size = chunk:length()
+    if size > 0 then
+      local before = deltas
+      pending = pending .. (string.gsub(chunk:getBytes(0, size), "\\r", ""))
+      local start = 1
+      while true do
+        local stop = string.find(pending, "\\n\\n", start, true)
+        if stop == nil then
+          break
+        end
+        event(string.sub(pending, start, stop - 1))
+        start = stop + 2
+      end
+      pending = string.sub(pending, start)
+      if #pending > MAX_PENDING then
+        pending = string.sub(pending, -4096)
+      end
+      if deltas ~= before then
+        put("deltas", deltas)
+      end
+    end
+  end
+  if #pending > 0 then
+    local before = deltas
+    event(pending)
+    if deltas ~= before then
+      put("deltas", deltas)
+    end
+  end
+end
+"""
+
+
 def _status_filter(status: int) -> accesslog_pb2.AccessLogFilter:
     return accesslog_pb2.AccessLogFilter(
         status_code_filter=accesslog_pb2.StatusCodeFilter(
@@ -170,6 +249,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
     )
     model_header = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=_MODEL_HEADER_LUA),
                                clear_route_cache=wrappers_pb2.BoolValue(value=True))
+    usage = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=_USAGE_LUA), stat_prefix="usage")
     authz = ext_authz_pb2.ExtAuthz(
         grpc_service=_controlplane_grpc(config.authz_timeout_s),
         transport_api_version=config_source_pb2.V3,
@@ -198,6 +278,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
             hcm_pb2.HttpFilter(name="sluice.strip_client_headers", typed_config=_any(strip)),
             hcm_pb2.HttpFilter(name="envoy.filters.http.json_to_metadata", typed_config=_any(lift_model)),
             hcm_pb2.HttpFilter(name="sluice.model_header", typed_config=_any(model_header)),
+            hcm_pb2.HttpFilter(name="sluice.usage", typed_config=_any(usage)),
             hcm_pb2.HttpFilter(name="envoy.filters.http.ext_authz", typed_config=_any(authz)),
             hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router())),
         ],

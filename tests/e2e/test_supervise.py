@@ -146,11 +146,14 @@ def test_stopping_drops_a_restart_still_waiting_out_its_backoff(tmp_path: Path) 
 class Up:
     """``sluice up`` as a subprocess; its combined output collected by a thread; its children found by command line."""
 
-    def __init__(self, tmp_path: Path, engines: list[dict[str, Any]], args: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp_path: Path, engines: list[dict[str, Any]], args: tuple[str, ...] = (),
+                 sections: dict[str, Any] | None = None, api_key: str = "unused") -> None:
+        """``sections``: more of the config (``tenants``, ...); ``api_key``: what ``client`` sends."""
         self.raw: dict[str, Any] = {
             "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
             "envoy": {"listen_port": free_port(), "admin_port": free_port()},
             "engines": [{"url": f"http://127.0.0.1:{free_port()}", **e} for e in engines],
+            **(sections or {}),
         }
         config = tmp_path / "sluice.yaml"
         config.write_text(yaml.safe_dump(self.raw))
@@ -164,7 +167,7 @@ class Up:
             wait_for(lambda: "Ctrl-C stops everything." in self.output or self.process.poll() is not None, timeout=60,
                      what="sluice up to be ready")
             assert self.process.poll() is None, f"sluice up ended early:\n{self.output}"
-            self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0)
+            self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key, max_retries=0)
         except BaseException:
             self.close()
             raise

@@ -121,6 +121,7 @@ def test_changed_sections_and_restarts_follow_reloadable() -> None:
         "boxes": {**ONE, "boxes": [{"engines": ["a"], "kv_budget_tokens": 10}]},
         "observe.on_stale": {**ONE, "observe": {"on_stale": "closed"}},
         "engines": {"engines": [{"name": "a", "url": "http://127.0.0.1:2"}]},
+        "tenants": {**ONE, "tenants": {"acme": {"keys": ["a" * 64]}}},
     }
     assert set(variants) == set(RELOADABLE)
     for name, raw in variants.items():

@@ -23,9 +23,10 @@ from controlplane.xds.resources import INFERENCE_PATH_REGEX, build_listener, bui
 
 REFUSED = {Reason.INVALID_JSON, Reason.JSON_TOO_DEEP, Reason.MISSING_MODEL, Reason.INVALID_MAX_TOKENS,
            Reason.INVALID_PRIORITY, Reason.INVALID_MAX_TTFT_MS, Reason.INVALID_SESSION, Reason.UNKNOWN_MODEL,
-           Reason.UNKNOWN_PATH, Reason.CONTEXT_LENGTH}
+           Reason.UNKNOWN_PATH, Reason.CONTEXT_LENGTH, Reason.INVALID_API_KEY, Reason.MODEL_NOT_ALLOWED,
+           Reason.RATE_LIMITED}
 SHED = {Reason.NO_READY_ENGINE, Reason.VERSION_FLOOR, Reason.SATURATED, Reason.QUEUE_FULL, Reason.PARK_TIMEOUT,
-        Reason.TTFT_UNMEETABLE, Reason.STORE_UNAVAILABLE}
+        Reason.TTFT_UNMEETABLE, Reason.STORE_UNAVAILABLE, Reason.RATELIMIT_UNAVAILABLE}
 
 
 def test_every_reason_and_failure_has_one_reply() -> None:
@@ -39,6 +40,9 @@ def test_every_error_code_lives_once_and_its_type_follows_its_status() -> None:
     codes = [r.code for r in errors]
     assert len(codes) == len(set(codes)), "two reasons share an error code"
     for r in errors:
+        if r.status == 429:  # the request is fine, its tenant's budget is not
+            assert (r.type, r.code) == ("rate_limit_error", "rate_limit_exceeded"), r
+            continue
         assert r.type == ("invalid_request_error" if 400 <= r.status < 500 else "server_error"), r
     assert all(REPLIES[r].status == 503 for r in SHED)
     assert all(400 <= REPLIES[r].status < 500 for r in REFUSED)
