@@ -28,6 +28,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf import duration_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane.core.tenants import key_digest
 from tests.harness import Stack, free_port, http_json, set_metrics_fault, start_stack, stop, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +43,11 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$engine": ".*"}
 EVENT_ONLY = {"sluice_engine_retries_total", "sluice_engine_request_failures_total", "sluice_config_reloads_total",
               "sluice_admin_refused_total", "sluice_admin_watch_dropped_total",
               # the shared store failing, or another replica taking a slot first: never with one replica on memory
-              "sluice_store_errors_total", "sluice_store_refusals_total"}
+              "sluice_store_errors_total", "sluice_store_refusals_total",
+              # the limiter's store failing: never on memory
+              "sluice_ratelimit_errors_total"}
+TENANT_KEY = "sk-observer"
+"""The one tenant's key: every request but one (a wrong key, for the refusal counters) sends it."""
 THRESHOLD = re.compile(r"^(?P<base>.+?)\s*(?:==|!=|>=|<=|>|<)\s*-?[0-9.e+]+\s*$", re.S)
 
 
@@ -61,11 +66,11 @@ class Observed:
     statuses: dict[int, int]
 
 
-def _post_chat(stack: Stack, max_tokens: int) -> int:
+def _post_chat(stack: Stack, max_tokens: int, key: str = TENANT_KEY) -> int:
     body = json.dumps({"model": "cortex", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
                        "messages": [{"role": "user", "content": "tell me a story"}]}).encode()
     request = urllib.request.Request(stack.base_url + "/chat/completions", data=body,
-                                     headers={"content-type": "application/json"})
+                                     headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             response.read()
@@ -111,6 +116,9 @@ def _drive_traffic(stack: Stack) -> dict[int, int]:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         for status in pool.map(lambda _: _post_chat(stack, 4), range(8)):
             statuses[status] = statuses.get(status, 0) + 1
+    # A key no tenant holds: 401 (the tenants' refusal counter).
+    status = _post_chat(stack, 4, key="sk-nobody")
+    statuses[status] = statuses.get(status, 0) + 1
     # An engine whose /metrics fails goes stale (3 polls of 0.2 s), then fresh again.
     spark = stack.sim_url("spark")
     set_metrics_fault(spark, "error")
@@ -136,6 +144,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         admission={"max_queue_depth": 3, "max_park_seconds": 3.0},
         tickets={"lease_seconds": 1.0, "reap_interval_seconds": 0.2},
         observe={"prefill_sample_min_tokens": 0},  # short prompts still measure a prefill rate
+        # One tenant with a budget far above the traffic: its requests are charged and settled (the tenants' metrics).
+        tenants={"observer": {"keys": [key_digest(TENANT_KEY)], "limits": {"tokens_per_minute": 10_000_000}}},
+        api_key=TENANT_KEY,
     )
     prometheus = None
     url = None
@@ -207,6 +218,7 @@ def exposition(stack: Stack) -> dict[str, tuple[str, set[str] | None]]:
 def test_traffic_made_every_kind_of_event(observed: Observed) -> None:
     assert observed.statuses.get(200), observed.statuses
     assert observed.statuses.get(503), observed.statuses  # sheds
+    assert observed.statuses.get(401) == 1, observed.statuses  # the wrong key
     text = exposition(observed.stack)
     assert text["sluice_tickets_expired_total"][1] == {"engine"}  # reaped by lease
 
