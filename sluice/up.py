@@ -290,10 +290,31 @@ def _spawn(name: str, command: list[str], log_dir: Path, *, restart: bool = True
     return child
 
 
-def _fetch_models(base: str) -> list[str]:
+TENANTS_ONLY = "(tenants are configured: list the models with a tenant's key)"
+
+
+def _engines_up(metrics_url: str) -> bool:
+    """Whether the control plane reports a fresh engine (``sluice_engine_up`` 1 on its metrics port)."""
+    with urllib.request.urlopen(metrics_url, timeout=2) as response:
+        text = response.read().decode()
+    return any(line.startswith("sluice_engine_up{") and line.rstrip().endswith(" 1.0") for line in text.splitlines())
+
+
+def _fetch_models(base: str, metrics_url: str | None = None) -> list[str]:
     try:
         with urllib.request.urlopen(base + "/models", timeout=2) as response:
             listing = json.load(response)
+    except urllib.error.HTTPError as exc:
+        # With tenants configured the listing needs a key sluice up does not have; a 401 invalid_api_key from the Check
+        # shows the path works (Envoy, ext_authz, the control plane), and its metrics show whether an engine is ready.
+        if exc.code == 401 and metrics_url is not None and b"invalid_api_key" in exc.read():
+            try:
+                if _engines_up(metrics_url):
+                    return [TENANTS_ONLY]
+            except OSError as down:
+                raise NotReady(str(down)) from None
+            raise NotReady("no engine ready yet") from None
+        raise NotReady(str(exc)) from None
     except (OSError, urllib.error.URLError, ValueError) as exc:
         raise NotReady(str(exc)) from None
     models = [m["id"] for m in listing.get("data", [])]
@@ -302,15 +323,17 @@ def _fetch_models(base: str) -> list[str]:
     return models
 
 
-def wait_ready(base: str, children: list[Child], timeout: float = READY_TIMEOUT_S) -> list[str]:
-    """Until Envoy answers ``GET /v1/models`` with at least one model served by a ready engine."""
+def wait_ready(base: str, children: list[Child], timeout: float = READY_TIMEOUT_S,
+               metrics_url: str | None = None) -> list[str]:
+    """Until Envoy answers ``GET /v1/models`` with at least one model served by a ready engine (with tenants: until it
+    answers 401 and the control plane's ``metrics_url`` shows a ready engine)."""
 
     def attempt() -> list[str]:
         for child in children:
             if child.process is not None and child.process.poll() is not None:
                 raise RuntimeError(f"{child.name} exited with {describe_exit(child.process.returncode)} during start-up "
                                    f"(log: {child.log_path})")
-        return _fetch_models(base)
+        return _fetch_models(base, metrics_url)
 
     try:
         for retry in Retrying(
@@ -502,7 +525,8 @@ def run_up(config_path: str | None, log_format: str = "text", replicas: int = 1,
     base = f"http://{config.envoy.listen_host}:{config.envoy.listen_port}/v1"
     code = 0
     try:
-        models = wait_ready(base, children)
+        cp = config.controlplane
+        models = wait_ready(base, children, metrics_url=f"http://{cp.host}:{cp.metrics_port}/metrics")
         print(f"sluice is up.\n  base URL: {base}\n  model:    {', '.join(models)}\n"
               f"  admin:    sluice admin engines --target {config.controlplane.admin_host}:"
               f"{config.controlplane.admin_port}" + (f" --token-file {token_file}" if token_file else "") + "\n"
