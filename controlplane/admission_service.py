@@ -347,7 +347,12 @@ class AdmissionService:
     # -- lifecycle -------------------------------------------------------------------------------------------------------
     async def open_store(self) -> None:
         """Before any Check: join the store and learn every ticket it holds (a restart picks up the ledger)."""
-        await self.store.open()
+        try:
+            await self._timed("heartbeat", self.store.open())
+        except StoreUnavailable as exc:  # serve per store.on_failure; the heartbeat loop resyncs once it answers
+            log.error("the shared store does not answer at start-up (%s); store.on_failure: %s", exc,
+                      self.config.store.on_failure.value)
+            self.store_up = False
         connected = asyncio.Event()
 
         def on_connected() -> None:
@@ -355,8 +360,9 @@ class AdmissionService:
                 self._spawn(self._resync())
             connected.set()
         self._tasks.append(asyncio.create_task(self.store.listen(self._heard, on_connected), name="store-events"))
-        await self._resync()
-        self.metrics.store_up.set(1)
+        if self.store_up:
+            await self._resync()
+        self.metrics.store_up.set(1 if self.store_up else 0)
         try:
             await asyncio.wait_for(connected.wait(), self.config.store.timeout_seconds * 4)
         except asyncio.TimeoutError:
