@@ -12,13 +12,15 @@ code, the same first probe round, the same stagger and backoff) and writes a fra
 Frames are a 4-byte big-endian length and a pickle (parent and child are the same program; nothing else writes to the
 pipe). The control plane's ``EnginePoller``s hold the views (``adopt``): drains and request failures stay there. Both
 processes read ``time.monotonic``, one clock on one host, so the worker's times are the control plane's. The worker exits
-when its stdin closes (the control plane went away) and the control plane restarts a worker that dies.
+when its stdin closes (the control plane went away) and the control plane restarts a worker that dies. It runs at nice
+``WORKER_NICE``: on a busy host the Checks' loop gets the CPU first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pickle
 import struct
 import sys
@@ -88,7 +90,12 @@ async def run_worker(setup: WorkerSetup, out: asyncio.StreamWriter | Any, stdin_
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+WORKER_NICE = 5
+"""The worker yields the CPU to the control plane when both want it: a probe a few ms late costs nothing, a Check does."""
+
+
 async def _main() -> None:
+    os.nice(WORKER_NICE)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
