@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from controlplane.config import Config, StoreOnFailure
 from controlplane.core.admission import AdmissionCore, Outcome
@@ -74,6 +74,7 @@ class AdmissionService:
         self._wake_task: asyncio.Task[None] | None = None
         self._releasing: set[str] = set()
         self._release_tasks: set[asyncio.Task[None]] = set()
+        self._store_timers: dict[str, Any] = {}
         self._recently_released: dict[str, None] = {}
         """Ticket ids other replicas released lately (insertion-ordered, bounded by ``RECENT_RELEASES``)."""
         self._release_backlog: set[str] = set()
@@ -453,7 +454,10 @@ class AdmissionService:
             self.metrics.store_errors.labels(op).inc()
             raise StoreUnavailable(f"{op}: {exc}") from exc
         finally:
-            self.metrics.store_seconds.labels(op).observe(time.perf_counter() - started)
+            timer = self._store_timers.get(op)
+            if timer is None:  # a labelled child looked up once per op, not per call
+                timer = self._store_timers[op] = self.metrics.store_seconds.labels(op)
+            timer.observe(time.perf_counter() - started)
 
     async def _call(self, op: str, call: Awaitable[_T], default: _T) -> _T:
         """A store call whose failure changes nothing but the line's accuracy (park, unpark): logged and counted."""
