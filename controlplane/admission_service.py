@@ -14,6 +14,11 @@ before it parks. Other replicas' admissions and releases arrive as ``StoreEvent`
 release wakes the parking lot. Releases reach the store in the background; until the store confirms one, a refusal's list
 of the engine's tickets never brings that ticket back (``_releasing``).
 
+The shared line must order this replica's parked requests as its lot does, or each would wait for a head the other never
+offers: parks and unparks reach the store one at a time in the order they were made (``_in_line``; concurrent calls would
+travel on different connections and land in any order), and a wake does not admit a request whose park has not landed
+yet (it is woken again when it lands; a shed meanwhile waits for its Check in ``_early``).
+
 With the memory store (one replica) the store agrees with the mirror by construction, no call suspends, and the port
 costs a few dictionary writes per admission. When the store cannot be reached, ``store.on_failure`` decides: ``open``
 keeps the admission on this replica's ledger (``_unsynced``: written back when the store returns), ``closed`` answers
@@ -84,6 +89,14 @@ class AdmissionService:
         self._unsynced: dict[str, Ticket] = {}
         """Tickets admitted while the store was unreachable (``on_failure: open``)."""
         self.store_up = True
+        self._line_lock = asyncio.Lock()
+        """Held for each park and unpark: they reach the store one at a time, in the order they were made."""
+        self._parking: set[str] = set()
+        """Parked requests whose place in the shared line is not written yet (their ``park`` call is on its way)."""
+        self._parks_awaited: set[str] = set()
+        """Models whose wake stopped at a request in ``_parking``: woken again when its park lands."""
+        self._early: dict[str, Outcome] = {}
+        """Answers (a shed) given to a parked request before its Check reached ``wait_parked``."""
 
     # -- CheckPort ---------------------------------------------------------------------------------------------------
     @property
@@ -110,9 +123,7 @@ class AdmissionService:
                 outcome = self.core.check(request_id, request, fleet, now, ahead_elsewhere)
             if outcome.decision.verdict is Verdict.PARK:
                 self.metrics.admission_parked.labels(self.model_label(request.model)).inc()
-                assert request.model is not None
-                await self._call("park", self.store.park(request.model, self.core.class_index(request), request_id),
-                                 None)
+                await self._enter_line(request_id, request)
                 return outcome
             if outcome.ticket is None:
                 return outcome
@@ -159,8 +170,51 @@ class AdmissionService:
                 self.core.learn(self.shared.to_local(held), None, now)
         return reserved.refusal
 
+    async def _enter_line(self, request_id: str, request: InferenceRequest) -> None:
+        """Write a request the core just parked into the shared line. Until that write lands, a wake does not admit it
+        (``_settle``): the store's line would not know it, and its late ``park`` would leave a member nobody removes at
+        the line's head. A client gone meanwhile takes the request out of the lot and, after its park, out of the line."""
+        model = request.model
+        assert model is not None
+        klass = self.core.class_index(request)
+        self._parking.add(request_id)
+        try:
+            await self._in_line("park", lambda: self.store.park(model, klass, request_id))
+        except asyncio.CancelledError:
+            self._early.pop(request_id, None)
+            where = self.core.where(request_id)
+            if self.core.cancel(request_id):
+                self.metrics.park_cancelled.inc()
+                self.metrics.parked_now.set(self.core.depth())
+                self._unpark_later(where, request_id)
+            raise
+        finally:
+            self._parking.discard(request_id)
+            if model in self._parks_awaited:
+                self._parks_awaited.discard(model)
+                self.wake([model])
+
+    async def _in_line(self, op: str, call: Callable[[], Awaitable[None]]) -> None:
+        """A park or unpark, made one at a time in the order they were asked for: concurrent calls would travel on
+        different connections of the store's client and land in any order, and the shared line would then disagree with
+        this replica's lot about who is first (each waiting for a head the other never offers). Skipped while the store
+        does not answer (the first failure says so at once, so later calls do not queue up behind timeouts)."""
+        async with self._line_lock:
+            if not self.store_up:
+                return
+            try:
+                await self._timed(op, call())
+            except StoreUnavailable as exc:
+                log.error("the shared store does not answer (%s); store.on_failure: %s", exc,
+                          self.config.store.on_failure.value)
+                self.store_up = False
+                self.metrics.store_up.set(0)
+
     async def wait_parked(self, request_id: str) -> Outcome:
         """Hold a parked Check until a wake admits it or its deadline sheds it; a cancelled Check leaves nothing."""
+        early = self._early.pop(request_id, None)
+        if early is not None:  # shed while its park was on its way
+            return early
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._parked[request_id] = future
         self.metrics.parked_now.set(self.core.depth())
@@ -182,6 +236,7 @@ class AdmissionService:
 
     def give_back(self, request_id: str, outcome: Outcome | None) -> None:
         """A Check failed inside the control plane: whatever it holds (a place in the lot, a ticket) is returned."""
+        self._early.pop(request_id, None)
         where = self.core.where(request_id)
         if self.core.cancel(request_id):
             self.metrics.parked_now.set(self.core.depth())
@@ -296,10 +351,13 @@ class AdmissionService:
                 answered.append(outcome)
                 continue
             refusal: Refusal | None = Refusal.QUEUED
-            if model not in blocked:
-                refusal = await self._commit(outcome, parked.request, self.observation.fleet(now), now)
-            else:
+            if model in blocked:
                 self.core.retract(outcome, now)
+            elif outcome.request_id in self._parking:  # not in the shared line yet: it waits for its park to land
+                self.core.retract(outcome, now)
+                self._parks_awaited.add(model)
+            else:
+                refusal = await self._commit(outcome, parked.request, self.observation.fleet(now), now)
             if refusal is None:
                 answered.append(outcome)
                 continue
@@ -323,13 +381,16 @@ class AdmissionService:
     def _unpark_later(self, where: tuple[str, int] | None, request_id: str) -> None:
         """A request left the lot without an admission (cancelled, shed): it leaves the shared line too."""
         if where is not None:
-            self._spawn(self._call("unpark", self.store.unpark(where[0], where[1], request_id), None))
+            model, klass = where
+            self._spawn(self._in_line("unpark", lambda: self.store.unpark(model, klass, request_id)))
 
     def _resolve(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
             future = self._parked.pop(outcome.request_id, None)
             if future is not None and not future.done():
                 future.set_result(outcome)
+            elif outcome.request_id in self._parking:  # its Check has not reached wait_parked yet
+                self._early[outcome.request_id] = outcome
             elif outcome.ticket is not None:
                 self.release_ticket(outcome.ticket.ticket_id)
         if outcomes:
@@ -458,14 +519,6 @@ class AdmissionService:
             if timer is None:  # a labelled child looked up once per op, not per call
                 timer = self._store_timers[op] = self.metrics.store_seconds.labels(op)
             timer.observe(time.perf_counter() - started)
-
-    async def _call(self, op: str, call: Awaitable[_T], default: _T) -> _T:
-        """A store call whose failure changes nothing but the line's accuracy (park, unpark): logged and counted."""
-        try:
-            return await self._timed(op, call)
-        except StoreUnavailable as exc:
-            log.debug("store %s failed: %s", op, exc)
-            return default
 
     def _spawn(self, work: Awaitable[None]) -> asyncio.Task[None]:
         async def run() -> None:
