@@ -443,7 +443,9 @@ class AdmissionService:
         """Another replica's admission, release or unpark: the mirror follows; freed capacity or a shorter line wakes."""
         now = self.clock()
         if event.kind is EventKind.ADMITTED and event.ticket is not None:
-            self.core.learn(self.shared.to_local(event.ticket), event.session, now)
+            # ... unless its access-log entry reached this replica before this event did: released here already.
+            if event.ticket_id not in self._releasing and event.ticket_id not in self._recently_released:
+                self.core.learn(self.shared.to_local(event.ticket), event.session, now)
             if self.core.depth(event.model):  # it may have been the line's head that held ours back
                 self.wake([event.model])
         elif event.kind is EventKind.RELEASED:
