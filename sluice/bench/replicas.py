@@ -790,12 +790,14 @@ class Throughput:
     p50_ms: float
     p99_ms: float
     cpu: dict[str, float]
+    reaped: float = 0.0
+    """Tickets reaped (lease or idle probe) instead of released, from the window's start until the drain after it."""
 
 
 class Window:
     """What the replicas counted and the processes' CPU between ``open`` and ``close``."""
 
-    NAMES = ("sluice_admission_decisions_total", "sluice_admission_parked_total")
+    NAMES = ("sluice_admission_decisions_total", "sluice_admission_parked_total", "sluice_tickets_expired_total")
 
     def __init__(self, stack: Stack, fleet: Fleet) -> None:
         self.stack = stack
@@ -933,12 +935,13 @@ async def grpc_decisions(stack: Stack, window: Window, seconds: float,
 
 
 def _throughput(label: str, way: str, window: Window, answers: int, kinds: str, latencies: list[float]) -> Throughput:
+    reaped = sum(window.stack.counters("sluice_tickets_expired_total")) - window.before["sluice_tickets_expired_total"]
     return Throughput(label, way, answers / window.seconds,
                       window.delta("sluice_admission_decisions_total") / window.seconds, kinds,
                       window.delta("sluice_admission_parked_total"),
                       {r: window.delta(r) for r in ("cap", "kv", "queued") if window.delta(r)},
                       median(latencies) if latencies else float("nan"),
-                      pct(latencies, 99) if latencies else float("nan"), window.meter.shares)
+                      pct(latencies, 99) if latencies else float("nan"), window.meter.shares, reaped)
 
 
 def run_grpc_throughput(stack: Stack, fleet: Fleet, label: str, seconds: float) -> Throughput:
@@ -1244,7 +1247,8 @@ def report(plan: Plan, exact: Sequence[Exactness], throughput: Sequence[Throughp
     cpu_names = sorted({name for t in throughput for name in t.cpu}, key=lambda n: (n != "client", n))
     throughput_rows = "\n".join(
         f"| {t.label} | {t.way} | **{t.decisions_per_s:.0f}** | {t.server_decisions_per_s:.0f} | {t.parked:.0f} | "
-        f"{', '.join(f'{k} {v:g}' for k, v in t.refusals.items()) or '-'} | {_ms(t.p50_ms)} / {_ms(t.p99_ms)} | "
+        f"{', '.join(f'{k} {v:g}' for k, v in t.refusals.items()) or '-'} | {t.reaped:g} | "
+        f"{_ms(t.p50_ms)} / {_ms(t.p99_ms)} | "
         + " | ".join(f"{t.cpu[n]:.0%}" if n in t.cpu else "-" for n in cpu_names) + f" | {sum(t.cpu.values()):.0%} |"
         for t in throughput)
     by = {(t.label, t.way): t for t in throughput}
@@ -1305,7 +1309,9 @@ and both replicas held parked requests, replica 1 was killed with SIGKILL.
 slots. Requests: `POST /v1/chat/completions`, model `{MODEL}`, one short user message, `ignore_eos: true` with a fixed
 `max_tokens` (output length = max_tokens exactly): {BURST_TOKENS} tokens streamed in the bursts, {FAILOVER_TOKENS} in the
 failover, 1 token (not streamed) for throughput and latency. One client mix (no priorities, deadlines or sessions): every
-request is in the `standard` class. Plan: {'quick' if plan is QUICK else 'full'} ({plan}). Run took {elapsed:.0f} s; load
+request is in the `standard` class. Plan: {'quick' if plan is QUICK else 'full'} (burst {plan.burst} through
+{', '.join(map(str, plan.replicas))} replicas; {plan.throughput_s:g} s throughput windows; {plan.latency_segments} x
+{plan.segment_s:g} s latency segments per store; {plan.failover_requests} requests in the failover). Run took {elapsed:.0f} s; load
 average (1, 5, 15 min) before {', '.join(f'{x:.1f}' for x in load_before)}, after
 {', '.join(f'{x:.1f}' for x in load_after)}. This machine has {os.cpu_count()} cores, shared with other agents' work.
 
@@ -1326,8 +1332,8 @@ overtaken by one that parked more than {FIFO_TOLERANCE_S * 1000:g} ms later and 
 gRPC: {CHECK_WORKERS} concurrent `Check`s straight to the replicas (no Envoy, no engine). HTTP: {HTTP_WORKERS} concurrent
 one-token chat completions through Envoy. CPU: share of one core over the window (utime + stime from /proc).
 
-| config | way | decisions/s (client) | decisions/s (server) | parked | store refusals | Check / request latency p50 / p99 (ms, client) | {' | '.join(f'CPU {n}' for n in cpu_names)} | CPU total |
-|---|---|---|---|---|---|---|{'---|' * len(cpu_names)}---|
+| config | way | decisions/s (client) | decisions/s (server) | parked | store refusals | tickets reaped | Check / request latency p50 / p99 (ms, client) | {' | '.join(f'CPU {n}' for n in cpu_names)} | CPU total |
+|---|---|---|---|---|---|---|---|{'---|' * len(cpu_names)}---|
 {throughput_rows}
 
 {chr(10).join(f"- {r}" for r in ratios)}
