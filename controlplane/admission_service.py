@@ -81,7 +81,9 @@ class AdmissionService:
         self._release_tasks: set[asyncio.Task[None]] = set()
         self._store_timers: dict[str, Any] = {}
         self._recently_released: dict[str, None] = {}
-        """Ticket ids other replicas released lately (insertion-ordered, bounded by ``RECENT_RELEASES``)."""
+        """Ticket ids released in the store lately, by any replica (insertion-ordered, bounded by ``RECENT_RELEASES``): a
+        refusal's list of an engine's tickets, read after the release though the store made it before, never brings one
+        back into the mirror."""
         self._release_backlog: set[str] = set()
         """Releases the store could not take (it was unreachable): sent when it is back."""
         self._owned: set[str] = set()
@@ -164,8 +166,9 @@ class AdmissionService:
         self.metrics.store_refusals.labels(reserved.refusal.value).inc()
         self.core.retract(outcome, now)
         for held in reserved.engine_tickets:  # the mirror catches up with what the store holds for that engine
-            # ... except tickets whose release this replica sent or already heard of (the refusal's list and the release
-            # event race: a ticket learned after its release would hold a slot here until its lease).
+            # ... except tickets released lately: this replica's own (in flight or confirmed) or another's it heard of (the
+            # refusal may be read after the release although the store decided before it: a ticket learned again would
+            # hold a slot here until the idle probe or its lease reaps it).
             if held.ticket_id not in self._releasing and held.ticket_id not in self._recently_released:
                 self.core.learn(self.shared.to_local(held), None, now)
         return reserved.refusal
@@ -282,6 +285,7 @@ class AdmissionService:
         async def release() -> None:
             try:
                 await self._timed("release", self.store.release(ticket_id))
+                self._remember_released(ticket_id)
             except StoreUnavailable:
                 self._release_backlog.add(ticket_id)
             finally:
@@ -446,17 +450,22 @@ class AdmissionService:
         """Another replica's admission, release or unpark: the mirror follows; freed capacity or a shorter line wakes."""
         now = self.clock()
         if event.kind is EventKind.ADMITTED and event.ticket is not None:
-            self.core.learn(self.shared.to_local(event.ticket), event.session, now)
+            # ... unless its access-log entry reached this replica before this event did: released here already.
+            if event.ticket_id not in self._releasing and event.ticket_id not in self._recently_released:
+                self.core.learn(self.shared.to_local(event.ticket), event.session, now)
             if self.core.depth(event.model):  # it may have been the line's head that held ours back
                 self.wake([event.model])
         elif event.kind is EventKind.RELEASED:
-            self._recently_released[event.ticket_id] = None
-            while len(self._recently_released) > RECENT_RELEASES:
-                del self._recently_released[next(iter(self._recently_released))]
+            self._remember_released(event.ticket_id)
             if self.core.release(event.ticket_id, now) is not None or self.core.depth(event.model):
                 self.wake([event.model])
         elif event.kind is EventKind.UNPARKED:
             self.wake([event.model])
+
+    def _remember_released(self, ticket_id: str) -> None:
+        self._recently_released[ticket_id] = None
+        while len(self._recently_released) > RECENT_RELEASES:
+            del self._recently_released[next(iter(self._recently_released))]
 
     async def _resync(self) -> None:
         """Bring the store and the mirror together: backlogged releases, tickets the store lost, tickets it holds."""
