@@ -41,8 +41,8 @@ stubs: $(STUBS)
 prometheus:
 	@sh deploy/tools/ensure-prometheus.sh
 
-# Every benchmark, one after another (about 35 minutes; steady alone about 22): each prints its figures and writes bench/results/<scenario>.md.
-BENCHES := observe overhead t10 steady cag4 fleet chaos
+# Every benchmark, one after another (about 38 minutes; steady alone about 22): each prints its figures and writes bench/results/<scenario>.md.
+BENCHES := observe overhead t10 steady cag4 fleet chaos replicas
 bench: install
 	for b in $(BENCHES); do $(VENV)/bin/sluice bench $$b || exit 1; done
 

@@ -14,6 +14,11 @@ before it parks. Other replicas' admissions and releases arrive as ``StoreEvent`
 release wakes the parking lot. Releases reach the store in the background; until the store confirms one, a refusal's list
 of the engine's tickets never brings that ticket back (``_releasing``).
 
+The shared line must order this replica's parked requests as its lot does, or each would wait for a head the other never
+offers: parks and unparks reach the store one at a time in the order they were made (``_in_line``; concurrent calls would
+travel on different connections and land in any order), and a wake does not admit a request whose park has not landed
+yet (it is woken again when it lands; a shed meanwhile waits for its Check in ``_early``).
+
 With the memory store (one replica) the store agrees with the mirror by construction, no call suspends, and the port
 costs a few dictionary writes per admission. When the store cannot be reached, ``store.on_failure`` decides: ``open``
 keeps the admission on this replica's ledger (``_unsynced``: written back when the store returns), ``closed`` answers
@@ -28,7 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from controlplane.config import Config, StoreOnFailure
 from controlplane.core.admission import AdmissionCore, Outcome
@@ -74,8 +79,11 @@ class AdmissionService:
         self._wake_task: asyncio.Task[None] | None = None
         self._releasing: set[str] = set()
         self._release_tasks: set[asyncio.Task[None]] = set()
+        self._store_timers: dict[str, Any] = {}
         self._recently_released: dict[str, None] = {}
-        """Ticket ids other replicas released lately (insertion-ordered, bounded by ``RECENT_RELEASES``)."""
+        """Ticket ids released in the store lately, by any replica (insertion-ordered, bounded by ``RECENT_RELEASES``): a
+        refusal's list of an engine's tickets, read after the release though the store made it before, never brings one
+        back into the mirror."""
         self._release_backlog: set[str] = set()
         """Releases the store could not take (it was unreachable): sent when it is back."""
         self._owned: set[str] = set()
@@ -83,6 +91,14 @@ class AdmissionService:
         self._unsynced: dict[str, Ticket] = {}
         """Tickets admitted while the store was unreachable (``on_failure: open``)."""
         self.store_up = True
+        self._line_lock = asyncio.Lock()
+        """Held for each park and unpark: they reach the store one at a time, in the order they were made."""
+        self._parking: set[str] = set()
+        """Parked requests whose place in the shared line is not written yet (their ``park`` call is on its way)."""
+        self._parks_awaited: set[str] = set()
+        """Models whose wake stopped at a request in ``_parking``: woken again when its park lands."""
+        self._early: dict[str, Outcome] = {}
+        """Answers (a shed) given to a parked request before its Check reached ``wait_parked``."""
 
     # -- CheckPort ---------------------------------------------------------------------------------------------------
     @property
@@ -109,9 +125,7 @@ class AdmissionService:
                 outcome = self.core.check(request_id, request, fleet, now, ahead_elsewhere)
             if outcome.decision.verdict is Verdict.PARK:
                 self.metrics.admission_parked.labels(self.model_label(request.model)).inc()
-                assert request.model is not None
-                await self._call("park", self.store.park(request.model, self.core.class_index(request), request_id),
-                                 None)
+                await self._enter_line(request_id, request)
                 return outcome
             if outcome.ticket is None:
                 return outcome
@@ -152,14 +166,58 @@ class AdmissionService:
         self.metrics.store_refusals.labels(reserved.refusal.value).inc()
         self.core.retract(outcome, now)
         for held in reserved.engine_tickets:  # the mirror catches up with what the store holds for that engine
-            # ... except tickets whose release this replica sent or already heard of (the refusal's list and the release
-            # event race: a ticket learned after its release would hold a slot here until its lease).
+            # ... except tickets released lately: this replica's own (in flight or confirmed) or another's it heard of (the
+            # refusal may be read after the release although the store decided before it: a ticket learned again would
+            # hold a slot here until the idle probe or its lease reaps it).
             if held.ticket_id not in self._releasing and held.ticket_id not in self._recently_released:
                 self.core.learn(self.shared.to_local(held), None, now)
         return reserved.refusal
 
+    async def _enter_line(self, request_id: str, request: InferenceRequest) -> None:
+        """Write a request the core just parked into the shared line. Until that write lands, a wake does not admit it
+        (``_settle``): the store's line would not know it, and its late ``park`` would leave a member nobody removes at
+        the line's head. A client gone meanwhile takes the request out of the lot and, after its park, out of the line."""
+        model = request.model
+        assert model is not None
+        klass = self.core.class_index(request)
+        self._parking.add(request_id)
+        try:
+            await self._in_line("park", lambda: self.store.park(model, klass, request_id))
+        except asyncio.CancelledError:
+            self._early.pop(request_id, None)
+            where = self.core.where(request_id)
+            if self.core.cancel(request_id):
+                self.metrics.park_cancelled.inc()
+                self.metrics.parked_now.set(self.core.depth())
+                self._unpark_later(where, request_id)
+            raise
+        finally:
+            self._parking.discard(request_id)
+            if model in self._parks_awaited:
+                self._parks_awaited.discard(model)
+                self.wake([model])
+
+    async def _in_line(self, op: str, call: Callable[[], Awaitable[None]]) -> None:
+        """A park or unpark, made one at a time in the order they were asked for: concurrent calls would travel on
+        different connections of the store's client and land in any order, and the shared line would then disagree with
+        this replica's lot about who is first (each waiting for a head the other never offers). Skipped while the store
+        does not answer (the first failure says so at once, so later calls do not queue up behind timeouts)."""
+        async with self._line_lock:
+            if not self.store_up:
+                return
+            try:
+                await self._timed(op, call())
+            except StoreUnavailable as exc:
+                log.error("the shared store does not answer (%s); store.on_failure: %s", exc,
+                          self.config.store.on_failure.value)
+                self.store_up = False
+                self.metrics.store_up.set(0)
+
     async def wait_parked(self, request_id: str) -> Outcome:
         """Hold a parked Check until a wake admits it or its deadline sheds it; a cancelled Check leaves nothing."""
+        early = self._early.pop(request_id, None)
+        if early is not None:  # shed while its park was on its way
+            return early
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._parked[request_id] = future
         self.metrics.parked_now.set(self.core.depth())
@@ -181,6 +239,7 @@ class AdmissionService:
 
     def give_back(self, request_id: str, outcome: Outcome | None) -> None:
         """A Check failed inside the control plane: whatever it holds (a place in the lot, a ticket) is returned."""
+        self._early.pop(request_id, None)
         where = self.core.where(request_id)
         if self.core.cancel(request_id):
             self.metrics.parked_now.set(self.core.depth())
@@ -227,6 +286,7 @@ class AdmissionService:
         async def release() -> None:
             try:
                 await self._timed("release", self.store.release(ticket_id))
+                self._remember_released(ticket_id)
             except StoreUnavailable:
                 self._release_backlog.add(ticket_id)
             finally:
@@ -296,10 +356,13 @@ class AdmissionService:
                 answered.append(outcome)
                 continue
             refusal: Refusal | None = Refusal.QUEUED
-            if model not in blocked:
-                refusal = await self._commit(outcome, parked.request, self.observation.fleet(now), now)
-            else:
+            if model in blocked:
                 self.core.retract(outcome, now)
+            elif outcome.request_id in self._parking:  # not in the shared line yet: it waits for its park to land
+                self.core.retract(outcome, now)
+                self._parks_awaited.add(model)
+            else:
+                refusal = await self._commit(outcome, parked.request, self.observation.fleet(now), now)
             if refusal is None:
                 answered.append(outcome)
                 continue
@@ -323,13 +386,16 @@ class AdmissionService:
     def _unpark_later(self, where: tuple[str, int] | None, request_id: str) -> None:
         """A request left the lot without an admission (cancelled, shed): it leaves the shared line too."""
         if where is not None:
-            self._spawn(self._call("unpark", self.store.unpark(where[0], where[1], request_id), None))
+            model, klass = where
+            self._spawn(self._in_line("unpark", lambda: self.store.unpark(model, klass, request_id)))
 
     def _resolve(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
             future = self._parked.pop(outcome.request_id, None)
             if future is not None and not future.done():
                 future.set_result(outcome)
+            elif outcome.request_id in self._parking:  # its Check has not reached wait_parked yet
+                self._early[outcome.request_id] = outcome
             elif outcome.ticket is not None:
                 self.release_ticket(outcome.ticket.ticket_id)
         if outcomes:
@@ -348,7 +414,12 @@ class AdmissionService:
     # -- lifecycle -------------------------------------------------------------------------------------------------------
     async def open_store(self) -> None:
         """Before any Check: join the store and learn every ticket it holds (a restart picks up the ledger)."""
-        await self.store.open()
+        try:
+            await self._timed("heartbeat", self.store.open())
+        except StoreUnavailable as exc:  # serve per store.on_failure; the heartbeat loop resyncs once it answers
+            log.error("the shared store does not answer at start-up (%s); store.on_failure: %s", exc,
+                      self.config.store.on_failure.value)
+            self.store_up = False
         connected = asyncio.Event()
 
         def on_connected() -> None:
@@ -356,8 +427,9 @@ class AdmissionService:
                 self._spawn(self._resync())
             connected.set()
         self._tasks.append(asyncio.create_task(self.store.listen(self._heard, on_connected), name="store-events"))
-        await self._resync()
-        self.metrics.store_up.set(1)
+        if self.store_up:
+            await self._resync()
+        self.metrics.store_up.set(1 if self.store_up else 0)
         try:
             await asyncio.wait_for(connected.wait(), self.config.store.timeout_seconds * 4)
         except asyncio.TimeoutError:
@@ -379,17 +451,22 @@ class AdmissionService:
         """Another replica's admission, release or unpark: the mirror follows; freed capacity or a shorter line wakes."""
         now = self.clock()
         if event.kind is EventKind.ADMITTED and event.ticket is not None:
-            self.core.learn(self.shared.to_local(event.ticket), event.session, now)
+            # ... unless its access-log entry reached this replica before this event did: released here already.
+            if event.ticket_id not in self._releasing and event.ticket_id not in self._recently_released:
+                self.core.learn(self.shared.to_local(event.ticket), event.session, now)
             if self.core.depth(event.model):  # it may have been the line's head that held ours back
                 self.wake([event.model])
         elif event.kind is EventKind.RELEASED:
-            self._recently_released[event.ticket_id] = None
-            while len(self._recently_released) > RECENT_RELEASES:
-                del self._recently_released[next(iter(self._recently_released))]
+            self._remember_released(event.ticket_id)
             if self.core.release(event.ticket_id, now) is not None or self.core.depth(event.model):
                 self.wake([event.model])
         elif event.kind is EventKind.UNPARKED:
             self.wake([event.model])
+
+    def _remember_released(self, ticket_id: str) -> None:
+        self._recently_released[ticket_id] = None
+        while len(self._recently_released) > RECENT_RELEASES:
+            del self._recently_released[next(iter(self._recently_released))]
 
     async def _resync(self) -> None:
         """Bring the store and the mirror together: backlogged releases, tickets the store lost, tickets it holds."""
@@ -448,15 +525,10 @@ class AdmissionService:
             self.metrics.store_errors.labels(op).inc()
             raise StoreUnavailable(f"{op}: {exc}") from exc
         finally:
-            self.metrics.store_seconds.labels(op).observe(time.perf_counter() - started)
-
-    async def _call(self, op: str, call: Awaitable[_T], default: _T) -> _T:
-        """A store call whose failure changes nothing but the line's accuracy (park, unpark): logged and counted."""
-        try:
-            return await self._timed(op, call)
-        except StoreUnavailable as exc:
-            log.debug("store %s failed: %s", op, exc)
-            return default
+            timer = self._store_timers.get(op)
+            if timer is None:  # a labelled child looked up once per op, not per call
+                timer = self._store_timers[op] = self.metrics.store_seconds.labels(op)
+            timer.observe(time.perf_counter() - started)
 
     def _spawn(self, work: Awaitable[None]) -> asyncio.Task[None]:
         async def run() -> None:

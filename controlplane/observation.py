@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
@@ -22,6 +24,7 @@ from controlplane.core.model import EngineRates, EngineView, Fleet
 from controlplane.metrics import SluiceMetrics
 from controlplane.observe.poller import EnginePoller, ProbeError
 from controlplane.observe.rates import RateBook
+from controlplane.observe.worker import WorkerSetup, encode, read_frame
 
 log = logging.getLogger("sluice.observe")
 
@@ -29,6 +32,10 @@ ProbeSink = Callable[[EngineView, "EngineRates | None"], None]
 
 INDEX_MIN_ENGINES = 16
 """From this many engines on, Checks decide on the fleet index (measured crossover: about 10 engines)."""
+
+WORKER_START_S = 5.0
+"""Beyond the probe timeout, how long start-up waits for the probe worker's first round (a process to start)."""
+WORKER_RESTART_S = 0.5
 
 OUTPUT_SAMPLES_PER_PROBE = 32
 """At most this many output-length samples per probe, so one busy engine cannot flush the whole ring at once."""
@@ -50,6 +57,7 @@ class Observation:
         self._was_stale: dict[str, bool] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._worker_task: asyncio.Task[None] | None = None
 
     # -- what others read ------------------------------------------------------------------------------------------------
     def fleet(self, now: float) -> Fleet:
@@ -165,6 +173,10 @@ class Observation:
         # One pooled session for every poller, unbounded: a poller holds at most one connection, so none waits on another.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         engines = self.config.engines
+        if self.config.observe.probes_in_worker(len(engines)):
+            self.pollers = [self._holder(e) for e in engines]
+            await self._start_worker()
+            return
         interval = self.config.observe.poll_interval_seconds
         for index, engine in enumerate(engines):
             self._start_poller(engine, interval * (1 + index / len(engines)))
@@ -184,6 +196,15 @@ class Observation:
         old = {e.name: e for e in self.config.engines}
         new = {e.name: e for e in config.engines}
         self.config = config
+        if self._worker_task is not None:  # the worker probes the new set from a fresh start; views carry over
+            for name, engine in old.items():
+                if new.get(name) != engine:
+                    self._stop_poller(name)
+            self.pollers = [*self.pollers, *(self._holder(e) for e in config.engines if old.get(e.name) != e)]
+            order = {e.name: i for i, e in enumerate(config.engines)}
+            self.pollers = sorted(self.pollers, key=lambda p: order[p.config.name])
+            self._restart_worker()
+            return
         for name, engine in old.items():
             if new.get(name) != engine:
                 self._stop_poller(name)
@@ -194,6 +215,10 @@ class Observation:
         self.pollers = sorted(self.pollers, key=lambda p: order[p.config.name])
 
     async def stop(self) -> None:
+        if self._worker_task is not None:
+            self._worker_task.cancel()
+            await asyncio.gather(self._worker_task, return_exceptions=True)
+            self._worker_task = None
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
@@ -201,6 +226,69 @@ class Observation:
         self._tasks.clear()
         if self._session is not None:
             await self._session.close()
+
+    # -- the probe worker (observe/worker.py) --------------------------------------------------------------------------
+    def _holder(self, engine: EngineConfig) -> EnginePoller:
+        """A poller that never probes: it holds the views the worker sends (and this process's drains and failures)."""
+        assert self._session is not None
+        return EnginePoller(engine, self.config.observe, self._session, self.probed, clock=self.clock)
+
+    async def _start_worker(self) -> None:
+        """Start the worker and wait for its first probe round (bounded), then keep reading it in a task."""
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._worker_task = asyncio.create_task(self._run_worker(ready), name="probe-worker")
+        wait = self.config.observe.poll_timeout_seconds + WORKER_START_S
+        try:
+            await asyncio.wait_for(asyncio.shield(ready), wait)
+        except asyncio.TimeoutError:
+            log.warning("the probe worker's first round did not finish within %.1fs; serving meanwhile", wait)
+
+    def _restart_worker(self) -> None:
+        if self._worker_task is not None:
+            self._worker_task.cancel()
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._worker_task = asyncio.create_task(self._run_worker(ready), name="probe-worker")
+
+    async def _run_worker(self, ready: asyncio.Future[None]) -> None:
+        """Run the worker, apply its frames; restart it (after ``WORKER_RESTART_S``) whenever it exits."""
+        setup = WorkerSetup(tuple(p.config for p in self.pollers), self.config.observe,
+                            logging.getLogger().getEffectiveLevel())
+        while True:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "controlplane.observe.worker", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE)
+            assert process.stdin is not None and process.stdout is not None
+            try:
+                process.stdin.write(encode(setup))
+                await process.stdin.drain()
+                while True:
+                    frame = await read_frame(process.stdout)
+                    self._apply_frame(frame, ready)
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                log.error("the probe worker exited (%s); restarting it in %.1fs", exc, WORKER_RESTART_S)
+            finally:
+                if process.returncode is None:
+                    process.stdin.close()
+                    try:
+                        await asyncio.wait_for(process.wait(), 2.0)
+                    except (asyncio.TimeoutError, asyncio.CancelledError):
+                        process.kill()
+                        await process.wait()
+            await asyncio.sleep(WORKER_RESTART_S)
+
+    def _apply_frame(self, frame: tuple[Any, ...], ready: asyncio.Future[None]) -> None:
+        kind = frame[0]
+        if kind == "ready":
+            if not ready.done():
+                ready.set_result(None)
+            return
+        view: EngineView = frame[1]
+        poller = self._by_name.get(view.name) or self._find(view.name)
+        if poller is None:  # removed by a reload since the worker started
+            return
+        poller.adopt(view)
+        if kind == "probed":
+            self.probed(poller.view(self.clock()), frame[2])
 
     def _start_poller(self, engine: EngineConfig, offset: float) -> None:
         assert self._session is not None

@@ -98,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-ttft-ms", type=int, default=0, help="explain: a TTFT deadline (0: none)")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
-    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos", "ratelimit"])
+    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos", "replicas",
+                                        "ratelimit"])
     p.add_argument("--engines", metavar="N|FILE",
                    help="observe: how many simulated engines to poll (default 1000); overhead, steady: a YAML file listing the "
                         "engines to front instead of a simulator (e.g. real llama.cpp servers, see sluice/real/llama.py)")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
-    p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open); ratelimit: "
-                   "a tenth of the charges")
+    p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open); replicas: a "
+                   "400-request burst through 1 and 2 replicas, shorter windows (about a minute and a half); ratelimit: "
+                   "shorter windows and a tenth of the limiter's charges")
     p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable")
     p.add_argument("--mix", action="append", help="steady: only this client mix (open, capped, deadline); repeatable")
     p.add_argument("--level", action="append", type=float, help="steady: only this load level (e.g. 1.1); repeatable")
@@ -151,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_forever(args.port, args.host, args.persistent, args.data_dir)
     if args.command == "bench":
+        if args.scenario == "replicas":
+            from sluice.bench.replicas import run_replicas_bench
+
+            return run_replicas_bench(args.quick)
         if args.scenario == "chaos":
             from sluice.bench.chaos import run_chaos_bench
 

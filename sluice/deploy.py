@@ -15,9 +15,11 @@ Written under ``--out`` (default ``deploy/kubernetes``):
 
 What the manifests describe, and why:
 
-- The control plane: a Deployment of **1 replica**. Its tickets, parking order and sessions live in its memory; a
-  second replica would admit against half the truth. The Deployment, its PodDisruptionBudget (``maxUnavailable: 1``)
-  and the Valkey StatefulSet are ready for 2+ once the shared store (issue 11) lands; until then Valkey runs unused.
+- The control plane: a Deployment of **2 replicas** (``CONTROLPLANE_REPLICAS``; its PodDisruptionBudget keeps one up)
+  sharing one exact ledger in the Valkey StatefulSet (``store.backend: valkey``, ``store.url`` the StatefulSet's Service,
+  written into the config unless it names a store of its own; a config that insists on ``memory`` gets 1 replica).
+  Valkey keeps an append-only file on its volume. Each replica advertises its own pod IP as the retry redirector, so the
+  xDS resources of two replicas differ in that endpoint (Envoy follows the replica its ADS stream is on).
   The pod binds its own IP (``controlplane.host`` is the pod IP, put into the config at start by the container's
   command, ``@POD_IP@`` -> ``$POD_IP``): the control plane advertises that address to Envoy as the retry redirector
   endpoint of every engine cluster, so it must be an address other pods reach. A changed policy ConfigMap rolls the
@@ -66,6 +68,9 @@ CONTROLPLANE = "sluice-controlplane"
 label (the ServiceMonitor's Service) is this, as the alert rules expect."""
 ENVOY = "sluice-envoy"
 VALKEY = "sluice-valkey"
+VALKEY_URL = f"redis://{VALKEY}:6379/0"
+"""The StatefulSet's Service (headless, one pod): the control planes' ``store.url``."""
+CONTROLPLANE_REPLICAS = 2
 POD_IP_PLACEHOLDER = "@POD_IP@"
 CONFIG_DIR = "/etc/sluice"
 RUNTIME_CONFIG = "/tmp/sluice.yaml"
@@ -98,6 +103,11 @@ def cluster_raw_config(raw: dict[str, Any]) -> dict[str, Any]:
     admin["token_file"] = ADMIN_TOKEN_FILE
     out["admin"] = admin
     out.setdefault("envoy", {})["listen_host"] = "0.0.0.0"
+    # Several replicas share one ledger in the Valkey StatefulSet (issue 11); a config that names its own store keeps it.
+    store = out.get("store") or {}
+    if store.get("backend", "memory") == "memory":
+        store = {**store, "backend": "valkey", "url": VALKEY_URL}
+    out["store"] = store
     for engine in out.get("engines") or []:
         if isinstance(engine, dict):
             engine.pop("sim", None)  # nothing starts simulators in a cluster: every engine runs elsewhere
@@ -169,9 +179,9 @@ def base_manifests(raw: dict[str, Any], config: Config) -> dict[str, list[Manife
          "data": {"config.yaml": cfg_text}},
         {"apiVersion": "apps/v1", "kind": "Deployment",
          "metadata": _meta(CONTROLPLANE, "controlplane", annotations={
-             "sluice.io/replicas": "1 until the shared store (issue 11): tickets and the parking order are in memory"}),
+             "sluice.io/replicas": "any number: tickets, the parking line and sessions live in the shared store"}),
          "spec": {
-             "replicas": 1,
+             "replicas": CONTROLPLANE_REPLICAS if config.store.backend.value == "valkey" else 1,
              "selector": {"matchLabels": _labels("controlplane")},
              "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
              "template": {
@@ -262,19 +272,20 @@ def base_manifests(raw: dict[str, Any], config: Config) -> dict[str, list[Manife
 
     valkey = [
         {"apiVersion": "v1", "kind": "Service",
-         "metadata": _meta(VALKEY, "store", annotations={"sluice.io/unused": "until the shared store (issue 11)"}),
+         "metadata": _meta(VALKEY, "store"),
          "spec": {"clusterIP": "None", "selector": _labels("store"),
                   "ports": [{"name": "valkey", "port": 6379, "targetPort": "valkey", "protocol": "TCP"}]}},
         {"apiVersion": "apps/v1", "kind": "StatefulSet",
-         "metadata": _meta(VALKEY, "store", annotations={"sluice.io/unused": "until the shared store (issue 11)"}),
+         "metadata": _meta(VALKEY, "store"),
          "spec": {
              "serviceName": VALKEY, "replicas": 1, "selector": {"matchLabels": _labels("store")},
              "template": {"metadata": {"labels": _labels("store")}, "spec": {
                  "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "fsGroup": 999},
                  "containers": [{
                      "name": "valkey", "image": VALKEY_IMAGE,
-                     # Tickets and leases are rebuilt from engine probes after a restart: no persistence needed.
-                     "args": ["--save", "", "--appendonly", "no"],
+                     # The ledger survives a Valkey restart: append-only file, fsync every second (a crash loses at
+                     # most the last second's admissions, which leases and probes correct). No RDB snapshots.
+                     "args": ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", "/data"],
                      "ports": [{"name": "valkey", "containerPort": 6379, "protocol": "TCP"}],
                      "readinessProbe": {"exec": {"command": ["valkey-cli", "ping"]}, "periodSeconds": 5},
                      "livenessProbe": {"tcpSocket": {"port": "valkey"}, "initialDelaySeconds": 10, "periodSeconds": 10},

@@ -47,11 +47,14 @@ class EnginePoller:
         session: aiohttp.ClientSession,
         on_probe: ProbeCallback,
         clock: Callable[[], float] = time.monotonic,
+        on_failure: Callable[[EngineView], None] | None = None,
     ) -> None:
         self.config = engine
         self.observe = observe
         self._session = session
         self._on_probe = on_probe
+        self._on_failure = on_failure
+        """A failed probe's view (the probe worker forwards it: ``last_error`` for the operators)."""
         self._clock = clock
         self._configured_flavor = engine.flavor.configured
         self._view = EngineView(
@@ -138,7 +141,18 @@ class EnginePoller:
         if self.failures == 1:
             log.warning("engine %s: probe failed: %s", self.config.name, exc)
         self._view = replace(self._view, last_error=str(exc))
+        if self._on_failure is not None:
+            self._on_failure(self._view)
 
+    def adopt(self, view: EngineView) -> None:
+        """The probe worker's view of this engine (``observe/worker.py``): taken whole, except what only this process
+        knows: the operator's drain, and a request failure newer than the view's probe."""
+        if self._failed_at is not None and view.sample is not None and view.sample.taken_at > self._failed_at:
+            log.info("engine %s answers probes again after a failed request", self.config.name)
+            self._failed_at = None
+        if view.last_ok_at is not None and view.last_ok_at != self._view.last_ok_at:
+            self.probes += 1
+        self._view = replace(view, drained=self._view.drained)
     async def _get(self, path: str, *, as_json: bool, optional: bool = False) -> Any:
         timeout = aiohttp.ClientTimeout(total=self.observe.poll_timeout_seconds)
         try:

@@ -300,10 +300,10 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
         heapq.heappush(events, (finish, seq, "finish", o.request_id))
         seq += 1
 
-    def check(rid: str) -> None:
-        """authz.py's Check: the fleet, the core's answer, the metrics; a parked Check waits on the plane's future."""
-        now = sim.now
-        outcome = plane.admission.check(rid, requests[rid][1], plane.fleet(now), now)
+    async def check(rid: str) -> None:
+        """authz.py's Check: the service's check (the fleet, the core's answer, the write to the store), the metrics; a
+        parked Check waits on the plane's future."""
+        outcome = await plane.service.check(rid, requests[rid][1])
         plane.service.record_outcome("m", outcome)
         if outcome.decision.verdict is Verdict.PARK:
             future: asyncio.Future[Outcome] = loop.create_future()
@@ -322,10 +322,17 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
             window.update(cpu=sum(sim.cpu.values()), decisions=calls["decide"])
         sim.now = last_event = at
         if kind == "arrive":
-            sim.timed("checks", lambda: check(name))
+            started = time.process_time()
+            await check(name)
+            sim.cpu["checks"] += time.process_time() - started
         elif kind == "finish":
             del owner.pop(name).running[name]
             sim.timed("releases", lambda: plane.release_ticket(name))
+            # The wake a release schedules (and the store write before it) runs on the next turns of the loop.
+            started = time.process_time()
+            for _ in range(WAKE_TURNS):
+                await asyncio.sleep(0)
+            sim.cpu["releases"] += time.process_time() - started
         elif kind == "probe":
             if sim.now > end:
                 continue
@@ -375,6 +382,10 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
         "pushes_per_min_idle": idle_pushes / IDLE_SECONDS * 60,
         "pushes_per_min_traffic": (plane.weight_pushes - pushes_before) / duration * 60,
     }
+
+
+WAKE_TURNS = 4
+"""Event-loop turns after a release: its store write, then the wake it scheduled, then the futures the wake resolved."""
 
 
 def run_fleet_bench() -> int:

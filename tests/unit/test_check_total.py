@@ -193,9 +193,15 @@ def check_request(body: bytes, headers: dict[str, str] | None = None) -> externa
 
 @pytest.fixture
 def plane(monkeypatch: pytest.MonkeyPatch) -> ControlPlane:
-    """A control plane that is never started; its fleet is one fresh engine serving cortex with ``cap`` seats."""
-    plane = ControlPlane(parse_config({"engines": [{"name": "thor", "url": "http://127.0.0.1:9"}],
-                                       "controlplane": {"max_check_queue_ms": 1000, "overload_retry_after_seconds": 3}}))
+    return one_engine_plane(monkeypatch, {"engines": [{"name": "thor", "url": "http://127.0.0.1:9"}],
+                                          "controlplane": {"max_check_queue_ms": 1000,
+                                                           "overload_retry_after_seconds": 3}})
+
+
+def one_engine_plane(monkeypatch: pytest.MonkeyPatch, raw: dict[str, Any]) -> ControlPlane:
+    """A control plane from ``raw`` that is never started; its fleet is one fresh engine serving cortex with
+    ``plane.cap_running[0]`` seats, ``plane.cap_running[1]`` of them taken."""
+    plane = ControlPlane(parse_config(raw))
     plane.cap_running = (4, 0)  # type: ignore[attr-defined]
 
     def fleet(now: float) -> Fleet:

@@ -127,7 +127,11 @@ def test_overlay_build_equals_kubectl_kustomize(rendered: Path, objects: list[di
 
 def test_production_shape(objects: list[dict[str, Any]]) -> None:
     cp = deploy.find(objects, "Deployment", deploy.CONTROLPLANE)
-    assert cp["spec"]["replicas"] == 1  # until the shared store: see sluice/deploy.py
+    assert cp["spec"]["replicas"] == 2  # one exact ledger in the Valkey StatefulSet: see sluice/deploy.py
+    config = yaml.safe_load(deploy.find(objects, "ConfigMap", "sluice-config")["data"]["config.yaml"])
+    assert config["store"] == {"backend": "valkey", "url": deploy.VALKEY_URL}
+    (valkey,) = deploy.find(objects, "StatefulSet", deploy.VALKEY)["spec"]["template"]["spec"]["containers"]
+    assert valkey["args"][valkey["args"].index("--appendonly") + 1] == "yes"  # the ledger survives a Valkey restart
     (container,) = cp["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "registry.example.com/sluice:0.1.0"  # the overlay's image
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"

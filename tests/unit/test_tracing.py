@@ -19,10 +19,10 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from controlplane.app import ControlPlane
 from controlplane.authz import AuthorizationServicer
 from controlplane.config import DEFAULTS, ConfigError, TracingConfig, parse_config
-from controlplane.core.model import EngineSample, EngineView, Fleet, ServedModel
+from controlplane.core.model import EngineSample, EngineView, ServedModel
 from controlplane.tracing import CHECK_SPAN, SCOPE, CheckTracing, TracedAuthorizationServicer
 from tests.otlp import OtlpReceiver, ReceivedSpan
-from tests.unit.test_check_total import FakeContext, chat_body, check_request, denial
+from tests.unit.test_check_total import FakeContext, chat_body, check_request, denial, one_engine_plane
 
 ONE = {"engines": [{"name": "thor", "url": "http://127.0.0.1:9"}]}
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -94,22 +94,9 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 def make_plane(monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver, **tracing: Any) -> ControlPlane:
-    """A control plane that is never started, tracing to ``receiver``; its fleet is one fresh engine serving cortex with
-    ``cap_running[0]`` seats, ``cap_running[1]`` of them taken (as in test_check_total)."""
-    plane = ControlPlane(parse_config({**ONE, "tracing": {"enabled": True, "otlp_endpoint": receiver.endpoint,
-                                                          "service_name": "sluice-test", **tracing}}))
-    plane.cap_running = (4, 0)  # type: ignore[attr-defined]
-
-    def fleet(now: float) -> Fleet:
-        cap, running = plane.cap_running  # type: ignore[attr-defined]
-        view = EngineView(name="thor", url="", max_num_seqs=cap, models=(ServedModel("cortex", 32_768),),
-                          version="0.11.0", sample=EngineSample(now, running=running, waiting=0, kv_usage=0.0,
-                                                                kv_capacity_tokens=100_000),
-                          last_ok_at=now, stale=False, chip_class="thor")
-        return plane.admission.fleet([view], now)
-
-    monkeypatch.setattr(plane.observation, "fleet", fleet)
-    return plane
+    """A control plane that is never started, tracing to ``receiver`` (its fleet as in test_check_total)."""
+    return one_engine_plane(monkeypatch, {**ONE, "tracing": {"enabled": True, "otlp_endpoint": receiver.endpoint,
+                                                             "service_name": "sluice-test", **tracing}})
 
 
 @pytest.fixture

