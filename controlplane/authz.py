@@ -56,6 +56,9 @@ log = logging.getLogger("sluice.authz")
 INTERNAL_ERROR = Failure.INTERNAL_ERROR
 OVERLOADED = Failure.CONTROLPLANE_OVERLOADED
 _OVERLOAD_LOG_EVERY_S = 5.0
+MAX_CHARGED_REQUEST_ID = 200
+"""A tenant's request is charged under its request id (the limiter takes up to 256 characters, and a duplicate gets a
+9-character suffix); a longer client-sent x-request-id is replaced by a fresh one."""
 
 
 def queued_s(context: grpc.aio.ServicerContext[Any, Any], authz_timeout_s: float) -> float | None:
@@ -187,6 +190,9 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
                 Verdict.REJECT, Reason.MODEL_NOT_ALLOWED,
                 detail=f"This API key may not use the model {parsed.model!r}")))
         parsed = replace(parsed, priority=tenant_priority(tenant, asked_priority, parsed.priority))
+        if len(request_id) > MAX_CHARGED_REQUEST_ID:  # a client's own x-request-id, too long to name a charge
+            self._in_flight.discard(request_id)
+            request_id = self._unique(uuid.uuid4().hex)
         if self.quota is None:
             return _Gate(request_id, parsed, charge=TenantCharge(tenant.name, parsed.prompt_tokens, False))
         try:

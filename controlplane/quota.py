@@ -84,7 +84,7 @@ def make_limiter(config: Config) -> RateLimiter:
                                concurrency_retry_after_s=config.ratelimit.concurrency_retry_after_seconds)
     url = config.store.url if config.store.backend is StoreBackend.VALKEY else None
     return open_limiter(url, settings, key_prefix=f"{config.store.prefix}:rl:",
-                        timeout_s=config.ratelimit.timeout_seconds)
+                        timeout_s=config.ratelimit.timeout_seconds, max_connections=config.ratelimit.max_connections)
 
 
 def _rate_headers(verdict: LimitVerdict) -> tuple[tuple[str, str], ...]:

@@ -26,7 +26,7 @@ __all__ = [
 
 
 def open_limiter(store_url: str | None, settings: LimiterSettings | None = None, *, key_prefix: str = "sluice:rl:",
-                 timeout_s: float = 0.5) -> RateLimiter:
+                 timeout_s: float = 0.5, max_connections: int = 32) -> RateLimiter:
     """The backend a URL names: ``None`` or ``memory`` -> this process only; ``redis://`` / ``rediss://`` /
     ``unix://`` / ``valkey://`` -> a Valkey (or Redis) server shared by every limiter that names it."""
     if store_url is None or store_url == "memory":
@@ -38,5 +38,6 @@ def open_limiter(store_url: str | None, settings: LimiterSettings | None = None,
         from ratelimit.valkey import ValkeyRateLimiter
 
         url = store_url.replace("valkey", "redis", 1) if scheme.startswith("valkey") else store_url
-        return ValkeyRateLimiter(url, settings, key_prefix=key_prefix, timeout_s=timeout_s)
+        return ValkeyRateLimiter(url, settings, key_prefix=key_prefix, timeout_s=timeout_s,
+                                 max_connections=max_connections)
     raise ValueError(f"store URL {store_url!r}: expected 'memory' or redis://host:port/db (rediss:// with TLS)")

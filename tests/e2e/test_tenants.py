@@ -202,3 +202,11 @@ def test_a_client_that_leaves_mid_stream_is_charged_what_it_was_sent(stack: Stac
     assert 5 <= charged < 1000, charged  # what it was sent (and what was in flight), not the 2000 it asked for
     tokens = tenant_limits(stack, "leaves")["leaves:tokens"]
     assert tokens.remaining > 100_000 - 1000, tokens
+
+
+def test_a_client_request_id_too_long_to_name_a_charge_is_replaced_not_refused(stack: Stack) -> None:
+    request = urllib.request.Request(
+        stack.base_url + "/chat/completions", data=json.dumps(chat(2)).encode(), method="POST",
+        headers={"content-type": "application/json", "authorization": "Bearer sk-beta", "x-request-id": "r" * 300})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200 and response.headers["x-ratelimit-limit-tokens"] == "1000000"
