@@ -121,7 +121,8 @@ def _run_size(size: int, observe: dict[str, float]) -> dict[str, Any]:
         engines = [{"name": f"e{i}", "url": f"http://127.0.0.1:{port}", "max_num_seqs": 256, "models": ["reasoning"],
                     "flavor": "vllm"} for i, port in enumerate(ports)]
         started = time.monotonic()
-        with gateway(engines, **({"observe": observe} if observe else {})) as config:
+        sections: dict[str, Any] = {"observe": observe} if observe else {}
+        with gateway(engines, **sections) as config:
             ready_s = time.monotonic() - started
             url = config["base_url"] + "/v1/chat/completions"
             metrics_url = f"http://127.0.0.1:{config['controlplane']['metrics_port']}/metrics"

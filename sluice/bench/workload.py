@@ -38,8 +38,10 @@ class Result:
 
 
 @contextmanager
-def gateway(engines: list[dict[str, Any]], **sections: Any) -> Iterator[dict[str, Any]]:
-    """``sluice up`` on a config with free ports; yields the config (with its ports) while it runs."""
+def gateway(engines: list[dict[str, Any]], *, up_args: tuple[str, ...] = (),
+            **sections: Any) -> Iterator[dict[str, Any]]:
+    """``sluice up`` on a config with free ports (``up_args``: more of its options, e.g. ``--store valkey``); yields the
+    config (with its ports) while it runs."""
     config: dict[str, Any] = {
         "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
@@ -51,8 +53,8 @@ def gateway(engines: list[dict[str, Any]], **sections: Any) -> Iterator[dict[str
     work = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     path = work / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    up = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(path)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(path), *up_args],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         seen = ""
         while "Ctrl-C stops everything." not in seen:
