@@ -8,12 +8,15 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import queue
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import openai
 import pytest
 
@@ -32,6 +35,7 @@ TENANTS: dict[str, Any] = {
     "refund": {"keys": [key_digest("sk-refund")], "limits": {"tokens_per_minute": 1000}},
     "waits": {"keys": [key_digest("sk-waits")], "limits": {"tokens_per_minute": 120}},
     "leaves": {"keys": [key_digest("sk-leaves")], "limits": {"tokens_per_minute": 100_000}},
+    "modest": {"keys": [key_digest("sk-modest")], "priority": {"default": "sheddable", "max": "standard"}},
 }
 
 
@@ -210,3 +214,30 @@ def test_a_client_request_id_too_long_to_name_a_charge_is_replaced_not_refused(s
         headers={"content-type": "application/json", "authorization": "Bearer sk-beta", "x-request-id": "r" * 300})
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200 and response.headers["x-ratelimit-limit-tokens"] == "1000000"
+
+
+def test_a_tenants_class_is_its_default_or_capped_at_its_max(stack: Stack) -> None:
+    """Seen where the decision is recorded: the admin API's decision stream names the tenant and the class it ran at."""
+    events: queue.Queue[admin_pb2.DecisionEvent] = queue.Queue()
+    stream = stack.admin().WatchDecisions(admin_pb2.WatchDecisionsRequest(model="cortex"))
+
+    def tail() -> None:
+        try:
+            for event in stream:
+                events.put(event)
+        except grpc.RpcError:
+            pass
+
+    threading.Thread(target=tail, daemon=True).start()
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
+    wait_for(lambda: plane.service.feed.watchers, what="the watcher subscribed")
+    modest = client(stack, "sk-modest")
+    try:
+        for asked, ran in ((None, "sheddable"), ("critical", "standard"), ("sheddable", "sheddable")):
+            headers = {"x-sluice-priority": asked} if asked else {}
+            modest.chat.completions.create(**chat(2), extra_headers=headers)
+            event = events.get(timeout=10)
+            assert (event.tenant, event.priority, event.verdict) == ("modest", ran, "admit"), (asked, event)
+    finally:
+        stream.cancel()
