@@ -362,7 +362,7 @@ def make_store(config: Config) -> Store:
         return MemoryStore(replica_id=replica)
     if st.url is None:
         raise ConfigError(["store.url: the valkey backend needs a server URL (sluice up --store valkey starts one)"])
-    return ValkeyStore(st.url, replica, st.prefix, st.timeout_seconds, st.session_ttl_seconds)
+    return ValkeyStore(st.url, replica, st.prefix, st.timeout_seconds, st.session_ttl_seconds, st.max_connections)
 
 
 def _credentials(tls: ServerTls | None, section: str) -> grpc.ServerCredentials | None:

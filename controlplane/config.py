@@ -335,6 +335,8 @@ class StoreConfig:
     session_ttl_seconds: float = 3600.0
     reserve_attempts: int = 3
     """Admissions tried per Check when other replicas keep taking the chosen slot first; then the request parks."""
+    max_connections: int = 64
+    """Connections a replica opens to the store at most; calls beyond wait for one (up to ``timeout_seconds``)."""
 
 
 class RateLimitOnFailure(enum.StrEnum):
@@ -744,6 +746,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         heartbeat_seconds=float(c.number("store.heartbeat_seconds", st["heartbeat_seconds"], minimum=0.05)),
         session_ttl_seconds=float(c.number("store.session_ttl_seconds", st["session_ttl_seconds"], minimum=1)),
         reserve_attempts=int(c.number("store.reserve_attempts", st["reserve_attempts"], minimum=1, integer=True)),
+        max_connections=int(c.number("store.max_connections", st["max_connections"], minimum=1, integer=True)),
     )
     if store.url is not None and not store.url.startswith(("redis://", "rediss://", "unix://")):
         c.problems.append(f"store.url: must be a redis://, rediss:// or unix:// URL, got {store.url!r}")

@@ -182,14 +182,19 @@ def _text(value: Any) -> str:
 
 class ValkeyStore:
     def __init__(self, url: str, replica_id: str, prefix: str = "sluice", timeout_s: float = 0.5,
-                 session_ttl_s: float = 3600.0) -> None:
+                 session_ttl_s: float = 3600.0, max_connections: int = 64) -> None:
         self.url = url
         self.replica_id = replica_id
         self.prefix = prefix
         self.timeout_s = timeout_s
         self.session_ttl_s = session_ttl_s
-        self.client: aioredis.Redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False)
+        # A bounded pool whose callers wait (up to the timeout) for a free connection: redis-py's default pool raises
+        # "Too many connections" past 100 concurrent calls, which a 2000-request burst reaches and which would count
+        # as the store being down.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, retry_on_timeout=False)
+        self.client: aioredis.Redis = aioredis.Redis(connection_pool=pool)
         # The subscription's own client has no read timeout: a quiet channel is normal, a closed socket still raises.
         self._subscriber: aioredis.Redis = aioredis.Redis.from_url(url, socket_connect_timeout=timeout_s)
         self._scripts = {name: self.client.register_script(text) for name, text in (
