@@ -52,6 +52,10 @@ class EngineSample:
     """Requests the engine finished (its per-request output-length histogram's ``_count``)."""
     finished_output_tokens_total: float | None = None
     """Tokens those finished requests generated (the same histogram's ``_sum``)."""
+    prefix_cache_queries_total: float | None = None
+    """Prompt tokens the engine looked up in its prefix cache (vLLM ``prefix_cache_queries``, SGLang prompt tokens)."""
+    prefix_cache_hits_total: float | None = None
+    """Prompt tokens it found there and did not prefill (vLLM ``prefix_cache_hits``, SGLang ``cached_tokens``)."""
 
     @property
     def queue(self) -> float | None:

@@ -48,6 +48,10 @@ class FlavorSpec:
     prefill_counters: tuple[str, str] | None = None
     output_length_histograms: tuple[str, ...] = ()
     """Per finished request, the tokens it generated: ``_sum`` over ``_count`` is the real mean answer length."""
+    prefix_cache_queries: tuple[str, ...] = ()
+    """Prompt tokens looked up in the engine's prefix cache (counter)."""
+    prefix_cache_hits: tuple[str, ...] = ()
+    """Prompt tokens found there (counter): prefill skipped them."""
     required: tuple[str, ...] = ()
     """Load gauges this flavour must expose; missing ones make the engine degraded (the startup self-check)."""
 
@@ -63,6 +67,8 @@ SPECS: dict[Flavor, FlavorSpec] = {
         decode_latency_histograms=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
         prefill_histograms=("vllm:request_prompt_tokens", "vllm:request_prefill_time_seconds"),
         output_length_histograms=("vllm:request_generation_tokens",),
+        prefix_cache_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+        prefix_cache_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
         required=("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
     ),
     Flavor.SGLANG: FlavorSpec(
@@ -74,6 +80,8 @@ SPECS: dict[Flavor, FlavorSpec] = {
         prompt_tokens=("sglang:prompt_tokens_total",),
         generation_tokens=("sglang:generation_tokens_total",),
         decode_latency_histograms=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+        prefix_cache_queries=("sglang:prompt_tokens_total",),
+        prefix_cache_hits=("sglang:cached_tokens_total",),
         required=("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
     ),
     Flavor.LLAMACPP: FlavorSpec(
@@ -107,7 +115,7 @@ def _wanted_samples() -> frozenset[str]:
     for spec in SPECS.values():
         for group in (spec.running, spec.waiting, spec.kv_usage, spec.kv_used_tokens, spec.kv_capacity_tokens,
                       spec.preemptions, spec.prompt_tokens, spec.generation_tokens, spec.decode_counters or (),
-                      spec.prefill_counters or ()):
+                      spec.prefill_counters or (), spec.prefix_cache_queries, spec.prefix_cache_hits):
             names.update(group)
         for histogram in (*spec.decode_latency_histograms, *(spec.prefill_histograms or ()),
                           *spec.output_length_histograms):
@@ -316,4 +324,6 @@ def sample_from_series(series: Series, taken_at: float, flavor: Flavor | None) -
         decode_tokens_total=decode_tokens,
         prefill_seconds_total=prefill_seconds,
         prefill_tokens_total=prefill_tokens,
+        prefix_cache_queries_total=_pick(flavor, series, spec.prefix_cache_queries),
+        prefix_cache_hits_total=_pick(flavor, series, spec.prefix_cache_hits),
     )
