@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 
 def _setup_logging(verbose: bool, log_format: str = "text") -> None:
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=0, help="explain: its max_tokens (0: the policy default)")
     p.add_argument("--priority", default="standard", help="explain: critical | standard | sheddable")
     p.add_argument("--max-ttft-ms", type=int, default=0, help="explain: a TTFT deadline (0: none)")
+    p.add_argument("--body-file", help="explain: a request body (JSON) whose prompt is matched against the prefix index "
+                   "(each engine's expected cached tokens); its prompt tokens are counted unless --prompt-tokens is set")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
     p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos"])
@@ -184,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
             explain = admin_pb2.ExplainDecisionRequest(
                 model=args.name or "", prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                priority=args.priority, max_ttft_ms=args.max_ttft_ms)
+                priority=args.priority, max_ttft_ms=args.max_ttft_ms,
+                body_json=Path(args.body_file).read_text() if args.body_file else "")
         from sluice.admincli import read_token
 
         return run_admin(args.target, args.verb, as_json=args.json, name=args.name, explain=explain,

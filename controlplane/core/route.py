@@ -11,14 +11,17 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
     out          = expected output tokens: the model's mean over recent completed requests (output_length.py, trusted
                    after 20), else ``default_expected_output_tokens``; at most r.max_tokens. Time only: KV still reserves
                    max_tokens (or ``default_max_tokens``), the worst case
-    service      = r.prompt_tokens / prefill_rate + out / decode_rate        (one request of r's shape at batch n)
+    cached       = prompt tokens e is expected to hold in its prefix cache (core/prefix.py; 0 without a match), at most
+                   r.prompt_tokens - 1 (an engine always computes the last prompt token)
+    prefill      = (r.prompt_tokens - cached) / prefill_rate
+    service      = prefill + out / decode_rate                               (one request of r's shape at batch n)
     k            = load - cap + 1 + behind, where ``behind`` counts the parked requests queued after r: waiting for a busy
                    engine is only worth it if that engine could also absorb the backlog, else the whole queue idles
                    behind r (fleet scale)
     slot_wait    = 0 if load < cap; else, with D = e's open tickets' expected finishes (soonest first):
                    D[k] - now when k <= |D|, else max(0, D[-1] - now) + ceil((k - |D|) / cap) x service
                    (the engine drains a backlog deeper than its tickets in waves of cap: no clamp)
-    ttft(e)      = slot_wait + r.prompt_tokens / prefill_rate + 1 / decode_rate     (the first token is one step)
+    ttft(e)      = slot_wait + prefill + 1 / decode_rate                          (the first token is one step)
     finish(e)    = ttft(e) + out / decode_rate
 
 Without a deadline the request goes where ``finish`` is soonest, which may mean parking for a busy fast engine rather than
@@ -47,6 +50,15 @@ come in time (waits are uncertain, real releases decide). The **satisficing band
 by ``1 / (1 + recent serves)`` (serves decay with a 5-minute half-life), so load spreads over every engine that is good
 enough instead of piling onto the fastest. A session (``x-sluice-session``) keeps its engine while that engine is in the band
 (prefix-cache affinity); without a deadline, while the engine is within the work-conserving margin of the best.
+
+**Prefix cache.** An expected cache hit is prefill the engine skips, so it enters ``ttft`` and ``finish`` above and nothing
+else: a hit on a slow or busy engine competes with a cold fast one on time, and the work conservation bound, deadlines and
+the band read the same estimates. Inside the band (every member good enough), the members expected to hold the longest
+prefix are preferred, after the session's engine: sending the prompt where it is cached spends no prefill capacity, and
+the band's spreading still applies among equals. A hot prefix whose engines are full spills to another engine when that
+finishes sooner (or, with a deadline, when the holders leave the band), and that engine then holds it too;
+``prefix_max_replicas`` caps how many engines may (decide.py). An admission whose chosen engine was credited with a hit
+reports ``prefix_cache``.
 """
 
 from __future__ import annotations
@@ -70,6 +82,8 @@ class Estimate:
     ttft_s: float
     finish_s: float
     decode_rate: float
+    cached_tokens: int = 0
+    """Prompt tokens the engine is expected to hold in its prefix cache (its prefill here left them out)."""
 
 
 def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) -> float:
@@ -113,15 +127,16 @@ def slot_wait(engine: EngineView, position: int, service_s: float, fleet: Fleet,
 
 
 def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: Fleet, policy: Policy,
-             now: float, pressure: bool = False, behind: int = 0) -> Estimate:
+             now: float, pressure: bool = False, behind: int = 0, cached_tokens: int = 0) -> Estimate:
     assert request.model is not None
+    cached_tokens = min(cached_tokens, max(0, request.prompt_tokens - 1))
     load = effective_load(engine, fleet)
     cap = engine.cap
     batch = int(load) + 1
     if cap is not None:
         batch = cap if pressure or not fits else min(cap, batch)
     rate = decode_rate(engine, max(1, batch), fleet, policy)
-    prefill_s = request.prompt_tokens / prefill_rate(engine, request.model, fleet, policy)
+    prefill_s = (request.prompt_tokens - cached_tokens) / prefill_rate(engine, request.model, fleet, policy)
     decode_s = expected_output_tokens(request, fleet, policy) / rate
     wait = 0.0
     if not fits:
@@ -130,13 +145,19 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
         position = (int(load - cap + 1) if cap is not None else 1) + behind
         wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
     ttft = wait + prefill_s + 1.0 / rate
-    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate)
+    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens)
 
 
 def waits_too_long(busy: Estimate, policy: Policy) -> bool:
     """Work conservation: waiting for ``busy`` (a faster engine without a free slot) is only allowed while its slot wait is
     at most ``max_wait_for_faster_services`` of the request's own service time there (``finish - slot_wait``)."""
     return busy.slot_wait_s > policy.max_wait_for_faster_services * (busy.finish_s - busy.slot_wait_s)
+
+
+def cached_tokens(engine: str, request: InferenceRequest, cached: Mapping[str, int]) -> int:
+    """Prompt tokens ``engine`` is expected to hold (``cached``: the prefix index's figures for this request), at most
+    all but the prompt's last token."""
+    return min(cached.get(engine, 0), max(0, request.prompt_tokens - 1))
 
 
 def weighted_pick(estimates: list[Estimate], serves: Mapping[str, float], pick: float) -> Estimate:

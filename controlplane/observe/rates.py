@@ -11,7 +11,7 @@ Pure: samples in, rates out. For probes ``a`` then ``b`` (``dt = b.taken_at - a.
     decode_tokens_per_s_each  = d(decode_tokens_total) / d(decode_seconds_total)        (one request's decode rate)
     mean_output_tokens        = d(finished_output_tokens_total) / d(finished_requests_total)  (real answer lengths)
 
-A counter that went backwards means the engine restarted: no rate from that pair (``restarted``). A delta of zero is no new
+A counter that went backwards means the engine restarted: no rate from that pair (core/prefix.py's ``restarted``). A delta of zero is no new
 information and gives no rate (seed 002: a value that did not change since the last poll is not a new sample). A prefill
 rate needs at least ``min_prefill_tokens`` computed prompt tokens in the interval: an engine's prefill time carries a fixed
 cost per request (scheduling, the first step), so a few tiny prompts would read as a prefill rate ten times too slow and
@@ -83,14 +83,6 @@ def cached_share(a: EngineSample, b: EngineSample) -> float:
     if b.prefix_cache_hits_total and b.prefix_cache_queries_total:
         return min(1.0, b.prefix_cache_hits_total / b.prefix_cache_queries_total)
     return 0.0
-
-
-def restarted(a: EngineSample, b: EngineSample) -> bool:
-    """Whether the engine restarted between two probes: one of its cumulative counters went backwards."""
-    return any(x is not None and y is not None and y < x for x, y in (
-        (a.prompt_tokens_total, b.prompt_tokens_total), (a.generation_tokens_total, b.generation_tokens_total),
-        (a.prefix_cache_queries_total, b.prefix_cache_queries_total),
-        (a.finished_requests_total, b.finished_requests_total)))
 
 
 class MedianRing:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from controlplane.core.model import EngineRates, EngineSample
-from controlplane.observe.rates import MedianRing, RateBook, rates_between, restarted
+from controlplane.core.prefix import restarted
+from controlplane.observe.rates import MedianRing, RateBook, rates_between
 
 
 def s(t: float, **kw: float) -> EngineSample:
