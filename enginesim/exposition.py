@@ -4,7 +4,8 @@ same simulated engine.
 
 - ``vllm-v1`` (0.10-style): ``model_name`` + data-parallel ``engine`` labels, both KV names (``kv_cache_usage_perc`` and the
   deprecated ``gpu_cache_usage_perc``), ``cache_config_info`` with ``engine``, the prefix cache's
-  ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens).
+  ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens) and the newer
+  ``request_prefill_kv_computed_tokens`` histogram (prompt tokens a request computed, cache hits excluded).
 - ``vllm-v0``: no ``engine`` label, ``gpu_cache_usage_perc`` only, ``num_requests_swapped``.
 - ``sglang`` (0.5-style): ``sglang:`` names; gauges repeated for two tensor-parallel ranks, as a TP=2 server does;
   ``cached_tokens_total`` and ``cache_hit_rate`` for its prefix cache.
@@ -52,6 +53,8 @@ class RequestStats:
     e2e: Hist = field(default_factory=lambda: Hist(LATENCY_BUCKETS))
     prefill_time: Hist = field(default_factory=lambda: Hist(LATENCY_BUCKETS))
     prompt_tokens: Hist = field(default_factory=lambda: Hist(TOKEN_BUCKETS))
+    prefill_computed: Hist = field(default_factory=lambda: Hist(TOKEN_BUCKETS))
+    """Prompt tokens each request computed (not found in the prefix cache)."""
     generation_tokens: Hist = field(default_factory=lambda: Hist(TOKEN_BUCKETS))
     success: int = 0
 
@@ -118,6 +121,10 @@ class SimCollector(Collector):
         yield _hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", lab,
                     st.prefill_time)
         yield _hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", lab, st.prompt_tokens)
+        if v1:  # newer V1 (vLLM's metrics docs, December 2025): prefill work without the cache hits
+            yield _hist("vllm:request_prefill_kv_computed_tokens",
+                        "Histogram of new KV tokens computed during prefill (excluding cached tokens).", lab,
+                        st.prefill_computed)
         yield _hist("vllm:request_generation_tokens", "Number of generation tokens processed.", lab, st.generation_tokens)
         info = {"block_size": str(p.block_size), "cache_dtype": "auto", "enable_prefix_caching": "True",
                 "gpu_memory_utilization": "0.9", "num_gpu_blocks": str(p.num_gpu_blocks), "sliding_window": "None",

@@ -396,6 +396,7 @@ class EngineSimulator:
         wall = 1.0 / self.speed
         st.success += 1
         st.prompt_tokens.observe(r.prompt_tokens)
+        st.prefill_computed.observe(r.prompt_tokens - (r.cached_tokens or 0))
         st.generation_tokens.observe(r.generated)
         if r.first_token_at is not None:
             st.ttft.observe((r.first_token_at - r.arrived_at) * wall)

@@ -52,6 +52,9 @@ class EngineSample:
     """Requests the engine finished (its per-request output-length histogram's ``_count``)."""
     finished_output_tokens_total: float | None = None
     """Tokens those finished requests generated (the same histogram's ``_sum``)."""
+    prefill_counts_cached: bool = False
+    """``prefill_tokens_total`` counts prompt tokens the prefix cache served too (vLLM's per-request prompt-token
+    histogram, read when its newer computed-tokens histogram is absent): rates take the cache's share out."""
     prefix_cache_queries_total: float | None = None
     """Prompt tokens the engine looked up in its prefix cache (vLLM ``prefix_cache_queries``, SGLang prompt tokens)."""
     prefix_cache_hits_total: float | None = None

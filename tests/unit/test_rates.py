@@ -39,16 +39,22 @@ def s(t: float, **kw: float) -> EngineSample:
         # 3/4 of the looked-up tokens were cache hits: only a quarter of the prompt tokens were prefilled in those 10 s.
         (s(0, prefill_tokens_total=0, prefill_seconds_total=0, prefix_cache_queries_total=0, prefix_cache_hits_total=0),
          s(1, prefill_tokens_total=10480, prefill_seconds_total=10, prefix_cache_queries_total=8000,
+           prefix_cache_hits_total=6000, prefill_counts_cached=True),
+         EngineRates(1, prefill_tokens_per_s=262)),
+        # The computed-tokens histogram (prefill_counts_cached False): already without the hits, no correction.
+        (s(0, prefill_tokens_total=0, prefill_seconds_total=0, prefix_cache_queries_total=0, prefix_cache_hits_total=0),
+         s(1, prefill_tokens_total=2620, prefill_seconds_total=10, prefix_cache_queries_total=8000,
            prefix_cache_hits_total=6000),
          EngineRates(1, prefill_tokens_per_s=262)),
         # Nothing looked up in the interval: the share since the engine started.
         (s(0, prefill_tokens_total=0, prefill_seconds_total=0, prefix_cache_queries_total=100, prefix_cache_hits_total=50),
          s(1, prefill_tokens_total=5240, prefill_seconds_total=10, prefix_cache_queries_total=100,
-           prefix_cache_hits_total=50),
+           prefix_cache_hits_total=50, prefill_counts_cached=True),
          EngineRates(1, prefill_tokens_per_s=262)),
     ],
     ids=["throughput", "prefill", "tiny-prompts-give-no-prefill-rate", "solo-decode", "contended-start", "queue-at-start", "unchanged-is-no-sample",
-         "counter-reset", "unknown-start", "prefill-less-cache-hits", "cache-share-since-start"],
+         "counter-reset", "unknown-start", "prefill-less-cache-hits", "computed-tokens-histogram",
+         "cache-share-since-start"],
 )
 def test_rates_between(a: EngineSample, b: EngineSample, expected: EngineRates) -> None:
     assert rates_between(a, b) == expected

@@ -176,3 +176,5 @@ async def test_usage_reports_cached_tokens_and_metrics_count_them(stream: bool) 
     prompt = sim.served[0]["prompt_tokens"] + sim.served[-1]["prompt_tokens"]
     assert series["vllm:prefix_cache_queries_total"][0][1] == prompt
     assert series["vllm:prefix_cache_hits_total"][0][1] == 256
+    # Each finished request's computed prompt tokens (its prompt less what the cache held): vLLM's newer histogram.
+    assert series["vllm:request_prefill_kv_computed_tokens_sum"][0][1] == prompt - 256
