@@ -80,6 +80,8 @@ class Outcome:
     backfill: NONE)."""
     parked: Parked | None = None
     """A woken request's entry in the lot: what ``restore`` puts back if the store refuses the admission."""
+    noted: tuple[int, ...] = ()
+    """Prompt blocks this admission added to the prefix index for its engine (``retract`` takes them back)."""
 
 
 class AdmissionCore:
@@ -223,10 +225,12 @@ class AdmissionCore:
         return PARK_CLASSES.index(_class_of(request))
 
     def retract(self, outcome: Outcome, now: float) -> None:
-        """Undo an admission the shared store refused: no ticket, no serve counted (``restore`` puts a woken one back)."""
+        """Undo an admission the shared store refused: no ticket, no serve counted, none of the prompt blocks it noted
+        (``restore`` puts a woken one back)."""
         if outcome.ticket is not None and self.ledger.retract(outcome.ticket.ticket_id) is not None:
             self.serves.remove(outcome.ticket.engine, now)
             self.index.note_serve(outcome.ticket.engine)
+            self.prefixes.remove(outcome.ticket.engine, outcome.noted)
 
     def restore(self, parked: Parked) -> None:
         """Put a woken request back in its place in the lot (by arrival: the lot's order)."""
@@ -423,9 +427,8 @@ class AdmissionCore:
         self.serves.add(decision.engine, now)
         self.index.note_serve(decision.engine)
         self.sessions.set(request.session, decision.engine)
-        if self.policy.prefix_routing:
-            self.prefixes.note(decision.engine, request.prefix_blocks)
-        return Outcome(request_id, decision, ticket, parked_for, rule, parked)
+        noted = self.prefixes.note(decision.engine, request.prefix_blocks) if self.policy.prefix_routing else ()
+        return Outcome(request_id, decision, ticket, parked_for, rule, parked, noted)
 
 
 def _class_of(request: InferenceRequest) -> Priority:

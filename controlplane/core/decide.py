@@ -1,6 +1,6 @@
 """The admission decision, pure: ``decide(request, fleet, policy, now, queued_ahead=0, affinity=None, pick=0.5, behind=0,
-arriving=False, cached=None) -> Decision``. No I/O, no clock, no HTTP: a verdict, a reason and a detail (the edge, ``controlplane/edge.py``, maps each
-reason to a status and an OpenAI error). This module orchestrates; the parts live beside it:
+arriving=False, cached=None) -> Decision``. No I/O, no clock, no HTTP: a verdict, a reason and a detail (the edge,
+``controlplane/edge.py``, maps each reason to a status and an OpenAI error). This module orchestrates; the parts live beside it:
 
 - request.py reads the request (``parse_request``; a malformed one never reaches ``decide``);
 - fit.py holds the fit rules (``misfits``: cap, kv_watermark, kv_need, box_pool, quality_cap) and the load figures;
@@ -239,9 +239,10 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
 
     best = min(estimates, key=soonest)
     acceptable = [x for x in free if x.finish_s <= best.finish_s * (1 + policy.wait_for_faster_margin)]
-    sooner_first_token = bool(free) and best.ttft_s < min(free, key=soonest).ttft_s
-    if not best.can_start and not acceptable and (waits_too_long(best, policy) or (arriving
-                                                                                   and not sooner_first_token)):
+    alternative = min(free, key=soonest) if free else None
+    sooner_first_token = alternative is not None and best.ttft_s < alternative.ttft_s
+    if not best.can_start and not acceptable and (waits_too_long(best, policy, alternative)
+                                                  or (arriving and not sooner_first_token)):
         # Work conservation (route.py): the faster engine's wait is unbounded enough that a free slot is taken instead.
         acceptable = free
         if admitted_reason is Reason.FINISH_SOONEST:

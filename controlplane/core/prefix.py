@@ -163,14 +163,16 @@ class PrefixIndex:
         return share if capacity is None else min(share, capacity)
 
     # -- changes ---------------------------------------------------------------------------------------------------
-    def note(self, engine: str, blocks: Sequence[int]) -> None:
-        """A prompt with these blocks was sent to ``engine``: it holds them now, most recently used, head last."""
+    def note(self, engine: str, blocks: Sequence[int]) -> tuple[int, ...]:
+        """A prompt with these blocks was sent to ``engine``: it holds them now, most recently used, head last. Returns
+        the blocks it did not hold before (the tail of the prompt beyond what it held: ``remove`` takes them back)."""
         if not blocks:
-            return
+            return ()
         if engine not in self._engines:
             self._engines.add(engine)
             self._trim_all()
         lru = self._lru.setdefault(engine, OrderedDict())
+        new = []
         for h in reversed(blocks):  # the head ends up most recent: tails are evicted first
             if h in lru:
                 lru.move_to_end(h)
@@ -178,7 +180,24 @@ class PrefixIndex:
                 lru[h] = None
                 self._holders.setdefault(h, set()).add(engine)
                 self.held += 1
+                new.append(h)
         self._trim(engine)
+        return tuple(reversed(new))
+
+    def remove(self, engine: str, blocks: Iterable[int]) -> None:
+        """Take back blocks a ``note`` added (the admission was undone: the shared store refused it). Blocks another
+        admission to the same engine added meanwhile go too: the index is an estimate, and this race is rare."""
+        lru = self._lru.get(engine)
+        if not lru:
+            return
+        for h in blocks:
+            if h in lru:
+                del lru[h]
+                holders = self._holders[h]
+                holders.discard(engine)
+                if not holders:
+                    del self._holders[h]
+                self.held -= 1
 
     def forget(self, engine: str) -> int:
         """``engine`` holds nothing any more (restarted, drained): how many blocks it was believed to hold."""

@@ -17,7 +17,10 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
     service      = prefill + out / decode_rate                               (one request of r's shape at batch n)
     k            = load - cap + 1 + behind, where ``behind`` counts the parked requests queued after r: waiting for a busy
                    engine is only worth it if that engine could also absorb the backlog, else the whole queue idles
-                   behind r (fleet scale)
+                   behind r (fleet scale). Not for an engine expected to hold r's prefix (cached > 0): the backlog's
+                   requests are placed by their own prefixes, mostly elsewhere, and r's wait for it stays bounded by
+                   work conservation (below); counted, it made a busy holder look a backlog away, and under load
+                   requests went cold to whichever slot freed (``sluice bench prefix``: bench/results/README.md)
     slot_wait    = 0 if load < cap; else, with D = e's open tickets' expected finishes (soonest first):
                    D[k] - now when k <= |D|, else max(0, D[-1] - now) + ceil((k - |D|) / cap) x service
                    (the engine drains a backlog deeper than its tickets in waves of cap: no clamp)
@@ -32,8 +35,9 @@ what makes this split a burst the way the best assignment does (seed 000: 2/2 fo
 **Work conservation.** While some engine has a free slot, r waits for a busy faster one only if (a) that engine's ``finish``
 beats every free slot's by more than ``wait_for_faster_margin`` and (b) its ``slot_wait`` is at most
 ``max_wait_for_faster_services`` (default 0.5) of r's service time there; otherwise r takes the free slot that finishes soonest
-(reason ``work_conserving``). Why: estimates err (outputs are guessed, probes lag) and a wait long compared with the work
-itself is where an error costs most; and a waiting head holds the FIFO queue behind it, so a wait that gains the head a
+(reason ``work_conserving``); when the busy engine holds more of the prompt in its prefix cache, the bound grows by the
+prefill the free slot would redo (``waits_too_long``). Why: estimates err (outputs are guessed, probes lag) and a wait
+long compared with the work itself is where an error costs most; and a waiting head holds the FIFO queue behind it, so a wait that gains the head a
 little costs everyone behind it its full length. Issue 9 (4 req/s of 30-token answers to Thor + Spark, ~87% load) replayed
 through the core (tests/unit/test_wait_estimates.py): bound 1 gives TTFT p50 0.45 s / p90 0.64 s, bound 0.5 gives 0.18 s /
 0.33 s and a lower mean end-to-end time too; before this rule and the unclamped waits, Spark took 115 of 120 while Thor
@@ -84,6 +88,8 @@ class Estimate:
     decode_rate: float
     cached_tokens: int = 0
     """Prompt tokens the engine is expected to hold in its prefix cache (its prefill here left them out)."""
+    prefill_rate: float = 0.0
+    """Prompt tokens per second this estimate prefilled at."""
 
 
 def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) -> float:
@@ -136,22 +142,30 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
     if cap is not None:
         batch = cap if pressure or not fits else min(cap, batch)
     rate = decode_rate(engine, max(1, batch), fleet, policy)
-    prefill_s = (request.prompt_tokens - cached_tokens) / prefill_rate(engine, request.model, fleet, policy)
+    rate_in = prefill_rate(engine, request.model, fleet, policy)
+    prefill_s = (request.prompt_tokens - cached_tokens) / rate_in
     decode_s = expected_output_tokens(request, fleet, policy) / rate
     wait = 0.0
     if not fits:
-        # Everyone queued for this engine ahead of r, r itself, and the parked requests behind r: each costs one service
-        # of r's shape at the full-batch rate (the best guess for requests whose own lengths sluice cannot know).
-        position = (int(load - cap + 1) if cap is not None else 1) + behind
+        # Everyone queued for this engine ahead of r, r itself, and the parked requests behind r (unless this engine
+        # holds r's prefix: see the docstring): each costs one service of r's shape at the full-batch rate (the best
+        # guess for requests whose own lengths sluice cannot know).
+        position = (int(load - cap + 1) if cap is not None else 1) + (0 if cached_tokens else behind)
         wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
     ttft = wait + prefill_s + 1.0 / rate
-    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens)
+    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in)
 
 
-def waits_too_long(busy: Estimate, policy: Policy) -> bool:
+def waits_too_long(busy: Estimate, policy: Policy, free: Estimate | None = None) -> bool:
     """Work conservation: waiting for ``busy`` (a faster engine without a free slot) is only allowed while its slot wait is
-    at most ``max_wait_for_faster_services`` of the request's own service time there (``finish - slot_wait``)."""
-    return busy.slot_wait_s > policy.max_wait_for_faster_services * (busy.finish_s - busy.slot_wait_s)
+    at most ``max_wait_for_faster_services`` of the request's own service time there (``finish - slot_wait``), plus the
+    prefill ``free`` (the free slot it would take instead) would redo because ``busy`` holds more of the prompt in its
+    prefix cache: ``(busy.cached - free.cached) / free's prefill rate``. Waiting that much longer idles the free slot no
+    longer than the cold prefill would occupy it, and spares an engine's prefill capacity besides."""
+    redo_s = 0.0
+    if free is not None and busy.cached_tokens > free.cached_tokens and free.prefill_rate > 0:
+        redo_s = (busy.cached_tokens - free.cached_tokens) / free.prefill_rate
+    return busy.slot_wait_s > policy.max_wait_for_faster_services * (busy.finish_s - busy.slot_wait_s) + redo_s
 
 
 def cached_tokens(engine: str, request: InferenceRequest, cached: Mapping[str, int]) -> int:

@@ -258,11 +258,27 @@ def test_a_cache_hit_can_meet_a_deadline_no_cold_prefill_could() -> None:
     assert served.verdict is Verdict.ADMIT and served.engine == "thor"
 
 
+def test_waiting_for_the_holder_may_last_as_long_as_the_prefill_it_saves() -> None:
+    """thor holds the prompt and is full; spark is free. The wait for thor (one service, ~2 s) is more than half a service
+    (the work-conserving bound), but less than that plus the 1,984 tokens spark would prefill again (~2 s at 1,000
+    tok/s): the request waits for thor. Without the hit it takes spark's free slot."""
+    views = [view("thor", running=2), view("spark")]
+    core = AdmissionCore(P, Ledger(600))
+    request = prompt_request(SYSTEM + "q", max_tokens=20)
+    waits = decide(request, core.fleet(views, 0.0), P, 0.0, cached={"thor": 1984})
+    assert waits.verdict is Verdict.PARK and waits.reason is Reason.WAITING_FOR_FASTER
+    cold = decide(request, core.fleet(views, 0.0), P, 0.0)
+    assert cold.engine == "spark"
+    # A long answer makes thor's wait (a service of 10 s) longer than half of it plus the saved prefill: spill.
+    assert decide(prompt_request(SYSTEM + "q", max_tokens=200), core.fleet(views, 0.0), P, 0.0,
+                  cached={"thor": 1984}).engine == "spark"
+
+
 def test_max_replicas_keeps_a_prefix_on_its_engines() -> None:
     """With prefix_max_replicas 1 a prefix held by thor waits for thor when thor is full, instead of spreading to spark;
-    without the limit it spills."""
+    without the limit it spills (a long answer: waiting for thor would cost more than the prefill it saves)."""
     views = [view("thor", running=2), view("spark")]
-    request = prompt_request(SYSTEM + "q")
+    request = prompt_request(SYSTEM + "q", max_tokens=200)
     capped = Policy(default_max_tokens=100, prefix_max_replicas=1)
     core = AdmissionCore(capped, Ledger(600))
     parked = decide(request, core.fleet(views, 0.0), capped, 0.0, cached={"thor": 1984})
@@ -282,3 +298,31 @@ def test_a_reload_with_new_blocks_starts_an_empty_index() -> None:
     assert core.prefixes.held == 2  # same blocks, smaller bound: trimmed
     core.set_policy(replace(P, prefix_block_chars=128), admit_stale=True)
     assert core.prefixes.held == 0
+
+
+def test_an_admission_the_store_refused_leaves_no_blocks_behind() -> None:
+    """The replica that made an admission the shared store refused takes its blocks back, so its index stays what every
+    other replica derives from the store's events (only written admissions are published)."""
+    core = AdmissionCore(P, Ledger(600))
+    views = [view("thor"), view("spark")]
+    core.check("r0", prompt_request(SYSTEM[:1000] + "q"), core.fleet(views, 0.0), 0.0)  # 3 blocks held somewhere
+    before = core.prefixes.held
+    outcome = core.check("r1", prompt_request(SYSTEM + "q"), core.fleet(views, 1.0), 1.0)
+    assert outcome.ticket is not None and outcome.noted and core.prefixes.held > before
+    core.retract(outcome, 1.0)
+    assert core.prefixes.held == before
+
+
+def test_a_backlog_behind_the_request_does_not_push_its_prefix_holder_away() -> None:
+    """Parked requests behind r count in a busy engine's slot wait (that engine would have to absorb them too), but not
+    in the wait for an engine holding r's prefix: the backlog's requests go where their own prefixes are."""
+    from controlplane.core.route import estimate
+
+    views = [view("thor", running=2)]
+    core = AdmissionCore(P, Ledger(600))
+    fleet = core.fleet(views, 0.0)
+    request = prompt_request(SYSTEM + "q")
+    cold = [estimate(views[0], request, False, fleet, P, 0.0, True, behind) for behind in (0, 6)]
+    assert cold[1].slot_wait_s > cold[0].slot_wait_s
+    held = [estimate(views[0], request, False, fleet, P, 0.0, True, behind, 1984) for behind in (0, 6)]
+    assert held[1].slot_wait_s == held[0].slot_wait_s
