@@ -91,15 +91,18 @@ def main(argv: list[str] | None = None) -> int:
                    "(each engine's expected cached tokens); its prompt tokens are counted unless --prompt-tokens is set")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
-    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos"])
+    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos", "prefix"])
     p.add_argument("--engines", metavar="N|FILE",
                    help="observe: how many simulated engines to poll (default 1000); overhead, steady: a YAML file listing the "
                         "engines to front instead of a simulator (e.g. real llama.cpp servers, see sluice/real/llama.py)")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
-    p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open)")
+    p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open); prefix: the "
+                   "system workload at 90%%, shorter windows, no two-replica arm")
     p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable")
     p.add_argument("--mix", action="append", help="steady: only this client mix (open, capped, deadline); repeatable")
-    p.add_argument("--level", action="append", type=float, help="steady: only this load level (e.g. 1.1); repeatable")
+    p.add_argument("--level", action="append", type=float, help="steady, prefix: only this load level (e.g. 1.1); "
+                   "repeatable")
+    p.add_argument("--workload", action="append", help="prefix: only this workload (system, chat, control); repeatable")
 
     p = sub.add_parser("deploy", help="Kubernetes manifests for the config (see deploy/ and the README's Operating)")
     deploy = p.add_subparsers(dest="deploy_command", required=True)
@@ -169,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             from sluice.bench.t10 import run_t10_bench
 
             return run_t10_bench()
+        if args.scenario == "prefix":
+            from sluice.bench.prefix import WORKLOADS, run_prefix_bench
+
+            if args.workload and not set(args.workload) <= set(WORKLOADS):
+                parser.error(f"prefix: --workload is one of {', '.join(WORKLOADS)}")
+            return run_prefix_bench(args.quick, args.workload, args.level)
         from sluice.bench.observe import run_observe_bench
 
         if args.engines is not None and not args.engines.isdigit():

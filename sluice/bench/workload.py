@@ -39,10 +39,11 @@ class Result:
 
 
 @contextmanager
-def gateway(engines: list[dict[str, Any]], **sections: Any) -> Iterator[dict[str, Any]]:
-    """``sluice up`` on a config with free ports; yields the config (with its ports) while it runs."""
+def gateway(engines: list[dict[str, Any]], *up_args: str, **sections: Any) -> Iterator[dict[str, Any]]:
+    """``sluice up`` on a config with free ports (``up_args``: more arguments, e.g. ``--replicas 2``); yields the config
+    (with its ports) while it runs."""
     config: dict[str, Any] = {
-        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
         "engines": engines,
         **sections,
@@ -52,7 +53,7 @@ def gateway(engines: list[dict[str, Any]], **sections: Any) -> Iterator[dict[str
     work = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     path = work / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    up = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(path)], stdout=subprocess.PIPE,
+    up = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(path), *up_args], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     try:
         seen = ""
