@@ -16,6 +16,9 @@ from tests.harness import Stack, start_stack, wait_for
 SYSTEM = "You are the sluice keeper. " * 900  # 24,300 characters: about 6,000 tokens of shared system prompt
 
 
+SPARK_AT_X20 = {"sim": "spark", "prefill_tokens_per_s": 4000 * 20, "decode_tokens_per_s": 44 * 20}
+
+
 def body(question: str, max_tokens: int = 4, ignore_eos: bool = False) -> bytes:
     return json.dumps({"model": "cortex", "max_tokens": max_tokens, "ignore_eos": ignore_eos, "messages": [
         {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}).encode()
@@ -32,7 +35,12 @@ def metric(stack: Stack, name: str) -> float:
 
 
 def test_a_shared_system_prompt_goes_where_it_is_cached_until_that_engine_is_full(tmp_path: Path) -> None:
-    stack = start_stack([("a", "spark"), ("b", "spark")], tmp_path, speed=20.0)
+    """"Full" as the estimates see it: both slots taken by answers sluice expects to run long (answers are expected to be
+    3,000 tokens here, as after 20 measured answers that long), so the other engine, prefilling the prompt cold, finishes
+    sooner; a holder expected to free soon would be waited for instead. The engines' rates are given as anchors (spark's
+    profile at x20, wall clock) so the first estimates are right before any is measured."""
+    stack = start_stack([dict(SPARK_AT_X20, name="a"), dict(SPARK_AT_X20, name="b")], tmp_path, speed=20.0,
+                        admission={"default_expected_output_tokens": 3_000})
     try:
         status, headers, payload = post(stack, "/chat/completions", body("What does a sluice do?"))
         assert status == 200 and headers["x-sluice-route-reason"] == "finish_soonest"
