@@ -17,6 +17,7 @@ from controlplane.admin_views import engine_proto, explain_proto, explain_reques
 from controlplane.policytext import policy_yaml
 from controlplane.core.decide import explain
 from controlplane.core.model import EngineView, Fleet, Priority
+from controlplane.core.request import RequestError
 from controlplane.ports import AdminPort
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 
@@ -64,10 +65,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if (request.priority or Priority.STANDARD) not in names or not request.model:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"need a model and a priority in {names}")
         now = self.plane.now()
-        inference = explain_request(request, Priority(request.priority or Priority.STANDARD), self.plane.policy)
+        try:
+            inference = explain_request(request, Priority(request.priority or Priority.STANDARD), self.plane.policy)
+        except RequestError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"body_json: {error}")
         decision, ahead = self.plane.decide_for(inference, now)
         fleet = self.plane.fleet(now)
-        return explain_proto(decision, ahead, explain(inference, fleet, self.plane.policy, now))
+        cached = self.plane.expected_cached(inference)
+        return explain_proto(decision, ahead, explain(inference, fleet, self.plane.policy, now, cached))
 
     async def ReloadConfig(  # noqa: N802
         self, request: admin_pb2.ReloadConfigRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from controlplane.core.explain import EngineExplanation
 from controlplane.core.fit import effective_load
-from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Priority
+from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Priority, Reason
 from controlplane.core.policy import Policy
+from controlplane.core.request import RequestError, parse_request
 from controlplane.edge import http_status
 from controlplane.ports import StatusFacts
 from controlplane.quota import TenantUsage
@@ -82,10 +84,27 @@ def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
 
 
 def explain_request(request: admin_pb2.ExplainDecisionRequest, priority: Priority, policy: Policy) -> InferenceRequest:
+    """The request to explain. With ``body_json`` its prompt is read as a Check reads it (``parse_request``: its blocks
+    for the prefix index, and its prompt tokens unless ``prompt_tokens`` is set); a malformed body raises
+    ``RequestError``."""
+    prompt_tokens = max(0, request.prompt_tokens)
+    blocks: tuple[int, ...] = ()
+    if request.body_json:
+        try:
+            body = json.loads(request.body_json)
+        except ValueError as exc:
+            raise RequestError(Reason.INVALID_JSON, f"not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise RequestError(Reason.INVALID_JSON, "must be a JSON object")
+        route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        body.setdefault("model", request.model)  # the model is the request's own field; the body may leave it out
+        parsed = parse_request("POST", route, json.dumps(body).encode(), {}, policy)
+        prompt_tokens, blocks = prompt_tokens or parsed.prompt_tokens, parsed.prefix_blocks
     return InferenceRequest(
-        "POST", "/v1/chat/completions", request.model, prompt_tokens=max(0, request.prompt_tokens),
+        "POST", "/v1/chat/completions", request.model, prompt_tokens=prompt_tokens,
         max_tokens=request.max_tokens or None, priority=priority,
         max_ttft_ms=request.max_ttft_ms or policy.model(request.model).max_ttft_ms, session=request.session or None,
+        prefix_blocks=blocks,
     )
 
 
@@ -94,7 +113,7 @@ def explain_proto(decision: Decision, ahead: int, explanations: Sequence[EngineE
         admin_pb2.EngineExplanation(
             name=x.name, serves_model=x.serves_model, meets_version_floor=x.meets_floor, stale=x.stale,
             drained=x.drained, misfits=[r.value for r in x.misfits], ttft_estimate_s=_or_unknown(x.ttft_s),
-            finish_estimate_s=_or_unknown(x.finish_s), effective_load=x.load,
+            finish_estimate_s=_or_unknown(x.finish_s), effective_load=x.load, expected_cached_tokens=x.cached_tokens,
         )
         for x in explanations
     ]

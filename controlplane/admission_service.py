@@ -149,7 +149,7 @@ class AdmissionService:
         capacity = view.kv_capacity_tokens
         claim = Claim(self.shared.to_shared(ticket), view.cap,
                       math.floor(capacity * self.core.policy.kv_high_watermark) if capacity else None,
-                      request.session, outcome.rule, self.core.class_index(request))
+                      request.session, outcome.rule, self.core.class_index(request), request.prefix_blocks)
         try:
             reserved = await self._timed("reserve", self.store.reserve(claim))
         except StoreUnavailable:
@@ -254,6 +254,9 @@ class AdmissionService:
         m.admission_decisions.labels(self.model_label(model), d.verdict.value, d.reason.value).inc()
         if d.verdict in (Verdict.SHED, Verdict.REJECT):
             m.admission_rejected.labels(d.reason.value).inc()
+        elif d.verdict is Verdict.ADMIT and request is not None:
+            m.prefix_prompt_tokens.inc(request.prompt_tokens)
+            m.prefix_cached_tokens.inc(d.cached_tokens)
         if outcome.parked_for > 0:
             m.park_seconds.observe(outcome.parked_for)
         if self.trace_outcome is not None:
@@ -453,7 +456,7 @@ class AdmissionService:
         if event.kind is EventKind.ADMITTED and event.ticket is not None:
             # ... unless its access-log entry reached this replica before this event did: released here already.
             if event.ticket_id not in self._releasing and event.ticket_id not in self._recently_released:
-                self.core.learn(self.shared.to_local(event.ticket), event.session, now)
+                self.core.learn(self.shared.to_local(event.ticket), event.session, now, event.prefix_blocks)
             if self.core.depth(event.model):  # it may have been the line's head that held ours back
                 self.wake([event.model])
         elif event.kind is EventKind.RELEASED:

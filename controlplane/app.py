@@ -12,7 +12,7 @@ import uuid
 import random
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 from pathlib import Path
@@ -87,7 +87,8 @@ class ControlPlane:
         self.started_at = clock()
         self.ledger = Ledger(config.tickets.lease_seconds)
         self.metrics = SluiceMetrics(
-            open_tickets=lambda: {p.config.name: self.ledger.open_tickets(p.config.name) for p in self.pollers})
+            open_tickets=lambda: {p.config.name: self.ledger.open_tickets(p.config.name) for p in self.pollers},
+            prefix_index=lambda: (self.admission.prefixes.held, self.admission.prefixes.limit_blocks))
         self.admission = AdmissionCore(config.policy, self.ledger, admit_stale=config.observe.on_stale is OnStale.OPEN,
                                        draw=random.random)
         self.observation = Observation(config, self.admission, self.metrics, clock, self._on_probe)
@@ -181,6 +182,9 @@ class ControlPlane:
     async def set_drained(self, name: str, drained: bool) -> bool:
         if not self.observation.set_drained(name, drained):
             return False
+        view = self.observation.view_of(name, self.clock())
+        if view is not None:
+            self._note_cache(view)
         await self.refresh_weights()
         self.wake()
         return True
@@ -190,7 +194,11 @@ class ControlPlane:
         assert request.model is not None
         ahead = self.admission.queued_ahead(request.model, request.priority)
         return decide(request, self.fleet(now), self.config.policy, now, ahead,
-                      self.admission.sessions.get(request.session), arriving=True), ahead
+                      self.admission.sessions.get(request.session), arriving=True,
+                      cached=self.expected_cached(request)), ahead
+
+    def expected_cached(self, request: InferenceRequest) -> Mapping[str, int]:
+        return self.admission.expected_cached(request)
 
     @property
     def config_source(self) -> str:
@@ -263,6 +271,7 @@ class ControlPlane:
         config = replace(self.config, policy=fresh.policy, observe=fresh.observe, engines=fresh.engines,
                          tenants=fresh.tenants, source=fresh.source)
         self.observation.apply_engines(config)
+        self.admission.prefixes.keep(e.name for e in config.engines)
         self._set_config(config)
         self.admission.set_policy(fresh.policy, admit_stale=fresh.observe.on_stale is OnStale.OPEN)
         log.warning("policy reloaded from %s; changed: %s", fresh.source, ", ".join(changed) or "nothing")
@@ -277,10 +286,18 @@ class ControlPlane:
 
     # -- events between the parts ------------------------------------------------------------------------------------
     def _on_probe(self, view: EngineView, rates: EngineRates | None) -> None:
+        self._note_cache(view)
         self.service.on_probe(view)
         if self._server is not None and self.xds.caps_changed(view.name, view.discovered_concurrency):
             # The engine's circuit breaker follows the cap it reports (llama.cpp slots, SGLang max_running_requests).
             self._tasks.append(asyncio.create_task(self.publish(), name="publish-caps"))
+
+    def _note_cache(self, view: EngineView) -> None:
+        """The prefix index follows the engine: its capacity, and nothing cached after a restart or a drain."""
+        why = self.admission.note_cache_view(view)
+        if why is not None:
+            self.metrics.prefix_forgotten.labels(why).inc()
+            log.info("prefix index: forgot what %s held (%s)", view.name, why)
 
     async def _watch_staleness(self) -> None:
         while True:

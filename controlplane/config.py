@@ -934,6 +934,15 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
         backfill=c.flag("admission.backfill", ad["backfill"]),
         backfill_scan=int(c.number("admission.backfill_scan", ad["backfill_scan"], minimum=1, integer=True)),
         lifo_after_ms=float(c.number("admission.lifo_after_ms", ad["lifo_after_ms"], minimum=0)),
+        prefix_routing=c.flag("admission.prefix_routing", ad["prefix_routing"]),
+        prefix_block_chars=int(c.number("admission.prefix_block_chars", ad["prefix_block_chars"], minimum=16,
+                                        integer=True)),
+        prefix_max_blocks=int(c.number("admission.prefix_max_blocks", ad["prefix_max_blocks"], minimum=1,
+                                       maximum=4096, integer=True)),
+        prefix_max_replicas=int(c.number("admission.prefix_max_replicas", ad["prefix_max_replicas"], minimum=0,
+                                         integer=True)),
+        prefix_index_blocks=int(c.number("admission.prefix_index_blocks", ad["prefix_index_blocks"], minimum=0,
+                                         integer=True)),
     )
     if policy["retry_after_min_s"] > policy["retry_after_max_s"]:
         c.problems.append("admission.retry_after_min_seconds: must not exceed admission.retry_after_max_seconds")

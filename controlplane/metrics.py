@@ -23,6 +23,20 @@ class _OpenTickets(Collector):
         yield family
 
 
+class _PrefixIndex(Collector):
+    """The prefix index's size, read at scrape time: ``sluice_prefix_index_blocks`` (entries held) and its bound."""
+
+    def __init__(self, usage: Callable[[], tuple[int, int]]) -> None:
+        self._usage = usage
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        held, limit = self._usage()
+        yield GaugeMetricFamily("sluice_prefix_index_blocks", "Entries (engine, prompt block) the prefix index holds.",
+                                value=held)
+        yield GaugeMetricFamily("sluice_prefix_index_limit_blocks",
+                                "Bound on the prefix index's entries (admission.prefix_index_blocks).", value=limit)
+
+
 class _EventLoopTasks(Collector):
     """``sluice_event_loop_tasks``: ``len(asyncio.all_tasks())`` on the control plane's event loop at scrape time (a
     task leak shows as growth). The loop is the one the last in-loop scrape ran on (``/metrics`` is served on it); a
@@ -43,9 +57,11 @@ class _EventLoopTasks(Collector):
 
 
 class SluiceMetrics:
-    def __init__(self, open_tickets: Callable[[], dict[str, int]] = dict) -> None:
+    def __init__(self, open_tickets: Callable[[], dict[str, int]] = dict,
+                 prefix_index: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
         r = self.registry = CollectorRegistry()
         r.register(_OpenTickets(open_tickets))
+        r.register(_PrefixIndex(prefix_index))
         r.register(_EventLoopTasks())
         self.xds_nacks = Counter("sluice_xds_nacks", "xDS responses Envoy rejected.", ["type_url"], registry=r)
         self.xds_streams = Gauge("sluice_xds_streams", "Open ADS streams.", registry=r)
@@ -168,6 +184,15 @@ class SluiceMetrics:
         self.auth_refusals = Counter(
             "sluice_auth_refusals", "Requests refused for who sent them: invalid_api_key (401), model_not_allowed "
             "(403).", ["reason"], registry=r)
+        self.prefix_forgotten = Counter(
+            "sluice_prefix_index_forgotten", "Times the prefix index forgot everything an engine held (restart, drained).",
+            ["reason"], registry=r)
+        self.prefix_cached_tokens = Counter(
+            "sluice_prefix_cached_tokens_expected",
+            "Prompt tokens admitted requests were expected to find in their engine's prefix cache.", registry=r)
+        self.prefix_prompt_tokens = Counter(
+            "sluice_prefix_prompt_tokens", "Prompt tokens (estimated) of admitted requests: the expected hit ratio's "
+            "denominator.", registry=r)
         self.engine_prefill_rate = Gauge(
             "sluice_engine_prefill_tokens_per_second", "Prefill tokens per second of prefill, last interval.", ["engine"],
             registry=r,

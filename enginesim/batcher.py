@@ -8,6 +8,11 @@ KV is allocated in blocks as tokens are computed, like vLLM V1, so admission onl
 running request needs a block and none is free, the most recently admitted running request is preempted (recompute mode): its
 blocks are freed, it goes back to the head of the queue and must prefill its prompt plus what it already generated again. That
 is exactly the over-commit seed 004 describes, counted in ``preemptions``.
+
+Automatic prefix caching (prefixcache.py): a request scheduled from the queue shares the cached blocks its prompt starts
+with and prefills only the rest; the prompt blocks it fills are registered; freed cached blocks stay cached, counted as free
+(``kv_usage`` does not include them, as in vLLM), until a block is needed and none was never used: then the least
+recently freed is evicted. ``free_blocks`` is every block that can be allocated (never used + cached and free).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from enginesim.hist import LATENCY_BUCKETS, Hist
+from enginesim.prefixcache import PrefixCache
 from enginesim.profiles import Profile
 
 MAX_PREFILL_STEP_S = 0.05
@@ -41,6 +47,15 @@ class SimRequest:
     prompt_counted: bool = False
     emitted: list[int] = field(default_factory=list)
     """Token indexes produced by the last step (the shell drains this into the response stream)."""
+    block_hashes: tuple[int, ...] = ()
+    """Chained hashes of the prompt's full blocks (prefixcache.block_hashes): what the prefix cache can match."""
+    shared: list[int] = field(default_factory=list)
+    """Hashes of the cached blocks this request holds (hits and blocks it registered), in prompt order; they are among
+    ``blocks``."""
+    registered: int = 0
+    """Prompt blocks already looked at for registration (hits included)."""
+    cached_tokens: int | None = None
+    """Prompt tokens found in the prefix cache when the request was first scheduled (``usage.prompt_tokens_details``)."""
 
     def __post_init__(self) -> None:
         self.prefill_left = self.prompt_tokens
@@ -75,6 +90,8 @@ class Batcher:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.free_blocks = profile.num_gpu_blocks
+        """Blocks that can be allocated: never used, or cached and used by no request (``prefix.evictable``)."""
+        self.prefix = PrefixCache()
         self.preemptions = 0
         self.max_running_seen = 0
         self.prompt_tokens_total = 0
@@ -96,10 +113,13 @@ class Batcher:
         """The client went away: free everything the request holds."""
         if request in self.running:
             self.running.remove(request)
-            self.free_blocks += request.blocks
-            request.blocks = 0
+            self._free(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+
+    def cached_tokens_for(self, block_hashes: tuple[int, ...], prompt_tokens: int) -> int:
+        """Prompt tokens a request with these blocks would find cached if it were scheduled now."""
+        return self.prefix.match(block_hashes, (prompt_tokens - 1) // self.profile.block_size) * self.profile.block_size
 
     @property
     def kv_usage(self) -> float:
@@ -116,6 +136,7 @@ class Batcher:
             request = self.waiting.popleft()
             if request.prefill_started_at is None:
                 request.prefill_started_at = now
+            self._look_up_prefix(request)
             self.running.append(request)
         self.max_running_seen = max(self.max_running_seen, len(self.running))
 
@@ -143,6 +164,7 @@ class Batcher:
                 continue
             budget -= chunk
             request.prefill_left -= chunk
+            self._register_blocks(request)
             self.prefill_seconds_total += chunk / self.profile.prefill_tokens_per_s * self.metrics_time_scale
             if request.prefill_left == 0 and not request.prompt_counted:
                 request.prompt_counted = True  # a recompute after preemption is not new prompt work for the counter
@@ -162,8 +184,7 @@ class Batcher:
             if request.done:
                 request.finished_at = now
                 self.running.remove(request)
-                self.free_blocks += request.blocks
-                request.blocks = 0
+                self._free(request)
                 self.finished.append(request)
 
     def _grow(self, request: SimRequest, tokens: float) -> bool:
@@ -174,14 +195,52 @@ class Batcher:
             self._preempt(victim)
             if victim is request:
                 return False
+        never_used = self.free_blocks - len(self.prefix.evictable)
+        for _ in range(max(0, need - never_used)):
+            self.prefix.evict()
         self.free_blocks -= max(0, need)
         request.blocks += max(0, need)
         return True
 
+    def _look_up_prefix(self, request: SimRequest) -> None:
+        """Scheduling from the queue: share the cached blocks the prompt starts with (vLLM's ``get_computed_blocks``); at
+        most ``(tokens - 1) // block_size`` of them, so the last token is always computed. Counted in the prefix-cache
+        queries and hits, a preempted request's resumption too."""
+        size = self.profile.block_size
+        tokens = request.prompt_tokens + request.generated
+        hit = self.prefix.match(request.block_hashes, (tokens - 1) // size)
+        hashes = request.block_hashes[:hit]
+        self.free_blocks -= self.prefix.acquire(hashes)
+        request.shared = list(hashes)
+        request.blocks = hit
+        request.registered = hit
+        request.prefill_left = tokens - hit * size
+        self.prefix.queries += tokens
+        self.prefix.hits += hit * size
+        if request.cached_tokens is None:
+            request.cached_tokens = hit * size
+
+    def _register_blocks(self, request: SimRequest) -> None:
+        """Prompt blocks the request has now computed in full become cached (unless another request cached them first)."""
+        size = self.profile.block_size
+        full = min(int(request.computed_tokens) // size, len(request.block_hashes))
+        for k in range(request.registered, full):
+            h = request.block_hashes[k]
+            if self.prefix.register(h):
+                request.shared.append(h)
+        request.registered = max(request.registered, full)
+
+    def _free(self, request: SimRequest) -> None:
+        """Give back every block: private ones are empty again, shared ones go to the prefix cache's free queue (tail
+        first) when no other request uses them."""
+        self.free_blocks += request.blocks - len(request.shared)
+        self.free_blocks += self.prefix.release(request.shared)
+        request.shared = []
+        request.blocks = 0
+
     def _preempt(self, victim: SimRequest) -> None:
         self.running.remove(victim)
-        self.free_blocks += victim.blocks
-        victim.blocks = 0
+        self._free(victim)
         victim.prefill_left = victim.prompt_tokens + victim.generated
         victim.preempted += 1
         self.preemptions += 1

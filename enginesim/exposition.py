@@ -3,9 +3,12 @@
 same simulated engine.
 
 - ``vllm-v1`` (0.10-style): ``model_name`` + data-parallel ``engine`` labels, both KV names (``kv_cache_usage_perc`` and the
-  deprecated ``gpu_cache_usage_perc``), ``cache_config_info`` with ``engine``.
+  deprecated ``gpu_cache_usage_perc``), ``cache_config_info`` with ``engine``, the prefix cache's
+  ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens) and the newer
+  ``request_prefill_kv_computed_tokens`` histogram (prompt tokens a request computed, cache hits excluded).
 - ``vllm-v0``: no ``engine`` label, ``gpu_cache_usage_perc`` only, ``num_requests_swapped``.
-- ``sglang`` (0.5-style): ``sglang:`` names; gauges repeated for two tensor-parallel ranks, as a TP=2 server does.
+- ``sglang`` (0.5-style): ``sglang:`` names; gauges repeated for two tensor-parallel ranks, as a TP=2 server does;
+  ``cached_tokens_total`` and ``cache_hit_rate`` for its prefix cache.
 - ``llamacpp`` (mainline): ``llamacpp:`` names, no labels, no KV gauges (removed upstream in PR #13660).
 """
 
@@ -50,6 +53,8 @@ class RequestStats:
     e2e: Hist = field(default_factory=lambda: Hist(LATENCY_BUCKETS))
     prefill_time: Hist = field(default_factory=lambda: Hist(LATENCY_BUCKETS))
     prompt_tokens: Hist = field(default_factory=lambda: Hist(TOKEN_BUCKETS))
+    prefill_computed: Hist = field(default_factory=lambda: Hist(TOKEN_BUCKETS))
+    """Prompt tokens each request computed (not found in the prefix cache)."""
     generation_tokens: Hist = field(default_factory=lambda: Hist(TOKEN_BUCKETS))
     success: int = 0
 
@@ -100,6 +105,11 @@ class SimCollector(Collector):
         yield _counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", lab, b.preemptions)
         yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lab, b.prompt_tokens_total)
         yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", lab, b.generation_tokens_total)
+        if v1:  # V1's names since 0.9.2 (gpu_prefix_cache_* before; V0 had only a hit-rate gauge)
+            yield _counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                           lab, b.prefix.queries)
+            yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", lab,
+                           b.prefix.hits)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=[*lab, "finished_reason"])
         success.add_metric([*lab.values(), "length"], st.success)
@@ -111,6 +121,10 @@ class SimCollector(Collector):
         yield _hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", lab,
                     st.prefill_time)
         yield _hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", lab, st.prompt_tokens)
+        if v1:  # newer V1 (vLLM's metrics docs, December 2025): prefill work without the cache hits
+            yield _hist("vllm:request_prefill_kv_computed_tokens",
+                        "Histogram of new KV tokens computed during prefill (excluding cached tokens).", lab,
+                        st.prefill_computed)
         yield _hist("vllm:request_generation_tokens", "Number of generation tokens processed.", lab, st.generation_tokens)
         info = {"block_size": str(p.block_size), "cache_dtype": "auto", "enable_prefix_caching": "True",
                 "gpu_memory_utilization": "0.9", "num_gpu_blocks": str(p.num_gpu_blocks), "sliding_window": "None",
@@ -136,6 +150,9 @@ class SimCollector(Collector):
         yield _counter("sglang:prompt_tokens", "Number of prefill tokens processed.", lab, b.prompt_tokens_total)
         yield _counter("sglang:generation_tokens", "Number of generation tokens processed.", lab, b.generation_tokens_total)
         yield _counter("sglang:num_requests", "The number of processed requests.", lab, st.success)
+        yield _counter("sglang:cached_tokens", "The number of prefix cached tokens.", lab, b.prefix.hits)
+        yield _gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", lab,
+                     b.prefix.hits / b.prefix.queries if b.prefix.queries else 0.0)
         yield _hist("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", lab, st.ttft)
         yield _hist("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", lab, b.inter_token)
         yield _hist("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", lab, st.e2e)

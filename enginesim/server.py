@@ -8,7 +8,15 @@ so a duplicated header shows), which is what a real engine's tracing would conti
 
 Request extensions (ignored by real engines, honoured here):
 - ``sim_prompt_tokens``: the prompt's token count, so a 65k-token prompt fits in a small body.
-  Without it the prompt is counted as ``ceil(characters / 4)``, a common rule of thumb for English text.
+  Without it the prompt is counted as ``ceil(characters / 4)``, a common rule of thumb for English text (the prompt text is
+  the messages' contents one after another, or the completion prompt).
+
+Automatic prefix caching, like vLLM V1 with ``--enable-prefix-caching`` (prefixcache.py): the prompt text's 64-character
+spans are its 16-token blocks; cached ones skip prefill. A response's ``usage.prompt_tokens_details.cached_tokens`` says how
+many prompt tokens were found cached when the request was first scheduled (present when there were any, as vLLM does with
+``--enable-prompt-tokens-details``); ``/metrics`` carries ``vllm:prefix_cache_queries_total`` and
+``vllm:prefix_cache_hits_total`` (SGLang: ``sglang:cached_tokens_total``); ``POST /sim/cache`` with a request body answers how
+many of its prompt tokens are cached right now, and the engine's queue, without running it (the benchmarks' oracle).
 - ``sim_output_tokens``: the request's natural output length (where it stops, ``finish_reason: stop``), still capped by
   ``max_tokens``.
 
@@ -41,6 +49,7 @@ from typing import Any
 from aiohttp import web
 from enginesim.batcher import Batcher, SimRequest
 from enginesim.exposition import Dialect, RequestStats, SimCollector, render
+from enginesim.prefixcache import CHARS_PER_TOKEN, block_hashes
 from enginesim.profiles import OUTPUT_MODELS, Profile
 
 log = logging.getLogger("sluice.sim")
@@ -152,6 +161,7 @@ class EngineSimulator:
         app.router.add_get("/sim/log", self.sim_log)
         app.router.add_get("/sim/stats", self.sim_stats)
         app.router.add_post("/sim/fault", self.sim_fault)
+        app.router.add_post("/sim/cache", self.sim_cache)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -246,8 +256,28 @@ class EngineSimulator:
                 "preemptions": b.preemptions,
                 "kv_usage": b.kv_usage,
                 "served": len(self.served),
+                "prefix_cache_queries": b.prefix.queries,
+                "prefix_cache_hits": b.prefix.hits,
+                "cached_blocks": b.prefix.cached_blocks,
+                "prefix_cache_evictions": b.prefix.evictions,
             }
         )
+
+    async def sim_cache(self, request: web.Request) -> web.Response:
+        """How many prompt tokens of this request body are cached right now (what it would skip if scheduled now), and
+        the queue it would join. Nothing runs."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "request body is not valid JSON", "BadRequestError")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "BadRequestError")
+        chat = "messages" in body
+        text, prompt_tokens = _prompt(body, chat=chat)
+        b = self.batcher
+        cached = b.cached_tokens_for(block_hashes(text, prompt_tokens, self.profile.block_size), prompt_tokens)
+        return web.json_response({"cached_tokens": cached, "prompt_tokens": prompt_tokens, "running": len(b.running),
+                                  "waiting": len(b.waiting), "max_num_seqs": self.profile.max_num_seqs})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -264,13 +294,14 @@ class EngineSimulator:
             return _error(400, "request body must be a JSON object", "BadRequestError")
         if body.get("model") != self.profile.model:
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model_not_found")
-        prompt_tokens = _prompt_tokens(body, chat=chat)
+        text, prompt_tokens = _prompt(body, chat=chat)
         planned = self.plan_output(body, prompt_tokens)
         if isinstance(planned, web.Response):
             return planned
         max_tokens, output_tokens = planned
         sim_request = SimRequest(uuid.uuid4().hex, prompt_tokens, max_tokens, arrived_at=self.now(),
-                                 output_tokens=output_tokens)
+                                 output_tokens=output_tokens,
+                                 block_hashes=block_hashes(text, prompt_tokens, self.profile.block_size))
         entry: dict[str, Any] = {
             "id": sim_request.request_id,
             "engine": self.name,
@@ -321,6 +352,7 @@ class EngineSimulator:
             raise
         finally:
             entry["completion_tokens"] = sim_request.generated
+            entry["cached_tokens"] = sim_request.cached_tokens or 0
             entry["finished_at"] = self.now()
             entry["ttft_s"] = (
                 sim_request.first_token_at - sim_request.arrived_at if sim_request.first_token_at is not None else None
@@ -364,6 +396,7 @@ class EngineSimulator:
         wall = 1.0 / self.speed
         st.success += 1
         st.prompt_tokens.observe(r.prompt_tokens)
+        st.prefill_computed.observe(r.prompt_tokens - (r.cached_tokens or 0))
         st.generation_tokens.observe(r.generated)
         if r.first_token_at is not None:
             st.ttft.observe((r.first_token_at - r.arrived_at) * wall)
@@ -371,12 +404,15 @@ class EngineSimulator:
         if r.prefill_started_at is not None and r.first_token_at is not None:
             st.prefill_time.observe((r.first_token_at - r.prefill_started_at) * wall)
 
-    def _usage(self, r: SimRequest) -> dict[str, int]:
-        return {
+    def _usage(self, r: SimRequest) -> dict[str, Any]:
+        usage: dict[str, Any] = {
             "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.generated,
             "total_tokens": r.prompt_tokens + r.generated,
         }
+        if r.cached_tokens:  # vLLM adds the details only when some prompt tokens came from the cache
+            usage["prompt_tokens_details"] = {"cached_tokens": r.cached_tokens}
+        return usage
 
     def _full_body(self, r: SimRequest, chat: bool, cid: str, created: int, text: str) -> dict[str, Any]:
         choice: dict[str, Any]
@@ -400,7 +436,7 @@ class EngineSimulator:
     ) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             payload: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": self.profile.model,
                                        "choices": choices}
             if include_usage:
@@ -434,16 +470,18 @@ def _word(index: int) -> str:
     return (" " if index else "") + WORDS[index % len(WORDS)]
 
 
-def _prompt_tokens(body: dict[str, Any], *, chat: bool) -> int:
-    forced = body.get("sim_prompt_tokens")
-    if isinstance(forced, int) and forced > 0:
-        return forced
+def _prompt(body: dict[str, Any], *, chat: bool) -> tuple[str, int]:
+    """The prompt text (the messages' contents one after another, or the completion prompt) and its token count:
+    ``ceil(characters / 4)``, or ``sim_prompt_tokens`` when the body forces one."""
     if chat:
         text = "".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
     else:
         prompt = body.get("prompt", "")
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
-    return max(1, math.ceil(len(text) / 4))
+    forced = body.get("sim_prompt_tokens")
+    if isinstance(forced, int) and forced > 0:
+        return text, forced
+    return text, max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
 
 
 LISTENING = "listening on http://{host}:{port}"

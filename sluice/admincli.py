@@ -106,11 +106,11 @@ def status_text(s: admin_pb2.GetStatusResponse) -> str:
 def explanation_text(r: admin_pb2.ExplainDecisionResponse) -> str:
     head = f"{r.verdict} ({r.reason})" + (f" -> {r.engine}" if r.engine else "") + \
         (f", retry-after {r.retry_after_s}s" if r.retry_after_s else "") + f", {r.queued_ahead} parked ahead"
-    rows = [("ENGINE", "SERVES", "FLOOR", "STALE", "DRAINED", "LOAD", "TTFT", "FINISH", "BLOCKED BY")]
+    rows = [("ENGINE", "SERVES", "FLOOR", "STALE", "DRAINED", "LOAD", "CACHED", "TTFT", "FINISH", "BLOCKED BY")]
     for e in r.engines:
         rows.append((e.name, _yes(e.serves_model), _yes(e.meets_version_floor), _yes(e.stale), _yes(e.drained),
-                     f"{e.effective_load:g}", _num(e.ttft_estimate_s, "{:.2f}s"), _num(e.finish_estimate_s, "{:.2f}s"),
-                     ",".join(e.misfits) or "-"))
+                     f"{e.effective_load:g}", str(e.expected_cached_tokens), _num(e.ttft_estimate_s, "{:.2f}s"),
+                     _num(e.finish_estimate_s, "{:.2f}s"), ",".join(e.misfits) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
     return f"{head}\n{r.detail}\n\n{table}"

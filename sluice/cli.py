@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 
 def _setup_logging(verbose: bool, log_format: str = "text") -> None:
@@ -96,20 +97,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=0, help="explain: its max_tokens (0: the policy default)")
     p.add_argument("--priority", default="standard", help="explain: critical | standard | sheddable")
     p.add_argument("--max-ttft-ms", type=int, default=0, help="explain: a TTFT deadline (0: none)")
+    p.add_argument("--body-file", help="explain: a request body (JSON) whose prompt is matched against the prefix index "
+                   "(each engine's expected cached tokens); its prompt tokens are counted unless --prompt-tokens is set")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
     p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos", "replicas",
-                                        "ratelimit"])
+                                        "ratelimit", "prefix"])
     p.add_argument("--engines", metavar="N|FILE",
                    help="observe: how many simulated engines to poll (default 1000); overhead, steady: a YAML file listing the "
                         "engines to front instead of a simulator (e.g. real llama.cpp servers, see sluice/real/llama.py)")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
     p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open); replicas: a "
                    "400-request burst through 1 and 2 replicas, shorter windows (about a minute and a half); ratelimit: "
-                   "shorter windows and a tenth of the limiter's charges")
+                   "shorter windows and a tenth of the limiter's charges; prefix: the system workload at 90%%, shorter "
+                   "windows, no two-replica arm")
     p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable")
     p.add_argument("--mix", action="append", help="steady: only this client mix (open, capped, deadline); repeatable")
-    p.add_argument("--level", action="append", type=float, help="steady: only this load level (e.g. 1.1); repeatable")
+    p.add_argument("--level", action="append", type=float, help="steady, prefix: only this load level (e.g. 1.1); "
+                   "repeatable")
+    p.add_argument("--workload", action="append", help="prefix: only this workload (system, chat, control); repeatable")
 
     p = sub.add_parser("deploy", help="Kubernetes manifests for the config (see deploy/ and the README's Operating)")
     deploy = p.add_subparsers(dest="deploy_command", required=True)
@@ -187,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
             from sluice.bench.t10 import run_t10_bench
 
             return run_t10_bench()
+        if args.scenario == "prefix":
+            from sluice.bench.prefix import WORKLOADS, run_prefix_bench
+
+            if args.workload and not set(args.workload) <= set(WORKLOADS):
+                parser.error(f"prefix: --workload is one of {', '.join(WORKLOADS)}")
+            return run_prefix_bench(args.quick, args.workload, args.level)
         from sluice.bench.observe import run_observe_bench
 
         if args.engines is not None and not args.engines.isdigit():
@@ -209,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
 
             explain = admin_pb2.ExplainDecisionRequest(
                 model=args.name or "", prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                priority=args.priority, max_ttft_ms=args.max_ttft_ms)
+                priority=args.priority, max_ttft_ms=args.max_ttft_ms,
+                body_json=Path(args.body_file).read_text() if args.body_file else "")
         from sluice.admincli import read_token
 
         return run_admin(args.target, args.verb, as_json=args.json, name=args.name, explain=explain,

@@ -10,6 +10,12 @@ never writes to the ledger itself. ``wake`` takes the fleet as data and, after e
 request's completion tokens) teaches the core how long each model's answers really are (output_length.py); every fleet the
 core builds carries those means so time estimates use them.
 
+Prefix cache (prefix.py): every admission notes the prompt's blocks against its engine in ``prefixes``, and every decision
+gets, for its request, the prompt tokens each engine is expected to hold (``expected_cached``). Another replica's
+admission is noted too when its event carries the blocks (``learn``). ``note_cache_view`` keeps each engine's capacity and
+forgets an engine that restarted (a counter went backwards) or was drained; a reload that changes the block size starts
+an empty index (old hashes would never match again).
+
 Parking lot: per model, one FIFO per priority class (critical, then standard). The heads are tried in that order each wake;
 the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard).
 Adaptive LIFO under overload (``lifo_after_ms``, default 2000; 0 = strict FIFO always): when a class's oldest parked
@@ -40,10 +46,11 @@ from controlplane.core.decide import decide, earliest_fit, retry_after, shed
 from controlplane.core.fleetindex import DecayedServes, FleetIndex
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import (
-    Decision, EngineView, Fleet, InferenceRequest, Priority, QueueRule, RateTables, Reason, Ticket, Verdict,
+    Decision, EngineSample, EngineView, Fleet, InferenceRequest, Priority, QueueRule, RateTables, Reason, Ticket, Verdict,
 )
 from controlplane.core.output_length import OutputLengthBook
 from controlplane.core.policy import Policy
+from controlplane.core.prefix import PrefixIndex, restarted
 from controlplane.core.route import ServeCounter, SessionMap
 
 
@@ -73,6 +80,8 @@ class Outcome:
     backfill: NONE)."""
     parked: Parked | None = None
     """A woken request's entry in the lot: what ``restore`` puts back if the store refuses the admission."""
+    noted: tuple[int, ...] = ()
+    """Prompt blocks this admission added to the prefix index for its engine (``retract`` takes them back)."""
 
 
 class AdmissionCore:
@@ -87,6 +96,9 @@ class AdmissionCore:
         self.sessions = SessionMap()
         self.output_lengths = OutputLengthBook()
         self.index = FleetIndex()
+        self.prefixes = PrefixIndex(policy.prefix_index_blocks)
+        """Which engine probably holds which prompt prefix (prefix.py)."""
+        self._last_sample: dict[str, EngineSample] = {}
         self._lot: dict[str, dict[Priority, deque[Parked]]] = {}
         self._where: dict[str, tuple[str, Priority]] = {}
 
@@ -96,6 +108,33 @@ class AdmissionCore:
         engines = tuple(engines)
         return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
                      rates or RateTables(), self._serves_at(now), self.output_lengths.snapshot())
+
+    def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
+        """Prompt tokens of ``request`` each engine is expected to hold in its prefix cache (engines holding none left
+        out): matched blocks x block characters / characters per token."""
+        if not request.prefix_blocks or not self.policy.prefix_routing:
+            return {}
+        per_block = self.policy.prefix_block_chars / self.policy.chars_per_token
+        return {engine: int(blocks * per_block) for engine, blocks in self.prefixes.match(request.prefix_blocks).items()}
+
+    def note_cache_view(self, view: EngineView) -> str | None:
+        """A probe or an operator changed what is known of an engine: its KV capacity bounds its share of the prefix
+        index; if it restarted (a cumulative counter went backwards) or is drained, it holds nothing any more. Returns
+        why its blocks were forgotten (``restart``, ``drained``), or None."""
+        capacity = view.kv_capacity_tokens
+        self.prefixes.set_capacity(view.name, None if capacity is None else int(
+            capacity * self.policy.chars_per_token // self.policy.prefix_block_chars))
+        why = None
+        sample, before = view.sample, self._last_sample.get(view.name)
+        if sample is not None:
+            if before is not None and sample.taken_at > before.taken_at and restarted(before, sample):
+                why = "restart"
+            self._last_sample[view.name] = sample
+        if view.drained:
+            why = "drained"
+        if why is not None and self.prefixes.forget(view.name):
+            return why
+        return None
 
     def note_view(self, view: EngineView) -> None:
         """The shell's latest view of an engine (probe, drain, failure, staleness flip): the index refreshes its rows."""
@@ -138,7 +177,7 @@ class AdmissionCore:
         model = request.model
         ahead = (self.queued_ahead(model, request.priority) if model else 0) + ahead_elsewhere
         decision = decide(request, fleet, self.policy, now, ahead, self.sessions.get(request.session), self.draw(),
-                          arriving=True)
+                          arriving=True, cached=self.expected_cached(request))
         rule = QueueRule.ARRIVAL
         if decision.verdict is Verdict.PARK and ahead and self.policy.backfill and model is not None:
             decision = self._backfill_arrival(request, model, fleet, now, decision)
@@ -186,10 +225,12 @@ class AdmissionCore:
         return PARK_CLASSES.index(_class_of(request))
 
     def retract(self, outcome: Outcome, now: float) -> None:
-        """Undo an admission the shared store refused: no ticket, no serve counted (``restore`` puts a woken one back)."""
+        """Undo an admission the shared store refused: no ticket, no serve counted, none of the prompt blocks it noted
+        (``restore`` puts a woken one back)."""
         if outcome.ticket is not None and self.ledger.retract(outcome.ticket.ticket_id) is not None:
             self.serves.remove(outcome.ticket.engine, now)
             self.index.note_serve(outcome.ticket.engine)
+            self.prefixes.remove(outcome.ticket.engine, outcome.noted)
 
     def restore(self, parked: Parked) -> None:
         """Put a woken request back in its place in the lot (by arrival: the lot's order)."""
@@ -200,14 +241,17 @@ class AdmissionCore:
         queue.insert(at, parked)
         self._where[parked.request_id] = (model, klass)
 
-    def learn(self, ticket: Ticket, session: str | None, now: float) -> bool:
+    def learn(self, ticket: Ticket, session: str | None, now: float, prefix_blocks: tuple[int, ...] = ()) -> bool:
         """A ticket the shared store holds that this core has not seen: another replica's admission, or this process's
-        before a restart. Counted like one admitted here (load, KV, serve count, session). False if already known."""
+        before a restart. Counted like one admitted here (load, KV, serve count, session, and the prompt's blocks when
+        the event carried them). False if already known."""
         if not self.ledger.insert(ticket):
             return False
         self.serves.add(ticket.engine, min(now, ticket.admitted_at))
         self.index.note_serve(ticket.engine)
         self.sessions.set(session, ticket.engine)
+        if self.policy.prefix_routing:
+            self.prefixes.note(ticket.engine, prefix_blocks)
         return True
 
     def tickets(self) -> list[Ticket]:
@@ -241,6 +285,12 @@ class AdmissionCore:
     def set_policy(self, policy: Policy, admit_stale: bool) -> None:
         """A reload: the new policy (and ``observe.on_stale``) applies to every later decision; parked requests keep
         their place and deadlines."""
+        if (policy.prefix_block_chars != self.policy.prefix_block_chars
+                or policy.prefix_max_blocks != self.policy.prefix_max_blocks or not policy.prefix_routing):
+            self.prefixes = PrefixIndex(policy.prefix_index_blocks)  # old hashes would never match new prompts
+            self._last_sample.clear()
+        elif policy.prefix_index_blocks != self.prefixes.limit_blocks:
+            self.prefixes.set_limit(policy.prefix_index_blocks)
         self.policy = policy
         self.admit_stale = admit_stale
         self.serves.half_life_s = policy.serve_half_life_s
@@ -285,7 +335,8 @@ class AdmissionCore:
                         left = request.max_ttft_ms - int((now - head.parked_at) * 1000)
                         request = replace(request, max_ttft_ms=max(1, left))
                     decision = decide(request, fleet_of(), self.policy, now, 0,
-                                      self.sessions.get(request.session), self.draw(), self.depth(model) - 1)
+                                      self.sessions.get(request.session), self.draw(), self.depth(model) - 1,
+                                      cached=self.expected_cached(request))
                     if decision.verdict is Verdict.PARK:
                         blocked = True
                         if self.policy.backfill:
@@ -333,7 +384,8 @@ class AdmissionCore:
         starts = [earliest_fit(h.request, fleet, self.policy, now) for h in heads]
         if not starts or any(s is None for s in starts):
             return parked
-        decision = decide(request, fleet, self.policy, now, 0, self.sessions.get(request.session), self.draw())
+        decision = decide(request, fleet, self.policy, now, 0, self.sessions.get(request.session), self.draw(),
+                          cached=self.expected_cached(request))
         if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= min(s for s in starts if s is not None):
             return decision
         return parked
@@ -356,7 +408,8 @@ class AdmissionCore:
         order = list(reversed(queue)) if lifo else list(queue)
         for parked in order[1:self.policy.backfill_scan + 1]:
             decision = decide(parked.request, fleet_of(), self.policy, now, 0,
-                              self.sessions.get(parked.request.session), self.draw())
+                              self.sessions.get(parked.request.session), self.draw(),
+                              cached=self.expected_cached(parked.request))
             if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= head_start:
                 queue.remove(parked)
                 del self._where[parked.request_id]
@@ -374,7 +427,8 @@ class AdmissionCore:
         self.serves.add(decision.engine, now)
         self.index.note_serve(decision.engine)
         self.sessions.set(request.session, decision.engine)
-        return Outcome(request_id, decision, ticket, parked_for, rule, parked)
+        noted = self.prefixes.note(decision.engine, request.prefix_blocks) if self.policy.prefix_routing else ()
+        return Outcome(request_id, decision, ticket, parked_for, rule, parked, noted)
 
 
 def _class_of(request: InferenceRequest) -> Priority:

@@ -1,11 +1,13 @@
-"""The admission decision, pure: ``decide(request, fleet, policy, now, queued_ahead=0, affinity=None, pick=0.5, behind=0)
--> Decision``. No I/O, no clock, no HTTP: a verdict, a reason and a detail (the edge, ``controlplane/edge.py``, maps each
-reason to a status and an OpenAI error). This module orchestrates; the parts live beside it:
+"""The admission decision, pure: ``decide(request, fleet, policy, now, queued_ahead=0, affinity=None, pick=0.5, behind=0,
+arriving=False, cached=None) -> Decision``. No I/O, no clock, no HTTP: a verdict, a reason and a detail (the edge,
+``controlplane/edge.py``, maps each reason to a status and an OpenAI error). This module orchestrates; the parts live beside it:
 
 - request.py reads the request (``parse_request``; a malformed one never reaches ``decide``);
 - fit.py holds the fit rules (``misfits``: cap, kv_watermark, kv_need, box_pool, quality_cap) and the load figures;
 - route.py estimates TTFT and finish time per engine and chooses (finish-soonest, deadlines, the band, affinity);
 - fleetindex.py keeps the per-model rows ``_indexed`` decides on without estimating every candidate;
+- prefix.py says which engines probably hold the prompt's prefix in their cache (``cached``: engine -> tokens), which
+  route.py's estimates subtract from prefill;
 - explain.py answers what ``decide`` weighs without deciding (``explain``, ``earliest_fit``).
 
 Refusals come first and cost nothing: unknown model (``unknown_model``), every engine serving it drained or stale
@@ -15,7 +17,9 @@ Refusals come first and cost nothing: unknown model (``unknown_model``), every e
 Candidates: engines serving the model, at or above its version floor, fresh (or stale when ``on_stale: open`` and no fresh
 one exists: ``stale_fail_open``). With a TTFT deadline, a request that even an idle engine cannot prefill in time is shed
 (``ttft_unmeetable``); one that could start in time only after a slot frees parks (``ttft_deadline``) for at most as long as
-the deadline leaves room for prefill. Which fitting engine (or busy but faster one) gets the request is route.py's job.
+the deadline leaves room for prefill (both with each engine's expected cache hit subtracted). With
+``prefix_max_replicas`` R > 0, once R candidates hold the request's prefix (any expected hit), only they remain candidates.
+Which fitting engine (or busy but faster one) gets the request is route.py's job.
 Nothing fits and nothing is worth waiting for: ``sheddable`` requests are shed (``saturated``), others park (the reason is
 the first blocking fit rule, or ``waiting_for_faster``). A request with parked requests ahead of it in its class or a higher
 one parks behind them (FIFO, ``queued_behind``).
@@ -28,7 +32,9 @@ not max_tokens) sorted, that entry's distance from now, clamped to ``[retry_afte
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -40,13 +46,17 @@ from controlplane.core.model import (
 )
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.request import RequestError
-from controlplane.core.route import Estimate, estimate, expected_output_tokens, prefill_rate, waits_too_long, weighted_pick
+from controlplane.core.route import (
+    Estimate, cached_tokens, estimate, expected_output_tokens, prefill_rate, waits_too_long, weighted_pick,
+)
 
 # Names callers import from here (the admin API, admission, tests) though they live beside this module.
 __all__ = [
     "EngineExplanation", "RequestError", "decide", "earliest_fit", "explain", "misfits", "model_list", "need_tokens",
     "refuse", "retry_after", "shed",
 ]
+
+_NOTHING_CACHED: Mapping[str, int] = MappingProxyType({})
 
 
 def refuse(error: RequestError) -> Decision:
@@ -89,16 +99,19 @@ def model_list(fleet: Fleet) -> tuple[ServedModel, ...]:
 def decide(
     request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0,
     affinity: str | None = None, pick: float = 0.5, behind: int = 0, arriving: bool = False,
+    cached: Mapping[str, int] | None = None,
 ) -> Decision:
     """Choose what happens to ``request`` (see the module docstring and route.py). ``queued_ahead``: parked requests of
     this model in this request's priority class or a higher one; ``affinity``: the engine the request's session used last;
     ``pick``: a uniform draw in [0, 1) for the satisficing band's weighted choice; ``behind``: parked requests of this
-    model queued after this one (a woken head's backlog)."""
+    model queued after this one (a woken head's backlog); ``cached``: prompt tokens each engine is expected to hold in
+    its prefix cache (engines not named: none)."""
     model = request.model
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, models=model_list(fleet))
+    cached = cached or _NOTHING_CACHED
     if fleet.index is not None:
-        indexed = _indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind, arriving)
+        indexed = _indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind, arriving, cached)
         if indexed is not None:
             return indexed
     serving = [e for e in fleet.engines if e.serves(model) and not e.drained]
@@ -132,13 +145,22 @@ def decide(
                    f"({request.prompt_tokens} in the messages, {need - request.prompt_tokens} in the completion).")
         return refuse(RequestError(Reason.CONTEXT_LENGTH, message))
 
+    def hit(engine: EngineView) -> int:
+        return cached_tokens(engine.name, request, cached)
+
+    if policy.prefix_max_replicas and cached:
+        holders = [e for e in candidates if hit(e) > 0]
+        if len(holders) >= policy.prefix_max_replicas:
+            candidates = holders  # the prefix occupies as many engines as it may: it waits for one of them
+
     deadline_s = request.max_ttft_ms / 1000 if request.max_ttft_ms else None
     park_limit: float | None = None
     if deadline_s is not None:
         # Prefill alone, on an idle engine: if even that misses the deadline, nothing can meet it. Waits are uncertain
         # (seed 002: a pessimistic estimate over-sheds), so a request that only needs a slot parks, for at most as long
         # as its deadline leaves room for prefill, and real releases decide.
-        prefill_floor = min(request.prompt_tokens / prefill_rate(e, model, fleet, policy) for e in candidates)
+        prefill_floor = min((request.prompt_tokens - hit(e)) / prefill_rate(e, model, fleet, policy)
+                            for e in candidates)
         if prefill_floor > deadline_s:
             return shed(Reason.TTFT_UNMEETABLE,
                         f"no engine can prefill {request.prompt_tokens} tokens of {model} within "
@@ -151,7 +173,7 @@ def decide(
     blocked = {e.name: misfits(e, request, fleet, policy) for e in candidates}
     # Engines that fit now, and engines only short of a slot (worth waiting for if they finish sooner).
     pressure = any(blocked.values())
-    estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure, behind)
+    estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure, behind, hit(e))
                  for e in candidates if not blocked[e.name] or blocked[e.name] == (Reason.CAP,)]
     if deadline_s is not None and estimates:
         meeting = [x for x in estimates if x.ttft_s <= deadline_s]
@@ -173,6 +195,9 @@ def decide(
             sticky = next((x for x in band if x.engine.name == affinity), None)
             if sticky is not None:
                 return _admit(request, sticky, Reason.SESSION_AFFINITY, policy, now, fleet)
+            longest = max(x.cached_tokens for x in band)
+            if longest:  # the prompt where it is cached: good enough anyway, and its prefill costs nothing
+                band = [x for x in band if x.cached_tokens == longest]
             chosen = weighted_pick(band, fleet.recent_serves, pick)
             return _admit(request, chosen, Reason.SATISFICING_BAND, policy, now, fleet)
     free = [x for x in estimates if x.can_start]
@@ -214,9 +239,10 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
 
     best = min(estimates, key=soonest)
     acceptable = [x for x in free if x.finish_s <= best.finish_s * (1 + policy.wait_for_faster_margin)]
-    sooner_first_token = bool(free) and best.ttft_s < min(free, key=soonest).ttft_s
-    if not best.can_start and not acceptable and (waits_too_long(best, policy) or (arriving
-                                                                                   and not sooner_first_token)):
+    alternative = min(free, key=soonest) if free else None
+    sooner_first_token = alternative is not None and best.ttft_s < alternative.ttft_s
+    if not best.can_start and not acceptable and (waits_too_long(best, policy, alternative)
+                                                  or (arriving and not sooner_first_token)):
         # Work conservation (route.py): the faster engine's wait is unbounded enough that a free slot is taken instead.
         acceptable = free
         if admitted_reason is Reason.FINISH_SOONEST:
@@ -233,12 +259,14 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
 
 
 def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int,
-             affinity: str | None, pick: float, behind: int, arriving: bool = False) -> Decision | None:
+             affinity: str | None, pick: float, behind: int, arriving: bool = False,
+             cached: Mapping[str, int] = _NOTHING_CACHED) -> Decision | None:
     """``decide`` on the fleet's index (fleetindex.py): the fit rules and the no-wait estimate of every candidate at once
     (numpy over the model's rows), then real ``Estimate`` objects only for the engines that can be chosen: the band (its
     weighted pick on a cumulative sum), or the soonest free slot, the busy engines whose no-wait lower bound could beat it,
     and the session's engine. Returns the same decision as the full scan below, or None when the full scan must decide
-    (boxes, parked requests ahead, nothing fits now, an empty band, any refusal or shed)."""
+    (boxes, parked requests ahead, nothing fits now, an empty band, any refusal or shed). Expected cache hits become a
+    vector over the rows (only the engines the prefix index named are touched)."""
     index = fleet.index
     model = request.model
     if index is None or queued_ahead or policy.boxes or index.policy is not policy or index.admit_stale != fleet.admit_stale:
@@ -251,12 +279,22 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     candidate = rows.ok & (rows.model_len >= fits_context)
     if not candidate.any():
         return None
+    hit = np.zeros(len(rows.names))
+    for engine in cached:
+        at_row = rows.position.get(engine)
+        if at_row is not None:
+            hit[at_row] = cached_tokens(engine, request, cached)
+    if policy.prefix_max_replicas and cached:
+        held = candidate & (hit > 0)
+        if int(held.sum()) >= policy.prefix_max_replicas:
+            candidate = held
     capacity = rows.capacity
     watermark = policy.kv_high_watermark
     if (capacity[candidate] > 0).all() and need > float((capacity[candidate] * watermark).max()):
         return None  # context_length_exceeded: the full scan words the refusal
     deadline_s = request.max_ttft_ms / 1000 if request.max_ttft_ms else None
-    if deadline_s is not None and request.prompt_tokens / float(rows.prefill[candidate].max()) > deadline_s:
+    prefill_s = (request.prompt_tokens - hit) / rows.prefill
+    if deadline_s is not None and float(prefill_s[candidate].min()) > deadline_s:
         return None  # ttft_unmeetable
     cap_block = rows.load >= rows.cap
     other = (rows.usage >= watermark) | ((capacity > 0) & (rows.held + need > capacity * watermark)) | rows.quality_block
@@ -266,12 +304,11 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     busy = candidate & cap_block & ~other
     pressure = bool((candidate & (cap_block | other)).any())
     rate = rows.d_press if pressure else rows.d_free
-    prefill_s = request.prompt_tokens / rows.prefill
     out = expected_output_tokens(request, fleet, policy)
     ttft = prefill_s + 1.0 / rate  # route.estimate with no wait (0.0 + x is x)
 
     def exact(i: int, can_start: bool) -> Estimate:
-        return estimate(rows.views[i], request, can_start, fleet, policy, now, pressure, behind)
+        return estimate(rows.views[i], request, can_start, fleet, policy, now, pressure, behind, int(hit[i]))
 
     at = rows.position.get(affinity) if affinity is not None else None
     if deadline_s is not None:
@@ -284,6 +321,9 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         if at is not None and band[at]:
             return _admit(request, exact(at, True), Reason.SESSION_AFFINITY, policy, now, fleet)
         members = np.flatnonzero(band)
+        longest = float(hit[members].max())
+        if longest > 0:  # as the full scan: the band members expected to hold the longest prefix
+            members = members[hit[members] == longest]
         serves = rows.serve_value[members] * np.power(
             0.5, np.maximum(0.0, index.now - rows.serve_at[members]) / index.half_life_s)
         cumulative = np.cumsum(1.0 / (1.0 + serves))
@@ -336,7 +376,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     best = min(estimates, key=lambda x: _soonest(x, fleet))
     park_limit = None
     if deadline_s is not None:
-        park_limit = deadline_s - request.prompt_tokens / float(rows.prefill[candidate].max())
+        park_limit = deadline_s - float(prefill_s[candidate].min())
     candidates = [rows.views[i] for i in np.flatnonzero(candidate)]
     return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
                  f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
@@ -345,11 +385,16 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
 
 def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: Policy, now: float,
            fleet: Fleet) -> Decision:
+    hit = ""
+    if chosen.cached_tokens:
+        hit = f", {chosen.cached_tokens} prompt tokens expected cached"
+        if reason in (Reason.FINISH_SOONEST, Reason.SATISFICING_BAND):
+            reason = Reason.PREFIX_CACHE
     return Decision(
         Verdict.ADMIT, reason, engine=chosen.engine.name, reserved_tokens=need_tokens(request, policy),
-        expected_done_at=now + chosen.finish_s, expected_ttft_s=chosen.ttft_s,
+        expected_done_at=now + chosen.finish_s, expected_ttft_s=chosen.ttft_s, cached_tokens=chosen.cached_tokens,
         detail=f"expected TTFT {chosen.ttft_s:.2f} s, finish {chosen.finish_s:.2f} s, load "
-               f"{effective_load(chosen.engine, fleet):g}",
+               f"{effective_load(chosen.engine, fleet):g}{hit}",
     )
 
 

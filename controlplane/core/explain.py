@@ -3,12 +3,13 @@ the earliest time a request could start if open tickets finish when expected (ba
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from controlplane.core.fit import effective_load, misfits
 from controlplane.core.model import Fleet, InferenceRequest, Reason
 from controlplane.core.policy import Policy, meets_floor
-from controlplane.core.route import estimate
+from controlplane.core.route import cached_tokens, estimate
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,10 +23,15 @@ class EngineExplanation:
     ttft_s: float | None
     finish_s: float | None
     load: float
+    cached_tokens: int = 0
+    """Prompt tokens the engine is expected to hold in its prefix cache (the estimates left them out of prefill)."""
 
 
-def explain(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float) -> tuple[EngineExplanation, ...]:
-    """Every engine's standing for ``request``: the facts ``decide`` weighs, without deciding (for operators)."""
+def explain(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float,
+            cached: Mapping[str, int] | None = None) -> tuple[EngineExplanation, ...]:
+    """Every engine's standing for ``request``: the facts ``decide`` weighs, without deciding (for operators).
+    ``cached``: the prefix index's expected hits for this request, as ``decide`` gets them."""
+    cached = cached or {}
     assert request.model is not None
     floor = policy.floor_for(request.model)
     blocked = {e.name: misfits(e, request, fleet, policy) for e in fleet.engines if e.serves(request.model)}
@@ -34,9 +40,10 @@ def explain(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float)
     for e in fleet.engines:
         serves = e.serves(request.model)
         reasons = blocked.get(e.name, ())
-        x = estimate(e, request, not reasons, fleet, policy, now, pressure) if serves else None
+        hit = cached_tokens(e.name, request, cached)
+        x = estimate(e, request, not reasons, fleet, policy, now, pressure, cached_tokens=hit) if serves else None
         out.append(EngineExplanation(e.name, serves, meets_floor(e.version, floor), e.stale, e.drained, reasons,
-                                     x.ttft_s if x else None, x.finish_s if x else None, effective_load(e, fleet)))
+                                     x.ttft_s if x else None, x.finish_s if x else None, effective_load(e, fleet), hit))
     return tuple(out)
 
 

@@ -52,6 +52,13 @@ class EngineSample:
     """Requests the engine finished (its per-request output-length histogram's ``_count``)."""
     finished_output_tokens_total: float | None = None
     """Tokens those finished requests generated (the same histogram's ``_sum``)."""
+    prefill_counts_cached: bool = False
+    """``prefill_tokens_total`` counts prompt tokens the prefix cache served too (vLLM's per-request prompt-token
+    histogram, read when its newer computed-tokens histogram is absent): rates take the cache's share out."""
+    prefix_cache_queries_total: float | None = None
+    """Prompt tokens the engine looked up in its prefix cache (vLLM ``prefix_cache_queries``, SGLang prompt tokens)."""
+    prefix_cache_hits_total: float | None = None
+    """Prompt tokens it found there and did not prefill (vLLM ``prefix_cache_hits``, SGLang ``cached_tokens``)."""
 
     @property
     def queue(self) -> float | None:
@@ -205,6 +212,9 @@ class Reason(enum.Enum):
     STALE_FAIL_OPEN = "stale_fail_open"
     WORK_CONSERVING = "work_conserving"
     """A free slot taken although a busy engine would finish sooner: its slot wait exceeded the work-conserving bound."""
+    PREFIX_CACHE = "prefix_cache"
+    """The chosen engine is expected to hold the start of the prompt in its prefix cache, and the estimate that chose it
+    skipped that prefill (instead of ``finish_soonest`` or ``satisficing_band``)."""
     MODEL_LIST = "model_list"
     # refused: the request itself (one reason per error code)
     INVALID_JSON = "invalid_json"
@@ -268,6 +278,8 @@ class InferenceRequest:
     """TTFT deadline (``x-sluice-max-ttft-ms``, else the model's default); None = no deadline."""
     session: str | None = None
     """Affinity key (``x-sluice-session``)."""
+    prefix_blocks: tuple[int, ...] = ()
+    """Chained hashes of the canonically rendered prompt's blocks (core/prefix.py); empty when prefix routing is off."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +304,9 @@ class Decision:
     """The TTFT the decision expected (compared with the access log's)."""
     park_limit_s: float | None = None
     """PARK with a TTFT deadline: the longest the request may wait and still prefill in time."""
+    cached_tokens: int = 0
+    """ADMIT: prompt tokens the chosen engine is expected to find in its prefix cache (its prefill was estimated without
+    them)."""
 
 
 @dataclass(frozen=True, slots=True)

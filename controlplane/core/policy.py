@@ -67,6 +67,22 @@ class Policy:
     finish before the head could start (EASY backfilling), so the head is not delayed."""
     backfill_scan: int = 16
     """How far behind a blocked head backfill looks."""
+    prefix_routing: bool = True
+    """Count the prompt tokens an engine probably has in its prefix cache as prefill it skips (core/prefix.py): in the
+    TTFT and finish estimates, the band's choice and ``x-sluice-route-reason: prefix_cache``. Off: every prompt is
+    estimated cold and nothing is indexed."""
+    prefix_block_chars: int = 256
+    """Characters per block of the prefix index (a match counts whole blocks; 256 = 64 tokens at 4 characters a token)."""
+    prefix_max_blocks: int = 256
+    """Blocks of a prompt that are hashed and matched (the rest of a longer prompt is never counted as cached): the bound on
+    a Check's hashing work and on the size of a store event."""
+    prefix_max_replicas: int = 0
+    """How many engines a prefix may occupy: once this many candidates hold a request's prefix, only they are candidates
+    (the request waits for one rather than prefilling it on yet another engine). 0: no limit, the estimates decide when
+    spilling to a cold engine pays."""
+    prefix_index_blocks: int = 250_000
+    """Bound on the prefix index's entries (engine, block) over all engines, each engine getting an even share (an entry
+    is about 240 bytes: the default is some 60 MB)."""
     lifo_after_ms: float = 2000.0
     """Adaptive LIFO: once a class's oldest parked request has waited longer than this, its wake tries the newest parked
     request first (fresh requests meet their latency; the old ones, already late, wait for capacity or ``max_park_s``).

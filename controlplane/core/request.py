@@ -11,7 +11,8 @@ raises ``RequestError``, never anything else, within these bounds:
 - ``x-sluice-session`` is at most ``MAX_SESSION_KEY`` (256) characters (else ``invalid_session``).
 
 A refusal carries only its ``Reason`` and a message: which status and error code a client sees is the edge's business
-(``controlplane/edge.py``), one reason per code. Prompt tokens are estimated as characters / ``chars_per_token``.
+(``controlplane/edge.py``), one reason per code. Prompt tokens are estimated as characters / ``chars_per_token``; with
+``prefix_routing`` the prompt is also rendered and cut into hashed blocks for the prefix index (core/prefix.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from controlplane.core.model import InferenceRequest, Priority, Reason
 from controlplane.core.policy import Policy
+from controlplane.core.prefix import prompt_blocks, render_prompt
 from controlplane.names import PRIORITY_HEADER, SESSION_HEADER, TTFT_HEADER
 
 _PRIORITIES = {p.value: p for p in Priority}
@@ -172,6 +174,10 @@ def parse_request(
     max_tokens = completion_limit if completion_limit is not None else legacy_limit
     prompt = body.get("messages") if route == "/v1/chat/completions" else body.get("prompt", body.get("input", ""))
     prompt_tokens = math.ceil(_text_length(prompt) / policy.chars_per_token)
+    blocks: tuple[int, ...] = ()
+    if policy.prefix_routing:
+        blocks = prompt_blocks(render_prompt(route, body), policy.prefix_block_chars, policy.prefix_max_blocks)
     return InferenceRequest(method, route, model=model, stream=bool(body.get("stream")), prompt_tokens=prompt_tokens,
                             max_tokens=max_tokens, priority=priority,
-                            max_ttft_ms=max_ttft_ms or policy.model(model).max_ttft_ms, session=session)
+                            max_ttft_ms=max_ttft_ms or policy.model(model).max_ttft_ms, session=session,
+                            prefix_blocks=blocks)

@@ -11,14 +11,20 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
     out          = expected output tokens: the model's mean over recent completed requests (output_length.py, trusted
                    after 20), else ``default_expected_output_tokens``; at most r.max_tokens. Time only: KV still reserves
                    max_tokens (or ``default_max_tokens``), the worst case
-    service      = r.prompt_tokens / prefill_rate + out / decode_rate        (one request of r's shape at batch n)
+    cached       = prompt tokens e is expected to hold in its prefix cache (core/prefix.py; 0 without a match), at most
+                   r.prompt_tokens - 1 (an engine always computes the last prompt token)
+    prefill      = (r.prompt_tokens - cached) / prefill_rate
+    service      = prefill + out / decode_rate                               (one request of r's shape at batch n)
     k            = load - cap + 1 + behind, where ``behind`` counts the parked requests queued after r: waiting for a busy
                    engine is only worth it if that engine could also absorb the backlog, else the whole queue idles
-                   behind r (fleet scale)
+                   behind r (fleet scale). Not for an engine expected to hold r's prefix (cached > 0): the backlog's
+                   requests are placed by their own prefixes, mostly elsewhere, and r's wait for it stays bounded by
+                   work conservation (below); counted, it made a busy holder look a backlog away, and under load
+                   requests went cold to whichever slot freed (``sluice bench prefix``: bench/results/README.md)
     slot_wait    = 0 if load < cap; else, with D = e's open tickets' expected finishes (soonest first):
                    D[k] - now when k <= |D|, else max(0, D[-1] - now) + ceil((k - |D|) / cap) x service
                    (the engine drains a backlog deeper than its tickets in waves of cap: no clamp)
-    ttft(e)      = slot_wait + r.prompt_tokens / prefill_rate + 1 / decode_rate     (the first token is one step)
+    ttft(e)      = slot_wait + prefill + 1 / decode_rate                          (the first token is one step)
     finish(e)    = ttft(e) + out / decode_rate
 
 Without a deadline the request goes where ``finish`` is soonest, which may mean parking for a busy fast engine rather than
@@ -29,8 +35,9 @@ what makes this split a burst the way the best assignment does (seed 000: 2/2 fo
 **Work conservation.** While some engine has a free slot, r waits for a busy faster one only if (a) that engine's ``finish``
 beats every free slot's by more than ``wait_for_faster_margin`` and (b) its ``slot_wait`` is at most
 ``max_wait_for_faster_services`` (default 0.5) of r's service time there; otherwise r takes the free slot that finishes soonest
-(reason ``work_conserving``). Why: estimates err (outputs are guessed, probes lag) and a wait long compared with the work
-itself is where an error costs most; and a waiting head holds the FIFO queue behind it, so a wait that gains the head a
+(reason ``work_conserving``); when the busy engine holds more of the prompt in its prefix cache, the bound grows by the
+prefill the free slot would redo (``waits_too_long``). Why: estimates err (outputs are guessed, probes lag) and a wait
+long compared with the work itself is where an error costs most; and a waiting head holds the FIFO queue behind it, so a wait that gains the head a
 little costs everyone behind it its full length. Issue 9 (4 req/s of 30-token answers to Thor + Spark, ~87% load) replayed
 through the core (tests/unit/test_wait_estimates.py): bound 1 gives TTFT p50 0.45 s / p90 0.64 s, bound 0.5 gives 0.18 s /
 0.33 s and a lower mean end-to-end time too; before this rule and the unclamped waits, Spark took 115 of 120 while Thor
@@ -47,6 +54,15 @@ come in time (waits are uncertain, real releases decide). The **satisficing band
 by ``1 / (1 + recent serves)`` (serves decay with a 5-minute half-life), so load spreads over every engine that is good
 enough instead of piling onto the fastest. A session (``x-sluice-session``) keeps its engine while that engine is in the band
 (prefix-cache affinity); without a deadline, while the engine is within the work-conserving margin of the best.
+
+**Prefix cache.** An expected cache hit is prefill the engine skips, so it enters ``ttft`` and ``finish`` above and nothing
+else: a hit on a slow or busy engine competes with a cold fast one on time, and the work conservation bound, deadlines and
+the band read the same estimates. Inside the band (every member good enough), the members expected to hold the longest
+prefix are preferred, after the session's engine: sending the prompt where it is cached spends no prefill capacity, and
+the band's spreading still applies among equals. A hot prefix whose engines are full spills to another engine when that
+finishes sooner (or, with a deadline, when the holders leave the band), and that engine then holds it too;
+``prefix_max_replicas`` caps how many engines may (decide.py). An admission whose chosen engine was credited with a hit
+reports ``prefix_cache``.
 """
 
 from __future__ import annotations
@@ -70,6 +86,10 @@ class Estimate:
     ttft_s: float
     finish_s: float
     decode_rate: float
+    cached_tokens: int = 0
+    """Prompt tokens the engine is expected to hold in its prefix cache (its prefill here left them out)."""
+    prefill_rate: float = 0.0
+    """Prompt tokens per second this estimate prefilled at."""
 
 
 def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) -> float:
@@ -113,30 +133,45 @@ def slot_wait(engine: EngineView, position: int, service_s: float, fleet: Fleet,
 
 
 def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: Fleet, policy: Policy,
-             now: float, pressure: bool = False, behind: int = 0) -> Estimate:
+             now: float, pressure: bool = False, behind: int = 0, cached_tokens: int = 0) -> Estimate:
     assert request.model is not None
+    cached_tokens = min(cached_tokens, max(0, request.prompt_tokens - 1))
     load = effective_load(engine, fleet)
     cap = engine.cap
     batch = int(load) + 1
     if cap is not None:
         batch = cap if pressure or not fits else min(cap, batch)
     rate = decode_rate(engine, max(1, batch), fleet, policy)
-    prefill_s = request.prompt_tokens / prefill_rate(engine, request.model, fleet, policy)
+    rate_in = prefill_rate(engine, request.model, fleet, policy)
+    prefill_s = (request.prompt_tokens - cached_tokens) / rate_in
     decode_s = expected_output_tokens(request, fleet, policy) / rate
     wait = 0.0
     if not fits:
-        # Everyone queued for this engine ahead of r, r itself, and the parked requests behind r: each costs one service
-        # of r's shape at the full-batch rate (the best guess for requests whose own lengths sluice cannot know).
-        position = (int(load - cap + 1) if cap is not None else 1) + behind
+        # Everyone queued for this engine ahead of r, r itself, and the parked requests behind r (unless this engine
+        # holds r's prefix: see the docstring): each costs one service of r's shape at the full-batch rate (the best
+        # guess for requests whose own lengths sluice cannot know).
+        position = (int(load - cap + 1) if cap is not None else 1) + (0 if cached_tokens else behind)
         wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
     ttft = wait + prefill_s + 1.0 / rate
-    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate)
+    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in)
 
 
-def waits_too_long(busy: Estimate, policy: Policy) -> bool:
+def waits_too_long(busy: Estimate, policy: Policy, free: Estimate | None = None) -> bool:
     """Work conservation: waiting for ``busy`` (a faster engine without a free slot) is only allowed while its slot wait is
-    at most ``max_wait_for_faster_services`` of the request's own service time there (``finish - slot_wait``)."""
-    return busy.slot_wait_s > policy.max_wait_for_faster_services * (busy.finish_s - busy.slot_wait_s)
+    at most ``max_wait_for_faster_services`` of the request's own service time there (``finish - slot_wait``), plus the
+    prefill ``free`` (the free slot it would take instead) would redo because ``busy`` holds more of the prompt in its
+    prefix cache: ``(busy.cached - free.cached) / free's prefill rate``. Waiting that much longer idles the free slot no
+    longer than the cold prefill would occupy it, and spares an engine's prefill capacity besides."""
+    redo_s = 0.0
+    if free is not None and busy.cached_tokens > free.cached_tokens and free.prefill_rate > 0:
+        redo_s = (busy.cached_tokens - free.cached_tokens) / free.prefill_rate
+    return busy.slot_wait_s > policy.max_wait_for_faster_services * (busy.finish_s - busy.slot_wait_s) + redo_s
+
+
+def cached_tokens(engine: str, request: InferenceRequest, cached: Mapping[str, int]) -> int:
+    """Prompt tokens ``engine`` is expected to hold (``cached``: the prefix index's figures for this request), at most
+    all but the prompt's last token."""
+    return min(cached.get(engine, 0), max(0, request.prompt_tokens - 1))
 
 
 def weighted_pick(estimates: list[Estimate], serves: Mapping[str, float], pick: float) -> Estimate:

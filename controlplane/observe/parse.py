@@ -45,9 +45,16 @@ class FlavorSpec:
     """(tokens counter, seconds counter) where the engine keeps decode time as plain counters (llama.cpp)."""
     prefill_histograms: tuple[str, str] | None = None
     """(prompt-tokens histogram, prefill-seconds histogram): their ``_sum`` deltas give prefill tokens/s."""
+    prefill_computed_histogram: str | None = None
+    """Prompt tokens each request computed, prefix-cache hits excluded: preferred over the prompt-tokens histogram (which
+    counts the hits too) when the engine has it."""
     prefill_counters: tuple[str, str] | None = None
     output_length_histograms: tuple[str, ...] = ()
     """Per finished request, the tokens it generated: ``_sum`` over ``_count`` is the real mean answer length."""
+    prefix_cache_queries: tuple[str, ...] = ()
+    """Prompt tokens looked up in the engine's prefix cache (counter)."""
+    prefix_cache_hits: tuple[str, ...] = ()
+    """Prompt tokens found there (counter): prefill skipped them."""
     required: tuple[str, ...] = ()
     """Load gauges this flavour must expose; missing ones make the engine degraded (the startup self-check)."""
 
@@ -62,7 +69,10 @@ SPECS: dict[Flavor, FlavorSpec] = {
         generation_tokens=("vllm:generation_tokens_total",),
         decode_latency_histograms=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
         prefill_histograms=("vllm:request_prompt_tokens", "vllm:request_prefill_time_seconds"),
+        prefill_computed_histogram="vllm:request_prefill_kv_computed_tokens",
         output_length_histograms=("vllm:request_generation_tokens",),
+        prefix_cache_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+        prefix_cache_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
         required=("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
     ),
     Flavor.SGLANG: FlavorSpec(
@@ -74,6 +84,8 @@ SPECS: dict[Flavor, FlavorSpec] = {
         prompt_tokens=("sglang:prompt_tokens_total",),
         generation_tokens=("sglang:generation_tokens_total",),
         decode_latency_histograms=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+        prefix_cache_queries=("sglang:prompt_tokens_total",),
+        prefix_cache_hits=("sglang:cached_tokens_total",),
         required=("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
     ),
     Flavor.LLAMACPP: FlavorSpec(
@@ -107,10 +119,10 @@ def _wanted_samples() -> frozenset[str]:
     for spec in SPECS.values():
         for group in (spec.running, spec.waiting, spec.kv_usage, spec.kv_used_tokens, spec.kv_capacity_tokens,
                       spec.preemptions, spec.prompt_tokens, spec.generation_tokens, spec.decode_counters or (),
-                      spec.prefill_counters or ()):
+                      spec.prefill_counters or (), spec.prefix_cache_queries, spec.prefix_cache_hits):
             names.update(group)
         for histogram in (*spec.decode_latency_histograms, *(spec.prefill_histograms or ()),
-                          *spec.output_length_histograms):
+                          *spec.output_length_histograms, *filter(None, (spec.prefill_computed_histogram,))):
             names.update((histogram + "_sum", histogram + "_count"))
     return frozenset(names)
 
@@ -293,8 +305,16 @@ def sample_from_series(series: Series, taken_at: float, flavor: Flavor | None) -
         decode_tokens = _pick(flavor, series, spec.decode_counters[:1])
         decode_seconds = _pick(flavor, series, spec.decode_counters[1:])
     prefill_tokens = prefill_seconds = None
+    prefill_counts_cached = False
     if spec.prefill_histograms is not None:
-        prefill_tokens, _ = _histogram(flavor, series, spec.prefill_histograms[:1])
+        computed = None
+        if spec.prefill_computed_histogram is not None:
+            computed, _ = _histogram(flavor, series, (spec.prefill_computed_histogram,))
+        if computed is not None:
+            prefill_tokens = computed
+        else:
+            prefill_tokens, _ = _histogram(flavor, series, spec.prefill_histograms[:1])
+            prefill_counts_cached = prefill_tokens is not None
         prefill_seconds, _ = _histogram(flavor, series, spec.prefill_histograms[1:])
     if spec.prefill_counters is not None:
         prefill_tokens = _pick(flavor, series, spec.prefill_counters[:1])
@@ -316,4 +336,7 @@ def sample_from_series(series: Series, taken_at: float, flavor: Flavor | None) -
         decode_tokens_total=decode_tokens,
         prefill_seconds_total=prefill_seconds,
         prefill_tokens_total=prefill_tokens,
+        prefill_counts_cached=prefill_counts_cached,
+        prefix_cache_queries_total=_pick(flavor, series, spec.prefix_cache_queries),
+        prefix_cache_hits_total=_pick(flavor, series, spec.prefix_cache_hits),
     )

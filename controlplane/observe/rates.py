@@ -4,16 +4,25 @@ Pure: samples in, rates out. For probes ``a`` then ``b`` (``dt = b.taken_at - a.
 
     prompt_tokens_per_s       = d(prompt_tokens_total) / dt
     generation_tokens_per_s   = d(generation_tokens_total) / dt
-    prefill_tokens_per_s      = d(prefill_tokens_total) / d(prefill_seconds_total)      (tokens per second of prefill)
+    prefill_tokens_per_s      = d(prefill_tokens_total) / d(prefill_seconds_total)    (tokens computed per second of
+                                prefill; when prefill_tokens_total counts cache hits too, x (1 - cached))
+    cached                    = d(prefix_cache_hits_total) / d(prefix_cache_queries_total), else the counters' ratio
+                                since start (0 for an engine without a prefix cache's counters)
     decode_tokens_per_s_each  = d(decode_tokens_total) / d(decode_seconds_total)        (one request's decode rate)
     mean_output_tokens        = d(finished_output_tokens_total) / d(finished_requests_total)  (real answer lengths)
 
-A counter that went backwards means the engine restarted: no rate from that pair. A delta of zero is no new information and
-gives no rate (seed 002: a value that did not change since the last poll is not a new sample). A prefill rate needs at least
-``min_prefill_tokens`` prompt tokens in the interval: an engine's prefill time carries a fixed cost per request (scheduling,
-the first step), so a few tiny prompts would read as a prefill rate ten times too slow and inflate every TTFT estimate. A decode rate is **solo** only
-when the engine ran exactly one request and queued none at both ends of the interval (seed 002: quality caps need the model's
-own uncontended rate).
+A counter that went backwards means the engine restarted: no rate from that pair (core/prefix.py's ``restarted``). A
+delta of zero is no new information and gives no rate (seed 002: a value that did not change since the last poll is not a new sample). A prefill
+rate needs at least ``min_prefill_tokens`` computed prompt tokens in the interval: an engine's prefill time carries a fixed
+cost per request (scheduling, the first step), so a few tiny prompts would read as a prefill rate ten times too slow and
+inflate every TTFT estimate. A prompt token the prefix cache served costs no prefill time: every hit counted as prefill
+work would read as faster prefill, and a cold prompt would then be estimated as cheap as a cached one. vLLM's newer
+``request_prefill_kv_computed_tokens`` histogram counts only computed tokens, finished when the prefill-time histogram is,
+and is read when present; older vLLMs only have the per-request prompt-token histogram, which counts the hits, and the
+``cached`` share corrects it roughly (its counters move when requests are scheduled, the histograms when they finish: with
+long prompts and a mix of hits and misses it swings from one interval to the next, so the median needs many samples).
+A decode rate is **solo** only when the engine ran exactly one request and queued none at both ends of the interval (seed 002: quality caps
+need the model's own uncontended rate).
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ def rates_between(a: EngineSample, b: EngineSample, min_prefill_tokens: float = 
     solo = decode is not None and a.running == 1 and b.running == 1 and not a.waiting and not b.waiting
     batch = int(b.running) if decode is not None and a.running == b.running and b.running else None
     prefill_tokens = _delta(a.prefill_tokens_total, b.prefill_tokens_total)
+    if prefill_tokens is not None and b.prefill_counts_cached:
+        prefill_tokens *= 1.0 - cached_share(a, b)
     finished = _delta(a.finished_requests_total, b.finished_requests_total)
     output = _delta(a.finished_output_tokens_total, b.finished_output_tokens_total)
     return EngineRates(
@@ -62,6 +73,18 @@ def rates_between(a: EngineSample, b: EngineSample, min_prefill_tokens: float = 
         finished_requests=int(finished or 0),
         mean_output_tokens=_ratio(output, finished),
     )
+
+
+def cached_share(a: EngineSample, b: EngineSample) -> float:
+    """The share of looked-up prompt tokens the engine's prefix cache served between two probes (since it started when
+    nothing was looked up in between); 0 without its counters."""
+    hits = _delta(a.prefix_cache_hits_total, b.prefix_cache_hits_total)
+    queries = _delta(a.prefix_cache_queries_total, b.prefix_cache_queries_total)
+    if hits is not None and queries:
+        return min(1.0, hits / queries)
+    if b.prefix_cache_hits_total and b.prefix_cache_queries_total:
+        return min(1.0, b.prefix_cache_hits_total / b.prefix_cache_queries_total)
+    return 0.0
 
 
 class MedianRing:

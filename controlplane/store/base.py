@@ -9,7 +9,9 @@ What it holds:
 - **sessions** (``x-sluice-session`` -> the engine that served it last), with a TTL.
 
 Recent-serve counts are not stored: every replica derives them from the admissions it hears about (``StoreEvent``), which
-carry everything a serve count needs. Learned rate medians are not stored either: every replica probes every engine and
+carry everything a serve count needs. The prefix index (core/prefix.py) is not stored either: an admission's event carries
+its prompt's block hashes, so every replica notes every admission's blocks against its engine, in the order it hears
+them, and all replicas hold the same index up to that order (a replica that starts later begins empty). Learned rate medians are not stored either: every replica probes every engine and
 learns them itself within a few probes (the issue made them optional).
 
 **Exactness.** ``reserve`` is the one place a ticket comes into being, and it checks and writes in one atomic step: the
@@ -55,6 +57,8 @@ class Claim:
     queue: QueueRule = QueueRule.NONE
     klass: int = 1
     """The request's parking class: an index into ``PARK_CLASSES`` (0 critical, 1 standard)."""
+    prefix_blocks: tuple[int, ...] = ()
+    """The prompt's block hashes (core/prefix.py), passed on in the admission's event and nowhere stored."""
 
 
 class Refusal(enum.StrEnum):
@@ -94,6 +98,8 @@ class StoreEvent:
     """ADMITTED: the new ticket (shared time); RELEASED: the closed one."""
     session: str | None = None
     model: str = ""
+    prefix_blocks: tuple[int, ...] = ()
+    """ADMITTED: the prompt's block hashes, for every replica's prefix index."""
 
 
 @dataclass(frozen=True, slots=True)

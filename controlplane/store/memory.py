@@ -89,7 +89,7 @@ class MemoryStore:
         if claim.session:
             s.sessions[claim.session] = (ticket.engine, s.wall() + SESSION_TTL_S)
         s.publish(StoreEvent(EventKind.ADMITTED, self.replica_id, ticket.ticket_id, ticket, claim.session,
-                             ticket.model))
+                             ticket.model, claim.prefix_blocks))
         return Reserved()
 
     def _engine_tickets(self, engine: str) -> tuple[Ticket, ...]:

@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from controlplane.core.model import Ticket
+from controlplane.core.prefix import blocks_from_text, blocks_text
 from controlplane.store.base import (
     Claim, EventKind, Refusal, Reserved, StoreEvent, StoreState, StoreUnavailable, member,
 )
@@ -84,7 +85,7 @@ end
 """
 
 # ARGV: prefix, ticket record (JSON array), cap (-1: none), kv limit (-1: none), queue rule, class, session,
-#       session ttl s, key grace s
+#       session ttl s, key grace s, the prompt's block hashes (hex, only passed on in the event)
 _RESERVE = _LIB + r"""
 local r = cjson.decode(ARGV[2])
 local id, engine, model, owner = r[1], r[2], r[3], r[9]
@@ -116,7 +117,7 @@ if kvlimit >= 0 and held + tonumber(r[6]) > kvlimit then return refuse('kv') end
 write(r, tonumber(ARGV[9]))
 redis.call('ZREM', p .. ':q:' .. model .. ':' .. klass, mine)
 if session ~= '' then redis.call('SET', p .. ':s:' .. session, engine, 'EX', ARGV[8]) end
-redis.call('PUBLISH', p .. ':events', cjson.encode({'admitted', owner, ARGV[2], session}))
+redis.call('PUBLISH', p .. ':events', cjson.encode({'admitted', owner, ARGV[2], session, ARGV[10]}))
 return {'ok'}
 """
 
@@ -223,7 +224,7 @@ class ValkeyStore:
         answer = await self._run(
             "reserve", json.dumps(_record(t, self.replica_id)), -1 if claim.cap is None else claim.cap,
             -1 if claim.kv_limit is None else claim.kv_limit, claim.queue.value, claim.klass, claim.session or "",
-            int(self.session_ttl_s), TICKET_KEY_GRACE_S)
+            int(self.session_ttl_s), TICKET_KEY_GRACE_S, blocks_text(claim.prefix_blocks))
         verdict = _text(answer[0])
         if verdict == "ok":
             return Reserved()
@@ -299,8 +300,9 @@ class ValkeyStore:
 
     @staticmethod
     def _event(text: str) -> StoreEvent | None:
-        kind, by, payload, extra = json.loads(text)
+        kind, by, payload, extra, *prefix = json.loads(text)  # an admission's fifth field: its prompt's block hashes
         if kind == EventKind.UNPARKED:
             return StoreEvent(EventKind.UNPARKED, by, payload, model=extra)
         ticket, _ = _ticket(json.loads(payload))
-        return StoreEvent(EventKind(kind), by, ticket.ticket_id, ticket, extra or None, ticket.model)
+        blocks = blocks_from_text(prefix[0]) if prefix and isinstance(prefix[0], str) else ()
+        return StoreEvent(EventKind(kind), by, ticket.ticket_id, ticket, extra or None, ticket.model, blocks)

@@ -4,6 +4,8 @@ prefill 262 tok/s), through Envoy with sluice's admission and with admission byp
 Workload (same in both arms): two 65,536-token prompts at t=0, then eight 8,192-token prompts arriving every 0.3 s; every
 request asks for 4,096 tokens and generates all of them (``ignore_eos``: the seed's worst case) and streams. Two 65k requests plus two 8k ones at full length need 163,840 tokens: more KV than
 the engine has, so an engine left to itself preempts (recomputing a prompt from scratch), which is what the seed measured.
+Every prompt has a random head (``unique_prompt``): no two share a prefix, so the engine's prefix cache shares no KV
+between them (the seed's prompts were distinct documents).
 The simulator runs ``SPEED`` times faster than the profile; TTFT and parked times are reported in wall seconds and in
 emulated seconds (x SPEED)."""
 
@@ -16,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from sluice.bench.common import median, pct, pyplot, save_figure, write_report
-from sluice.bench.workload import Result, bare_sim, gateway, sample_stats, sim_stats, stream_chat
+from sluice.bench.workload import Result, bare_sim, gateway, sample_stats, sim_stats, stream_chat, unique_prompt
 
 SPEED = 100.0
 MODEL = "reasoning"
@@ -33,7 +35,7 @@ async def _run_workload(base: str, stats_url: str) -> tuple[list[Result], list[t
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async def later(delay: float, tag: str, tokens: int) -> Result:
             await asyncio.sleep(delay)
-            return await stream_chat(session, base, tag, MODEL, "x" * (tokens * 4), MAX_TOKENS, t0=t0,
+            return await stream_chat(session, base, tag, MODEL, unique_prompt(tokens), MAX_TOKENS, t0=t0,
                                      ignore_eos=True)
 
         jobs = [later(0.0, "65k", LONG_TOKENS), later(0.05, "65k", LONG_TOKENS)]

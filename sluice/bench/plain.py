@@ -36,11 +36,12 @@ class PlainEnvoy:
 
 
 def render(listen: int, admin: int, engine_ports: list[int], lb_policy: str, weights: list[int] | None = None,
-           max_per_host: list[int] | None = None) -> str:
+           max_per_host: list[int] | None = None, hash_header: str | None = None) -> str:
     """The bootstrap for ``engine_ports``. ``weights``: each engine's ``load_balancing_weight``. ``max_per_host``: each
     engine's concurrency cap, enforced as per-host ``max_connections`` over HTTP/1.1; Envoy has one per-host value per
     cluster, so an engine whose cap is a multiple m of the smallest is listed m times (m hosts, same address, each with
-    1/m of its weight), which gives it m x the per-host cap."""
+    1/m of its weight), which gives it m x the per-host cap. ``hash_header``: the route hashes this request header (for
+    ``RING_HASH`` / ``MAGLEV``: requests with the same value go to the same engine)."""
     lines: list[str] = []
     unit = min(max_per_host) if max_per_host else 1
     for i, port in enumerate(engine_ports):
@@ -56,18 +57,21 @@ def render(listen: int, admin: int, engine_ports: list[int], lb_policy: str, wei
                 line += f"\n                load_balancing_weight: {share}"
             lines.append(line)
     per_host = (f"        per_host_thresholds:\n          - {{max_connections: {unit}}}" if max_per_host else "")
+    hash_policy = f", hash_policy: [{{header: {{header_name: {hash_header}}}}}]" if hash_header else ""
     return string.Template(TEMPLATE.read_text()).substitute(
-        listen_port=listen, admin_port=admin, lb_policy=lb_policy, endpoints="\n".join(lines), per_host=per_host)
+        listen_port=listen, admin_port=admin, lb_policy=lb_policy, endpoints="\n".join(lines), per_host=per_host,
+        hash_policy=hash_policy)
 
 
 @contextmanager
 def plain_envoy_arm(engine_ports: list[int], lb_policy: str = "ROUND_ROBIN", weights: list[int] | None = None,
-                    max_per_host: list[int] | None = None, concurrency: int = 2) -> Iterator[PlainEnvoy]:
+                    max_per_host: list[int] | None = None, concurrency: int = 2,
+                    hash_header: str | None = None) -> Iterator[PlainEnvoy]:
     """A running plain Envoy (see ``render``). With per-host caps run it with ``concurrency=1``: each worker has its own
     connection pools, so with two workers an idle keep-alive connection in one worker's pool would hold a slot the other
     worker's pending requests cannot use."""
     listen, admin = free_port(), free_port()
-    text = render(listen, admin, engine_ports, lb_policy, weights, max_per_host)
+    text = render(listen, admin, engine_ports, lb_policy, weights, max_per_host, hash_header)
     bootstrap = Path(tempfile.mkdtemp(prefix="sluice-plain-")) / "plain.yaml"
     bootstrap.write_text(text)
     envoy = subprocess.Popen([str(envoy_binary()), "-c", str(bootstrap), "--use-dynamic-base-id", "--concurrency",

@@ -11,7 +11,8 @@ capped by ``max_tokens`` when the request sets one. Drawing in the client rather
 identical request sequence (a simulator draws per request in arrival order, so lengths would follow routing), and keeps the
 v100pp2 engines on cortex's lengths (their own profile draws the ``reasoning`` model's). The control plane never reads
 ``sim_output_tokens``; it learns expected lengths from the engines' generation-token histograms like everyone else.
-Prompts: lognormal, median 500 tokens, sigma 0.8, clipped to 32..4000 (about 4 characters per token in the body).
+Prompts: lognormal, median 500 tokens, sigma 0.8, clipped to 32..4000 (about 4 characters per token in the body), each
+with a random head (`unique_prompt`), so no two share a prefix and the engines' prefix caches never shorten a prefill.
 Arrivals: ``constant`` (evenly spaced, like the issue's load generator) or ``poisson`` (conditioned on its count: as many
 uniform times in the window as the level's rate implies, sorted, so a short window is not an accidentally lighter level).
 
@@ -75,7 +76,7 @@ import aiohttp
 from enginesim.profiles import PROFILES
 from sluice.bench.common import pct, pyplot, save_figure, write_report
 from sluice.bench.plain import PlainEnvoy, plain_envoy_arm
-from sluice.bench.workload import Result, gateway, sim_stats, stream_chat
+from sluice.bench.workload import Result, gateway, sim_stats, stream_chat, unique_prompt
 
 SPEED = 10.0
 WINDOWS_S = {"thor+spark": 10.0, "mixed6": 5.0}
@@ -172,7 +173,7 @@ async def _one(session: aiohttp.ClientSession, base: str, job: Job, mix: str, t0
         prompt = max(1, min(job.prompt_tokens, _T.n_ctx - natural - 64))
         content, extra = "word " * prompt, {"n_predict": natural, "ignore_eos": True}
     else:
-        content, extra = "x" * (job.prompt_tokens * 4), {"sim_output_tokens": job.natural}
+        content, extra = unique_prompt(job.prompt_tokens), {"sim_output_tokens": job.natural}
     try:
         return await stream_chat(session, base, tag, _T.model, content, mix_max_tokens(mix), headers,
                                  t0=t0, extra=extra)

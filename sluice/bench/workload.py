@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ def gateway(engines: list[dict[str, Any]], *, up_args: tuple[str, ...] = (),
     """``sluice up`` on a config with free ports (``up_args``: more of its options, e.g. ``--store valkey``); yields the
     config (with its ports) while it runs."""
     config: dict[str, Any] = {
-        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
         "engines": engines,
         **sections,
@@ -131,6 +132,14 @@ async def stream_chat(session: aiohttp.ClientSession, base: str, tag: str, model
                 result.completion_tokens = chunk["usage"]["completion_tokens"]
     result.total_s = time.perf_counter() - started
     return result
+
+
+def unique_prompt(tokens: int) -> str:
+    """``tokens`` tokens of filler text (4 characters a token, as the simulator counts) that shares no prefix with any
+    other prompt: a random first block, so neither an engine's prefix cache nor sluice's prefix index finds it. For
+    benches that measure prefill as work, not as a cache hit."""
+    head = uuid.uuid4().hex
+    return (head + "x" * max(0, tokens * 4 - len(head)))[:max(len(head), tokens * 4)]
 
 
 def sim_stats(url: str) -> dict[str, Any]:

@@ -29,15 +29,17 @@ def test_deadline_skips_the_engine_too_slow_to_prefill(tmp_path: Path) -> None:
     ]
     stack = start_stack(engines, tmp_path, speed=10.0)
     try:
-        prompt = "x" * (20_000 * 4)
-        status, headers, _ = post(stack, "/chat/completions", chat(prompt, max_tokens=100))
+        def prompt(tag: str) -> str:  # a fresh prompt each time: a prefix cache hit would change the estimates
+            return tag + "x" * (20_000 * 4 - 1)
+
+        status, headers, _ = post(stack, "/chat/completions", chat(prompt("a"), max_tokens=100))
         assert status == 200 and headers["x-sluice-engine"] == "thor"
         assert headers["x-sluice-route-reason"] == "finish_soonest"
-        status, headers, _ = post(stack, "/chat/completions", chat(prompt, max_tokens=100),
+        status, headers, _ = post(stack, "/chat/completions", chat(prompt("b"), max_tokens=100),
                                   {"x-sluice-max-ttft-ms": "1600"})
         assert status == 200
         assert headers["x-sluice-engine"] == "spark" and headers["x-sluice-route-reason"] == "satisficing_band"
-        status, headers, payload = post(stack, "/chat/completions", chat(prompt, max_tokens=100),
+        status, headers, payload = post(stack, "/chat/completions", chat(prompt("c"), max_tokens=100),
                                         {"x-sluice-max-ttft-ms": "300"})
         assert status == 503 and json.loads(payload)["error"]["code"] == "ttft_unmeetable"
         assert 1 <= int(headers["retry-after"]) <= 60

@@ -114,7 +114,8 @@ class World:
         self.seq += 1
         rid = f"r{self.seq}"
         request = InferenceRequest("POST", "/v1/chat/completions", "cortex", prompt_tokens=prompt_tokens,
-                                   max_tokens=500, priority=priority, max_ttft_ms=max_ttft_ms, session=session)
+                                   max_tokens=500, priority=priority, max_ttft_ms=max_ttft_ms, session=session,
+                                   prefix_blocks=self.blocks(prompt_tokens, session))
         self.requests[rid] = request
         outcome = self.core.check(rid, request, self.fleet(), self.now)
         if outcome.decision.verdict is Verdict.PARK:
@@ -123,6 +124,10 @@ class World:
             self.check_invariants()
         else:
             self.settle([outcome])
+
+    def blocks(self, prompt_tokens: int, session: str | None) -> tuple[int, ...]:
+        """The prompt's prefix blocks (none here: see test_prefix_properties.py)."""
+        return ()
 
     def apply(self, step: tuple[Any, ...]) -> None:
         self.now += 0.001

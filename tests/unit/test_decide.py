@@ -13,6 +13,7 @@ from controlplane.core.model import (
     Verdict,
 )
 from controlplane.core.policy import Box, ModelPolicy, Policy, meets_floor
+from controlplane.core.prefix import prompt_blocks
 from controlplane.core.request import RequestError, parse_request
 from controlplane.edge import http_status, reply, response_body
 
@@ -75,8 +76,11 @@ def test_parse_estimates_prompt_tokens_and_reads_fields() -> None:
         {"role": "user", "content": [{"type": "text", "text": "y" * 399}]},
     ]}).encode()
     parsed = parse_request("POST", "/v1/chat/completions?x=1", body, {"x-sluice-priority": "Critical"})
+    rendered = "\x1esystem\x1f" + "x" * 400 + "\x1euser\x1f" + "y" * 399  # 813 characters: 3 blocks of 256
     assert parsed == InferenceRequest("POST", "/v1/chat/completions", "cortex", stream=True, prompt_tokens=200,
-                                      max_tokens=50, priority="critical")
+                                      max_tokens=50, priority="critical",
+                                      prefix_blocks=prompt_blocks(rendered, 256, 256))
+    assert len(parsed.prefix_blocks) == 3
     assert parse_request("POST", "/v1/completions", b'{"model": "m", "prompt": "abcdefgh"}').prompt_tokens == 2
 
 

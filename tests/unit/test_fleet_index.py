@@ -43,6 +43,7 @@ def random_policy(rng: random.Random) -> Policy:
         band_margin_ms=rng.choice([200.0, 1000.0]),
         version_floors=(("n", "0.11.0"),) if rng.random() < 0.3 else (),
         models={"m": ModelPolicy(decode_floor_tokens_per_s=rng.choice([None, 10.0]), solo_decode_tokens_per_s=40.0)},
+        prefix_max_replicas=rng.choice([0, 0, 1, 3]),
     )
 
 
@@ -88,8 +89,10 @@ def test_indexed_choice_equals_full_scan(seed: int) -> None:
         affinity = rng.choice([None, *(v.name for v in views)])
         pick = rng.random()
         behind = rng.choice([0, 0, 3])
-        indexed = decide(request, fleet, policy, now, 0, affinity, pick, behind)
-        full = decide(request, replace(fleet, index=None), policy, now, 0, affinity, pick, behind)
+        # Expected prefix-cache hits on a few engines (some longer than the prompt, which the core clamps).
+        cached = {v.name: rng.choice([64, 1000, 40_000]) for v in views if rng.random() < 0.2}
+        indexed = decide(request, fleet, policy, now, 0, affinity, pick, behind, cached=cached)
+        full = decide(request, replace(fleet, index=None), policy, now, 0, affinity, pick, behind, cached=cached)
         same(indexed, full)
         assert indexed.detail == full.detail and indexed.park_limit_s == full.park_limit_s
         assert indexed.retry_after_s == full.retry_after_s

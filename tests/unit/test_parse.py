@@ -26,21 +26,22 @@ def _fixture(name: str) -> str:
          EngineSample(1.0, running=0, waiting=0, kv_usage=0, kv_capacity_tokens=7281 * 16, preemptions_total=0,
                       prompt_tokens_total=5, generation_tokens_total=7, decode_seconds_total=0.19016313552856445,
                       decode_tokens_total=6, prefill_tokens_total=5, finished_requests_total=1,
-                      finished_output_tokens_total=7),
+                      finished_output_tokens_total=7, prefill_counts_cached=True),
          ()),
         ("vllm-0.7.x-aibrix-runtime-docs-excerpt.prom", Flavor.VLLM,
          EngineSample(1.0, running=0, waiting=0, kv_usage=0, kv_capacity_tokens=81767 * 16, preemptions_total=0,
                       prompt_tokens_total=148, generation_tokens_total=955),
          ()),
-        # A V1 fragment with only the new KV name: the load gauges are unknown (never 0) and the engine is degraded.
+        # A V1 fragment with only the new KV name: the load gauges are unknown (never 0) and the engine is degraded. Its
+        # prefix-cache counters are read under both names (queries new, hits the deprecated gpu_ one).
         ("vllm-0.10.0-production-stack-issue617-fragment.prom", Flavor.VLLM,
-         EngineSample(1.0, kv_usage=9.75010481363281e-06),
+         EngineSample(1.0, kv_usage=9.75010481363281e-06, prefix_cache_queries_total=32.0, prefix_cache_hits_total=0.0),
          ("vllm:num_requests_running", "vllm:num_requests_waiting")),
         ("sglang-0.4.x-sglang-docs-production-metrics.prom", Flavor.SGLANG,
          EngineSample(1.0, running=162, waiting=2826, kv_usage=0.28, kv_used_tokens=123859,
                       kv_capacity_tokens=round(123859 / 0.28), prompt_tokens_total=8.128902e06,
                       generation_tokens_total=7.557572e06, decode_seconds_total=866964.5791549598,
-                      decode_tokens_total=7.400757e06),
+                      decode_tokens_total=7.400757e06, prefix_cache_queries_total=8.128902e06),
          ()),
         # An ik_llama.cpp fork still exposes KV gauges; capacity follows from tokens in use over the fraction in use.
         ("llamacpp-ik_llama.cpp-2025-08-pr695-comment.prom", Flavor.LLAMACPP,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from controlplane.core.model import EngineRates, EngineSample
+from controlplane.core.prefix import restarted
 from controlplane.observe.rates import MedianRing, RateBook, rates_between
 
 
@@ -35,9 +36,25 @@ def s(t: float, **kw: float) -> EngineSample:
          EngineRates(1)),
         (s(0, prompt_tokens_total=500), s(1, prompt_tokens_total=20), EngineRates(1)),
         (s(0, prompt_tokens_total=None), s(1, prompt_tokens_total=20), EngineRates(1)),
+        # 3/4 of the looked-up tokens were cache hits: only a quarter of the prompt tokens were prefilled in those 10 s.
+        (s(0, prefill_tokens_total=0, prefill_seconds_total=0, prefix_cache_queries_total=0, prefix_cache_hits_total=0),
+         s(1, prefill_tokens_total=10480, prefill_seconds_total=10, prefix_cache_queries_total=8000,
+           prefix_cache_hits_total=6000, prefill_counts_cached=True),
+         EngineRates(1, prefill_tokens_per_s=262)),
+        # The computed-tokens histogram (prefill_counts_cached False): already without the hits, no correction.
+        (s(0, prefill_tokens_total=0, prefill_seconds_total=0, prefix_cache_queries_total=0, prefix_cache_hits_total=0),
+         s(1, prefill_tokens_total=2620, prefill_seconds_total=10, prefix_cache_queries_total=8000,
+           prefix_cache_hits_total=6000),
+         EngineRates(1, prefill_tokens_per_s=262)),
+        # Nothing looked up in the interval: the share since the engine started.
+        (s(0, prefill_tokens_total=0, prefill_seconds_total=0, prefix_cache_queries_total=100, prefix_cache_hits_total=50),
+         s(1, prefill_tokens_total=5240, prefill_seconds_total=10, prefix_cache_queries_total=100,
+           prefix_cache_hits_total=50, prefill_counts_cached=True),
+         EngineRates(1, prefill_tokens_per_s=262)),
     ],
     ids=["throughput", "prefill", "tiny-prompts-give-no-prefill-rate", "solo-decode", "contended-start", "queue-at-start", "unchanged-is-no-sample",
-         "counter-reset", "unknown-start"],
+         "counter-reset", "unknown-start", "prefill-less-cache-hits", "computed-tokens-histogram",
+         "cache-share-since-start"],
 )
 def test_rates_between(a: EngineSample, b: EngineSample, expected: EngineRates) -> None:
     assert rates_between(a, b) == expected
@@ -143,3 +160,10 @@ def test_mean_output_length_comes_from_the_finished_requests_histogram() -> None
     assert rates is not None and rates.finished_requests == 3 and rates.mean_output_tokens == 100
     idle = rates_between(b, EngineSample(3.0, finished_requests_total=8, finished_output_tokens_total=1200))
     assert idle is not None and idle.finished_requests == 0 and idle.mean_output_tokens is None
+
+
+def test_a_counter_going_backwards_is_a_restart() -> None:
+    assert restarted(s(0, prompt_tokens_total=500, generation_tokens_total=10), s(1, prompt_tokens_total=20))
+    assert restarted(s(0, prefix_cache_queries_total=9), s(1, prefix_cache_queries_total=0))
+    assert not restarted(s(0, prompt_tokens_total=500), s(1, prompt_tokens_total=500, generation_tokens_total=3))
+    assert not restarted(s(0), s(1, prompt_tokens_total=20))  # unknown before: nothing went backwards

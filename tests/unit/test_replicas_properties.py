@@ -4,7 +4,10 @@ access log reaches any of them) and the store's events interleave on one event l
 
 - no engine ever has more open tickets in the store than its cap, and never more KV reserved than its limit;
 - parked requests are admitted in the order they parked, across both replicas (strict FIFO: no LIFO, no backfill);
-- every Check is answered once everything is released, and nothing is left in the store or a mirror.
+- every Check is answered once everything is released, and nothing is left in the store or a mirror;
+- both replicas derive the same prefix index: every admission's event carries its prompt's blocks. (With the memory
+  store no ``reserve`` suspends, so these replicas never race to a refusal; that an admission the store refused is taken
+  back out of its replica's index is tests/unit/test_prefix_index.py's.)
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from controlplane.config import load_config
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineSample, EngineView, InferenceRequest, ServedModel, Verdict
+from controlplane.core.prefix import prompt_blocks
 from controlplane.metrics import SluiceMetrics
 from controlplane.store.memory import MemoryState, MemoryStore
 
 CAPACITY = 20_000
 WATERMARK = 0.9
 ENGINES = {"e1": 2, "e2": 3}
+PROMPTS = {prompt: prompt_blocks(f"group {prompt} " * 2000, 256, 40) for prompt in (100, 2_000, 6_000)}
+"""Each prompt size is one shared prefix (and its requests repeat it exactly)."""
 
 
 class FakeObservation:
@@ -89,7 +95,8 @@ class Replicas:
     async def submit(self, replica: int, prompt: int, max_tokens: int) -> None:
         service = self.services[replica]
         rid = f"q{next(self.ids)}"
-        request = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=prompt, max_tokens=max_tokens)
+        request = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=prompt, max_tokens=max_tokens,
+                                   prefix_blocks=PROMPTS[prompt][:1 + max_tokens // 200])
 
         async def check() -> None:
             outcome = await service.check(rid, request)
@@ -149,6 +156,11 @@ def test_two_replicas_keep_caps_kv_and_line_order(ops: list[tuple[Any, ...]]) ->
                 task.result()
             assert not world.state.tickets and not any(world.state.lines.values())
             assert all(not s.core.tickets() for s in world.services), "a mirror kept a released ticket"
+            first, second = (s.core for s in world.services)
+            for prompt, blocks in PROMPTS.items():
+                probe = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=prompt, prefix_blocks=blocks)
+                assert first.expected_cached(probe) == second.expected_cached(probe), "the replicas' indexes differ"
+            assert first.prefixes.held == second.prefixes.held
         finally:
             await world.stop()
     asyncio.run(run())

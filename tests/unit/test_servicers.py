@@ -139,6 +139,9 @@ class FakeAdmin:
     def decide_for(self, request: InferenceRequest, now: float) -> tuple[Decision, int]:
         return Decision(Verdict.ADMIT, Reason.FINISH_SOONEST, engine="thor"), 2
 
+    def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
+        return {"thor": 64 * len(request.prefix_blocks)}  # as if thor held every block of the prompt
+
     async def reload(self, path: str | None) -> ReloadResult:
         self.reloads.append(path)
         return ReloadResult(False, ("admission.x: unknown field",), (), path or "f.yaml")
@@ -193,6 +196,13 @@ async def test_admin_reports_what_its_port_says() -> None:
         await admin.DrainEngine(admin_pb2.DrainEngineRequest(name="nope", drained=True), FakeContext())  # type: ignore[arg-type]
     why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex"), FakeContext())  # type: ignore[arg-type]
     assert (why.verdict, why.engine, why.queued_ahead) == ("admit", "thor", 2)
+    assert [e.expected_cached_tokens for e in why.engines if e.name == "thor"] == [0]  # no body: no prompt to match
+    body = '{"messages": [{"role": "user", "content": "%s"}]}' % ("x" * 1000)  # 1007 rendered characters: 3 blocks
+    why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", body_json=body),  # type: ignore[arg-type]
+                                      FakeContext())
+    assert [e.expected_cached_tokens for e in why.engines if e.name == "thor"] == [192]
+    with pytest.raises(AbortedError, match="body_json"):
+        await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", body_json="[1"), FakeContext())  # type: ignore[arg-type]
     reload = await admin.ReloadConfig(admin_pb2.ReloadConfigRequest(path="x.yaml"), FakeContext())  # type: ignore[arg-type]
     assert not reload.applied and list(reload.problems) == ["admission.x: unknown field"] and port.reloads == ["x.yaml"]
 

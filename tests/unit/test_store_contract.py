@@ -183,7 +183,8 @@ async def test_other_replicas_hear_admissions_releases_and_unparks(stores: Facto
     connected = asyncio.Event()
     listener = asyncio.create_task(b.listen(heard.append, connected.set))
     await asyncio.wait_for(connected.wait(), 5)
-    assert (await a.reserve(Claim(ticket("e1"), cap=None, kv_limit=None, session="s"))).ok
+    blocks = (1, 2**64 - 1, 0xDEADBEEF)  # a prompt's block hashes: 64-bit, passed on in the event exactly
+    assert (await a.reserve(Claim(ticket("e1"), cap=None, kv_limit=None, session="s", prefix_blocks=blocks))).ok
     await b.reserve(Claim(ticket("own"), cap=None, kv_limit=None))  # b's own events are not echoed back to b
     await a.park("m", 1, "w")
     await a.unpark("m", 1, "w")
@@ -197,6 +198,7 @@ async def test_other_replicas_hear_admissions_releases_and_unparks(stores: Facto
     assert [(e.kind, e.replica, e.ticket_id) for e in heard] == [
         (EventKind.ADMITTED, "a", "e1"), (EventKind.UNPARKED, "a", "w"), (EventKind.RELEASED, "a", "e1")]
     assert heard[0].ticket == ticket("e1") and heard[0].session == "s"
+    assert heard[0].prefix_blocks == blocks and heard[2].prefix_blocks == ()
 
 
 async def test_an_unreachable_valkey_is_store_unavailable() -> None:

@@ -1,0 +1,606 @@
+"""``sluice bench prefix``: prefix-cache-aware routing (issue 14) against cache-blind and cache-keyed routing, on four
+simulated engines of two speeds whose prefix caches work like vLLM's (enginesim/prefixcache.py).
+
+Fleet: ``spark-a``, ``spark-b`` (prefill 4,000 tok/s, decode 49 / 88 tok/s at 1 / 2 streams, 95k KV tokens) and
+``thor-a``, ``thor-b`` (1,500 tok/s, 18 / 51 tok/s, 132k KV tokens), 2 slots each, simulator speed x{SPEED}. Times are
+reported in emulated seconds (wall x {SPEED}).
+
+Workloads (every prompt is pseudo-random words, 4 characters a token; answers are short, drawn per request from a
+lognormal with median {OUT_MEDIAN} tokens, sigma 0.5, sent as ``sim_output_tokens``, ``max_tokens`` {MAX_TOKENS}):
+
+- ``system``: {GROUPS} groups, each with its own {SYSTEM_TOKENS}-token system prompt; each request is one group's system
+  prompt (group drawn uniformly) and a fresh ~{QUESTION_TOKENS}-token question. All prefixes together ({GROUPS} x
+  {SYSTEM_TOKENS} tokens) are about 2x the KV of the largest engine (2.7x the smallest), so no engine can cache them all:
+  where a group's requests go decides whether they hit.
+- ``chat``: conversations, each opening with its own {DOC_TOKENS}-token document and a question, then {TURNS} turns in all;
+  every turn resends the whole history (the assistant's answers as they came back) plus a new question, {THINK_S:g} s
+  (emulated) after the previous answer ended. Conversations arrive as a Poisson process.
+- ``control``: no sharing: every prompt is unique text as long as a ``system`` request ({SYSTEM_TOKENS} + question).
+
+Capacity and loads: for each workload, every engine is saturated alone (closed loop, slots + 1 clients, {CAL_S:g} s wall
+after {CAL_WARM_S:g} s of warm-up; ``system``: after one request per group) on its own share of that workload's prefixes
+(``system``: every fourth group; ``chat``: whole conversations; ``control``: unique prompts), so the sum is what the fleet
+serves when each prefix is cached where its requests go: the capacity a prefix-aware router can use. Loads are {LEVELS}
+of it. On ``control`` nothing is shared, and its line is the cold capacity of prompts as long as ``system``'s. A
+cache-blind router offered 90% of a shared workload's capacity is therefore overloaded when the prompts' prefill is most
+of the work (that is the point: the cache is capacity).
+
+Arrivals: Poisson given its count (as many uniform times as the rate implies, sorted), one seed per cell, so every arm
+gets the same arrival times, groups, lengths and answers. On ``system`` each arm first sends every group's system prompt
+once through itself (8 at a time, the fleet's slots; not measured), so it starts with its own placement of every prefix,
+as a fleet that has served these groups before would: starting cold at 90% of the warm capacity is a transient no router
+recovers from within minutes (every group's first request prefills its whole prompt at a third of the warm rate). Then
+each arm's arrivals run {WARM_S:g} s (wall) before the measured window of {WINDOW_S:g} s; the figures are those of the
+requests (``chat``: conversations) that arrive in the window. Each arm's prompt texts carry their own random salt:
+an arm never finds prefixes an earlier arm left in the engines' caches or in sluice's index (what the engines still hold
+from earlier arms is unrelated text, evicted as new prompts need room, the same for every arm after the first).
+
+Arms (the same engines, one after another):
+
+- ``sluice``: ``sluice up`` with its defaults (prefix routing on).
+- ``sluice-noindex``: a second ``sluice up`` on the same engines with ``admission.prefix_routing: false`` (the engines
+  still cache; hits are whatever finish-soonest happens to produce).
+- ``LR``: plain Envoy ``LEAST_REQUEST``, equal weights (envoy/bench-plain.yaml).
+- ``ring``: plain Envoy ``RING_HASH`` on a header the client sets to a hash of the request's first message (the system
+  prompt; a conversation's document): what a plain Envoy user could do to keep a prefix on one engine.
+- ``oracle``: knows every engine's cache exactly: before each request the client asks every simulator
+  (``POST /sim/cache``) how many of this prompt's tokens it holds right now and how many requests it runs and queues,
+  and sends the request straight to the engine (no Envoy hop) holding the most among those with a free slot; when none
+  has a free slot, to the one holding the most (ties: the shortest queue, then spark before thor). It is a cache-greedy
+  router with perfect knowledge, the upper reference for hit rate; it is not a bound on TTFT (it ignores speed and queues
+  on a full engine when that engine holds the prompt).
+- ``sluice-2rep`` (``system`` only, not with ``--quick``): ``sluice up --replicas 2 --store valkey``: Envoy spreads Checks
+  over two control planes, each deriving its prefix index from its own admissions and the other's admission events.
+
+Figures: hit rate = prompt tokens the engines reported cached (``usage.prompt_tokens_details.cached_tokens``) over all
+prompt tokens, completed requests only; TTFT p50 / p90 of completed requests (first content chunk, client side);
+throughput = completion tokens per emulated second from the first arrival to the last completion; share = requests each
+engine served (``/sim/stats``), and the largest share over the fair share 1/4.
+
+Targets (issue 14): on ``system`` and ``chat``, sluice's hit rate >= 0.9 x the oracle's; at 90%, sluice's TTFT p50 at
+least 3x lower than LR's and its throughput >= 1.5x LR's; no engine above 1.5x its fair share of sluice's requests; on
+``control``, sluice within noise of ``sluice-noindex`` (TTFT p50 and p90 at most 1.1x, throughput at least 0.95x).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import random
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from enginesim.profiles import PROFILES
+from sluice.bench.common import pct, write_report
+from sluice.bench.plain import plain_envoy_arm
+from sluice.bench.workload import bare_sim, gateway, sim_stats
+
+SPEED = 1.0
+ENGINES = (("spark-a", "spark"), ("spark-b", "spark"), ("thor-a", "thor"), ("thor-b", "thor"))
+MODEL = "cortex"
+GROUPS = 32
+SYSTEM_TOKENS = 8000
+QUESTION_TOKENS = 40
+DOC_TOKENS = 2500
+TURNS = 4
+THINK_S = 2.0
+OUT_MEDIAN = 40
+MAX_TOKENS = 256
+LEVELS = (0.5, 0.9)
+WARM_S = 30.0
+"""Wall seconds of arrivals before the measured window: every group's prefix has been sent somewhere by then."""
+WINDOW_S = 40.0
+QUICK_WARM_S = 20.0
+QUICK_WINDOW_S = 20.0
+CAL_S = 20.0
+CAL_WARM_S = 5.0
+SEED = 14_2026
+WORKLOADS = ("system", "chat", "control")
+ARMS = ("sluice", "sluice-noindex", "LR", "ring", "oracle")
+HASH_HEADER = "x-prefix-hash"
+FAIR = 1 / len(ENGINES)
+_WORDS = [hashlib.blake2b(str(i).encode(), digest_size=4).hexdigest()[: 3 + i % 6] for i in range(4096)]
+
+
+def text(rng: random.Random, tokens: int) -> str:
+    """``tokens`` tokens (4 characters each) of pseudo-random words."""
+    out: list[str] = []
+    size = 0
+    while size < tokens * 4:
+        word = rng.choice(_WORDS)
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)[: tokens * 4]
+
+
+def _rng(*parts: object) -> random.Random:
+    return random.Random(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest())
+
+
+def draw_output(rng: random.Random) -> int:
+    return max(1, min(MAX_TOKENS, round(rng.lognormvariate(math.log(OUT_MEDIAN), 0.5))))
+
+
+# -- requests -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    """One request of ``system`` / ``control``, or one conversation of ``chat`` (``naturals`` per turn)."""
+
+    at: float
+    key: int
+    """The group (system), the conversation (chat), the request (control)."""
+    naturals: tuple[int, ...]
+    question: int
+
+
+def draw_jobs(workload: str, rate: float, seconds: float, seed: int) -> list[Job]:
+    """Arrivals for ``seconds`` wall seconds at ``rate`` requests per wall second (``chat``: conversations at rate / TURNS)."""
+    rng = random.Random(seed)
+    per = TURNS if workload == "chat" else 1
+    count = int(rate * seconds / per)
+    times = sorted(rng.uniform(0, seconds) for _ in range(count))
+    return [Job(at, rng.randrange(GROUPS) if workload == "system" else i,
+                tuple(draw_output(rng) for _ in range(per)), rng.randrange(10**9)) for i, at in enumerate(times)]
+
+
+@dataclass
+class Texts:
+    """Prompt texts of one arm of one cell (``salt``): generated once, looked up per request."""
+
+    salt: str
+    _cache: dict[tuple[str, int], str] = field(default_factory=dict)
+
+    def get(self, kind: str, key: int, tokens: int) -> str:
+        if (kind, key) not in self._cache:
+            self._cache[(kind, key)] = text(_rng(self.salt, kind, key), tokens)
+        return self._cache[(kind, key)]
+
+    def question(self, key: int) -> str:
+        return "Question: " + text(_rng(self.salt, "q", key), QUESTION_TOKENS - 3)
+
+
+def first_messages(workload: str, job: Job, texts: Texts) -> list[dict[str, str]]:
+    if workload == "system":
+        return [{"role": "system", "content": texts.get("system", job.key, SYSTEM_TOKENS)},
+                {"role": "user", "content": texts.question(job.question)}]
+    if workload == "control":
+        return [{"role": "system", "content": texts.get("unique", job.key, SYSTEM_TOKENS)},
+                {"role": "user", "content": texts.question(job.question)}]
+    return [{"role": "user", "content": texts.get("doc", job.key, DOC_TOKENS) + "\n" + texts.question(job.question)}]
+
+
+# -- one request ------------------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    status: int
+    started: float
+    arrived: float = 0.0
+    """When its job (a ``chat`` conversation: its first turn) arrived, wall seconds into the arm's run."""
+    ttft_s: float | None = None
+    done_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    content: str = ""
+    engine: str = ""
+    reason: str = ""
+
+
+@dataclass
+class Arm:
+    name: str
+    base: str = ""
+    """The OpenAI base URL (Envoy); empty for the oracle."""
+    engines: dict[str, str] = field(default_factory=dict)
+    """Engine name -> URL (the oracle sends there directly)."""
+    hashed: bool = False
+
+
+async def _oracle_pick(session: aiohttp.ClientSession, arm: Arm, body: dict[str, Any]) -> str:
+    """The engine the oracle sends ``body`` to (module docstring)."""
+    async def ask(name: str, url: str) -> tuple[str, dict[str, Any]]:
+        async with session.post(url + "/sim/cache", json=body) as response:
+            return name, dict(await response.json())
+
+    views = await asyncio.gather(*(ask(n, u) for n, u in arm.engines.items()))
+    order = {name: i for i, (name, _) in enumerate(ENGINES)}
+
+    def key(item: tuple[str, dict[str, Any]]) -> tuple[int, int, int]:
+        name, v = item
+        return (-int(v["cached_tokens"]), int(v["running"]) + int(v["waiting"]), order[name])
+
+    free = [x for x in views if int(x[1]["running"]) + int(x[1]["waiting"]) < int(x[1]["max_num_seqs"])]
+    return min(free or views, key=key)[0]
+
+
+async def send(session: aiohttp.ClientSession, arm: Arm, messages: list[dict[str, str]], natural: int,
+               t0: float) -> Outcome:
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": True,
+                            "stream_options": {"include_usage": True}, "sim_output_tokens": natural}
+    headers: dict[str, str] = {}
+    if arm.hashed:
+        headers[HASH_HEADER] = hashlib.blake2b(messages[0]["content"].encode(), digest_size=8).hexdigest()
+    started = time.perf_counter()
+    result = Outcome(0, started - t0)
+    try:
+        if arm.engines:
+            engine = await _oracle_pick(session, arm, body)
+            url, result.engine = arm.engines[engine] + "/v1/chat/completions", engine
+        else:
+            url = arm.base + "/chat/completions"
+        parts: list[str] = []
+        async with session.post(url, json=body, headers=headers) as response:
+            result.status = response.status
+            result.engine = response.headers.get("x-sluice-engine", result.engine)
+            result.reason = response.headers.get("x-sluice-route-reason", "")
+            if response.status != 200:
+                await response.read()
+            else:
+                async for raw in response.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    for choice in chunk.get("choices") or ():
+                        delta = (choice.get("delta") or {}).get("content")
+                        if delta:
+                            if result.ttft_s is None:
+                                result.ttft_s = time.perf_counter() - started
+                            parts.append(delta)
+                    usage = chunk.get("usage")
+                    if usage:
+                        result.prompt_tokens = int(usage["prompt_tokens"])
+                        result.completion_tokens = int(usage["completion_tokens"])
+                        result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        result.content = "".join(parts)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        result.status = 599
+    result.done_s = time.perf_counter() - t0
+    return result
+
+
+async def drive(arm: Arm, workload: str, jobs: list[Job], texts: Texts, urls: dict[str, str],
+                warm: float) -> tuple[list[Outcome], dict[str, dict[str, Any]]]:
+    """Run ``jobs``; returns every request's outcome and the engines' ``/sim/stats`` when the measured window began."""
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+
+        async def snapshot() -> dict[str, dict[str, Any]]:
+            await asyncio.sleep(max(0.0, t0 + warm - time.perf_counter()))
+            out = {}
+            for name, url in urls.items():
+                async with session.get(url + "/sim/stats") as response:
+                    out[name] = dict(await response.json())
+            return out
+
+        async def one(job: Job) -> list[Outcome]:
+            await asyncio.sleep(max(0.0, t0 + job.at - time.perf_counter()))
+            messages = first_messages(workload, job, texts)
+            out = []
+            for turn, natural in enumerate(job.naturals):
+                result = await send(session, arm, messages, natural, t0)
+                result.arrived = job.at
+                out.append(result)
+                if result.status != 200 or turn + 1 == len(job.naturals):
+                    break
+                await asyncio.sleep(THINK_S / SPEED)
+                messages = [*messages, {"role": "assistant", "content": result.content},
+                            {"role": "user", "content": texts.question(job.question * 31 + turn + 1)}]
+            return out
+
+        at_window = asyncio.create_task(snapshot())
+        results = [r for batch in await asyncio.gather(*(one(j) for j in jobs)) for r in batch]
+        return results, await at_window
+
+
+async def prime(arm: Arm, texts: Texts) -> None:
+    """Every group's system prompt once, through the arm itself (it places them), the fleet's slots at a time: the arm starts its
+    measured arrivals with its own placement of every prefix, as a fleet that has served these groups before would."""
+    groups = list(range(GROUPS))
+    slots = sum(PROFILES[profile].max_num_seqs for _, profile in ENGINES)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def worker() -> None:
+            while groups:
+                group = groups.pop(0)
+                await send(session, arm, first_messages("system", Job(0.0, group, (1,), -group), texts), 1, 0.0)
+        await asyncio.gather(*(worker() for _ in range(slots)))
+
+
+# -- calibration ------------------------------------------------------------------------------------------------------
+async def calibrate(workload: str, urls: dict[str, str]) -> dict[str, float]:
+    """Requests per wall second each engine completes alone, closed loop (slots + 1), on its own share of the workload
+    (``system``: after one request per group of its share, so its prefixes are cached when the measurement starts)."""
+    counted: Counter[str] = Counter()
+    texts = Texts(f"calibrate-{workload}-{time.time_ns()}")
+    measuring = [False]
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        if workload == "system":
+            async def prime(index: int, url: str) -> None:
+                for group in range(index, GROUPS, len(ENGINES)):
+                    job = Job(0.0, group, (1,), group)
+                    await send(session, Arm("prime", base=url + "/v1"), first_messages(workload, job, texts), 1, 0.0)
+            await asyncio.gather(*(prime(i, url) for i, url in enumerate(urls.values())))
+        stop_at = time.perf_counter() + CAL_WARM_S + CAL_S
+        async def worker(index: int, name: str, url: str, slot: int) -> None:
+            rng = random.Random(f"{workload}-{name}-{slot}")
+            arm = Arm(name, base=url + "/v1")
+            n = 0
+            while time.perf_counter() < stop_at:
+                n += 1
+                key = (rng.randrange(GROUPS // len(ENGINES)) * len(ENGINES) + index if workload == "system"
+                       else rng.randrange(10**9))
+                job = Job(0.0, key, tuple(draw_output(rng) for _ in range(TURNS if workload == "chat" else 1)),
+                          rng.randrange(10**9))
+                messages = first_messages(workload, job, texts)
+                for turn, natural in enumerate(job.naturals):
+                    result = await send(session, arm, messages, natural, 0.0)
+                    if result.status == 200 and measuring[0] and time.perf_counter() < stop_at:
+                        counted[name] += 1
+                    if time.perf_counter() >= stop_at or turn + 1 == len(job.naturals):
+                        break
+                    messages = [*messages, {"role": "assistant", "content": result.content},
+                                {"role": "user", "content": texts.question(job.question + turn + 1)}]
+
+        tasks = [asyncio.create_task(worker(i, name, url, slot))
+                 for i, (name, url) in enumerate(urls.items())
+                 for slot in range(PROFILES[dict(ENGINES)[name]].max_num_seqs + 1)]
+        await asyncio.sleep(CAL_WARM_S)
+        measuring[0] = True
+        await asyncio.gather(*tasks)
+    return {name: counted[name] / CAL_S for name in urls}
+
+
+# -- the run ----------------------------------------------------------------------------------------------------------
+@dataclass
+class Cell:
+    workload: str
+    level: float
+    rate: float
+    figures: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _wait_idle(urls: dict[str, str]) -> None:
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if all((s := sim_stats(u))["running"] == 0 and s["waiting"] == 0 for u in urls.values()):
+            time.sleep(1.5)  # the access log closes sluice's tickets; probes see the idle engines
+            return
+        time.sleep(0.5)
+
+
+def summarise(results: list[Outcome], served: dict[str, int], warm: float) -> dict[str, Any]:
+    """The measured window's figures: requests whose job arrived from ``warm`` on."""
+    results = [r for r in results if r.arrived >= warm]
+    ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
+    ttft = [r.ttft_s * SPEED for r in ok if r.ttft_s is not None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    first = warm
+    end = max((r.done_s for r in ok), default=first + 1.0)
+    total = sum(served.values()) or 1
+    nan = float("nan")
+    return {
+        "n": len(results), "ok": len(ok), "failed": len(results) - len(ok),
+        "hit": sum(r.cached_tokens for r in ok) / prompt if prompt else nan,
+        "ttft_p50": pct(ttft, 50) if ttft else nan, "ttft_p90": pct(ttft, 90) if ttft else nan,
+        "throughput": sum(r.completion_tokens for r in ok) / max(1e-9, (end - first) * SPEED),
+        "served": served, "max_share": max(served.values()) / total / FAIR if served else nan,
+        "reasons": Counter(r.reason for r in results if r.reason),
+    }
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + " "))
+
+
+def run_cell(cell: Cell, arms: dict[str, Arm], urls: dict[str, str], warm: float, window: float,
+             replica_ports: list[int]) -> None:
+    jobs = draw_jobs(cell.workload, cell.rate, warm + window,
+                     SEED + int(cell.level * 100) + WORKLOADS.index(cell.workload))
+    for name, arm in arms.items():
+        _wait_idle(urls)
+        texts = Texts(f"{cell.workload}-{cell.level}-{name}-{time.time_ns()}")
+        started = time.monotonic()
+        if cell.workload == "system":
+            asyncio.run(prime(arm, texts))
+            _wait_idle(urls)
+        results, before = asyncio.run(drive(arm, cell.workload, jobs, texts, urls, warm))
+        after = {n: sim_stats(u) for n, u in urls.items()}
+        served = {n: int(after[n]["served"] - before[n]["served"]) for n in urls}
+        figures = summarise(results, served, warm)
+        figures["wall_s"] = time.monotonic() - started
+        figures["engine_hit"] = (sum(after[n]["prefix_cache_hits"] - before[n]["prefix_cache_hits"] for n in urls)
+                                 / max(1, sum(after[n]["prefix_cache_queries"] - before[n]["prefix_cache_queries"]
+                                              for n in urls)))
+        if name == "sluice-2rep":
+            figures["index_blocks"] = [_metric(p, "sluice_prefix_index_blocks") for p in replica_ports]
+            figures["reserve_ms"] = [
+                1000 * _metric(p, 'sluice_store_seconds_sum{op="reserve"}')
+                / max(1.0, _metric(p, 'sluice_store_seconds_count{op="reserve"}')) for p in replica_ports]
+            figures["checks"] = [_metric(p, "sluice_prefix_prompt_tokens_total") for p in replica_ports]
+        cell.figures[name] = figures
+        print(f"  {cell.workload} {cell.level:.0%} {name}: n={figures['n']} ok={figures['ok']} hit "
+              f"{figures['hit']:.2f} TTFT p50/p90 {figures['ttft_p50']:.2f}/{figures['ttft_p90']:.2f} s tok/s "
+              f"{figures['throughput']:.0f} share {served} ({figures['wall_s']:.0f} s)", flush=True)
+
+
+def verdicts(cell: Cell) -> list[tuple[str, bool, str]]:
+    """(target, met, figures) for one cell (module docstring)."""
+    f = cell.figures
+    s = f["sluice"]
+    out: list[tuple[str, bool, str]] = []
+    if cell.workload == "control":
+        base = f["sluice-noindex"]
+        for key, bound in (("ttft_p50", 1.1), ("ttft_p90", 1.1)):
+            ratio = s[key] / base[key] if base[key] else math.inf
+            out.append((f"{key} within noise of sluice-noindex (<= {bound}x)", ratio <= bound,
+                        f"{s[key]:.2f} vs {base[key]:.2f} s ({ratio:.2f}x)"))
+        ratio = s["throughput"] / base["throughput"] if base["throughput"] else math.inf
+        out.append(("throughput within noise of sluice-noindex (>= 0.95x)", ratio >= 0.95,
+                    f"{s['throughput']:.0f} vs {base['throughput']:.0f} tok/s ({ratio:.2f}x)"))
+    else:
+        oracle = f["oracle"]["hit"]
+        out.append(("hit rate >= 0.9 x oracle's", s["hit"] >= 0.9 * oracle,
+                    f"{s['hit']:.1%} vs {oracle:.1%} ({s['hit'] / oracle if oracle else math.inf:.2f}x)"))
+        if cell.level >= 0.9:
+            lr = f["LR"]
+            ratio = lr["ttft_p50"] / s["ttft_p50"] if s["ttft_p50"] else math.inf
+            out.append(("TTFT p50 >= 3x lower than LR", ratio >= 3,
+                        f"{s['ttft_p50']:.2f} vs {lr['ttft_p50']:.2f} s ({ratio:.1f}x)"))
+            ratio = s["throughput"] / lr["throughput"] if lr["throughput"] else math.inf
+            out.append(("throughput >= 1.5x LR", ratio >= 1.5,
+                        f"{s['throughput']:.0f} vs {lr['throughput']:.0f} tok/s ({ratio:.2f}x)"))
+    out.append(("no engine above 1.5x its fair share (1/4)", s["max_share"] <= 1.5,
+                f"largest share {s['max_share']:.2f}x ({' / '.join(map(str, s['served'].values()))})"))
+    return out
+
+
+def _table(cell: Cell) -> str:
+    rows = []
+    for name, s in cell.figures.items():
+        reasons = ", ".join(f"{k} {n}" for k, n in s["reasons"].most_common(4)) or "-"
+        rows.append(f"| {name} | {s['ok']}/{s['n']} | {s['hit']:.1%} ({s['engine_hit']:.1%}) | "
+                    f"{s['ttft_p50']:.2f} / {s['ttft_p90']:.2f} | {s['throughput']:.0f} | "
+                    f"{' / '.join(str(v) for v in s['served'].values())} ({s['max_share']:.2f}x) | {reasons} |")
+    marks = "\n".join(f"- {'PASS' if ok else '**MISS**'}: {what}: {detail}" for what, ok, detail in verdicts(cell))
+    extra = ""
+    two = cell.figures.get("sluice-2rep")
+    if two is not None:
+        extra = (f"\nTwo replicas: index entries at the end {' / '.join(f'{b:.0f}' for b in two['index_blocks'])}; "
+                 f"mean `reserve` (store call carrying the blocks) {' / '.join(f'{m:.2f}' for m in two['reserve_ms'])} "
+                 f"ms; admitted prompt tokens per replica {' / '.join(f'{c:.0f}' for c in two['checks'])} (Envoy spread "
+                 "the Checks over both).\n")
+    return f"""#### {cell.workload}, {cell.level:.0%} ({cell.rate:.2f} requests/s wall)
+
+| arm | ok / sent | hit rate (engine counters) | TTFT p50 / p90 (s) | tok/s | served {' / '.join(n for n, _ in ENGINES)} (largest / fair) | route reasons |
+|---|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+{marks}
+{extra}"""
+
+
+@contextmanager
+def _sims() -> Iterator[dict[str, str]]:
+    with ExitStack() as stack:
+        yield {name: stack.enter_context(bare_sim(profile, SPEED, name)) for name, profile in ENGINES}
+
+
+def run_prefix_bench(quick: bool = False, workloads: list[str] | None = None, levels: list[float] | None = None) -> int:
+    workloads = workloads or (["system"] if quick else list(WORKLOADS))
+    levels = levels or ([0.9] if quick else list(LEVELS))
+    warm, window = (QUICK_WARM_S, QUICK_WINDOW_S) if quick else (WARM_S, WINDOW_S)
+    started, load_before = time.monotonic(), _loadavg()
+    cells: list[Cell] = []
+    capacities: list[str] = []
+    configs: list[str] = []
+    with _sims() as urls:
+        ports = [int(u.rsplit(":", 1)[1]) for u in urls.values()]
+        engines = [{"name": n, "url": u, "max_num_seqs": PROFILES[p].max_num_seqs} for (n, p), u in
+                   zip(ENGINES, urls.values())]
+        two_replicas = "system" in workloads and not quick
+        with gateway([dict(e) for e in engines]) as sluice, \
+                gateway([dict(e) for e in engines], admission={"prefix_routing": False}) as noindex, \
+                plain_envoy_arm(ports, "LEAST_REQUEST") as lr, \
+                plain_envoy_arm(ports, "RING_HASH", hash_header=HASH_HEADER) as ring, \
+                ExitStack() as optional:
+            arms = {
+                "sluice": Arm("sluice", sluice["base_url"] + "/v1"),
+                "sluice-noindex": Arm("sluice-noindex", noindex["base_url"] + "/v1"),
+                "LR": Arm("LR", lr.base + "/v1"),
+                "ring": Arm("ring", ring.base + "/v1", hashed=True),
+                "oracle": Arm("oracle", engines=dict(urls)),
+            }
+            replica_ports: list[int] = []
+            if two_replicas:
+                rep = optional.enter_context(gateway([dict(e) for e in engines],
+                                                     up_args=("--replicas", "2", "--store", "valkey")))
+                arms["sluice-2rep"] = Arm("sluice-2rep", rep["base_url"] + "/v1")
+                replica_ports = [rep["controlplane"]["metrics_port"] + 10 * i for i in range(2)]
+            for name, envoy in (("LR", lr), ("ring", ring)):
+                configs.append(f"`{name}`:\n\n```yaml\n{envoy.bootstrap[envoy.bootstrap.index('    - name: engine'):]}"
+                               f"```\nroute: `{_route_line(envoy.bootstrap)}`\n")
+            for workload in workloads:
+                measured = asyncio.run(calibrate(workload, urls))
+                capacity = sum(measured.values())
+                capacities.append(f"- `{workload}`: " + ", ".join(f"{n} {r * SPEED:.2f}" for n, r in measured.items())
+                                  + f" requests per emulated second; fleet {capacity * SPEED:.2f}")
+                print(capacities[-1], flush=True)
+                for level in levels:
+                    cell = Cell(workload, level, level * capacity)
+                    chosen = {k: v for k, v in arms.items() if k != "sluice-2rep" or (workload == "system"
+                                                                                      and level >= 0.9)}
+                    run_cell(cell, chosen, urls, warm, window, replica_ports)
+                    cells.append(cell)
+    elapsed = time.monotonic() - started
+    summary = []
+    misses = 0
+    for cell in cells:
+        for what, ok, detail in verdicts(cell):
+            misses += not ok
+            summary.append(f"| {cell.workload} | {cell.level:.0%} | {what} | {'PASS' if ok else '**MISS**'} | {detail} |")
+    doc = (__doc__ or "").format(SPEED=f"{SPEED:g}", OUT_MEDIAN=OUT_MEDIAN, MAX_TOKENS=MAX_TOKENS, GROUPS=GROUPS,
+                                 SYSTEM_TOKENS=SYSTEM_TOKENS, QUESTION_TOKENS=QUESTION_TOKENS, DOC_TOKENS=DOC_TOKENS,
+                                 TURNS=TURNS, THINK_S=THINK_S, CAL_S=CAL_S, CAL_WARM_S=CAL_WARM_S, WARM_S=warm,
+                                 WINDOW_S=window,
+                                 LEVELS=" and ".join(f"{x:.0%}" for x in levels))
+    body = f"""{doc}
+Run: {'`--quick`: ' if quick else ''}{warm:g} + {window:g} s of arrivals (wall) per cell and arm; simulator speed x{SPEED:g}; sluice
+with its defaults. This machine (2 cores) is shared with other work: load average {load_before} at the start,
+{_loadavg()} at the end; {elapsed / 60:.1f} min.
+
+## Measured capacity (ideal placement, see above)
+
+{chr(10).join(capacities)}
+
+## Targets
+
+| workload | load | target | met | figures |
+|---|---|---|---|---|
+{chr(10).join(summary)}
+
+{len(summary) - misses} of {len(summary)} targets met.
+
+## Cells
+
+TTFT in emulated seconds; hit rate from the responses' `cached_tokens` (in brackets: the engines' own
+`prefix_cache_hits / prefix_cache_queries`, which also count a preempted request's second lookup).
+
+{chr(10).join(_table(c) for c in cells)}
+## The plain Envoy arms
+
+Each runs `envoy/bench-plain.yaml` with these clusters (ports are this run's):
+
+{chr(10).join(configs)}
+"""
+    path = write_report("prefix", "sluice bench prefix: prefix-cache-aware routing against cache-blind and cache-keyed "
+                        "routing", body)
+    print(body[body.index("## Targets"):body.index("## Cells")])
+    print(f"report: {path}")
+    return 0 if not misses else 1
+
+
+def _route_line(bootstrap: str) -> str:
+    return next(line.strip() for line in bootstrap.splitlines() if "route: {cluster" in line)
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"

@@ -1,0 +1,54 @@
+"""``sluice bench prefix``'s own arithmetic (the run itself needs minutes of simulators and Envoys): prompts of the stated
+size, arrivals identical across arms, the measured window, and the targets as the report words them."""
+
+from __future__ import annotations
+
+import random
+
+from sluice.bench.prefix import (
+    GROUPS, TURNS, Cell, Outcome, Texts, draw_jobs, first_messages, summarise, text, verdicts,
+)
+
+
+def test_prompts_have_the_stated_size_and_each_arm_its_own_text() -> None:
+    assert len(text(random.Random(1), 8000)) == 32_000
+    job = draw_jobs("system", 2.0, 10.0, 7)[0]
+    one, other = first_messages("system", job, Texts("a")), first_messages("system", job, Texts("b"))
+    assert one[0]["content"] != other[0]["content"] and len(one[0]["content"]) == len(other[0]["content"])
+    assert first_messages("system", job, Texts("a")) == one  # the same arm, the same group: the same system prompt
+
+
+def test_arrivals_are_reproducible_and_chat_arrives_per_conversation() -> None:
+    assert draw_jobs("system", 2.0, 10.0, 7) == draw_jobs("system", 2.0, 10.0, 7)
+    assert len(draw_jobs("system", 2.0, 10.0, 7)) == 20
+    assert all(0 <= j.key < GROUPS for j in draw_jobs("system", 2.0, 10.0, 7))
+    chats = draw_jobs("chat", 2.0, 10.0, 7)
+    assert len(chats) == 20 // TURNS and all(len(j.naturals) == TURNS for j in chats)
+
+
+def outcome(arrived: float, ttft: float, prompt: int = 1000, cached: int = 0, done: float = 20.0) -> Outcome:
+    return Outcome(200, arrived, arrived, ttft, done, prompt, cached, 10)
+
+
+def test_only_the_measured_window_counts() -> None:
+    results = [outcome(1.0, 99.0), outcome(12.0, 1.0, cached=900), outcome(13.0, 3.0, cached=0)]
+    s = summarise(results, {"a": 3, "b": 1}, warm=10.0)
+    assert s["n"] == 2 and s["hit"] == 0.45 and s["ttft_p50"] in (1.0, 3.0)
+    assert s["max_share"] == 3 / 4 / 0.25
+
+
+def test_targets_as_the_issue_states_them() -> None:
+    def figures(hit: float, p50: float, tokens: float, served: tuple[int, ...] = (1, 1, 1, 1)) -> dict[str, object]:
+        return {"hit": hit, "ttft_p50": p50, "ttft_p90": p50, "throughput": tokens,
+                "served": dict(zip("abcd", served)), "max_share": max(served) / sum(served) / 0.25}
+
+    cell = Cell("system", 0.9, 1.0, {"sluice": figures(0.9, 1.0, 150), "LR": figures(0.4, 3.5, 100),
+                                      "oracle": figures(0.95, 1.0, 150)})
+    met = {what: ok for what, ok, _ in verdicts(cell)}
+    assert met == {"hit rate >= 0.9 x oracle's": True, "TTFT p50 >= 3x lower than LR": True,
+                   "throughput >= 1.5x LR": True, "no engine above 1.5x its fair share (1/4)": True}
+    cell.figures["sluice"] = figures(0.8, 1.5, 140, (4, 1, 1, 1))
+    met = {what: ok for what, ok, _ in verdicts(cell)}
+    assert not any(met.values())
+    control = Cell("control", 0.5, 1.0, {"sluice": figures(0, 1.05, 100), "sluice-noindex": figures(0, 1.0, 101)})
+    assert all(ok for _, ok, _ in verdicts(control))
