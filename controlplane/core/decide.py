@@ -1,6 +1,7 @@
 """The admission decision, pure: ``decide(request, fleet, policy, now, queued_ahead=0, affinity=None, pick=0.5, behind=0,
 arriving=False, cached=None) -> Decision``. No I/O, no clock, no HTTP: a verdict, a reason and a detail (the edge,
-``controlplane/edge.py``, maps each reason to a status and an OpenAI error). This module orchestrates; the parts live beside it:
+``controlplane/edge.py``, maps each reason to a status and an OpenAI error). This module orchestrates; the parts live
+beside it:
 
 - request.py reads the request (``parse_request``; a malformed one never reaches ``decide``);
 - fit.py holds the fit rules (``misfits``: cap, kv_watermark, kv_need, box_pool, quality_cap) and the load figures;
