@@ -47,6 +47,7 @@ import yaml
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 from sluice.bench.common import free_port, median, pct, wait_for, write_report
 from sluice.threaded import ThreadedControlPlane
+from sluice.upprocess import UpProcess
 
 
 SPEED = 50.0
@@ -724,72 +725,27 @@ def fault_cut_stream(stack: Stack) -> Row:
 
 
 # -- fault 3: sluice up, control plane killed ------------------------------------------------------------------------
-class Up:
+class Up(UpProcess):
+    """``sluice up`` (sluice/upprocess.py) on a config of free ports."""
+
     def __init__(self, work: Path, engines: list[dict[str, Any]]) -> None:
-        self.raw: dict[str, Any] = {
+        raw: dict[str, Any] = {
             "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
             "envoy": {"listen_port": free_port(), "admin_port": free_port()},
             "engines": [{"url": f"http://127.0.0.1:{free_port()}", **e} for e in engines],
         }
-        path = work / "sluice.yaml"
-        path.write_text(yaml.safe_dump(self.raw))
-        self.lines: list[str] = []
-        self.process = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(path)],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        try:
-            wait_for(lambda: "Ctrl-C stops everything." in self.output or self.process.poll() is not None, timeout=60,
-                     what="sluice up")
-            if self.process.poll() is not None:
-                raise RuntimeError(f"sluice up ended early:\n{self.output}")
-        except BaseException:
-            self.close()
-            raise
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    @property
-    def port(self) -> int:
-        return int(self.raw["envoy"]["listen_port"])
+        super().__init__(raw, work / "sluice.yaml")
 
     @property
     def grpc_port(self) -> int:
         return int(self.raw["controlplane"]["grpc_port"])
 
     def controlplane_pid(self) -> int | None:
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True,
-                             text=True).stdout
-        for pid in map(int, out.split()):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if state != "Z" and b"controlplane" in argv:
-                return pid
-        return None
+        return self.children().get("controlplane")
 
     def has_fallback_route(self) -> bool:
         url = f"http://127.0.0.1:{self.raw['envoy']['admin_port']}/config_dump?resource=dynamic_route_configs"
         return "fallback:cortex" in urllib.request.urlopen(url, timeout=5).read().decode()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._reader.join(5)
 
 
 def fault_controlplane_crash(work: Path) -> Row:

@@ -73,6 +73,7 @@ from google.protobuf import duration_pb2, struct_pb2, text_format
 from controlplane.config import parse_config
 from controlplane.xds.resources import AUTHZ_NAMESPACE
 from sluice.bench.common import free_port, median, paced, pct, wait_for, write_report
+from sluice.upprocess import UpProcess
 
 ENGINES = 8
 CAP = 8
@@ -344,36 +345,26 @@ class Fleet:
                 p.wait()
 
 
-class Stack:
-    """``sluice up`` in front of a fleet: ``replicas`` control planes on ``store`` (memory: one replica)."""
+class Stack(UpProcess):
+    """``sluice up`` (sluice/upprocess.py) in front of a fleet: ``replicas`` control planes on ``store`` (memory: one
+    replica)."""
 
     def __init__(self, name: str, engines: list[dict[str, Any]], replicas: int, store: str, work: Path) -> None:
         self.name = name
         self.replicas = replicas
         self.store = store
-        self.raw: dict[str, Any] = {
+        raw: dict[str, Any] = {
             "controlplane": {"grpc_port": stride_port(replicas), "metrics_port": stride_port(replicas),
                              "admin_port": stride_port(replicas)},
             "envoy": {"listen_port": free_port(), "admin_port": free_port(), "on_controlplane_failure": "closed"},
             "engines": engines,
             "admission": {"max_queue_depth": 4096, "lifo_after_ms": 0, "wait_for_faster_margin": WAIT_FOR_FASTER_MARGIN},
         }
-        self.authz_timeout_s = parse_config(self.raw).authz_timeout_s
+        self.authz_timeout_s = parse_config(raw).authz_timeout_s
         work.mkdir(parents=True, exist_ok=True)
-        path = work / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(self.raw))
         args = ([] if replicas == 1 else ["--replicas", str(replicas)]) + ([] if store == "memory" else ["--store", store])
-        self.lines: list[str] = []
-        self.process = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(path), *args],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.seen: set[int] = set()
+        super().__init__(raw, work / f"{name}.yaml", tuple(args), ready_timeout=120.0, stop_timeout=30.0)
         try:
-            wait_for(lambda: "Ctrl-C stops everything." in self.output or self.process.poll() is not None, timeout=120,
-                     what=f"{name}: sluice up to be ready")
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{name}: sluice up ended early:\n{self.output}")
             found = re.search(r"logs:\s+(\S+)", self.output)
             self.work_dir = Path(found[1]) if found else work
             self.store_url: str | None = None
@@ -384,15 +375,6 @@ class Stack:
         except BaseException:
             self.close()
             raise
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
 
     @property
     def base(self) -> str:
@@ -413,30 +395,6 @@ class Stack:
         def up() -> bool:
             return all(metric_sum(scrape(p), "sluice_engine_up") >= want for p in self.metrics_ports)
         wait_for(up, timeout=timeout, interval=0.2, what=f"{self.name}: every replica to see every engine")
-
-    def children(self) -> dict[str, int]:
-        """Live children by name: ``controlplane`` / ``controlplane-<i>``, ``store``, ``envoy``."""
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True,
-                             text=True).stdout
-        found: dict[str, int] = {}
-        for pid in map(int, out.split()):
-            try:
-                argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if state == "Z":
-                continue
-            if "controlplane" in argv:
-                config = argv[argv.index("--config") + 1] if "--config" in argv else ""
-                stem = Path(config).stem
-                found[stem if stem.startswith("controlplane-") else "controlplane"] = pid
-            elif "valkey-server" in argv[0]:
-                found["store"] = pid
-            elif Path(argv[0]).name == "envoy":
-                found["envoy"] = pid
-        self.seen.update(found.values())
-        return found
 
     def open_tickets(self) -> list[float]:
         return [metric_sum(scrape(p), "sluice_tickets_open") for p in self.metrics_ports]
@@ -465,23 +423,6 @@ class Stack:
         dead = sum(1 for m in members if not alive[m.split("|", 1)[0]])
         return {"ticket keys": tickets, "engine sets": in_sets, "leases": leases, "reserved KV": kv,
                 "parked": len(members) - dead, "parked by dead replicas": dead}
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.children()
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        for pid in self.seen:
-            try:
-                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    os.kill(pid, signal.SIGKILL)
-            except (OSError, IndexError):
-                pass
-        self._reader.join(5)
 
 
 class CpuMeter:

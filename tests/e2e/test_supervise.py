@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -17,9 +15,9 @@ from typing import Any
 
 import grpc
 import openai
-import yaml
 
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
+from sluice.upprocess import UpProcess, alive
 from sluice.up import Child, RestartHistory, RestartPolicy, Supervisor, next_restart, stop_children
 from tests.harness import free_port, wait_for
 
@@ -143,73 +141,20 @@ def test_stopping_drops_a_restart_still_waiting_out_its_backoff(tmp_path: Path) 
 # -- sluice up, end to end -------------------------------------------------------------------------------------------------
 
 
-class Up:
-    """``sluice up`` as a subprocess; its combined output collected by a thread; its children found by command line."""
+class Up(UpProcess):
+    """``sluice up`` as a subprocess (sluice/upprocess.py) on a config of free ports, with an ``openai`` client on it."""
 
     def __init__(self, tmp_path: Path, engines: list[dict[str, Any]], args: tuple[str, ...] = (),
                  sections: dict[str, Any] | None = None, api_key: str = "unused") -> None:
         """``sections``: more of the config (``tenants``, ...); ``api_key``: what ``client`` sends."""
-        self.raw: dict[str, Any] = {
+        raw: dict[str, Any] = {
             "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
             "envoy": {"listen_port": free_port(), "admin_port": free_port()},
             "engines": [{"url": f"http://127.0.0.1:{free_port()}", **e} for e in engines],
             **(sections or {}),
         }
-        config = tmp_path / "sluice.yaml"
-        config.write_text(yaml.safe_dump(self.raw))
-        self.lines: list[str] = []
-        self.process = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(config), *args],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.seen: set[int] = set()
-        try:
-            wait_for(lambda: "Ctrl-C stops everything." in self.output or self.process.poll() is not None, timeout=60,
-                     what="sluice up to be ready")
-            assert self.process.poll() is None, f"sluice up ended early:\n{self.output}"
-            self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key, max_retries=0)
-        except BaseException:
-            self.close()
-            raise
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    @property
-    def port(self) -> int:
-        return int(self.raw["envoy"]["listen_port"])
-
-    def children(self) -> dict[str, int]:
-        """Live children by name (``controlplane``, ``envoy``, ``sim-<engine>``)."""
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True, text=True).stdout
-        found: dict[str, int] = {}
-        for pid in map(int, out.split()):
-            try:
-                argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if state == "Z":
-                continue
-            if "controlplane" in argv:
-                config = argv[argv.index("--config") + 1] if "--config" in argv else ""
-                # one replica: "controlplane"; several (--replicas): "controlplane-<i>", from its config file's name
-                found[Path(config).stem if Path(config).stem.startswith("controlplane-") else "controlplane"] = pid
-            elif "valkey-server" in argv[0]:  # sluice store execs it (and Valkey retitles itself "... host:port")
-                found["store"] = pid
-            elif "sim" in argv and "--name" in argv:
-                found[f"sim-{argv[argv.index('--name') + 1]}"] = pid
-            elif Path(argv[0]).name == "envoy":
-                found["envoy"] = pid
-            # else: forked but not yet exec'd (still sluice up's command line)
-        self.seen.update(found.values())
-        return found
+        super().__init__(raw, tmp_path / "sluice.yaml", args)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key, max_retries=0)
 
     def has_fallback_route(self, model: str) -> bool:
         """Whether Envoy holds the model's fail-open route (capacity weights, pushed after the first probes)."""
@@ -226,28 +171,6 @@ class Up:
     def complete(self, model: str, max_tokens: int = 2) -> Any:
         return self.client.chat.completions.with_raw_response.create(
             model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=max_tokens)
-
-    def close(self) -> None:
-        """SIGTERM (sluice up stops its children); if that fails, kill every child ever seen, then sluice up."""
-        if self.process.poll() is None:
-            self.children()
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        for pid in self.seen:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        self._reader.join(5)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _accepts(port: int) -> bool:
@@ -340,7 +263,7 @@ def test_a_killed_control_plane_is_restarted_while_envoy_keeps_serving(tmp_path:
         assert after["envoy"] == before["envoy"] and after["sim-thor"] == before["sim-thor"]
         up.process.send_signal(signal.SIGTERM)
         assert up.process.wait(timeout=20) == 0
-        wait_for(lambda: not any(_alive(pid) for pid in up.seen), timeout=10, what="every child to exit")
+        wait_for(lambda: not any(alive(pid) for pid in up.seen), timeout=10, what="every child to exit")
     finally:
         up.close()
 
@@ -368,7 +291,7 @@ def test_a_killed_simulator_is_restarted_and_a_dead_envoy_stops_everything(tmp_p
         up._reader.join(5)
         assert "envoy exited with signal 9 (SIGKILL)" in up.output and "stopping everything" in up.output
         assert "sluice stopped." in up.output
-        wait_for(lambda: not any(_alive(pid) for pid in up.seen), timeout=10, what="every child to exit")
+        wait_for(lambda: not any(alive(pid) for pid in up.seen), timeout=10, what="every child to exit")
     finally:
         up.close()
 
