@@ -118,3 +118,43 @@ def latency_plot(series: Mapping[str, Sequence[tuple[float, float, float]]], nam
     ax.set_title(title)
     ax.legend()
     return save_figure(fig, name)
+
+
+def histogram_quantile(before: Mapping[float, float], after: Mapping[float, float], q: float) -> float:
+    """Quantile (ms) of the observations between two scrapes of a cumulative histogram (upper bound -> count),
+    interpolated within the bucket (NaN when nothing was observed)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return float("nan")
+    target = q * counts[-1]
+    lower, previous = 0.0, 0.0
+    for bound, cumulative in zip(bounds, counts):
+        if cumulative >= target:
+            if bound == float("inf"):
+                return lower * 1000
+            share = (target - previous) / (cumulative - previous) if cumulative > previous else 1.0
+            return (lower + (bound - lower) * share) * 1000
+        lower, previous = bound, cumulative
+    return lower * 1000
+
+
+async def closed_loop(url: str, concurrency: int, seconds: float, body: dict[str, Any],
+                      headers: Mapping[str, str] | None = None) -> float:
+    """Successful requests/s with ``concurrency`` clients each sending the next request as soon as one is answered."""
+    import aiohttp
+
+    done = 0
+    stop_at = time.perf_counter() + seconds
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal done
+        while time.perf_counter() < stop_at:
+            async with session.post(url, json=body) as response:
+                await response.read()
+                done += response.status == 200
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=dict(headers or {})) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        return done / (time.perf_counter() - started)

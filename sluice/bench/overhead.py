@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from sluice.bench.common import latency_plot, median, pct, paced, write_report
+from sluice.bench.common import closed_loop, histogram_quantile, latency_plot, median, pct, paced, write_report
 from sluice.bench.plain import plain_envoy
 from sluice.bench.workload import gateway
 
@@ -86,49 +86,12 @@ def _error_code(payload: bytes) -> str:
         return "-"
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float, body: dict[str, Any]) -> float:
-    """Successful requests/s with ``concurrency`` clients each sending the next request as soon as one is answered."""
-    done = 0
-    stop_at = time.perf_counter() + seconds
-
-    async def worker(session: aiohttp.ClientSession) -> None:
-        nonlocal done
-        while time.perf_counter() < stop_at:
-            async with session.post(url, json=body) as response:
-                await response.read()
-                done += response.status == 200
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-        return done / (time.perf_counter() - started)
-
-
 def _histogram(metrics_url: str) -> dict[float, float]:
     text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
     out = {}
     for le, count in re.findall(r'sluice_authz_check_seconds_bucket\{le="([^"]+)"\} (\S+)', text):
         out[float("inf") if le == "+Inf" else float(le)] = float(count)
     return out
-
-
-def _quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
-    """Quantile (ms) of the observations between two scrapes of a cumulative histogram, interpolated in the bucket."""
-    bounds = sorted(after)
-    counts = [after[b] - before.get(b, 0.0) for b in bounds]
-    total = counts[-1]
-    if total <= 0:
-        return float("nan")
-    target = q * total
-    lower, previous = 0.0, 0.0
-    for bound, cumulative in zip(bounds, counts):
-        if cumulative >= target:
-            if bound == float("inf"):
-                return lower * 1000
-            share = (target - previous) / (cumulative - previous) if cumulative > previous else 1.0
-            return (lower + (bound - lower) * share) * 1000
-        lower, previous = bound, cumulative
-    return lower * 1000
 
 
 def load_engines(path: str) -> list[dict[str, Any]]:
@@ -237,7 +200,7 @@ def _run_on_engines(engines_file: str) -> int:
                 sluice_ms, sluice_failed = asyncio.run(open_loop(sluice_url, rate, SECONDS, body, served,
                                                                  sluice_failures))
                 after = _histogram(metrics_url)
-                check = (_quantile(before, after, 0.5), _quantile(before, after, 0.99))
+                check = (histogram_quantile(before, after, 0.5), histogram_quantile(before, after, 0.99))
                 checks.append((rate, check))
                 series["plain Envoy"].append((rate, median(plain_ms), pct(plain_ms, 99)))
                 series["Envoy + sluice"].append((rate, median(sluice_ms), pct(sluice_ms, 99)))
@@ -305,7 +268,7 @@ def _run_on_simulator() -> int:
                 before = _histogram(metrics_url)
                 sluice_ms, sluice_failed = asyncio.run(open_loop(sluice_url, rate, SECONDS))
                 after = _histogram(metrics_url)
-                check = (_quantile(before, after, 0.5), _quantile(before, after, 0.99))
+                check = (histogram_quantile(before, after, 0.5), histogram_quantile(before, after, 0.99))
                 checks.append((rate, check))
                 series["plain Envoy"].append((rate, median(plain_ms), pct(plain_ms, 99)))
                 series["Envoy + sluice"].append((rate, median(sluice_ms), pct(sluice_ms, 99)))

@@ -216,25 +216,8 @@ async def _open_loop(url: str, key: str, rate: int, seconds: float) -> tuple[lis
     return latencies, failures
 
 
-async def _closed_loop(url: str, key: str, concurrency: int, seconds: float) -> float:
-    import aiohttp
-
-    body = {"model": "cortex", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    done = 0
-    stop_at = time.perf_counter() + seconds
-
-    async def worker(session: aiohttp.ClientSession) -> None:
-        nonlocal done
-        while time.perf_counter() < stop_at:
-            async with session.post(url, json=body) as response:
-                await response.read()
-                done += response.status == 200
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     headers={"authorization": f"Bearer {key}"}) as session:
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-        return done / (time.perf_counter() - started)
+PATH_BODY = {"model": "cortex", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+"""The closed loop's request: one token, so what is measured is the path, not the engine."""
 
 
 async def _path_burst(url: str, key: str) -> tuple[int, int, int, float]:
@@ -261,7 +244,8 @@ async def _path_burst(url: str, key: str) -> tuple[int, int, int, float]:
 
 def real_path(quick: bool) -> str:
     """The path rows: per backend, per key, the latency at ``PATH_RATE``/s, the Check's, decisions/s; then the burst."""
-    from sluice.bench.overhead import _histogram, _quantile
+    from sluice.bench.common import closed_loop, histogram_quantile
+    from sluice.bench.overhead import _histogram
     from sluice.bench.workload import gateway
 
     seconds = PATH_SECONDS / 4 if quick else PATH_SECONDS
@@ -281,9 +265,11 @@ def real_path(quick: bool) -> str:
                 before = _histogram(metrics_url)
                 latencies, failures = asyncio.run(_open_loop(url, PATH_KEYS[tenant], PATH_RATE, seconds))
                 after = _histogram(metrics_url)
-                per_s = asyncio.run(_closed_loop(url, PATH_KEYS[tenant], PATH_CONCURRENCY, seconds))
-                runs[tenant] = PathRun(tenant, pct(latencies, 50), pct(latencies, 99), _quantile(before, after, 0.5),
-                                       _quantile(before, after, 0.99), failures, per_s)
+                per_s = asyncio.run(closed_loop(url, PATH_CONCURRENCY, seconds, PATH_BODY,
+                                                {"authorization": f"Bearer {PATH_KEYS[tenant]}"}))
+                runs[tenant] = PathRun(tenant, pct(latencies, 50), pct(latencies, 99),
+                                       histogram_quantile(before, after, 0.5), histogram_quantile(before, after, 0.99),
+                                       failures, per_s)
                 r = runs[tenant]
                 lines.append(f"| {backend} | {tenant} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.check_p50_ms:.3f} | "
                              f"{r.check_p99_ms:.3f} | {r.failures} | {r.decisions_per_s:,.0f} |")

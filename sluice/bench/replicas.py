@@ -72,7 +72,7 @@ from google.protobuf import duration_pb2, struct_pb2, text_format
 
 from controlplane.config import parse_config
 from controlplane.xds.resources import AUTHZ_NAMESPACE
-from sluice.bench.common import free_port, median, paced, pct, wait_for, write_report
+from sluice.bench.common import free_port, histogram_quantile, median, paced, pct, wait_for, write_report
 from sluice.upprocess import UpProcess
 
 ENGINES = 8
@@ -231,25 +231,6 @@ def histogram(text: str, name: str, **labels: str) -> dict[float, float]:
             bound = float("inf") if have["le"] == "+Inf" else float(have["le"])
             out[bound] = out.get(bound, 0.0) + value
     return out
-
-
-def histogram_quantile(before: Mapping[float, float], after: Mapping[float, float], q: float) -> float:
-    """Quantile (ms) of the observations between two scrapes of a cumulative histogram, interpolated within the bucket
-    (NaN when nothing was observed)."""
-    bounds = sorted(after)
-    counts = [after[b] - before.get(b, 0.0) for b in bounds]
-    if not counts or counts[-1] <= 0:
-        return float("nan")
-    target = q * counts[-1]
-    lower, previous = 0.0, 0.0
-    for bound, cumulative in zip(bounds, counts):
-        if cumulative >= target:
-            if bound == float("inf"):
-                return lower * 1000
-            share = (target - previous) / (cumulative - previous) if cumulative > previous else 1.0
-            return (lower + (bound - lower) * share) * 1000
-        lower, previous = bound, cumulative
-    return lower * 1000
 
 
 def longest_gap(times: Sequence[float], start: float, end: float) -> float:

@@ -32,7 +32,8 @@ import aiohttp
 import yaml
 
 from sluice.bench.common import median, paced, pct, write_report
-from sluice.bench.overhead import _histogram, _quantile
+from sluice.bench.common import histogram_quantile
+from sluice.bench.overhead import _histogram
 from sluice.bench.workload import gateway
 
 SIZES = tuple(os.environ.get("SLUICE_SCALE_SIZES", "2,200,1000,1000p3").split(","))
@@ -156,8 +157,8 @@ def _run_size(size: int, observe: dict[str, float]) -> dict[str, Any]:
         "decisions": decided_after - decided_before,
         "p50": median(latencies),
         "p99": pct(latencies, 99),
-        "check_p50": _quantile(before, after, 0.5),
-        "check_p99": _quantile(before, after, 0.99),
+        "check_p50": histogram_quantile(before, after, 0.5),
+        "check_p99": histogram_quantile(before, after, 0.99),
         "distinct": len(served),
         "top10": top,
         "cp_cpu": cpu,

@@ -8,8 +8,9 @@ import random
 
 import pytest
 
+from sluice.bench.common import histogram_quantile
 from sluice.bench.replicas import (
-    ENVOY_CHECK_REQUEST, Fifo, _template, fifo_order, histogram, histogram_quantile, longest_gap, metric_sum,
+    ENVOY_CHECK_REQUEST, Fifo, _template, fifo_order, histogram, longest_gap, metric_sum,
     parse_samples,
 )
 
