@@ -37,15 +37,18 @@ PROMPTS = {prompt: prompt_blocks(f"group {prompt} " * 2000, 256, 40) for prompt 
 
 
 class FakeObservation:
-    """What the admission service reads from observation: fixed views (the probe saw nothing running at time 0)."""
+    """What the admission service reads from observation: fixed views of engines serving ``m`` (the probe saw nothing
+    running at time 0), ``caps``: engine -> its cap."""
 
-    def __init__(self, core: AdmissionCore) -> None:
+    def __init__(self, core: AdmissionCore, caps: dict[str, int] | None = None,
+                 kv_capacity_tokens: int = CAPACITY) -> None:
         self.core = core
         self.views = {
             name: EngineView(name=name, url="", max_num_seqs=cap, models=(ServedModel("m", 32_768),), version="1.0",
-                             sample=EngineSample(0.0, running=0, waiting=0, kv_usage=0.0, kv_capacity_tokens=CAPACITY),
+                             sample=EngineSample(0.0, running=0, waiting=0, kv_usage=0.0,
+                                                 kv_capacity_tokens=kv_capacity_tokens),
                              last_ok_at=0.0, stale=False, chip_class=name)
-            for name, cap in ENGINES.items()}
+            for name, cap in (caps or ENGINES).items()}
 
     def fleet(self, now: float) -> Any:
         return self.core.fleet(self.views.values(), now)

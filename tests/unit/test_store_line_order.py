@@ -23,35 +23,15 @@ from controlplane.admission_service import AdmissionService
 from controlplane.config import load_config
 from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineSample, EngineView, InferenceRequest, ServedModel, Verdict
+from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.metrics import SluiceMetrics
 from controlplane.store.base import Store
 from controlplane.store.memory import MemoryState, MemoryStore
 from controlplane.store.valkey import ValkeyStore
 from controlplane.store.valkeyserver import ValkeyServer
+from tests.unit.test_replicas_properties import FakeObservation
 
 REQUEST = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=10, max_tokens=10)
-
-
-class Views:
-    """Fixed engine views (one probe at time 0, nothing running): what the service reads from observation."""
-
-    def __init__(self, core: AdmissionCore, caps: dict[str, int]) -> None:
-        self.core = core
-        self.views = {name: EngineView(name=name, url="", max_num_seqs=cap, models=(ServedModel("m", 32_768),),
-                                       version="1.0", sample=EngineSample(0.0, running=0, waiting=0, kv_usage=0.0,
-                                                                          kv_capacity_tokens=100_000),
-                                       last_ok_at=0.0, stale=False, chip_class=name)
-                      for name, cap in caps.items()}
-
-    def fleet(self, now: float) -> Any:
-        return self.core.fleet(self.views.values(), now)
-
-    def view_of(self, name: str, now: float) -> EngineView | None:
-        return self.views.get(name)
-
-    def model_label(self, model: str | None) -> str:
-        return model or "-"
 
 
 def service(store: Store, caps: dict[str, int], max_park_s: float = 3.0) -> AdmissionService:
@@ -59,7 +39,7 @@ def service(store: Store, caps: dict[str, int], max_park_s: float = 3.0) -> Admi
     config = replace(base, policy=replace(base.policy, lifo_after_ms=0, backfill=False, max_park_s=max_park_s,
                                           max_queue_depth=5000))
     core = AdmissionCore(config.policy, Ledger(lease_seconds=10_000))
-    return AdmissionService(config, core, cast(Any, Views(core, caps)), SluiceMetrics(), time.monotonic, store)
+    return AdmissionService(config, core, cast(Any, FakeObservation(core, caps, kv_capacity_tokens=100_000)), SluiceMetrics(), time.monotonic, store)
 
 
 class SlowParks(MemoryStore):
