@@ -37,6 +37,7 @@ time to prefill. Every shed carries a Retry-After from the ledger. A woken head'
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -66,6 +67,8 @@ class Parked:
     deadline: float
     ttft_bound: bool = False
     """The deadline comes from the request's TTFT deadline, not ``max_park_s``."""
+    seq: int = 0
+    """Its place in the lot's order (parking order), which ``restore`` puts it back at: arrival times can tie."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,7 @@ class AdmissionCore:
         self._last_sample: dict[str, EngineSample] = {}
         self._lot: dict[str, dict[Priority, deque[Parked]]] = {}
         self._where: dict[str, tuple[str, Priority]] = {}
+        self._park_seq = itertools.count(1)
 
     # -- views -------------------------------------------------------------------------------------------------------
     def fleet(self, engines: Iterable[EngineView], now: float, rates: RateTables | None = None) -> Fleet:
@@ -202,7 +206,7 @@ class AdmissionCore:
         ttft_bound = limit is not None and limit < self.policy.max_park_s
         longest = limit if ttft_bound and limit is not None else self.policy.max_park_s
         self._lot.setdefault(model, {c: deque() for c in PARK_CLASSES})[klass].append(
-            Parked(request_id, request, now, now + longest, ttft_bound)
+            Parked(request_id, request, now, now + longest, ttft_bound, next(self._park_seq))
         )
         self._where[request_id] = (model, klass)
         return Outcome(request_id, decision)
@@ -233,26 +237,27 @@ class AdmissionCore:
             self.prefixes.remove(outcome.ticket.engine, outcome.noted)
 
     def restore(self, parked: Parked) -> None:
-        """Put a woken request back in its place in the lot (by arrival: the lot's order)."""
+        """Put a woken request back in its place in the lot (its parking sequence number: the lot's order)."""
         model, klass = parked.request.model, _class_of(parked.request)
         assert model is not None
         queue = self._lot.setdefault(model, {c: deque() for c in PARK_CLASSES})[klass]
-        at = sum(1 for p in queue if p.parked_at <= parked.parked_at)
+        at = sum(1 for p in queue if p.seq < parked.seq)
         queue.insert(at, parked)
         self._where[parked.request_id] = (model, klass)
 
     def learn(self, ticket: Ticket, session: str | None, now: float, prefix_blocks: tuple[int, ...] = ()) -> bool:
         """A ticket the shared store holds that this core has not seen: another replica's admission, or this process's
         before a restart. Counted like one admitted here (load, KV, serve count, session, and the prompt's blocks when
-        the event carried them). False if already known."""
-        if not self.ledger.insert(ticket):
-            return False
-        self.serves.add(ticket.engine, min(now, ticket.admitted_at))
-        self.index.note_serve(ticket.engine)
+        the event carried them). False if already known; its session and blocks are noted anyway: a ticket learned first
+        from a refusal's list of an engine's tickets (which carries neither) is completed by its admission event."""
+        known = not self.ledger.insert(ticket)
+        if not known:
+            self.serves.add(ticket.engine, min(now, ticket.admitted_at))
+            self.index.note_serve(ticket.engine)
         self.sessions.set(session, ticket.engine)
         if self.policy.prefix_routing:
             self.prefixes.note(ticket.engine, prefix_blocks)
-        return True
+        return not known
 
     def tickets(self) -> list[Ticket]:
         return self.ledger.tickets()
