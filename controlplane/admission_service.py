@@ -547,7 +547,7 @@ class AdmissionService:
             await asyncio.sleep(PARK_SWEEP_S)
             if self.core.depth():
                 now = self.clock()
-                wheres = {p.request_id: self.core.where(p.request_id) for p in self.core.parked() if p.deadline <= now}
+                wheres = {p.request_id: self.core.where(p.request_id) for p in self.core.due(now)}
                 expired = self.core.expire_parked(self.observation.fleet(now), now)
                 for outcome in expired:
                     self._unpark_later(wheres.get(outcome.request_id), outcome.request_id)

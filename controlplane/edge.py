@@ -130,6 +130,7 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Reason.SATURATED: _server("saturated"),
     Reason.QUEUE_FULL: _server("queue_full"),
     Reason.PARK_TIMEOUT: _server("park_timeout"),
+    Reason.OVERLOADED: _server("overloaded"),
     Reason.TTFT_UNMEETABLE: _server("ttft_unmeetable"),
     Reason.STORE_UNAVAILABLE: _server("store_unavailable"),
     Reason.RATELIMIT_UNAVAILABLE: _server("ratelimit_unavailable"),

@@ -29,7 +29,16 @@ still get; a lower one (1000 ms in ``bench steady``) also reorders the transient
 requests miss a target FIFO would have met. Failure mode: unfairness under sustained
 overload: the oldest wait until capacity frees faster than requests arrive, or until ``max_park_s`` sheds them
 (``park_timeout`` with a Retry-After, a clear answer). A request with a TTFT deadline keeps its own bound either way: it is
-shed ``ttft_unmeetable`` once its deadline leaves no time to prefill. Depth is
+shed ``ttft_unmeetable`` once its deadline leaves no time to prefill.
+
+**Overload shedding** (``overload_shed_after_ms``, default 4000; 0 = off). While a class is in LIFO mode *and* requests
+keep joining it (one parked within the last ``lifo_after_ms``), the overload is sustained: capacity frees no faster than
+requests arrive, and every new one is served before the old ones. A request without a deadline that has waited
+``overload_shed_after_ms`` then is shed ``overloaded`` with a Retry-After: it would otherwise wait, already late, until
+the overload ends or ``max_park_s`` (two minutes by default) ends it anyway, holding its client's connection for nothing;
+told at once, the client can back off or go elsewhere (CoDel's rule for a standing queue, applied to the requests LIFO
+leaves behind). A burst is not sustained overload: once arrivals stop, the last park ages past ``lifo_after_ms`` and the
+lot drains every request in turn. ``bench steady`` at 110%: see bench/results/README.md. Depth is
 bounded per model by ``max_queue_depth``: a request beyond it is shed (``queue_full``); a parked request whose deadline
 passes is shed: ``park_timeout`` after ``max_park_s``, or ``ttft_unmeetable`` once its TTFT deadline no longer leaves
 time to prefill. Every shed carries a Retry-After from the ledger. A woken head's TTFT deadline counts from its arrival.
@@ -105,13 +114,16 @@ class AdmissionCore:
         self._lot: dict[str, dict[Priority, deque[Parked]]] = {}
         self._where: dict[str, tuple[str, Priority]] = {}
         self._park_seq = itertools.count(1)
+        self._last_parked: dict[tuple[str, Priority], float] = {}
+        """(model, class) -> when a request last parked there (sustained overload: requests keep joining)."""
 
     # -- views -------------------------------------------------------------------------------------------------------
     def fleet(self, engines: Iterable[EngineView], now: float, rates: RateTables | None = None) -> Fleet:
         """A fleet of exactly ``engines`` (no index: ``decide`` scans every candidate). For tests and tools."""
         engines = tuple(engines)
         return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
-                     rates or RateTables(), self._serves_at(now), self.output_lengths.snapshot())
+                     rates or RateTables(), self._serves_at(now), self.output_lengths.snapshot(),
+                     self.output_lengths.tails())
 
     def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
         """Prompt tokens of ``request`` each engine is expected to hold in its prefix cache (engines holding none left
@@ -155,7 +167,7 @@ class AdmissionCore:
             self.ledger.view, self.ledger.changed, self.serves.values(), self.policy, self.admit_stale,
             rates or RateTables(), now, self.serves.half_life_s)
         return Fleet(engines, ledger, self.admit_stale, rates or RateTables(), self._serves_at(now),
-                     self.output_lengths.snapshot(), index)
+                     self.output_lengths.snapshot(), self.output_lengths.tails(), index)
 
     def _serves_at(self, now: float) -> DecayedServes:
         return DecayedServes(dict(self.serves.values()), now, self.serves.half_life_s)
@@ -208,6 +220,7 @@ class AdmissionCore:
         self._lot.setdefault(model, {c: deque() for c in PARK_CLASSES})[klass].append(
             Parked(request_id, request, now, now + longest, ttft_bound, next(self._park_seq))
         )
+        self._last_parked[(model, klass)] = now
         self._where[request_id] = (model, klass)
         return Outcome(request_id, decision)
 
@@ -311,7 +324,8 @@ class AdmissionCore:
         if fleet.index is not None:
             return self.indexed_fleet(now, fleet.rates)
         return replace(fleet, ledger=MappingProxyType({e.name: self.ledger.view(e.name) for e in fleet.engines}),
-                       recent_serves=self._serves_at(now), expected_output=self.output_lengths.snapshot())
+                       recent_serves=self._serves_at(now), expected_output=self.output_lengths.snapshot(),
+                       output_tails=self.output_lengths.tails())
 
     def wake(self, fleet: Fleet, now: float, models: Iterable[str] | None = None) -> list[Outcome]:
         """Admit parked heads that fit ``fleet`` now, in order (the core refreshes the fleet after each admission)."""
@@ -364,15 +378,34 @@ class AdmissionCore:
                     break  # critical before standard: a blocked critical head holds the standard class too
         return out
 
+    def due(self, now: float) -> list[Parked]:
+        """The parked requests ``expire_parked`` sheds at ``now``: past their deadline, or left behind by a sustained
+        overload (module docstring)."""
+        due = [p for p in self.parked() if p.deadline <= now]
+        limit = self.policy.overload_shed_after_ms
+        if limit <= 0:
+            return due
+        for model, queues in self._lot.items():
+            for klass, queue in queues.items():
+                last = self._last_parked.get((model, klass))
+                if last is None or not self._lifo(queue, now) or (now - last) * 1000 > self.policy.lifo_after_ms:
+                    continue
+                due += [p for p in queue if not p.ttft_bound and p.deadline > now and (now - p.parked_at) * 1000 > limit]
+        return due
+
     def expire_parked(self, fleet: Fleet, now: float) -> list[Outcome]:
-        """Shed every parked request whose deadline passed (``park_timeout``, with a Retry-After)."""
+        """Shed every parked request ``due`` now: ``park_timeout`` or ``ttft_unmeetable`` past its deadline,
+        ``overloaded`` when a sustained overload left it behind; each with a Retry-After."""
         out = []
-        for parked in [p for p in self.parked() if p.deadline <= now]:
+        for parked in self.due(now):
             self.cancel(parked.request_id)
             model = parked.request.model
             candidates = [e for e in fleet.engines if model and e.serves(model)]
             wait = retry_after(candidates, fleet, self.policy, now, self.depth(model))
-            if parked.ttft_bound:
+            if parked.deadline > now:
+                decision = shed(Reason.OVERLOADED, f"{model} is overloaded: newer requests are served first while it "
+                                f"lasts, and this one waited {now - parked.parked_at:.1f} s", wait)
+            elif parked.ttft_bound:
                 decision = shed(Reason.TTFT_UNMEETABLE,
                                 f"no slot for {model} in time to meet {parked.request.max_ttft_ms} ms", wait)
             else:

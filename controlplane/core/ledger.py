@@ -176,6 +176,8 @@ class Ledger:
             unseen_reserved_tokens=sum(t.reserved_tokens for t in tickets if t.admitted_at >= probe_at),
             open_by_model=tuple(sorted(by_model.items())),
             expected_done=tuple(sorted(t.expected_done_at for t in tickets)),
+            running=tuple(sorted(((t.admitted_at + t.expected_ttft_s, t.expected_done_at, t.model) for t in tickets),
+                                 key=lambda r: r[1])),
             finishing=tuple(sorted((t.expected_done_at, t.reserved_tokens) for t in tickets)),
         )
         return view

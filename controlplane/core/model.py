@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from controlplane.core.output_length import OutputTail
+
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
@@ -255,6 +257,9 @@ class Reason(enum.Enum):
     SATURATED = "saturated"
     QUEUE_FULL = "queue_full"
     PARK_TIMEOUT = "park_timeout"
+    OVERLOADED = "overloaded"
+    """Sustained overload: the request waited ``overload_shed_after_ms`` while newer requests kept arriving and, under
+    adaptive LIFO, were served first (core/admission.py)."""
     TTFT_UNMEETABLE = "ttft_unmeetable"
     STORE_UNAVAILABLE = "store_unavailable"
     """The shared store cannot be reached and ``store.on_failure`` is ``closed`` (controlplane/store/)."""
@@ -325,6 +330,9 @@ class EngineLedger:
     open_by_model: tuple[tuple[str, int], ...] = ()
     expected_done: tuple[float, ...] = ()
     """Expected finish times of open tickets, soonest first."""
+    running: tuple[tuple[float, float, str], ...] = ()
+    """(expected first token, expected finish, model) of each open ticket, by expected finish: how far along each is
+    (route.expected_frees)."""
     finishing: tuple[tuple[float, int], ...] = ()
     """(expected finish time, reserved tokens) of open tickets, soonest first (for backfill's what-if)."""
 
@@ -366,6 +374,8 @@ class Fleet:
     expected_output: Mapping[str, float] = field(default_factory=_empty)
     """model -> tokens its requests are expected to generate, learned from completed requests (output_length.py); a
     model missing here uses ``Policy.default_expected_output_tokens``."""
+    output_tails: Mapping[str, OutputTail] = field(default_factory=_empty)
+    """model -> its recorded lengths' shape (output_length.py): how much longer a running request is expected to run."""
     index: Any = None
     """A ``fleetindex.IndexSnapshot`` describing exactly these engines and ledger views per model (the control plane's
     fleets carry one; ``decide`` then chooses among hundreds of candidates without estimating each). None: full scan."""

@@ -87,6 +87,10 @@ class Policy:
     """Adaptive LIFO: once a class's oldest parked request has waited longer than this, its wake tries the newest parked
     request first (fresh requests meet their latency; the old ones, already late, wait for capacity or ``max_park_s``).
     0: strict FIFO always."""
+    overload_shed_after_ms: float = 4000.0
+    """Under sustained overload (a class in adaptive LIFO while requests keep joining it: one parked within the last
+    ``lifo_after_ms``), a request without a TTFT deadline that has waited this long is shed ``overloaded`` with a
+    Retry-After instead of waiting behind fresher requests until ``max_park_s``. 0: off (core/admission.py)."""
     models: Mapping[str, ModelPolicy] = field(default_factory=lambda: MappingProxyType({}))
     """Per-model settings (read-only: a copy of what the constructor was given)."""
     version_floors: tuple[tuple[str, str], ...] = ()

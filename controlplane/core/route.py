@@ -74,6 +74,7 @@ from dataclasses import dataclass
 
 from controlplane.core.fit import effective_load
 from controlplane.core.model import EngineView, Fleet, InferenceRequest
+from controlplane.core.output_length import MEMORYLESS
 from controlplane.core.policy import Policy
 
 
@@ -119,11 +120,36 @@ def expected_output_tokens(request: InferenceRequest, fleet: Fleet, policy: Poli
     return min(typical, float(request.max_tokens)) if request.max_tokens else typical
 
 
+def expected_frees(engine: str, fleet: Fleet, now: float) -> tuple[float, ...]:
+    """When each of ``engine``'s open tickets is expected to free its slot, soonest first. A ticket still inside its
+    expected time frees at its expected finish, stretched by the tail of its model's lengths: a request that has
+    produced a fraction ``y`` of the typical answer has ``E[x - y | x > y]`` of it left (output_length.OutputTail), which
+    for a long tail is more than ``1 - y`` and for a ticket already past its expected finish is far from zero. Without
+    learned tail (fewer than ``min_samples`` completions of the model) the tail is memoryless. A ledger view without
+    progress (``running``: hand-built views in tools and tests) gives the expected finishes, overdue ones at ``now``."""
+    ledger = fleet.of(engine)
+    if not ledger.running:
+        return tuple(max(now, d) for d in ledger.expected_done)
+    frees = []
+    for first_token_at, done_at, model in ledger.running:
+        tail = fleet.output_tails.get(model, MEMORYLESS)
+        decode_s = done_at - first_token_at
+        if decode_s <= 0:
+            frees.append(max(now, done_at))
+            continue
+        if now <= first_token_at:  # still waiting for its first token: the whole expected answer is ahead
+            frees.append(done_at)
+            continue
+        frees.append(now + decode_s * tail.remaining((now - first_token_at) / decode_s))
+    return tuple(sorted(frees))
+
+
 def slot_wait(engine: EngineView, position: int, service_s: float, fleet: Fleet, now: float) -> float:
     """Seconds until the ``position``-th slot (1-based, soonest first) frees on a full engine. Within its open tickets it is
-    that ticket's expected finish; beyond them the engine drains the rest in waves of ``cap`` requests, each wave one
-    ``service_s`` after the last known finish (no clamp: a backlog deeper than the batch costs its waves)."""
-    done = fleet.of(engine.name).expected_done
+    that ticket's expected free time (``expected_frees``); beyond them the engine drains the rest in waves of ``cap``
+    requests, each wave one ``service_s`` after the last known finish (no clamp: a backlog deeper than the batch costs
+    its waves)."""
+    done = expected_frees(engine.name, fleet, now)
     position = max(1, position)
     if position <= len(done):
         return max(0.0, done[position - 1] - now)

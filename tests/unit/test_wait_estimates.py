@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import example, given, settings
@@ -15,9 +16,9 @@ from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide, misfits
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineLedger, EngineSample, EngineView, Fleet, RateTables, Reason, Verdict
-from controlplane.core.output_length import OutputLengthBook
+from controlplane.core.output_length import MEMORYLESS, OutputLengthBook, OutputTail
 from controlplane.core.policy import Policy
-from controlplane.core.route import estimate, expected_output_tokens, slot_wait
+from controlplane.core.route import estimate, expected_frees, expected_output_tokens, slot_wait
 from tests.unit.test_route import SEED_000, chat, engine
 
 P = Policy(default_max_tokens=1024, default_expected_output_tokens=100)
@@ -94,6 +95,53 @@ def test_the_ledger_expects_finishes_from_the_learned_length() -> None:
     second = core.check("b", chat(max_tokens=None), core.fleet(views, 1.0), 1.0)  # type: ignore[arg-type]
     assert second.ticket is not None and second.ticket.expected_done_at == pytest.approx(1.0 + 0.01 + 0.05 + 40 / 20)
     assert second.ticket.reserved_tokens == 10 + 1024
+
+
+# -- how long a running request still has -------------------------------------------------------------------------------
+def test_output_tail_expects_the_rest_of_a_long_answer_from_the_recorded_lengths() -> None:
+    tail = OutputTail.of([100, 100, 400])  # mean 200: multiples 0.5, 0.5, 2
+    assert tail is not None
+    assert tail.remaining(0.0) == pytest.approx(1.0)
+    assert tail.remaining(0.25) == pytest.approx(1.0 - 0.25)     # nothing has ended yet: the mean minus what is done
+    assert tail.remaining(0.5) == pytest.approx(2.0 - 0.5)       # past both short ones: it is the long one
+    assert tail.remaining(1.5) == pytest.approx(0.5)
+    assert tail.remaining(2.0) == 0.0                            # longer than anything recorded: ends now
+    constant = OutputTail.of([111] * 20)
+    assert constant is not None
+    assert constant.remaining(0.4) == pytest.approx(0.6) and constant.remaining(1.01) == 0.0  # late, not long
+    assert MEMORYLESS.remaining(0.3) == MEMORYLESS.remaining(3.0) == 1.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5_000), min_size=1, max_size=60), st.floats(0, 10))
+def test_output_tail_never_expects_less_than_the_plain_remainder(lengths: list[int], done: float) -> None:
+    """The fleet index prunes busy engines with the plain expected finish as a lower bound on their wait."""
+    tail = OutputTail.of(lengths)
+    if tail is not None:
+        assert tail.remaining(done) >= max(0.0, 1.0 - done) - 1e-9
+
+
+def test_a_ticket_past_its_expected_finish_is_expected_to_run_on() -> None:
+    """Issue 9 at half load: Spark's tickets overdue looked like slots freeing now, so arrivals waited for Spark while
+    Thor idled (Spark 26 of 27 in ``bench steady``). With a learned long tail they are expected to run on."""
+    core = AdmissionCore(P, Ledger(lease_seconds=600))
+    for length in [50, 100, 100, 150, 200, 250, 300, 400, 600, 1_200] * 2:
+        core.record_output("cortex", length)
+    views = [engine("thor", decode=25.35, prefill=1500.0), engine("spark", decode=43.91, prefill=4000.0)]
+    for rid in ("a", "b"):
+        outcome = core.check(rid, chat(prompt=300, max_tokens=None), core.fleet(views, 0.0), 0.0)  # type: ignore[arg-type]
+        assert outcome.ticket is not None and outcome.ticket.engine == "spark"
+    late = max(t.expected_done_at for t in core.ledger.tickets())
+    now = late + 0.5
+    fleet = core.fleet(views, now)
+    frees = expected_frees("spark", fleet, now)
+    assert all(f > now + 1.0 for f in frees)  # not "now": each has most of a long answer left
+    decision = decide(chat(prompt=300, max_tokens=None), fleet, P, now=now, arriving=True)  # type: ignore[arg-type]
+    assert (decision.verdict, decision.engine) == (Verdict.ADMIT, "thor")
+    # Without the progress (a hand-built view), overdue tickets free now and the arrival waits for Spark: the old fault.
+    blind = Fleet(fleet.engines, {"spark": replace(fleet.of("spark"), running=())}, expected_output=fleet.expected_output)
+    assert decide(chat(prompt=300, max_tokens=None), blind, P, now=now,  # type: ignore[arg-type]
+                  arriving=True).reason is Reason.WAITING_FOR_FASTER
 
 
 # -- work conservation --------------------------------------------------------------------------------------------------
