@@ -37,6 +37,7 @@ from typing import Any
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from ratelimit.core import (
@@ -200,8 +201,13 @@ class ValkeyRateLimiter:
         self.key_prefix = key_prefix
         self.scripts_loaded = 0
         """Times a script was (re)loaded after NOSCRIPT."""
+        # One retry on a connection error: after a Valkey restart every pooled connection is dead, and each would
+        # otherwise fail one request (closed: a 503) before the pool replaced it. A command on a dead socket never
+        # reached the new server, so the retry cannot charge twice; only a connection lost mid-reply to a live server
+        # could, which a timeout (not retried: the script may have run) does not cover either.
         pool = BlockingConnectionPool.from_url(url, decode_responses=True, socket_timeout=timeout_s,
-                                               socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+                                               socket_connect_timeout=timeout_s,
+                                               retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
                                                max_connections=max_connections, timeout=timeout_s)
         self._redis: Redis = Redis(connection_pool=pool)
 

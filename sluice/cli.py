@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
+
 
 def _setup_logging(verbose: bool, log_format: str = "text") -> None:
     level = logging.DEBUG if verbose else logging.INFO
@@ -116,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--level", action="append", type=float, help="steady, prefix: only this load level (e.g. 1.1); "
                    "repeatable")
     p.add_argument("--workload", action="append", help="prefix: only this workload (system, chat, control); repeatable")
+    p.add_argument("--admission", action="append", metavar="KEY=YAML",
+                   help="steady: an admission setting for the sluice arm instead of its default (e.g. backfill=true); "
+                        "repeatable; the report names it")
 
     p = sub.add_parser("deploy", help="Kubernetes manifests for the config (see deploy/ and the README's Operating)")
     deploy = p.add_subparsers(dest="deploy_command", required=True)
@@ -184,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.engines is not None and args.engines.isdigit():
                 parser.error("steady: --engines is a YAML file of real llama.cpp engines")
-            return run_steady_bench(args.quick, args.fleet, args.mix, args.level, args.engines)
+            admission = {}
+            for item in args.admission or ():
+                key, sep, value = item.partition("=")
+                if not sep:
+                    parser.error(f"--admission takes KEY=VALUE, got {item!r}")
+                admission[key] = yaml.safe_load(value)
+            return run_steady_bench(args.quick, args.fleet, args.mix, args.level, args.engines, admission)
         if args.scenario == "overhead":
             from sluice.bench.overhead import run_overhead_bench
 

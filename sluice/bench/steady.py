@@ -81,6 +81,11 @@ from sluice.bench.workload import Result, gateway, sim_stats, stream_chat, uniqu
 SPEED = 10.0
 WINDOWS_S = {"thor+spark": 10.0, "mixed6": 5.0}
 """Wall seconds of arrivals per cell (mixed6 has 2.5x the capacity: about as many requests in half the time)."""
+OVERLOAD_WINDOW_S = 40.0
+"""Wall seconds of arrivals in an overloaded cell (level above 1), for every fleet. Sustained overload takes time to show:
+at 110% a FIFO backlog grows by a tenth of the fleet's capacity each second, so its queueing delay passes the 2 s SLO
+only after about 20 s. In a 10 s window 110% measures a transient, not an overload (issue 9's 1.3x target cannot show
+there: the best baseline already served 92% of the capacity within the SLO)."""
 CAL_S = 10.0
 CAL_WARM_S = 3.0
 SLO_MS = 2000
@@ -303,6 +308,10 @@ def summarise(results: list[Result], served: list[int], peaks: list[int], preemp
     }
 
 
+def window_s(fleet: str, level: float) -> float:
+    return OVERLOAD_WINDOW_S if level > 1 and not _T.real else WINDOWS_S[fleet]
+
+
 def run_cell(cell: Cell, jobs: list[Job], arms: dict[str, str], urls: list[str]) -> None:
     for arm, base in arms.items():
         _wait_idle(urls)
@@ -311,7 +320,7 @@ def run_cell(cell: Cell, jobs: list[Job], arms: dict[str, str], urls: list[str])
         after = [_engine_stats(u) for u in urls]  # every stream has ended: its engine counted it
         served = [a["served"] - b["served"] for a, b in zip(after, before)]
         pre = sum(a["preemptions"] - b["preemptions"] for a, b in zip(after, before))
-        cell.figures[arm] = summarise(results, served, peaks, pre if not _T.real else "-", WINDOWS_S[cell.fleet])
+        cell.figures[arm] = summarise(results, served, peaks, pre if not _T.real else "-", window_s(cell.fleet, cell.level))
         cell.figures[arm]["loadavg"] = _loadavg()
         s = cell.figures[arm]
         print(f"  {cell.fleet} {cell.mix} {cell.level:.0%} {cell.arrival} {arm}: n={s['n']} TTFT p50/p90 "
@@ -436,7 +445,8 @@ def _real_fleet(engines_file: str) -> tuple[str, list[dict[str, Any]], list[int]
 
 
 def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes: list[str] | None = None,
-                     levels: list[float] | None = None, engines_file: str | None = None) -> int:
+                     levels: list[float] | None = None, engines_file: str | None = None,
+                     admission: dict[str, Any] | None = None) -> int:
     fleets = fleets or (["thor+spark"] if quick else list(FLEETS))
     mixes = mixes or (["open"] if quick else list(MIXES))
     levels = levels or list(LEVELS)
@@ -454,7 +464,8 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                          [PROFILES[p].max_num_seqs for _, p in FLEETS[fleet]], [n for n, _ in FLEETS[fleet]]))
     slots_of = {fleet: slots for fleet, _, slots, _ in plan}
     for fleet, engines, slots, names in plan:
-        with gateway(engines) as config:
+        settings: dict[str, Any] = {"admission": admission} if admission else {}
+        with gateway(engines, **settings) as config:
             urls = [e["url"].rstrip("/") for e in config["engines"]]
             ports = [int(u.rsplit(":", 1)[1]) for u in urls]
             shapes = {"open": "open", "deadline": "open", "capped": "capped"}
@@ -486,7 +497,7 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                         for arrival in ("constant", "poisson") if (fleet, level) == POISSON else ("constant",):
                             cell = Cell(fleet, mix, level, arrival, level * capacity)
                             seed = SEED + int(level * 100) + (1000 if arrival == "poisson" else 0)
-                            jobs = draw_jobs(cell.rate, WINDOWS_S[fleet], arrival, seed)
+                            jobs = draw_jobs(cell.rate, window_s(fleet, level), arrival, seed)
                             if mix == "deadline":
                                 twin = next((c for c in cells if c.fleet == fleet and c.mix == "open"
                                              and c.level == level and c.arrival == arrival), None)
@@ -536,7 +547,9 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                                  f"{f['upstream_rq_pending_total']}; rejected {f['upstream_rq_pending_overflow']}")
                 if any(p > s for p, s in zip(f["peaks"], slots)) or f["upstream_rq_pending_overflow"]:
                     over_cap.append(where)
-    report = REAL_REPORT if _T.real else "steady"
+    # A partial run (--quick, --fleet, --mix, --level) must not overwrite the full matrix's report.
+    full = (fleets, mixes, levels) == (list(FLEETS), list(MIXES), list(LEVELS)) and not admission
+    report = REAL_REPORT if _T.real else ("steady" if full else "steady-quick")
     plot = _plot(cells, report)
     doc = (__doc__ or "").replace("{SPEED}", f"{_T.speed:g}")
     windows = {f: WINDOWS_S[f] for f in slots_of}
@@ -546,10 +559,10 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                         f"{' / '.join(map(str, slots_of[plan[0][0]]))}, {_T.n_ctx} tokens of context a slot):\n\n"
                         f"```yaml\n{Path(engines_file).read_text().rstrip()}\n```\n\n")
     body = f"""{doc}
-{engines_note}Run: {'real engines, speed x1' if _T.real else f'simulator speed x{SPEED:g}'}; arrivals for {', '.join(f'{w:g} s ({f})' for f, w in windows.items())} per cell;
+{engines_note}Run: {'real engines, speed x1' if _T.real else f'simulator speed x{SPEED:g}'}; arrivals for {', '.join(f'{w:g} s ({f})' for f, w in windows.items())} per cell, {OVERLOAD_WINDOW_S:g} s in every cell above 100%;
 TTFT SLO {SLO_MS} ms wall ({SLO_MS * _T.speed / 1000:g} s emulated); calibration {CAL_S:g} s per fleet and body shape
 ({CAL_WARM_S:g} s warm-up); Poisson arrivals besides constant ones on {POISSON[0]} at {POISSON[1]:.0%} only. sluice: `sluice up` defaults, no setting
-changed. Machine {_load_note()} at the end, {load_before} at the start; {elapsed / 60:.1f} min.
+changed{'' if not admission else ' except admission ' + ', '.join(f'`{k}: {v}`' for k, v in admission.items())}. Machine {_load_note()} at the end, {load_before} at the start; {elapsed / 60:.1f} min.
 
 ## Measured capacity
 
