@@ -11,6 +11,17 @@ from pathlib import Path
 import yaml
 
 
+def _admission_settings(parser: argparse.ArgumentParser, items: list[str] | None) -> dict[str, object]:
+    """``--admission KEY=VALUE`` options as a config section (each value read as YAML: true, 1000, ...)."""
+    settings: dict[str, object] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--admission takes KEY=VALUE, got {item!r}")
+        settings[key] = yaml.safe_load(value)
+    return settings
+
+
 def _setup_logging(verbose: bool, log_format: str = "text") -> None:
     level = logging.DEBUG if verbose else logging.INFO
     if log_format == "json":
@@ -119,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                    "repeatable")
     p.add_argument("--workload", action="append", help="prefix: only this workload (system, chat, control); repeatable")
     p.add_argument("--admission", action="append", metavar="KEY=YAML",
-                   help="steady: an admission setting for the sluice arm instead of its default (e.g. backfill=true); "
+                   help="steady, prefix: an admission setting for the sluice arms instead of its default (e.g. backfill=true); "
                         "repeatable; the report names it")
 
     p = sub.add_parser("deploy", help="Kubernetes manifests for the config (see deploy/ and the README's Operating)")
@@ -189,13 +200,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.engines is not None and args.engines.isdigit():
                 parser.error("steady: --engines is a YAML file of real llama.cpp engines")
-            admission = {}
-            for item in args.admission or ():
-                key, sep, value = item.partition("=")
-                if not sep:
-                    parser.error(f"--admission takes KEY=VALUE, got {item!r}")
-                admission[key] = yaml.safe_load(value)
-            return run_steady_bench(args.quick, args.fleet, args.mix, args.level, args.engines, admission)
+            return run_steady_bench(args.quick, args.fleet, args.mix, args.level, args.engines,
+                                    _admission_settings(parser, args.admission))
         if args.scenario == "overhead":
             from sluice.bench.overhead import run_overhead_bench
 
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.workload and not set(args.workload) <= set(WORKLOADS):
                 parser.error(f"prefix: --workload is one of {', '.join(WORKLOADS)}")
-            return run_prefix_bench(args.quick, args.workload, args.level)
+            return run_prefix_bench(args.quick, args.workload, args.level, _admission_settings(parser, args.admission))
         from sluice.bench.observe import run_observe_bench
 
         if args.engines is not None and not args.engines.isdigit():

@@ -48,7 +48,8 @@ from controlplane.core.model import (
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.request import RequestError
 from controlplane.core.route import (
-    Estimate, cached_tokens, estimate, expected_output_tokens, prefill_rate, waits_too_long, weighted_pick,
+    Estimate, cached_tokens, estimate, expected_frees, expected_output_tokens, prefill_rate, waits_too_long,
+    weighted_pick,
 )
 
 # Names callers import from here (the admin API, admission, tests) though they live beside this module.
@@ -72,7 +73,7 @@ def shed(reason: Reason, detail: str, retry_after_s: int) -> Decision:
 
 def retry_after(candidates: list[EngineView], fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0) -> int:
     """Seconds until the ledger expects the ``(queued_ahead + 1)``-th slot among ``candidates`` to free, clamped."""
-    done = sorted(t for e in candidates for t in fleet.of(e.name).expected_done)
+    done = sorted(t for e in candidates for t in expected_frees(e.name, fleet, now))
     wait = 0.0
     if done:
         wait = done[min(queued_ahead, len(done) - 1)] - now

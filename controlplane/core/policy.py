@@ -89,7 +89,7 @@ class Policy:
     0: strict FIFO always."""
     overload_shed_after_ms: float = 4000.0
     """Under sustained overload (a class in adaptive LIFO while requests keep joining it: one parked within the last
-    ``lifo_after_ms``), a request without a TTFT deadline that has waited this long is shed ``overloaded`` with a
+    quarter of this bound), a request without a TTFT deadline that has waited this long is shed ``overloaded`` with a
     Retry-After instead of waiting behind fresher requests until ``max_park_s``. 0: off (core/admission.py)."""
     models: Mapping[str, ModelPolicy] = field(default_factory=lambda: MappingProxyType({}))
     """Per-model settings (read-only: a copy of what the constructor was given)."""

@@ -500,7 +500,8 @@ def _sims() -> Iterator[dict[str, str]]:
         yield {name: stack.enter_context(bare_sim(profile, SPEED, name)) for name, profile in ENGINES}
 
 
-def run_prefix_bench(quick: bool = False, workloads: list[str] | None = None, levels: list[float] | None = None) -> int:
+def run_prefix_bench(quick: bool = False, workloads: list[str] | None = None, levels: list[float] | None = None,
+                     admission: dict[str, Any] | None = None) -> int:
     workloads = workloads or (["system"] if quick else list(WORKLOADS))
     levels = levels or ([0.9] if quick else list(LEVELS))
     warm, window = (QUICK_WARM_S, QUICK_WINDOW_S) if quick else (WARM_S, WINDOW_S)
@@ -513,8 +514,9 @@ def run_prefix_bench(quick: bool = False, workloads: list[str] | None = None, le
         engines = [{"name": n, "url": u, "max_num_seqs": PROFILES[p].max_num_seqs} for (n, p), u in
                    zip(ENGINES, urls.values())]
         two_replicas = "system" in workloads and not quick
-        with gateway([dict(e) for e in engines]) as sluice, \
-                gateway([dict(e) for e in engines], admission={"prefix_routing": False}) as noindex, \
+        settings = dict(admission or {})
+        with gateway([dict(e) for e in engines], admission=settings) as sluice, \
+                gateway([dict(e) for e in engines], admission={**settings, "prefix_routing": False}) as noindex, \
                 plain_envoy_arm(ports, "LEAST_REQUEST") as lr, \
                 plain_envoy_arm(ports, "RING_HASH", hash_header=HASH_HEADER) as ring, \
                 ExitStack() as optional:
@@ -527,7 +529,7 @@ def run_prefix_bench(quick: bool = False, workloads: list[str] | None = None, le
             }
             replica_ports: list[int] = []
             if two_replicas:
-                rep = optional.enter_context(gateway([dict(e) for e in engines],
+                rep = optional.enter_context(gateway([dict(e) for e in engines], admission=settings,
                                                      up_args=("--replicas", "2", "--store", "valkey")))
                 arms["sluice-2rep"] = Arm("sluice-2rep", rep["base_url"] + "/v1")
                 replica_ports = [rep["controlplane"]["metrics_port"] + 10 * i for i in range(2)]
@@ -560,7 +562,7 @@ def run_prefix_bench(quick: bool = False, workloads: list[str] | None = None, le
                                  LEVELS=" and ".join(f"{x:.0%}" for x in levels))
     body = f"""{doc}
 Run: {'`--quick`: ' if quick else ''}{warm:g} + {window:g} s of arrivals (wall) per cell and arm; simulator speed x{SPEED:g}; sluice
-with its defaults. This machine (2 cores) is shared with other work: load average {load_before} at the start,
+with its defaults{'' if not admission else ' except admission ' + ', '.join(f'`{k}: {v}`' for k, v in admission.items())}. This machine (2 cores) is shared with other work: load average {load_before} at the start,
 {_loadavg()} at the end; {elapsed / 60:.1f} min.
 
 ## Measured capacity (ideal placement, see above)
@@ -587,7 +589,8 @@ Each runs `envoy/bench-plain.yaml` with these clusters (ports are this run's):
 
 {chr(10).join(configs)}
 """
-    path = write_report("prefix", "sluice bench prefix: prefix-cache-aware routing against cache-blind and cache-keyed "
+    full = (workloads, levels) == (list(WORKLOADS), list(LEVELS)) and not quick and not admission
+    path = write_report("prefix" if full else "prefix-quick", "sluice bench prefix: prefix-cache-aware routing against cache-blind and cache-keyed "
                         "routing", body)
     print(body[body.index("## Targets"):body.index("## Cells")])
     print(f"report: {path}")

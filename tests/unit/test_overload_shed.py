@@ -53,6 +53,18 @@ def test_a_burst_that_stops_arriving_is_not_overload() -> None:
     assert core.depth() == 11
 
 
+def test_a_burst_spread_over_seconds_is_not_overload_either() -> None:
+    """``bench cag4``: two requests at once, then eight 0.3 s apart; the slot frees late. Nobody is shed."""
+    core = AdmissionCore(POLICY, Ledger(lease_seconds=600))
+    assert core.check("holder", chat(), core.fleet(VIEWS, 0.0), 0.0).decision.verdict is Verdict.ADMIT
+    arrivals = [0.0, 0.0] + [0.3 * (i + 1) for i in range(8)]
+    for n, at in enumerate(arrivals):
+        assert core.check(f"r{n}", chat(), core.fleet(VIEWS, at), at).decision.verdict is Verdict.PARK
+    for tick in range(25, 300):
+        assert not core.expire_parked(core.fleet(VIEWS, tick / 10), tick / 10), tick
+    assert core.depth() == 10
+
+
 def test_a_request_with_a_deadline_keeps_its_own_bound() -> None:
     core = AdmissionCore(POLICY, Ledger(lease_seconds=600))
     answers = arrive_every(core, 0.5, 20.0, ttft_ms=60_000)
