@@ -236,6 +236,9 @@ def check_admit(outcome: Outcome, charge: TenantCharge | None = None) -> externa
             headers=[header(ENGINE_HEADER, decision.engine), header(TICKET_HEADER, ticket.ticket_id)],
             response_headers_to_add=[header(ENGINE_HEADER, decision.engine),
                                      header(ROUTE_REASON_HEADER, decision.reason.value), *_parked(outcome), *limits],
+            # A tenant's API key is sluice's secret, not the engine's: it never reaches an engine (or its logs). Without
+            # tenants the client's Authorization passes through untouched (an engine's own --api-key keeps working).
+            headers_to_remove=["authorization"] if charge is not None else [],
         ),
         dynamic_metadata=authz_metadata(ticket.ticket_id, decision.engine, charge),
     )

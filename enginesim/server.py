@@ -316,6 +316,7 @@ class EngineSimulator:
             "x_sluice_engine": request.headers.getall("x-sluice-engine", []),
             "x_sluice_headers": sorted(k.lower() for k in request.headers if k.lower().startswith("x-sluice-")),
             "x_request_id": request.headers.get("x-request-id", ""),
+            "authorization": "authorization" in request.headers,  # whether one arrived (never its value)
             "traceparent": request.headers.getall("traceparent", []),
             "tracestate": request.headers.getall("tracestate", []),
             "arrived_at": sim_request.arrived_at,

@@ -91,6 +91,14 @@ def test_a_wrong_key_is_401_and_never_reaches_an_engine(stack: Stack) -> None:
     assert served(stack) == before
 
 
+def test_a_tenants_key_never_reaches_an_engine(stack: Stack) -> None:
+    before = {name: len(stack.sim_log(name)) for name in stack.sims}
+    status, _, body = post(stack, chat(2), "sk-beta")
+    assert status == 200, body
+    entries = [e for name in stack.sims for e in stack.sim_log(name)[before[name]:]]
+    assert len(entries) == 1 and entries[0]["authorization"] is False, entries
+
+
 def test_a_model_the_tenant_may_not_use_is_403_and_the_list_shows_only_its_own(stack: Stack) -> None:
     status, _, body = post(stack, chat(2), "sk-walled")
     assert (status, body["error"]["code"]) == (403, "model_not_allowed"), body

@@ -17,7 +17,7 @@ from controlplane.core.decide import refuse, shed
 from controlplane.core.model import Decision, Reason, ServedModel, Ticket, Verdict
 from controlplane.core.request import INFERENCE_PATHS, MODELS_PATH, RequestError
 from controlplane.edge import (
-    REPLIES, Failure, check_admit, check_deny, check_error, error_json, http_status, openai_error, reply,
+    REPLIES, Failure, TenantCharge, check_admit, check_deny, check_error, error_json, http_status, openai_error, reply,
 )
 from controlplane.xds.resources import INFERENCE_PATH_REGEX, build_listener, build_routes
 
@@ -113,6 +113,9 @@ def test_admission_pins_the_engine_and_hides_the_ticket_from_the_client() -> Non
     assert upstream == {"x-sluice-engine": "thor", "x-sluice-ticket": "t1"}
     assert client == {"x-sluice-engine": "thor", "x-sluice-route-reason": "finish_soonest"}
     assert dict(response.dynamic_metadata) == {"ticket": "t1", "engine": "thor"}
+    assert list(response.ok_response.headers_to_remove) == []  # no tenants: an engine's own API key passes through
+    tenant = check_admit(Outcome("r1", decision, ticket), TenantCharge("acme", 10, charged=False))
+    assert list(tenant.ok_response.headers_to_remove) == ["authorization"]  # a tenant's key is sluice's, not the engine's
 
 
 def test_error_json_refuses_a_non_error() -> None:
