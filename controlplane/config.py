@@ -481,7 +481,7 @@ DEFAULTS: dict[str, Any] = {
         "listen_port": 8080,
         "admin_port": 9901,
         "max_request_bytes": 1048576,
-        "access_log_flush_seconds": 0.05,
+        "access_log_flush_seconds": 0.005,
         "stream_idle_timeout_seconds": 300.0,
         "connect_timeout_seconds": 1.0,
         "client_headers_kept": list(CLIENT_HEADERS),

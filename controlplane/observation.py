@@ -21,6 +21,7 @@ import aiohttp
 from controlplane.config import Config, EngineConfig
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.model import EngineRates, EngineView, Fleet
+from controlplane.core.output_length import lengths_from_buckets
 from controlplane.metrics import SluiceMetrics
 from controlplane.observe.poller import EnginePoller, ProbeError
 from controlplane.observe.rates import RateBook
@@ -157,10 +158,14 @@ class Observation:
             model = view.models[0].model_id
             self.rates.record(model, view.chip_class, rates, view.name)
             if rates.finished_requests and rates.mean_output_tokens is not None:
-                # What the engine really generated per finished request (end of sequence included): each finished
-                # request counts once, at the interval's mean (the book averages, so the mean is what matters).
-                for _ in range(min(rates.finished_requests, OUTPUT_SAMPLES_PER_PROBE)):
-                    self.core.record_output(model, round(rates.mean_output_tokens))
+                # What the engine really generated per finished request (end of sequence included): spread as its length
+                # histogram's buckets spread them (the book's tail needs the shape, output_length.py), else each at the
+                # interval's mean.
+                lengths = lengths_from_buckets(rates.finished_by_length, rates.mean_output_tokens,
+                                               OUTPUT_SAMPLES_PER_PROBE)
+                for length in lengths or [round(rates.mean_output_tokens)] * min(rates.finished_requests,
+                                                                                 OUTPUT_SAMPLES_PER_PROBE):
+                    self.core.record_output(model, length)
         self._on_probe_sink(view, rates)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------------
@@ -264,6 +269,9 @@ class Observation:
                 while True:
                     frame = await read_frame(process.stdout)
                     self._apply_frame(frame, ready)
+                    # Reading a frame already buffered never yields: after a busy moment the pipe holds dozens, and
+                    # applying them back to back held every Check waiting behind them. One frame, then the loop.
+                    await asyncio.sleep(0)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 log.error("the probe worker exited (%s); restarting it in %.1fs", exc, WORKER_RESTART_S)
             finally:

@@ -33,16 +33,18 @@ shed ``ttft_unmeetable`` once its deadline leaves no time to prefill.
 
 **Overload shedding** (``overload_shed_after_ms``, default 4000; 0 = off). While a class is in LIFO mode *and* requests
 keep joining it (one parked within the last quarter of ``overload_shed_after_ms``), the overload is sustained: capacity
-frees no faster than requests arrive, and every new one is served before the old ones. A request without a deadline that has waited
-``overload_shed_after_ms`` then is shed ``overloaded`` with a Retry-After: it would otherwise wait, already late, until
-the overload ends or ``max_park_s`` (two minutes by default) ends it anyway, holding its client's connection for nothing;
-told at once, the client can back off or go elsewhere (CoDel's rule for a standing queue, applied to the requests LIFO
-leaves behind). A burst is not sustained overload: once arrivals stop, the last park ages past a quarter of the bound and
-the lot drains every request in turn (``bench cag4``'s two 65k prompts and eight 8k ones 0.3 s apart wait up to 12 s and
-are all served; with "a park within ``lifo_after_ms``" as the test, two of them were shed). ``bench steady`` at 110%: see bench/results/README.md. Depth is
-bounded per model by ``max_queue_depth``: a request beyond it is shed (``queue_full``); a parked request whose deadline
-passes is shed: ``park_timeout`` after ``max_park_s``, or ``ttft_unmeetable`` once its TTFT deadline no longer leaves
-time to prefill. Every shed carries a Retry-After from the ledger. A woken head's TTFT deadline counts from its arrival.
+frees no faster than requests arrive, and every new one is served before the old ones. A request without a deadline
+that has waited ``overload_shed_after_ms`` then is shed ``overloaded`` with a Retry-After: it would otherwise wait,
+already late, until the overload ends or ``max_park_s`` (two minutes by default) ends it anyway, holding its client's
+connection for nothing; told at once, the client can back off or go elsewhere (CoDel's rule for a standing queue,
+applied to the requests LIFO leaves behind). A burst is not sustained overload: once arrivals stop, the last park ages
+past a quarter of the bound and the lot drains every request in turn (``bench cag4``'s two 65k prompts and eight 8k
+ones 0.3 s apart wait up to 12 s and are all served; with "a park within ``lifo_after_ms``" as the test, two of them
+were shed). ``bench steady`` at 110%: see bench/results/README.md.
+
+Depth is bounded per model by ``max_queue_depth``: a request beyond it is shed (``queue_full``); a parked request whose
+deadline passes is shed: ``park_timeout`` after ``max_park_s``, or ``ttft_unmeetable`` once its TTFT deadline no longer
+leaves time to prefill. Every shed carries a Retry-After from the ledger. A woken head's TTFT deadline counts from its arrival.
 """
 
 from __future__ import annotations
@@ -347,8 +349,10 @@ class AdmissionCore:
                 # the newest leaves the oldest), so one class's admissions in one wake are all oldest-first or all
                 # newest-first.
                 lifo = self._lifo(queue, now)
-                while queue:
-                    head = queue[-1] if lifo else queue[0]
+                passed = 0  # heads with a deadline that could not use the free slot in time: left parked, passed over
+                while passed < len(queue):
+                    at = len(queue) - 1 - passed if lifo else passed
+                    head = queue[at]
                     request = head.request
                     if request.max_ttft_ms:
                         # The deadline counts from arrival: what is left of it is what a wake can still promise.
@@ -357,6 +361,11 @@ class AdmissionCore:
                     decision = decide(request, fleet_of(), self.policy, now, 0,
                                       self.sessions.get(request.session), self.draw(), self.depth(model) - 1,
                                       cached=self.expected_cached(request))
+                    if decision.verdict is Verdict.PARK and decision.idle_slot and passed < self.policy.backfill_scan:
+                        # A slot is free but no engine it could start on meets its deadline, now or later (what is
+                        # left of it only shrinks): holding the line for it would idle that slot until it is shed.
+                        passed += 1
+                        continue
                     if decision.verdict is Verdict.PARK:
                         blocked = True
                         if self.policy.backfill:
@@ -364,14 +373,13 @@ class AdmissionCore:
                                 current[0] = self.refreshed(current[0], now)
                             out.extend(self._backfill(model, klass, head, fleet_of, refresh, now, lifo))
                         break
-                    if lifo:
-                        queue.pop()
-                    else:
-                        queue.popleft()
+                    del queue[at]
                     del self._where[head.request_id]
                     if decision.verdict is Verdict.ADMIT:
+                        # Past a passed-over head the line is not the store's to check (as backfill): that head stays.
+                        rule = QueueRule.NONE if passed else QueueRule.NEWEST if lifo else QueueRule.OLDEST
                         out.append(self._admit(head.request_id, head.request, decision, now, now - head.parked_at,
-                                               QueueRule.NEWEST if lifo else QueueRule.OLDEST, head))
+                                               rule, head))
                         current[0] = self.refreshed(current[0], now)
                     else:  # the world changed under it (model gone, floor raised): answer now rather than time out
                         out.append(Outcome(head.request_id, decision, parked_for=now - head.parked_at))
@@ -391,7 +399,8 @@ class AdmissionCore:
                 last = self._last_parked.get((model, klass))
                 if last is None or not self._lifo(queue, now) or (now - last) * 1000 > limit / 4:
                     continue  # not sustained: nobody joined during the last quarter of the wait that sheds
-                due += [p for p in queue if not p.ttft_bound and p.deadline > now and (now - p.parked_at) * 1000 > limit]
+                due += [p for p in queue
+                        if not p.ttft_bound and p.deadline > now and (now - p.parked_at) * 1000 > limit]
         return due
 
     def expire_parked(self, fleet: Fleet, now: float) -> list[Outcome]:

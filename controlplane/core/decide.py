@@ -177,6 +177,7 @@ def decide(
     pressure = any(blocked.values())
     estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure, behind, hit(e))
                  for e in candidates if not blocked[e.name] or blocked[e.name] == (Reason.CAP,)]
+    idle_slot = False  # with a deadline: a slot is free now, but none it could start on meets the deadline
     if deadline_s is not None and estimates:
         meeting = [x for x in estimates if x.ttft_s <= deadline_s]
         if not meeting:
@@ -188,7 +189,9 @@ def decide(
                             f"no engine can start {request.prompt_tokens} tokens of {model} within {request.max_ttft_ms} "
                             f"ms (best {soonest_ttft * 1000:.0f} ms)", retry_after(candidates, fleet, policy, now))
             return _wait(request, candidates, fleet, policy, now, 0, Reason.TTFT_DEADLINE,
-                         f"estimated TTFT {soonest_ttft * 1000:.0f} ms after waiting for a slot", park_limit)
+                         f"estimated TTFT {soonest_ttft * 1000:.0f} ms after waiting for a slot", park_limit,
+                         idle_slot=any(x.can_start for x in estimates))
+        idle_slot = any(x.can_start for x in estimates)
         estimates = meeting
         decode_floor = policy.model(model).decode_floor_tokens_per_s or 0.0
         band = [x for x in estimates if x.can_start and x.ttft_s <= deadline_s - policy.band_margin_ms / 1000
@@ -209,7 +212,8 @@ def decide(
         first = reasons[0] if reasons and not any(not rs for rs in blocked.values()) else Reason.WAITING_FOR_FASTER
         detail = "; ".join(f"{name}: {', '.join(r.value for r in rs) or 'misses the deadline'}"
                            for name, rs in blocked.items())
-        return _wait(request, candidates, fleet, policy, now, 0, first, detail, park_limit)
+        return _wait(request, candidates, fleet, policy, now, 0, first, detail, park_limit,
+                     idle_slot=idle_slot)
 
     admitted = _finish_soonest(request, estimates, free, fleet, policy, now, affinity, admitted_reason, arriving)
     if admitted is not None:
@@ -401,10 +405,11 @@ def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: 
 
 
 def _wait(request: InferenceRequest, candidates: list[EngineView], fleet: Fleet, policy: Policy, now: float,
-          queued_ahead: int, reason: Reason, detail: str, park_limit: float | None = None) -> Decision:
+          queued_ahead: int, reason: Reason, detail: str, park_limit: float | None = None,
+          idle_slot: bool = False) -> Decision:
     if request.priority is Priority.SHEDDABLE:
         # Under saturation a sheddable request is shed at once rather than holding a place in the queue.
         return shed(Reason.SATURATED, f"fleet saturated for {request.model}: {detail}",
                     retry_after(candidates, fleet, policy, now, queued_ahead))
-    return Decision(Verdict.PARK, reason, detail=detail, park_limit_s=park_limit,
+    return Decision(Verdict.PARK, reason, detail=detail, park_limit_s=park_limit, idle_slot=idle_slot,
                     retry_after_s=retry_after(candidates, fleet, policy, now, queued_ahead))

@@ -54,6 +54,8 @@ class EngineSample:
     """Requests the engine finished (its per-request output-length histogram's ``_count``)."""
     finished_output_tokens_total: float | None = None
     """Tokens those finished requests generated (the same histogram's ``_sum``)."""
+    finished_length_buckets: tuple[tuple[float, float], ...] | None = None
+    """The same histogram's buckets: (upper bound ``le``, cumulative count), ascending, summed over label sets."""
     prefill_counts_cached: bool = False
     """``prefill_tokens_total`` counts prompt tokens the prefix cache served too (vLLM's per-request prompt-token
     histogram, read when its newer computed-tokens histogram is absent): rates take the cache's share out."""
@@ -94,6 +96,9 @@ class EngineRates:
     """Requests that finished in the interval."""
     mean_output_tokens: float | None = None
     """Their mean output length (what the engine really generated, end of sequence included)."""
+    finished_by_length: tuple[tuple[float, float, int], ...] = ()
+    """How those requests' lengths fell into the histogram's buckets: (lower bound, upper bound, count) for every bucket
+    that gained any (empty when the engine exposes no buckets or they were reset)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +314,10 @@ class Decision:
     """The TTFT the decision expected (compared with the access log's)."""
     park_limit_s: float | None = None
     """PARK with a TTFT deadline: the longest the request may wait and still prefill in time."""
+    idle_slot: bool = False
+    """PARK with a TTFT deadline although a slot is free now: no engine it could start on meets the deadline. Such a
+    request cannot use that slot later either (its deadline only shrinks), so it does not hold the line for it
+    (AdmissionCore.wake)."""
     cached_tokens: int = 0
     """ADMIT: prompt tokens the chosen engine is expected to find in its prefix cache (its prefill was estimated without
     them)."""

@@ -29,6 +29,7 @@ lognormal, sigma 0.8, has a coefficient of variation of 0.95).
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -68,6 +69,31 @@ class OutputTail:
             return 1.0 - done  # the unconditional mean (1 by construction) minus what is done
         i = bisect.bisect_right(self.ratios, done)
         return self.suffix_means[i] - done if i < len(self.ratios) else 0.0
+
+
+def lengths_from_buckets(by_length: Iterable[tuple[float, float, int]], mean: float, limit: int) -> list[int]:
+    """One length per request an engine finished, from its length histogram's bucket counts (``(lower, upper, count)``):
+    each at its bucket's geometric middle (``upper / 2`` in the first bucket, ``2 x lower`` in the open last one), then
+    all scaled so their mean is the interval's exact ``mean`` (the histogram's sum over its count). At most ``limit``,
+    evenly spaced over the sorted lengths so the shape survives. The book then holds the spread of real answers, not one
+    interval mean per request (which would hide every long answer behind the short ones that finished beside it)."""
+    middles: list[float] = []
+    for lower, upper, count in by_length:
+        if math.isinf(upper):
+            middle = 2.0 * lower if lower > 0 else mean
+        elif lower <= 0:
+            middle = upper / 2.0
+        else:
+            middle = math.sqrt(lower * upper)
+        middles += [middle] * count
+    if not middles or mean <= 0:
+        return []
+    scale = mean / (sum(middles) / len(middles))
+    middles.sort()
+    if len(middles) > limit:
+        step = len(middles) / limit
+        middles = [middles[int(i * step + step / 2)] for i in range(limit)]
+    return [max(1, round(m * scale)) for m in middles]
 
 
 MEMORYLESS = OutputTail((), ())

@@ -66,7 +66,8 @@ class Policy:
     """Off: strict FIFO within a class. On: a parked request behind a blocked head may start now if it is expected to
     finish before the head could start (EASY backfilling), so the head is not delayed."""
     backfill_scan: int = 16
-    """How far behind a blocked head backfill looks."""
+    """How far behind a blocked head backfill looks; also how many heads with a deadline no free slot can meet a wake
+    passes over (AdmissionCore.wake)."""
     prefix_routing: bool = True
     """Count the prompt tokens an engine probably has in its prefix cache as prefill it skips (core/prefix.py): in the
     TTFT and finish estimates, the band's choice and ``x-sluice-route-reason: prefix_cache``. Off: every prompt is

@@ -124,7 +124,7 @@ def expected_frees(engine: str, fleet: Fleet, now: float) -> tuple[float, ...]:
     """When each of ``engine``'s open tickets is expected to free its slot, soonest first. A ticket still inside its
     expected time frees at its expected finish, stretched by the tail of its model's lengths: a request that has
     produced a fraction ``y`` of the typical answer has ``E[x - y | x > y]`` of it left (output_length.OutputTail), which
-    for a long tail is more than ``1 - y`` and for a ticket already past its expected finish is far from zero. Without
+    for a long tail is more than ``1 - y`` and for a ticket already past its expected finish is far from zero. Without a
     learned tail (fewer than ``min_samples`` completions of the model) the tail is memoryless. A ledger view without
     progress (``running``: hand-built views in tools and tests) gives the expected finishes, overdue ones at ``now``."""
     ledger = fleet.of(engine)

@@ -124,6 +124,8 @@ def _wanted_samples() -> frozenset[str]:
         for histogram in (*spec.decode_latency_histograms, *(spec.prefill_histograms or ()),
                           *spec.output_length_histograms, *filter(None, (spec.prefill_computed_histogram,))):
             names.update((histogram + "_sum", histogram + "_count"))
+        for histogram in spec.output_length_histograms:  # its buckets too: the shape of answer lengths (rates.py)
+            names.add(histogram + "_bucket")
     return frozenset(names)
 
 
@@ -156,8 +158,9 @@ def _trie_pattern(words: list[str]) -> str:
 
 def _scanner() -> re.Pattern[str]:
     r"""One regex matching exactly the sample lines sluice reads: ``\n`` + a wanted name + ``{`` or a blank, to the end of
-    the line (names as a trie per engine prefix). ``# HELP``/``# TYPE`` lines, buckets, ``_created`` series and every other
-    family never match; the regex engine tests each line start in C and gives up within a few characters."""
+    the line (names as a trie per engine prefix). ``# HELP``/``# TYPE`` lines, buckets (but the answer-length histogram's),
+    ``_created`` series and every other family never match; the regex engine tests each line start in C and gives up
+    within a few characters."""
     alternatives = []
     for prefix, _ in _PREFIXES:
         names = sorted(n[len(prefix):] for n in _WANTED if n.startswith(prefix))
@@ -211,7 +214,8 @@ def read_series(text: str) -> Series:
     r"""The samples sluice reads, by name: ``{name: [(labels, value), ...]}`` in text order.
 
     Cost is a scan of the text, not a parse of it: one compiled regex finds the wanted lines in C, and only those lines (a
-    dozen or so of the ~560 in a vLLM V1 exposition: buckets, ``# HELP``/``# TYPE`` and unrelated families are most of it)
+    few dozen of the ~560 in a vLLM V1 exposition, the answer-length histogram's buckets among them: every other bucket,
+    ``# HELP``/``# TYPE`` and unrelated families are most of it)
     become Python objects. Values and labels read exactly as prometheus_client reads them (escaped quotes, ``NaN``, ``+Inf``,
     exponents); a malformed kept line raises ValueError."""
     out: Series = defaultdict(list)
@@ -259,6 +263,25 @@ def _histogram(flavor: Flavor, series: Series, names: tuple[str, ...]) -> tuple[
         if total is not None and count is not None:
             return total, count
     return None, None
+
+
+def _buckets(flavor: Flavor, series: Series, names: tuple[str, ...]) -> tuple[tuple[float, float], ...] | None:
+    """The first histogram in ``names`` with buckets: (``le``, cumulative count) ascending, summed over label sets (a
+    data-parallel vLLM repeats the histogram per engine index)."""
+    for name in names:
+        by_le: dict[float, float] = {}
+        for labels, value in _rank_filter(flavor, series.get(name + "_bucket", [])):
+            le = labels.get("le")
+            if le is None or math.isnan(value):
+                continue
+            try:
+                bound = float(le)
+            except ValueError:
+                continue
+            by_le[bound] = by_le.get(bound, 0.0) + value
+        if by_le:
+            return tuple(sorted(by_le.items()))
+    return None
 
 
 def _vllm_capacity(series: Series) -> int | None:
@@ -324,6 +347,7 @@ def sample_from_series(series: Series, taken_at: float, flavor: Flavor | None) -
         taken_at=taken_at,
         finished_requests_total=finished,
         finished_output_tokens_total=output_tokens,
+        finished_length_buckets=_buckets(flavor, series, spec.output_length_histograms),
         running=_pick(flavor, series, spec.running),
         waiting=_pick(flavor, series, spec.waiting),
         kv_usage=kv_usage,

@@ -10,6 +10,7 @@ Pure: samples in, rates out. For probes ``a`` then ``b`` (``dt = b.taken_at - a.
                                 since start (0 for an engine without a prefix cache's counters)
     decode_tokens_per_s_each  = d(decode_tokens_total) / d(decode_seconds_total)        (one request's decode rate)
     mean_output_tokens        = d(finished_output_tokens_total) / d(finished_requests_total)  (real answer lengths)
+    finished_by_length        = d(each bucket of that histogram)                (how those lengths spread)
 
 A counter that went backwards means the engine restarted: no rate from that pair (core/prefix.py's ``restarted``). A
 delta of zero is no new information and gives no rate (seed 002: a value that did not change since the last poll is not a new sample). A prefill
@@ -72,7 +73,26 @@ def rates_between(a: EngineSample, b: EngineSample, min_prefill_tokens: float = 
         batch=batch,
         finished_requests=int(finished or 0),
         mean_output_tokens=_ratio(output, finished),
+        finished_by_length=_by_length(a.finished_length_buckets, b.finished_length_buckets),
     )
+
+
+def _by_length(a: tuple[tuple[float, float], ...] | None,
+               b: tuple[tuple[float, float], ...] | None) -> tuple[tuple[float, float, int], ...]:
+    """The requests that finished between two probes, by length bucket: (lower, upper, count) of every bucket that gained
+    some. Empty when either probe lacks buckets, their bounds differ, or a count went backwards (a restart)."""
+    if not a or not b or [le for le, _ in a] != [le for le, _ in b]:
+        return ()
+    out = []
+    lower, before_a, before_b = 0.0, 0.0, 0.0
+    for (le, cum_a), (_, cum_b) in zip(a, b):
+        gained = (cum_b - before_b) - (cum_a - before_a)
+        if gained < 0 or cum_b < cum_a:
+            return ()
+        if gained >= 1:
+            out.append((lower, le, int(round(gained))))
+        lower, before_a, before_b = le, cum_a, cum_b
+    return tuple(out)
 
 
 def cached_share(a: EngineSample, b: EngineSample) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,9 @@ def _fixture(name: str) -> str:
          EngineSample(1.0, running=0, waiting=0, kv_usage=0, kv_capacity_tokens=7281 * 16, preemptions_total=0,
                       prompt_tokens_total=5, generation_tokens_total=7, decode_seconds_total=0.19016313552856445,
                       decode_tokens_total=6, prefill_tokens_total=5, finished_requests_total=1,
-                      finished_output_tokens_total=7, prefill_counts_cached=True),
+                      finished_output_tokens_total=7, prefill_counts_cached=True,
+                      finished_length_buckets=tuple((le, 0.0 if le < 10 else 1.0) for le in (
+                          1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, math.inf))),
          ()),
         ("vllm-0.7.x-aibrix-runtime-docs-excerpt.prom", Flavor.VLLM,
          EngineSample(1.0, running=0, waiting=0, kv_usage=0, kv_capacity_tokens=81767 * 16, preemptions_total=0,

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from controlplane.core.model import EngineRates, EngineSample
+from controlplane.core.output_length import lengths_from_buckets
+from controlplane.observe.parse import parse_metrics
 from controlplane.core.prefix import restarted
 from controlplane.observe.rates import MedianRing, RateBook, rates_between
 
@@ -167,3 +172,36 @@ def test_a_counter_going_backwards_is_a_restart() -> None:
     assert restarted(s(0, prefix_cache_queries_total=9), s(1, prefix_cache_queries_total=0))
     assert not restarted(s(0, prompt_tokens_total=500), s(1, prompt_tokens_total=500, generation_tokens_total=3))
     assert not restarted(s(0), s(1, prompt_tokens_total=20))  # unknown before: nothing went backwards
+
+
+def test_finished_requests_spread_over_the_length_histograms_buckets() -> None:
+    a = s(0, finished_requests_total=3, finished_output_tokens_total=600,
+          finished_length_buckets=((100.0, 1), (200.0, 2), (500.0, 3), (math.inf, 3)))
+    b = s(1, finished_requests_total=7, finished_output_tokens_total=1600,
+          finished_length_buckets=((100.0, 1), (200.0, 4), (500.0, 6), (math.inf, 7)))
+    rates = rates_between(a, b)
+    assert rates is not None and rates.finished_requests == 4 and rates.mean_output_tokens == 250
+    assert rates.finished_by_length == ((100.0, 200.0, 2), (200.0, 500.0, 1), (500.0, math.inf, 1))
+    # Bucket middles 141, 141, 316 and 1000 (twice the open bucket's lower bound), scaled to the exact mean of 250.
+    lengths = lengths_from_buckets(rates.finished_by_length, 250.0, limit=32)
+    scale = 250 / ((2 * math.sqrt(20_000) + math.sqrt(100_000) + 1000) / 4)
+    assert lengths == [round(math.sqrt(20_000) * scale)] * 2 + [round(math.sqrt(100_000) * scale), round(1000 * scale)]
+    assert sum(lengths) / 4 == pytest.approx(250, abs=1)
+    # Different bounds, or a count that went backwards (a restart): no spread.
+    assert rates_between(a, replace(b, finished_length_buckets=((50.0, 7),))).finished_by_length == ()  # type: ignore[union-attr]
+    assert rates_between(b, replace(a, taken_at=2)).finished_by_length == ()  # type: ignore[union-attr]
+
+
+def test_a_busy_interval_keeps_its_spread_within_the_per_probe_limit() -> None:
+    lengths = lengths_from_buckets([(0.0, 10.0, 50), (10.0, 20.0, 50)], mean=10.0, limit=10)
+    assert len(lengths) == 10 and lengths == sorted(lengths) and lengths[0] < lengths[-1]
+
+
+def test_parse_sums_the_length_buckets_over_label_sets() -> None:
+    text = "\n".join(
+        f'vllm:request_generation_tokens_bucket{{engine="{e}",le="{le}",model_name="m"}} {n}'
+        for e in ("0", "1") for le, n in (("10.0", 1), ("100.0", 3), ("+Inf", 4))
+    ) + '\nvllm:request_generation_tokens_sum{engine="0",model_name="m"} 150\n' \
+        'vllm:request_generation_tokens_count{engine="0",model_name="m"} 4\nvllm:num_requests_running 0\n'
+    sample = parse_metrics(text, 0.0)
+    assert sample.finished_length_buckets == ((10.0, 2), (100.0, 6), (math.inf, 8))

@@ -1,0 +1,43 @@
+"""A parked request with a TTFT deadline that no free slot can meet does not hold the line (core/admission.py wake):
+issue 9's ``bench steady`` deadline mix at 110% ran its engines at 59% while heads that could not use a free slot in
+time waited there to be shed."""
+
+from __future__ import annotations
+
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.ledger import Ledger
+from controlplane.core.model import Reason, Verdict
+from controlplane.core.policy import Policy
+from tests.unit.test_route import chat, engine
+
+POLICY = Policy(band_margin_ms=0)
+VIEWS = [engine("fast", seqs=1, prefill=10_000.0, decode=50.0), engine("slow", seqs=1, prefill=500.0, decode=20.0)]
+
+
+def test_a_head_that_cannot_use_the_free_slot_in_time_is_passed_over() -> None:
+    core = AdmissionCore(POLICY, Ledger(lease_seconds=600))
+    holder = core.check("holder", chat(prompt=100, max_tokens=200), core.fleet(VIEWS[:1], 0.0), 0.0)
+    assert holder.ticket is not None and holder.ticket.engine == "fast"  # fast is busy for about 4 s
+    # 1000 prompt tokens within 1.5 s: 2 s of prefill on slow (free), 0.1 s on fast once its slot frees.
+    hurried = core.check("hurried", chat(prompt=1000, max_tokens=50, ttft_ms=1500), core.fleet(VIEWS, 0.1), 0.1)
+    assert hurried.decision.verdict is Verdict.PARK and hurried.decision.idle_slot
+    patient = core.check("patient", chat(prompt=100, max_tokens=50), core.fleet(VIEWS, 0.2), 0.2)
+    assert (patient.decision.verdict, patient.decision.reason) == (Verdict.PARK, Reason.QUEUED_BEHIND)
+    woken = core.wake(core.fleet(VIEWS, 0.3), 0.3)
+    # The request without a deadline takes slow's free slot; the hurried one still waits for fast, within its deadline.
+    assert [(o.request_id, o.ticket.engine if o.ticket else None) for o in woken] == [("patient", "slow")]
+    assert [p.request_id for p in core.parked()] == ["hurried"]
+    core.release("holder", 0.5)
+    assert [(o.request_id, o.ticket.engine if o.ticket else None)
+            for o in core.wake(core.fleet(VIEWS, 0.5), 0.5)] == [("hurried", "fast")]
+
+
+def test_a_head_that_only_lacks_a_slot_still_holds_the_line() -> None:
+    core = AdmissionCore(POLICY, Ledger(lease_seconds=600))
+    for rid in ("a", "b"):
+        assert core.check(rid, chat(prompt=100, max_tokens=200), core.fleet(VIEWS, 0.0), 0.0).ticket is not None
+    first = core.check("first", chat(prompt=100, max_tokens=50, ttft_ms=60_000), core.fleet(VIEWS, 0.1), 0.1)
+    assert first.decision.verdict is Verdict.PARK and not first.decision.idle_slot  # nothing is free
+    core.check("second", chat(prompt=100, max_tokens=50), core.fleet(VIEWS, 0.2), 0.2)
+    core.release("b", 1.0)
+    assert [o.request_id for o in core.wake(core.fleet(VIEWS, 1.0), 1.0)] == ["first"]  # FIFO as ever
