@@ -65,12 +65,13 @@ class World:
 
     def wake(self) -> list[Outcome]:
         """``core.wake``, checking each class's order: while its oldest parked request has waited no longer than
-        ``lifo_after_ms`` the wake answers the oldest first (FIFO); past it, the newest first (adaptive LIFO)."""
+        ``lifo_after_ms`` (nor half its own TTFT deadline) the wake answers the oldest first (FIFO); past it, the newest
+        first (adaptive LIFO)."""
         before: dict[Priority, list[str]] = {Priority.CRITICAL: [], Priority.STANDARD: []}
-        oldest: dict[Priority, float] = {}
+        oldest: dict[Priority, tuple[float, int | None]] = {}
         for p in self.core.parked():  # per class, in parking order
             before[p.request.priority].append(p.request_id)
-            oldest.setdefault(p.request.priority, p.parked_at)
+            oldest.setdefault(p.request.priority, (p.parked_at, p.request.max_ttft_ms))
         outcomes = self.core.wake(self.fleet(), self.now)
         if not self.core.policy.backfill:  # backfill reorders on purpose
             limit = self.core.policy.lifo_after_ms
@@ -79,7 +80,10 @@ class World:
             still = {p.request_id for p in self.core.parked() if p.request.max_ttft_ms}
             for klass, order in before.items():
                 answered = [o.request_id for o in outcomes if o.request_id in order]
-                lifo = limit > 0 and klass in oldest and (self.now - oldest[klass]) * 1000 > limit
+                waited_ms = (self.now - oldest[klass][0]) * 1000 if klass in oldest else 0.0
+                deadline_ms = oldest[klass][1] if klass in oldest else None
+                lifo = limit > 0 and klass in oldest and (waited_ms > limit
+                                                          or bool(deadline_ms and waited_ms > deadline_ms / 2))
                 expected = [r for r in (order[::-1] if lifo else order) if r not in still][:len(answered)]
                 assert answered == expected, f"{klass} {'LIFO' if lifo else 'FIFO'} order broken"
         return outcomes
