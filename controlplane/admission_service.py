@@ -547,8 +547,9 @@ class AdmissionService:
             await asyncio.sleep(PARK_SWEEP_S)
             if self.core.depth():
                 now = self.clock()
-                wheres = {p.request_id: self.core.where(p.request_id) for p in self.core.due(now)}
-                expired = self.core.expire_parked(self.observation.fleet(now), now)
+                due = self.core.due(now)
+                wheres = {p.request_id: self.core.where(p.request_id) for p in due}
+                expired = self.core.expire_parked(self.observation.fleet(now), now, due)
                 for outcome in expired:
                     self._unpark_later(wheres.get(outcome.request_id), outcome.request_id)
                 self._resolve(expired)

@@ -266,12 +266,9 @@ class EngineSimulator:
     async def sim_cache(self, request: web.Request) -> web.Response:
         """How many prompt tokens of this request body are cached right now (what it would skip if scheduled now), and
         the queue it would join. Nothing runs."""
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body is not valid JSON", "BadRequestError")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "BadRequestError")
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
         chat = "messages" in body
         text, prompt_tokens = _prompt(body, chat=chat)
         b = self.batcher
@@ -286,12 +283,9 @@ class EngineSimulator:
         return await self._generate(request, chat=False)
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body is not valid JSON", "BadRequestError")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "BadRequestError")
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
         if body.get("model") != self.profile.model:
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model_not_found")
         text, prompt_tokens = _prompt(body, chat=chat)
@@ -469,6 +463,17 @@ async def _tokens(queue: asyncio.Queue[int | None], first: int | None = -1) -> A
 
 def _word(index: int) -> str:
     return (" " if index else "") + WORDS[index % len(WORDS)]
+
+
+async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
+    """The request body as a JSON object, or the engine's 400 for one that is not."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _error(400, "request body is not valid JSON", "BadRequestError")
+    if not isinstance(body, dict):
+        return _error(400, "request body must be a JSON object", "BadRequestError")
+    return body
 
 
 def _prompt(body: dict[str, Any], *, chat: bool) -> tuple[str, int]:

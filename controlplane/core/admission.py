@@ -404,11 +404,12 @@ class AdmissionCore:
                         if not p.ttft_bound and p.deadline > now and (now - p.parked_at) * 1000 > limit]
         return due
 
-    def expire_parked(self, fleet: Fleet, now: float) -> list[Outcome]:
-        """Shed every parked request ``due`` now: ``park_timeout`` or ``ttft_unmeetable`` past its deadline,
-        ``overloaded`` when a sustained overload left it behind; each with a Retry-After."""
+    def expire_parked(self, fleet: Fleet, now: float, due: list[Parked] | None = None) -> list[Outcome]:
+        """Shed every parked request ``due`` now (``due``: the caller's ``due(now)``, when it already asked):
+        ``park_timeout`` or ``ttft_unmeetable`` past its deadline, ``overloaded`` when a sustained overload left it
+        behind; each with a Retry-After."""
         out = []
-        for parked in self.due(now):
+        for parked in self.due(now) if due is None else due:
             self.cancel(parked.request_id)
             model = parked.request.model
             candidates = [e for e in fleet.engines if model and e.serves(model)]

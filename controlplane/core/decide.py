@@ -177,12 +177,13 @@ def decide(
     pressure = any(blocked.values())
     estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure, behind, hit(e))
                  for e in candidates if not blocked[e.name] or blocked[e.name] == (Reason.CAP,)]
-    idle_slot = False  # with a deadline: a slot is free now, but none it could start on meets the deadline
+    idle_slot = False  # with a deadline, a slot is free now (a PARK below: none it could start on meets the deadline)
     if deadline_s is not None and estimates:
         meeting = [x for x in estimates if x.ttft_s <= deadline_s]
+        idle_slot = any(x.can_start for x in estimates)
         if not meeting:
             soonest_ttft = min(x.ttft_s for x in estimates)
-            if any(x.can_start for x in estimates) and all(x.ttft_s - x.slot_wait_s > deadline_s for x in estimates):
+            if idle_slot and all(x.ttft_s - x.slot_wait_s > deadline_s for x in estimates):
                 # Even without any wait no engine meets it, and a slot is free now: parking would only idle that slot
                 # until the park limit sheds the request anyway.
                 return shed(Reason.TTFT_UNMEETABLE,
@@ -190,8 +191,7 @@ def decide(
                             f"ms (best {soonest_ttft * 1000:.0f} ms)", retry_after(candidates, fleet, policy, now))
             return _wait(request, candidates, fleet, policy, now, 0, Reason.TTFT_DEADLINE,
                          f"estimated TTFT {soonest_ttft * 1000:.0f} ms after waiting for a slot", park_limit,
-                         idle_slot=any(x.can_start for x in estimates))
-        idle_slot = any(x.can_start for x in estimates)
+                         idle_slot=idle_slot)
         estimates = meeting
         decode_floor = policy.model(model).decode_floor_tokens_per_s or 0.0
         band = [x for x in estimates if x.can_start and x.ttft_s <= deadline_s - policy.band_margin_ms / 1000

@@ -88,7 +88,9 @@ def render_prompt(route: str, body: Mapping[str, Any]) -> str:
 
 
 def prompt_blocks(text: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
-    """The chained 64-bit hashes of ``text``'s full ``block_chars``-character blocks, at most ``max_blocks``."""
+    """The chained 64-bit hashes of ``text``'s full ``block_chars``-character blocks, at most ``max_blocks``. The
+    simulator's cache (enginesim/prefixcache.py) chains its blocks the same way, on purpose apart: the control plane never
+    imports the engine it fronts, and a real engine's own hashes are not sluice's to reproduce (this index is a guess)."""
     count = min(len(text) // block_chars, max_blocks)
     out = []
     parent = b""
