@@ -32,6 +32,7 @@ not max_tokens) sorted, that entry's distance from now, clamped to ``[retry_afte
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import replace
@@ -43,7 +44,7 @@ import numpy as np
 from controlplane.core.explain import EngineExplanation, earliest_fit, explain
 from controlplane.core.fit import context_tokens, effective_load, misfits, model_len, need_tokens
 from controlplane.core.model import (
-    Decision, EngineView, Fleet, InferenceRequest, Priority, Reason, ServedModel, Verdict,
+    Decision, EngineLedger, EngineView, Fleet, InferenceRequest, Priority, Reason, ServedModel, Verdict,
 )
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.request import RequestError
@@ -73,14 +74,37 @@ def shed(reason: Reason, detail: str, retry_after_s: int) -> Decision:
 
 def retry_after(candidates: list[EngineView], fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0) -> int:
     """Seconds until the ledger expects the ``(queued_ahead + 1)``-th slot among ``candidates`` to free, clamped."""
-    done = sorted(t for e in candidates for t in expected_frees(e.name, fleet, now))
+    ledgers = [(e.name, fleet.of(e.name)) for e in candidates]
+    tickets = sum(len(ledger.expected_done) for _, ledger in ledgers)
     wait = 0.0
-    if done:
-        wait = done[min(queued_ahead, len(done) - 1)] - now
-        if queued_ahead >= len(done):  # deeper than every open ticket: each extra slot-round costs a typical request
-            typical = (done[-1] - now) / len(done) if done[-1] > now else 0.0
-            wait += (queued_ahead - len(done) + 1) * typical
+    if queued_ahead < tickets:
+        wait = _kth_free(ledgers, fleet, now, queued_ahead + 1) - now
+    elif tickets:  # deeper than every open ticket: each extra slot-round costs a typical request
+        done = sorted(t for name, _ in ledgers for t in expected_frees(name, fleet, now))
+        wait = done[-1] - now
+        typical = (done[-1] - now) / len(done) if done[-1] > now else 0.0
+        wait += (queued_ahead - len(done) + 1) * typical
     return int(min(policy.retry_after_max_s, max(policy.retry_after_min_s, math.ceil(wait))))
+
+
+def _kth_free(ledgers: list[tuple[str, EngineLedger]], fleet: Fleet, now: float, k: int) -> float:
+    """The ``k``-th soonest expected free time among the engines' open tickets (``k`` <= their number). No ticket frees
+    before its plain expected finish (``expected_frees`` only stretches it), so engines are visited by their soonest one
+    and the walk stops at the first engine that cannot beat the ``k`` best found: a shed among 1000 engines estimates a
+    few of them, not every ticket of every one."""
+    order = sorted((max(now, ledger.expected_done[0]), name) for name, ledger in ledgers if ledger.expected_done)
+    best: list[float] = []  # the k soonest so far, negated (a max-heap)
+    for bound, name in order:
+        if len(best) == k and bound >= -best[0]:
+            break
+        for t in expected_frees(name, fleet, now):
+            if len(best) < k:
+                heapq.heappush(best, -t)
+            elif t < -best[0]:
+                heapq.heapreplace(best, -t)
+            else:
+                break  # this engine's frees come soonest first
+    return -best[0]
 
 
 def model_list(fleet: Fleet) -> tuple[ServedModel, ...]:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TypeVar
 
 from controlplane.core.model import EngineRates, EngineSample, RateTables
@@ -155,7 +157,7 @@ class RateBook:
         # Trusted medians as the next tables will hold them; inner per-engine dicts are replaced, never changed in place.
         self._solo_medians: dict[tuple[str, str], float] = {}
         self._prefill_medians: dict[tuple[str, str], float] = {}
-        self._by_engine: dict[str, dict[int, float]] = {}
+        self._by_engine: dict[str, Mapping[int, float]] = {}
         self._tables = RateTables()
         self._stale = False
 
@@ -184,7 +186,7 @@ class RateBook:
             return
         updated = {**current, batch: median} if median is not None else {b: r for b, r in current.items() if b != batch}
         if updated:
-            self._by_engine[engine] = updated
+            self._by_engine[engine] = MappingProxyType(updated)
         else:
             self._by_engine.pop(engine, None)
         self._stale = True
@@ -201,8 +203,12 @@ class RateBook:
     def tables(self) -> RateTables:
         """Every trusted median, for the decision core: the same object until a median changes (O(1) per call)."""
         if self._stale:
-            # RateTables copies what it is given (every level), so later samples cannot change a published table.
-            self._tables = RateTables(self._solo_medians, self._prefill_medians, self._by_engine)
+            # A published table never changes: the top-level dicts are copied here, and each engine's inner mapping is a
+            # read-only view of a dict this book replaces instead of changing. Copying every engine's inner dict (what
+            # RateTables does with plain dicts) cost about 1 ms per Check at 1000 engines, whose probes move some
+            # median almost every Check.
+            self._tables = RateTables(self._solo_medians, self._prefill_medians,
+                                      MappingProxyType(dict(self._by_engine)))
             self._stale = False
         return self._tables
 

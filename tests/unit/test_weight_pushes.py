@@ -1,0 +1,48 @@
+"""When the fallback weights are computed and pushed (``XdsPublisher.refresh_weights``): an engine leaving or joining the
+route goes out at once; a drifting split is looked at, and pushed, at most once per ``MIN_PUSH_INTERVAL_S``. At 1000
+engines computing the weights on every staleness tick stalled the Check loop by 10-20 ms twice a second."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from controlplane.config import parse_config
+from controlplane.core.model import Fleet
+from controlplane.core.weights import MIN_PUSH_INTERVAL_S
+from controlplane.metrics import SluiceMetrics
+from controlplane.xds.publisher import XdsPublisher
+from tests.unit.test_route import engine
+
+
+def fleet(thor_running: int, spark_running: int = 0, drained: str = "") -> Fleet:
+    views = (engine("thor", thor_running, seqs=4, drained=drained == "thor"),
+             engine("spark", spark_running, seqs=4, drained=drained == "spark"))
+    return Fleet(views)
+
+
+def test_drift_is_looked_at_once_an_interval_and_a_leaving_engine_at_once() -> None:
+    config = parse_config({"engines": [{"name": "thor", "url": "http://127.0.0.1:9000"},
+                                       {"name": "spark", "url": "http://127.0.0.1:9001"}]})
+    config = replace(config, envoy=replace(config.envoy, weight_change_threshold=0.1))
+    publisher = XdsPublisher(config, SluiceMetrics())
+    publisher.start(fleet(0), {}, (), now=0.0)
+    first = dict(publisher.weights["cortex"])
+    assert first["thor"] == first["spark"]
+
+    async def run() -> None:
+        # Thor fills up: the split moves far past the threshold, and the first look pushes it.
+        assert await publisher.refresh_weights(fleet(3), now=1.0)
+        assert publisher.weights["cortex"]["spark"] > 2 * publisher.weights["cortex"]["thor"]
+        # Thor empties a second later: drift, but it was looked at a second ago, so nothing is computed or pushed...
+        assert not await publisher.refresh_weights(fleet(0), now=2.0)
+        assert publisher.weights["cortex"]["spark"] > 2 * publisher.weights["cortex"]["thor"]
+        # ...until the interval has passed.
+        assert await publisher.refresh_weights(fleet(0), now=1.0 + MIN_PUSH_INTERVAL_S)
+        assert publisher.weights["cortex"]["spark"] == publisher.weights["cortex"]["thor"]
+        # An engine drained leaves the route at once, whatever the interval.
+        assert await publisher.refresh_weights(fleet(0, drained="spark"), now=2.0 + MIN_PUSH_INTERVAL_S)
+        assert set(publisher.weights["cortex"]) == {"thor"}
+        assert publisher.weight_pushes == 3
+
+    asyncio.run(run())
