@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -153,6 +153,8 @@ class FleetIndex:
         self._dirty: set[str] = set()
         self._serve_dirty: set[str] = set()
         self._chips: dict[str, int] = {}
+        self._chip_tables: dict[str, tuple[Any, ...]] = {}
+        """model -> (prefill medians, solo medians, policy, chip count: what it was derived from; trusted, qcap)."""
         self._policy: Policy | None = None
         self._admit_stale: bool | None = None
 
@@ -292,20 +294,32 @@ class FleetIndex:
         f["serve_at"][i] = at
         f["first_done"][i] = ledger.expected_done[0] if ledger.expected_done else _NAN
 
-    def _freeze(self, rows: _Rows, policy: Policy, rates: RateTables) -> ModelArrays:
-        model = rows.model
-        f = rows.f
-        # Shared per (model, chip class): the trusted prefill median and the quality cap (fit.quality_cap).
+    def _per_chip(self, model: str, policy: Policy, rates: RateTables) -> tuple[np.ndarray, np.ndarray]:
+        """Shared per (model, chip class): the trusted prefill median and the quality cap (fit.quality_cap), by chip code.
+        Kept until the class medians, the policy or the chip classes change: an engine's chip class defaults to its
+        name, so at 1000 engines this was a loop over 1000 classes per Check."""
+        cached = self._chip_tables.get(model)
+        if (cached is not None and cached[0] is rates.prefill_median and cached[1] is rates.solo_decode
+                and cached[2] is policy and cached[3] == len(self._chips)):
+            return cached[4], cached[5]
         chips = len(self._chips)
         trusted = np.zeros(chips)
         qcap = np.full(chips, _INF)
         floor = policy.model(model).decode_floor_tokens_per_s
+        default_solo = policy.model(model).solo_decode_tokens_per_s
         for chip, code in self._chips.items():
             trusted[code] = rates.prefill_median.get((model, chip)) or 0.0
             if floor:
-                solo = rates.solo_decode.get((model, chip)) or policy.model(model).solo_decode_tokens_per_s
+                solo = rates.solo_decode.get((model, chip)) or default_solo
                 if solo:
                     qcap[code] = max(1, math.floor(solo * policy.quality_overcommit / floor))
+        self._chip_tables[model] = (rates.prefill_median, rates.solo_decode, policy, chips, trusted, qcap)
+        return trusted, qcap
+
+    def _freeze(self, rows: _Rows, policy: Policy, rates: RateTables) -> ModelArrays:
+        model = rows.model
+        f = rows.f
+        trusted, qcap = self._per_chip(model, policy, rates)
         chip_trusted = trusted[rows.chip]
         prefill = np.where(chip_trusted > 0, chip_trusted, f["p_fallback"])
         quality_block = f["open_model"] >= qcap[rows.chip]

@@ -159,7 +159,8 @@ class RateBook:
         self._prefill_medians: dict[tuple[str, str], float] = {}
         self._by_engine: dict[str, Mapping[int, float]] = {}
         self._tables = RateTables()
-        self._stale = False
+        self._class_stale = False  # a (model, chip class) median changed since the last tables()
+        self._batch_stale = False  # an engine's per-batch median changed since the last tables()
 
     def _ring(self, table: dict[_Key, MedianRing], key: _Key) -> MedianRing:
         if key not in table:
@@ -175,7 +176,7 @@ class RateBook:
                 medians.pop(key, None)
             else:
                 medians[key] = median
-            self._stale = True
+            self._class_stale = True
 
     def _add_by_batch(self, engine: str, batch: int, value: float) -> None:
         ring = self._ring(self._decode_by_batch, (engine, batch))
@@ -189,7 +190,7 @@ class RateBook:
             self._by_engine[engine] = MappingProxyType(updated)
         else:
             self._by_engine.pop(engine, None)
-        self._stale = True
+        self._batch_stale = True
 
     def record(self, model: str, chip_class: str, rates: EngineRates, engine: str = "") -> None:
         key = (model, chip_class)
@@ -202,14 +203,19 @@ class RateBook:
 
     def tables(self) -> RateTables:
         """Every trusted median, for the decision core: the same object until a median changes (O(1) per call)."""
-        if self._stale:
+        if self._class_stale or self._batch_stale:
             # A published table never changes: the top-level dicts are copied here, and each engine's inner mapping is a
             # read-only view of a dict this book replaces instead of changing. Copying every engine's inner dict (what
             # RateTables does with plain dicts) cost about 1 ms per Check at 1000 engines, whose probes move some
-            # median almost every Check.
-            self._tables = RateTables(self._solo_medians, self._prefill_medians,
-                                      MappingProxyType(dict(self._by_engine)))
-            self._stale = False
+            # median almost every Check. The per-class tables stay the same objects until one of theirs moves, so the
+            # fleet index can keep what it derives from them (FleetIndex._freeze).
+            old = self._tables
+            solo, prefill = old.solo_decode, old.prefill_median
+            if self._class_stale:
+                solo, prefill = MappingProxyType(dict(self._solo_medians)), MappingProxyType(dict(self._prefill_medians))
+            by_batch = MappingProxyType(dict(self._by_engine)) if self._batch_stale else old.decode_by_batch
+            self._tables = RateTables(solo, prefill, by_batch)
+            self._class_stale = self._batch_stale = False
         return self._tables
 
     def prefill_median(self, model: str, chip_class: str) -> float | None:
