@@ -495,7 +495,7 @@ class AdmissionService:
             self.core.sessions.set(session, engine)
         for ticket in self.core.tickets():  # closed elsewhere while this replica was not listening
             if ticket.ticket_id not in held and ticket.ticket_id not in self._owned:
-                self.core.release(ticket.ticket_id, now)
+                self.core.release(ticket.ticket_id, now, completed=False)
         if restored:
             log.warning("restored %d tickets the store had lost", restored)
         self.wake()
@@ -507,7 +507,7 @@ class AdmissionService:
                 await self._timed("heartbeat", self.store.heartbeat(every * 3))
                 expired = await self._timed("expire", self.store.expire(self.shared.offset + self.clock()))
                 for ticket in expired:  # any replica's sweep closes a lapsed lease once; this one was first
-                    self.core.release(ticket.ticket_id, self.clock())
+                    self.core.release(ticket.ticket_id, self.clock(), completed=False)
                 if not self.store_up:
                     log.warning("the shared store answers again")
                     self._spawn(self._resync())

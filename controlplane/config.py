@@ -936,6 +936,8 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
         lifo_after_ms=float(c.number("admission.lifo_after_ms", ad["lifo_after_ms"], minimum=0)),
         overload_shed_after_ms=float(c.number("admission.overload_shed_after_ms", ad["overload_shed_after_ms"],
                                               minimum=0)),
+        overload_shed_services=float(c.number("admission.overload_shed_services", ad["overload_shed_services"],
+                                              minimum=0)),
         prefix_routing=c.flag("admission.prefix_routing", ad["prefix_routing"]),
         prefix_block_chars=int(c.number("admission.prefix_block_chars", ad["prefix_block_chars"], minimum=16,
                                         integer=True)),

@@ -41,7 +41,9 @@ connection for nothing; told at once, the client can back off or go elsewhere (C
 applied to the requests LIFO leaves behind). A burst is not sustained overload: once arrivals stop, the last park ages
 past a quarter of the bound and the lot drains every request in turn (``bench cag4``'s two 65k prompts and eight 8k
 ones 0.3 s apart wait up to 12 s and are all served; with "a park within ``lifo_after_ms``" as the test, two of them
-were shed). ``bench steady`` at 110%: see bench/results/README.md.
+were shed). ``bench steady`` at 110%: see bench/results/README.md. The bound is at least ``overload_shed_services`` of
+the model's recent service times (``overload_bound_s``): where one answer takes seconds, 4 s is a queue's normal wait at
+90% load, not an overload.
 
 Depth is bounded per model by ``max_queue_depth``: a request beyond it is shed (``queue_full``); a parked request whose
 deadline passes is shed: ``park_timeout`` after ``max_park_s``, or ``ttft_unmeetable`` once its TTFT deadline no longer
@@ -70,6 +72,10 @@ from controlplane.core.route import ServeCounter, SessionMap
 
 PARK_CLASSES = (Priority.CRITICAL, Priority.STANDARD)
 """The parking lot's classes, tried in this order; a sheddable request is never parked (it would park as standard)."""
+
+
+SERVICE_EWMA = 0.1
+"""Weight of each release in a model's average service time: about the last 10-20 releases count."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +125,8 @@ class AdmissionCore:
         self._where: dict[str, tuple[str, Priority]] = {}
         self._park_seq = itertools.count(1)
         self._last_parked: dict[tuple[str, Priority], float] = {}
+        self._service_s: dict[str, float] = {}
+        """model -> recent seconds from admission to release, averaged (``SERVICE_EWMA``): ``overload_bound_s``."""
         """(model, class) -> when a request last parked there (sustained overload: requests keep joining)."""
 
     # -- views -------------------------------------------------------------------------------------------------------
@@ -289,8 +297,22 @@ class AdmissionCore:
         queue.remove(next(p for p in queue if p.request_id == request_id))
         return True
 
-    def release(self, ticket_id: str, now: float) -> Ticket | None:
-        return self.ledger.release(ticket_id, now)
+    def release(self, ticket_id: str, now: float, completed: bool = True) -> Ticket | None:
+        """Close a ticket. ``completed``: its request ended now (an access-log entry, another replica's release event);
+        False for a ticket found closed late (a lapsed lease, a resync), whose time held says nothing of service."""
+        ticket = self.ledger.release(ticket_id, now)
+        if ticket is not None and completed:
+            # How long a slot of this model is held per request, as achieved (the overload bound scales with it).
+            held = max(0.0, now - ticket.admitted_at)
+            before = self._service_s.get(ticket.model)
+            self._service_s[ticket.model] = held if before is None else before + SERVICE_EWMA * (held - before)
+        return ticket
+
+    def overload_bound_s(self, model: str) -> float:
+        """How long a request of ``model`` waits under a sustained overload before it is shed ``overloaded``: the fixed
+        bound, or ``overload_shed_services`` of the model's recent service times when that is longer."""
+        return max(self.policy.overload_shed_after_ms / 1000,
+                   self.policy.overload_shed_services * self._service_s.get(model, 0.0))
 
     def note_probe(self, engine: str, taken_at: float, idle: bool, idle_grace_s: float) -> list[Ticket]:
         """A probe of ``engine`` sent at ``taken_at`` landed. When it saw nothing running and nothing waiting, tickets
@@ -392,16 +414,15 @@ class AdmissionCore:
         """The parked requests ``expire_parked`` sheds at ``now``: past their deadline, or left behind by a sustained
         overload (module docstring)."""
         due = [p for p in self.parked() if p.deadline <= now]
-        limit = self.policy.overload_shed_after_ms
-        if limit <= 0:
+        if self.policy.overload_shed_after_ms <= 0:
             return due
         for model, queues in self._lot.items():
+            bound = self.overload_bound_s(model)
             for klass, queue in queues.items():
                 last = self._last_parked.get((model, klass))
-                if last is None or not self._lifo(queue, now) or (now - last) * 1000 > limit / 4:
+                if last is None or not self._lifo(queue, now) or now - last > bound / 4:
                     continue  # not sustained: nobody joined during the last quarter of the wait that sheds
-                due += [p for p in queue
-                        if not p.ttft_bound and p.deadline > now and (now - p.parked_at) * 1000 > limit]
+                due += [p for p in queue if not p.ttft_bound and p.deadline > now and now - p.parked_at > bound]
         return due
 
     def expire_parked(self, fleet: Fleet, now: float, due: list[Parked] | None = None) -> list[Outcome]:

@@ -263,8 +263,9 @@ class Reason(enum.Enum):
     QUEUE_FULL = "queue_full"
     PARK_TIMEOUT = "park_timeout"
     OVERLOADED = "overloaded"
-    """Sustained overload: the request waited ``overload_shed_after_ms`` while newer requests kept arriving and, under
-    adaptive LIFO, were served first (core/admission.py)."""
+    """Sustained overload: the request waited ``overload_shed_after_ms`` (or ``overload_shed_services`` of its model's
+    service times, if longer) while newer requests kept arriving and, under adaptive LIFO, were served first
+    (core/admission.py)."""
     TTFT_UNMEETABLE = "ttft_unmeetable"
     STORE_UNAVAILABLE = "store_unavailable"
     """The shared store cannot be reached and ``store.on_failure`` is ``closed`` (controlplane/store/)."""

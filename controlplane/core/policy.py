@@ -90,8 +90,13 @@ class Policy:
     0: strict FIFO always."""
     overload_shed_after_ms: float = 4000.0
     """Under sustained overload (a class in adaptive LIFO while requests keep joining it: one parked within the last
-    quarter of this bound), a request without a TTFT deadline that has waited this long is shed ``overloaded`` with a
-    Retry-After instead of waiting behind fresher requests until ``max_park_s``. 0: off (core/admission.py)."""
+    quarter of the bound), a request without a TTFT deadline that has waited this long, or ``overload_shed_services``
+    of its model's service times if that is longer, is shed ``overloaded`` with a Retry-After instead of waiting behind
+    fresher requests until ``max_park_s``. 0: off (core/admission.py)."""
+    overload_shed_services: float = 4.0
+    """The overload bound is at least this many of the model's recent service times (admission to release, averaged
+    over the last releases): where one answer takes seconds, 4 s is one or two of them, a queue's normal wait at 90%
+    load and not an overload (``bench prefix`` at speed x1 shed 17 of 99). 0: the fixed bound alone."""
     models: Mapping[str, ModelPolicy] = field(default_factory=lambda: MappingProxyType({}))
     """Per-model settings (read-only: a copy of what the constructor was given)."""
     version_floors: tuple[tuple[str, str], ...] = ()

@@ -34,21 +34,26 @@ def test_only_the_measured_window_counts() -> None:
     results = [outcome(1.0, 99.0), outcome(12.0, 1.0, cached=900), outcome(13.0, 3.0, cached=0)]
     s = summarise(results, {"a": 3, "b": 1}, warm=10.0)
     assert s["n"] == 2 and s["hit"] == 0.45 and s["ttft_p50"] in (1.0, 3.0)
-    assert s["max_share"] == 3 / 4 / 0.25
+    assert s["max_share"] == s["max_even"] == 3 / 4 / 0.25
+    # Unequal engines: a's fair share is its part of the capacity, so 3 of 4 requests is 1.25x of it, not 3x.
+    s = summarise(results, {"a": 3, "b": 1}, warm=10.0, fair={"a": 0.6, "b": 0.4})
+    assert abs(s["max_share"] - 0.75 / 0.6) < 1e-9 and s["max_even"] == 3.0
 
 
 def test_targets_as_the_issue_states_them() -> None:
     def figures(hit: float, p50: float, tokens: float, served: tuple[int, ...] = (1, 1, 1, 1)) -> dict[str, object]:
         return {"hit": hit, "ttft_p50": p50, "ttft_p90": p50, "throughput": tokens,
-                "served": dict(zip("abcd", served)), "max_share": max(served) / sum(served) / 0.25}
+                "served": dict(zip("abcd", served)), "max_share": max(served) / sum(served) / 0.25,
+                "max_even": max(served) / sum(served) / 0.25}
 
-    cell = Cell("system", 0.9, 1.0, {"sluice": figures(0.9, 1.0, 150), "LR": figures(0.4, 3.5, 100),
-                                      "oracle": figures(0.95, 1.0, 150)})
+    cell = Cell("system", 0.9, 1.0, figures={"sluice": figures(0.9, 1.0, 150), "LR": figures(0.4, 3.5, 100),
+                                             "oracle": figures(0.95, 1.0, 150)})
     met = {what: ok for what, ok, _ in verdicts(cell)}
     assert met == {"hit rate >= 0.9 x oracle's": True, "TTFT p50 >= 3x lower than LR": True,
-                   "throughput >= 1.5x LR": True, "no engine above 1.5x its fair share (1/4)": True}
+                   "throughput >= 1.5x LR": True, "no engine above 1.5x its fair share (its part of the capacity)": True}
     cell.figures["sluice"] = figures(0.8, 1.5, 140, (4, 1, 1, 1))
     met = {what: ok for what, ok, _ in verdicts(cell)}
     assert not any(met.values())
-    control = Cell("control", 0.5, 1.0, {"sluice": figures(0, 1.05, 100), "sluice-noindex": figures(0, 1.0, 101)})
+    control = Cell("control", 0.5, 1.0, figures={"sluice": figures(0, 1.05, 100),
+                                                 "sluice-noindex": figures(0, 1.0, 101)})
     assert all(ok for _, ok, _ in verdicts(control))

@@ -74,3 +74,30 @@ def test_a_request_with_a_deadline_keeps_its_own_bound() -> None:
 def test_off_when_zero() -> None:
     core = AdmissionCore(Policy(lifo_after_ms=2000, overload_shed_after_ms=0), Ledger(lease_seconds=600))
     assert Reason.OVERLOADED.value not in arrive_every(core, 0.5, 20.0)
+
+
+def test_where_one_answer_takes_seconds_the_bound_is_several_of_them() -> None:
+    """``bench prefix`` at speed x1: answers take seconds, so 4 s is a normal wait at 90% load, not an overload. The
+    bound is ``overload_shed_services`` (4) of the model's recent service times: 12 s when each request held its slot
+    3 s. Tickets closed late (a lapsed lease) say nothing of service and are not counted."""
+    core = AdmissionCore(POLICY, Ledger(lease_seconds=600))
+    for i in range(20):
+        start = -100.0 + 4 * i
+        assert core.check(f"w{i}", chat(), core.fleet(VIEWS, start), start).decision.verdict is Verdict.ADMIT
+        assert core.release(f"w{i}", start + 3.0) is not None
+    assert core.check("lost", chat(), core.fleet(VIEWS, -20.0), -20.0).decision.verdict is Verdict.ADMIT
+    assert core.release("lost", -1.0, completed=False) is not None  # held 19 s: not a service time
+    assert abs(core.overload_bound_s("cortex") - 12.0) < 1e-6
+    answers = arrive_every(core, 0.5, 20.0)
+    # Everyone who had waited over 12 s by 20 s was shed (those that arrived before 8 s); nobody else.
+    assert answers[Reason.OVERLOADED.value] == 16, answers
+    assert all(20.0 - p.parked_at <= 12.0 for p in core.parked())
+    # Without the scaling the fixed 4 s bound applies, as before.
+    fixed = AdmissionCore(Policy(lifo_after_ms=2000, overload_shed_after_ms=4000, overload_shed_services=0),
+                          Ledger(lease_seconds=600))
+    for i in range(20):
+        start = -100.0 + 4 * i
+        fixed.check(f"w{i}", chat(), fixed.fleet(VIEWS, start), start)
+        fixed.release(f"w{i}", start + 3.0)
+    assert arrive_every(fixed, 0.5, 20.0)[Reason.OVERLOADED.value] == 32
+
