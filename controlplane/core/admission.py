@@ -125,9 +125,9 @@ class AdmissionCore:
         self._where: dict[str, tuple[str, Priority]] = {}
         self._park_seq = itertools.count(1)
         self._last_parked: dict[tuple[str, Priority], float] = {}
+        """(model, class) -> when a request last parked there (sustained overload: requests keep joining)."""
         self._service_s: dict[str, float] = {}
         """model -> recent seconds from admission to release, averaged (``SERVICE_EWMA``): ``overload_bound_s``."""
-        """(model, class) -> when a request last parked there (sustained overload: requests keep joining)."""
 
     # -- views -------------------------------------------------------------------------------------------------------
     def fleet(self, engines: Iterable[EngineView], now: float, rates: RateTables | None = None) -> Fleet:

@@ -149,8 +149,10 @@ async def serve_engines(engines: int, exposition: str = "vllm-v1") -> None:
         app["index_of"][port] = i
         ports.append(port)
     # One process stands in for N engines on N hosts, so its collector's pauses stall every engine at once, which no
-    # real fleet does: at 1000 engines its full passes (up to 76 ms over the sites' objects) were most of the gateway's
-    # end-to-end p99 in ``bench scale``. The sites live for the process, so they leave the collector's reach.
+    # real fleet does: at 1000 engines its passes (20-76 ms, young ones included: each keep-alive connection holds its
+    # last request's objects) were most of the gateway's end-to-end p99 in ``bench scale``. The start-up objects leave
+    # the collector's reach and the collector is off: what requests leave behind is freed by reference counting, and
+    # the farm's memory stayed at about 52 MB over a 1000-engine run.
     gc.collect()
     gc.freeze()
     gc.disable()
