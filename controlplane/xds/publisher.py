@@ -19,7 +19,7 @@ from controlplane.core.weights import MIN_PUSH_INTERVAL_S, Weights, compute_weig
 from controlplane.metrics import SluiceMetrics
 from controlplane.xds.resources import build_cluster, build_listener, build_load_assignment, build_routes
 from controlplane.xds.server import AdsServicer
-from controlplane.xds.snapshot import Snapshot, SnapshotCache, make_snapshot
+from controlplane.xds.snapshot import Snapshot, SnapshotCache, make_snapshot, with_routes
 
 log = logging.getLogger("sluice.xds")
 
@@ -48,6 +48,9 @@ class XdsPublisher:
         self._eligible: dict[str, frozenset[str]] | None = None
         self._pushed_at: float | None = None
         self._drift_checked_at: float | None = None
+        self._built_from: tuple[Config, dict[str, int | None], tuple[tuple[str, int], ...]] | None = None
+        """(config, caps, redirectors) the current snapshot's non-route types were built from; None after a publish
+        with extra clusters."""
         self.weight_pushes = 0
         """Route tables pushed because fallback weights changed (benchmarks count them)."""
 
@@ -66,9 +69,21 @@ class XdsPublisher:
         return build_snapshot(self.config, self.weights, self.caps, self.redirectors, extra_clusters)
 
     async def publish(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
-        snapshot = self.build(extra_clusters)
+        extra = tuple(extra_clusters)
+        snapshot = self.build(extra)
         await self.cache.set_snapshot(snapshot)
+        self._built_from = None if extra else (self.config, dict(self.caps), self.redirectors)
         return snapshot
+
+    async def _publish_weights(self) -> None:
+        """Push new fallback weights: only the routes are rebuilt when the current snapshot was built from this config,
+        these caps and redirectors and nothing extra (else everything is, as ``publish``)."""
+        current, built = self.cache.snapshot, self._built_from
+        if (current is None or built is None or built[0] is not self.config or built[1] != self.caps
+                or built[2] != self.redirectors):
+            await self.publish()
+            return
+        await self.cache.set_snapshot(with_routes(current, [build_routes(self.config, self.weights)]))
 
     def caps_changed(self, engine: str, cap: int | None) -> bool:
         """Record an engine's reported cap; True when it moved (its circuit breaker must be republished)."""
@@ -97,7 +112,7 @@ class XdsPublisher:
         self._eligible = eligible
         self._pushed_at = now
         self.weight_pushes += 1
-        await self.publish()
+        await self._publish_weights()
         entries = sum(map(len, fresh.values()))
         log.info("fallback weights now %s", fresh if entries <= 20 else f"{entries} entries over {len(fresh)} models")
         return True
