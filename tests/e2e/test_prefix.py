@@ -104,7 +104,9 @@ def test_a_restarted_engine_is_forgotten(tmp_path: Path) -> None:
     them go backwards, and the index forgets it; the next request is estimated cold everywhere."""
     from tests.harness import launch_sim, stop
 
-    stack = start_stack([("a", "spark"), ("b", "spark")], tmp_path, speed=20.0)
+    # Probes of the stopped engine fail and back off (doubling from the 0.2 s interval): with the default 10 s ceiling a
+    # restart that takes a few seconds on a loaded machine was first probed after the wait below had timed out.
+    stack = start_stack([("a", "spark"), ("b", "spark")], tmp_path, speed=20.0, observe={"max_backoff_seconds": 0.5})
     try:
         status, headers, _ = post(stack, "/chat/completions", body("What does a sluice do?"))
         home = headers["x-sluice-engine"]
