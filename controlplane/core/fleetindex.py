@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 
@@ -110,6 +110,20 @@ class IndexSnapshot:
     half_life_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class _ChipTables:
+    """One model's per-chip arrays (``FleetIndex._per_chip``) and what they were derived from."""
+
+    prefill_median: Mapping[tuple[str, str], float]
+    solo_decode: Mapping[tuple[str, str], float]
+    policy: Policy
+    chips: int
+    trusted: np.ndarray
+    """Trusted prefill median by chip code (0 where none)."""
+    quality_cap: np.ndarray
+    """The quality cap by chip code (inf where none)."""
+
+
 class _Rows:
     """The live arrays of one model (copy-on-write once a snapshot holds them)."""
 
@@ -153,8 +167,7 @@ class FleetIndex:
         self._dirty: set[str] = set()
         self._serve_dirty: set[str] = set()
         self._chips: dict[str, int] = {}
-        self._chip_tables: dict[str, tuple[Any, ...]] = {}
-        """model -> (prefill medians, solo medians, policy, chip count: what it was derived from; trusted, qcap)."""
+        self._chip_tables: dict[str, _ChipTables] = {}
         self._policy: Policy | None = None
         self._admit_stale: bool | None = None
 
@@ -299,9 +312,10 @@ class FleetIndex:
         Kept until the class medians, the policy or the chip classes change: an engine's chip class defaults to its
         name, so at 1000 engines this was a loop over 1000 classes per Check."""
         cached = self._chip_tables.get(model)
-        if (cached is not None and cached[0] is rates.prefill_median and cached[1] is rates.solo_decode
-                and cached[2] is policy and cached[3] == len(self._chips)):
-            return cached[4], cached[5]
+        if (cached is not None and cached.prefill_median is rates.prefill_median
+                and cached.solo_decode is rates.solo_decode and cached.policy is policy
+                and cached.chips == len(self._chips)):
+            return cached.trusted, cached.quality_cap
         chips = len(self._chips)
         trusted = np.zeros(chips)
         qcap = np.full(chips, _INF)
@@ -313,7 +327,7 @@ class FleetIndex:
                 solo = rates.solo_decode.get((model, chip)) or default_solo
                 if solo:
                     qcap[code] = max(1, math.floor(solo * policy.quality_overcommit / floor))
-        self._chip_tables[model] = (rates.prefill_median, rates.solo_decode, policy, chips, trusted, qcap)
+        self._chip_tables[model] = _ChipTables(rates.prefill_median, rates.solo_decode, policy, chips, trusted, qcap)
         return trusted, qcap
 
     def _freeze(self, rows: _Rows, policy: Policy, rates: RateTables) -> ModelArrays:

@@ -39,7 +39,9 @@ from sluice.bench.workload import gateway
 SIZES = tuple(os.environ.get("SLUICE_SCALE_SIZES", "2,200,1000,1000p3").split(","))
 """Engines per run; ``1000p3`` is 1000 engines polled every 3 s instead of every second (what observation costs)."""
 RATE = 100
-SECONDS = float(os.environ.get("SLUICE_SCALE_SECONDS", "20"))
+SECONDS = float(os.environ.get("SLUICE_SCALE_SECONDS", "40"))
+"""40 s: 4000 requests a size, so the p99 is the 40th worst; with 20 s it swung 1.5x between identical runs, and a
+10 s periodic event (the fallback-weights drift look) could fall outside the window."""
 TARGET_RATIO = 1.5
 BODY = {"model": "reasoning", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
 

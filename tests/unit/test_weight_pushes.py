@@ -41,12 +41,18 @@ def test_drift_is_looked_at_once_an_interval_and_a_leaving_engine_at_once() -> N
         assert not await publisher.refresh_weights(fleet(0), now=2.0)
         assert publisher.weights["cortex"]["spark"] > 2 * publisher.weights["cortex"]["thor"]
         # ...until the interval has passed.
-        assert await publisher.refresh_weights(fleet(0), now=1.0 + MIN_PUSH_INTERVAL_S)
+        interval = MIN_PUSH_INTERVAL_S
+        assert await publisher.refresh_weights(fleet(0), now=1.0 + interval)
         assert publisher.weights["cortex"]["spark"] == publisher.weights["cortex"]["thor"]
+        # The clock is when drift was last looked at, not when it was last pushed: a look that found nothing to push
+        # (2 + 2i) holds the next one off for an interval, though the last push (1 + i) is older than that.
+        assert not await publisher.refresh_weights(fleet(0), now=2.0 + 2 * interval)
+        assert not await publisher.refresh_weights(fleet(3), now=3.0 + 2 * interval)
+        assert await publisher.refresh_weights(fleet(3), now=2.0 + 3 * interval)
         # An engine drained leaves the route at once, whatever the interval.
-        assert await publisher.refresh_weights(fleet(0, drained="spark"), now=2.0 + MIN_PUSH_INTERVAL_S)
+        assert await publisher.refresh_weights(fleet(3, drained="spark"), now=3.0 + 3 * interval)
         assert set(publisher.weights["cortex"]) == {"thor"}
-        assert publisher.weight_pushes == 3
+        assert publisher.weight_pushes == 4
 
     asyncio.run(run())
 
