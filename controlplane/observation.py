@@ -16,8 +16,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
-
 from controlplane.config import Config, EngineConfig
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.model import EngineRates, EngineView, Fleet
@@ -60,7 +58,6 @@ class Observation:
         """engine -> the value ``sluice_engine_up`` was last set to (``_set_up``)."""
         self._probe_gauges: dict[str, tuple[Any, ...]] = {}
         """engine -> its children of the gauges every probe sets (``probed``); dropped with the engine's series."""
-        self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._worker_task: asyncio.Task[None] | None = None
 
@@ -194,8 +191,6 @@ class Observation:
         The first round comes before the control plane answers any Check or publishes any weights: a restarted control
         plane's ledger is empty, and without it an engine not yet probed serves no models (404 ``model_not_found``) and
         its pre-crash streams count as zero load."""
-        # One pooled session for every poller, unbounded: a poller holds at most one connection, so none waits on another.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         engines = self.config.engines
         if self.config.observe.probes_in_worker(len(engines)):
             self.pollers = [self._holder(e) for e in engines]
@@ -248,14 +243,13 @@ class Observation:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
-        if self._session is not None:
-            await self._session.close()
+        for poller in self.pollers:
+            poller.close()
 
     # -- the probe worker (observe/worker.py) --------------------------------------------------------------------------
     def _holder(self, engine: EngineConfig) -> EnginePoller:
         """A poller that never probes: it holds the views the worker sends (and this process's drains and failures)."""
-        assert self._session is not None
-        return EnginePoller(engine, self.config.observe, self._session, self.probed, clock=self.clock)
+        return EnginePoller(engine, self.config.observe, self.probed, clock=self.clock)
 
     async def _start_worker(self) -> None:
         """Start the worker and wait for its first probe round (bounded), then keep reading it in a task."""
@@ -286,10 +280,10 @@ class Observation:
                 process.stdin.write(encode(setup))
                 await process.stdin.drain()
                 while True:
-                    frame = await read_frame(process.stdout)
-                    self._apply_frame(frame, ready)
-                    # Reading a frame already buffered never yields: after a busy moment the pipe holds dozens, and
-                    # applying them back to back held every Check waiting behind them. One frame, then the loop.
+                    for frame in await read_frame(process.stdout):
+                        self._apply_frame(frame, ready)
+                    # Reading a batch already buffered never yields: after a busy moment the pipe holds several, and
+                    # applying them back to back held every Check waiting behind them. One batch, then the loop.
                     await asyncio.sleep(0)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 log.error("the probe worker exited (%s); restarting it in %.1fs", exc, WORKER_RESTART_S)
@@ -318,16 +312,19 @@ class Observation:
             self.probed(poller.view(self.clock()), frame[2])
 
     def _start_poller(self, engine: EngineConfig, offset: float) -> None:
-        assert self._session is not None
-        poller = EnginePoller(engine, self.config.observe, self._session, self.probed, clock=self.clock)
+        poller = EnginePoller(engine, self.config.observe, self.probed, clock=self.clock)
         self.pollers = [*self.pollers, poller]
         self._tasks[engine.name] = asyncio.create_task(poller.run(offset), name=f"poll-{engine.name}")
 
     def _stop_poller(self, name: str) -> None:
+        stopped = self._find(name)
         self.pollers = [p for p in self.pollers if p.config.name != name]
         task = self._tasks.pop(name, None)
         if task is not None:
             task.cancel()
+            if stopped is not None:  # its connection closes once the cancelled probe has let go of it
+                close = stopped.close
+                task.add_done_callback(lambda _: close())
         self._up.pop(name, None)  # an engine added again under this name gets its gauges set afresh
         self._probe_gauges.pop(name, None)
         m = self.metrics

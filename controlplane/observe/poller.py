@@ -13,17 +13,17 @@ engine is marked degraded (``sluice_observer_degraded{engine}`` = 1) until a pro
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import aiohttp
-
 from controlplane.config import EngineConfig, ObserveConfig
 from controlplane.core.model import EngineRates, EngineSample, EngineView, Flavor, ServedModel
 from controlplane.observe.discovery import DISCOVERY_PATHS, parse_discovery, parse_models, slots_kv_usage
+from controlplane.observe.httpget import HttpError, HttpGet
 from controlplane.observe.parse import detect_flavor, missing_gauges, read_series, sample_from_series
 from controlplane.observe.rates import rates_between
 
@@ -44,14 +44,13 @@ class EnginePoller:
         self,
         engine: EngineConfig,
         observe: ObserveConfig,
-        session: aiohttp.ClientSession,
         on_probe: ProbeCallback,
         clock: Callable[[], float] = time.monotonic,
         on_failure: Callable[[EngineView], None] | None = None,
     ) -> None:
         self.config = engine
         self.observe = observe
-        self._session = session
+        self._http = HttpGet(engine.url)
         self._on_probe = on_probe
         self._on_failure = on_failure
         """A failed probe's view (the probe worker forwards it: ``last_error`` for the operators)."""
@@ -156,18 +155,29 @@ class EnginePoller:
             self.probes += 1
         self._view = replace(view, drained=self._view.drained)
     async def _get(self, path: str, *, as_json: bool, optional: bool = False) -> Any:
-        timeout = aiohttp.ClientTimeout(total=self.observe.poll_timeout_seconds)
         try:
-            async with self._session.get(self.config.url + path, timeout=timeout) as response:
-                if optional and response.status in (404, 405, 501):
-                    return None
-                if response.status != 200:
-                    raise ProbeError(f"GET {path}: HTTP {response.status}")
-                return await response.json(content_type=None) if as_json else await response.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            if optional and not isinstance(exc, asyncio.TimeoutError):
+            status, body = await self._http.get(path, self.observe.poll_timeout_seconds)
+        except (HttpError, TimeoutError) as exc:
+            if optional and not isinstance(exc, TimeoutError):
                 return None
             raise ProbeError(f"GET {path}: {type(exc).__name__} {exc}".rstrip()) from None
+        if optional and status in (404, 405, 501):
+            return None
+        if status != 200:
+            raise ProbeError(f"GET {path}: HTTP {status}")
+        text = body.decode("utf-8", errors="replace")
+        if not as_json:
+            return text
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            if optional:
+                return None
+            raise ProbeError(f"GET {path}: not JSON: {exc}") from None
+
+    def close(self) -> None:
+        """Closes the engine's kept-alive connection (the poller's task has ended)."""
+        self._http.close()
 
     async def poll_once(self) -> None:
         sent_at = self._clock()

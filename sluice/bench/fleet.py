@@ -37,9 +37,8 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any
 
-import aiohttp
 
 import controlplane.core.admission as admission_module
 import controlplane.core.decide as decide_module
@@ -142,9 +141,8 @@ class Plane:
         self.plane.admission.draw = random.Random(SEED).random
         self.pollers: dict[str, EnginePoller] = {}
         for config in self.plane.config.engines:
-            # No session: this bench never lets a poller probe (``probe`` below stores what a probe would).
-            poller = EnginePoller(config, self.plane.config.observe, cast(aiohttp.ClientSession, None),
-                                  self.plane.observation.probed, clock=lambda: self.now)
+            # This bench never lets a poller probe (``probe`` below stores what a probe would).
+            poller = EnginePoller(config, self.plane.config.observe, self.plane.observation.probed, clock=lambda: self.now)
             self.plane.pollers.append(poller)
             self.pollers[config.name] = poller
         self.cpu: defaultdict[str, float] = defaultdict(float)

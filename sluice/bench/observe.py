@@ -19,7 +19,6 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane.observe.poller as poller_module
@@ -156,53 +155,52 @@ async def _measure(port: int, engines: int, cycles: int, spread_s: float) -> dic
                             models_refresh_seconds=3600, max_backoff_seconds=10, on_stale=OnStale.OPEN, rate_ring_size=64,
                             rate_min_samples=5, prefill_sample_min_tokens=256)
     out: dict[str, dict[str, list[float]]] = {}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        pollers = [
-            EnginePoller(
-                EngineConfig(f"e{i}", f"http://127.0.0.1:{port}/e/{i}", "127.0.0.1", port, 4, (), None, 1.0, EngineFlavor.AUTO,
-                             "v100", SimFlavor.VLLM_V1),
-                observe, session, on_probe=lambda view, rates: None,
-            )
-            for i in range(engines)
-        ]
-        await asyncio.gather(*(p.poll_once() for p in pollers))  # warm-up: connections, discovery
-        for arm, reader in (("old", old_read_series), ("new", read_series)):
-            with _poller_reads_with(reader):
-                cycle_s: list[float] = []
-                cpu_per_engine_ms: list[float] = []
-                lags: list[float] = []
-                stop = asyncio.Event()
-                lag_task = asyncio.create_task(_loop_lag(stop, lags))
-                for _ in range(cycles):
-                    probes0 = sum(p.probes for p in pollers)
-                    cpu0, t0 = time.process_time(), time.perf_counter()
-                    await asyncio.gather(*(p.poll_once() for p in pollers))
-                    cycle_s.append(time.perf_counter() - t0)
-                    cpu_per_engine_ms.append((time.process_time() - cpu0) / engines * 1000)
-                    assert sum(p.probes for p in pollers) - probes0 == engines, "every engine answered every cycle"
-                    await asyncio.sleep(0.2)
-                stop.set()
-                await lag_task
-                # As the control plane runs them: each engine on its own 1 s schedule, starts staggered over the interval.
-                spread_lags: list[float] = []
-                stop = asyncio.Event()
-                lag_task = asyncio.create_task(_loop_lag(stop, spread_lags))
-                probes0, cpu0, t0 = sum(p.probes for p in pollers), time.process_time(), time.perf_counter()
-                tasks = [asyncio.create_task(p.run(i / engines)) for i, p in enumerate(pollers)]
-                await asyncio.sleep(spread_s)
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                elapsed = time.perf_counter() - t0
-                stop.set()
-                await lag_task
-                out[arm] = {
-                    "cycle_s": cycle_s, "cpu_ms": cpu_per_engine_ms, "lag_ms": [x * 1000 for x in lags],
-                    "spread_lag_ms": [x * 1000 for x in spread_lags],
-                    "spread_rate": [(sum(p.probes for p in pollers) - probes0) / elapsed],
-                    "spread_cpu": [(time.process_time() - cpu0) / elapsed],
-                }
-            await asyncio.sleep(0.5)
+    pollers = [
+        EnginePoller(
+            EngineConfig(f"e{i}", f"http://127.0.0.1:{port}/e/{i}", "127.0.0.1", port, 4, (), None, 1.0, EngineFlavor.AUTO,
+                         "v100", SimFlavor.VLLM_V1),
+            observe, on_probe=lambda view, rates: None,
+        )
+        for i in range(engines)
+    ]
+    await asyncio.gather(*(p.poll_once() for p in pollers))  # warm-up: connections, discovery
+    for arm, reader in (("old", old_read_series), ("new", read_series)):
+        with _poller_reads_with(reader):
+            cycle_s: list[float] = []
+            cpu_per_engine_ms: list[float] = []
+            lags: list[float] = []
+            stop = asyncio.Event()
+            lag_task = asyncio.create_task(_loop_lag(stop, lags))
+            for _ in range(cycles):
+                probes0 = sum(p.probes for p in pollers)
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                await asyncio.gather(*(p.poll_once() for p in pollers))
+                cycle_s.append(time.perf_counter() - t0)
+                cpu_per_engine_ms.append((time.process_time() - cpu0) / engines * 1000)
+                assert sum(p.probes for p in pollers) - probes0 == engines, "every engine answered every cycle"
+                await asyncio.sleep(0.2)
+            stop.set()
+            await lag_task
+            # As the control plane runs them: each engine on its own 1 s schedule, starts staggered over the interval.
+            spread_lags: list[float] = []
+            stop = asyncio.Event()
+            lag_task = asyncio.create_task(_loop_lag(stop, spread_lags))
+            probes0, cpu0, t0 = sum(p.probes for p in pollers), time.process_time(), time.perf_counter()
+            tasks = [asyncio.create_task(p.run(i / engines)) for i, p in enumerate(pollers)]
+            await asyncio.sleep(spread_s)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            elapsed = time.perf_counter() - t0
+            stop.set()
+            await lag_task
+            out[arm] = {
+                "cycle_s": cycle_s, "cpu_ms": cpu_per_engine_ms, "lag_ms": [x * 1000 for x in lags],
+                "spread_lag_ms": [x * 1000 for x in spread_lags],
+                "spread_rate": [(sum(p.probes for p in pollers) - probes0) / elapsed],
+                "spread_cpu": [(time.process_time() - cpu0) / elapsed],
+            }
+        await asyncio.sleep(0.5)
     return out
 
 
@@ -255,7 +253,7 @@ the kept lines; the new one finds the kept lines with one compiled regex and rea
 |---|---|---|---|---|
 {rows}
 
-**Whole probe through the real poller** (`EnginePoller.poll_once`: aiohttp GET + read + normalisation + rates), {engines}
+**Whole probe through the real poller** (`EnginePoller.poll_once`: HTTP GET (`observe/httpget.py`) + read + normalisation + rates), {engines}
 engines served by one aiohttp farm process on loopback, each answering real-size vLLM 0.11 V1 text (about {size} bytes,
 every bucket; 8 pre-rendered variants), both arms in this same run against the same farm. Cycle: all {engines} probed
 concurrently, {cycles} cycles after a warm-up. Spread: as the control plane runs them (every engine on its own 1 s schedule,
@@ -266,7 +264,7 @@ starts staggered over the interval) for {spread_s:.0f} s.
 {chr(10).join(probe_rows)}
 
 At the default 1 s poll interval one core can probe about {1000 / new_cpu:.0f} engines with the new reader (1 s / median CPU
-per probe; the aiohttp client is now most of a probe's cost).
+per probe; beyond the reader, a probe is its HTTP exchange, the sample's normalisation and the rates).
 
 **`RateBook.tables()`** per Check, 200 engines x 8 batch sizes (1600 decode rings of 64, plus prefill and solo rings):
 old (every median recomputed, twice, per call) {tables_old:.0f} µs; new (cached) {tables_new:.2f} µs per call; a `record`

@@ -74,18 +74,13 @@ def test_llamacpp_kv_usage_from_slots(slots: list, expected: float | None) -> No
 
 
 def test_probe_backoff_doubles_from_the_interval_up_to_the_cap() -> None:
-    from typing import cast
-
-    import aiohttp
-
     from controlplane.config import parse_config
     from controlplane.observe.poller import EnginePoller
 
     config = parse_config({"engines": [{"name": "a", "url": "http://127.0.0.1:1"}],
                            "observe": {"poll_interval_seconds": 0.5, "poll_timeout_seconds": 0.4,
                                        "max_backoff_seconds": 3.0}})
-    poller = EnginePoller(config.engines[0], config.observe, session=cast(aiohttp.ClientSession, None),
-                          on_probe=lambda view, rates: None)
+    poller = EnginePoller(config.engines[0], config.observe, on_probe=lambda view, rates: None)
     delays = []
     for failures in range(1, 6):
         poller.failures = failures

@@ -27,8 +27,7 @@ def test_engine_up_follows_a_failure_and_a_recovery_between_ticks() -> None:
     observation = Observation(config, AdmissionCore(Policy(), Ledger(lease_seconds=600)), metrics, lambda: now[0],
                               lambda view, rates: None)
     # A holder, as with the probe worker: it never probes, views reach it through ``adopt``.
-    poller = EnginePoller(config.engines[0], config.observe, None, observation.probed,  # type: ignore[arg-type]
-                          clock=lambda: now[0])
+    poller = EnginePoller(config.engines[0], config.observe, observation.probed, clock=lambda: now[0])
     observation.pollers = [poller]
     fresh = engine("thor")
 

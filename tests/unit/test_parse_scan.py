@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane.observe import parse
 from controlplane.observe.parse import _WANTED, parse_metrics, read_series
 from sluice.bench.vllm_exposition import vllm_v1_exposition
 
@@ -102,3 +103,19 @@ def test_a_malformed_line_that_sluice_reads_is_an_error(line: str) -> None:
 def test_a_malformed_line_sluice_does_not_read_is_skipped() -> None:
     text = 'vllm:unrelated{a="1} 1\nvllm:num_requests_running 2\nnot a metric line at all {{{\n'
     assert dict(read_series(text)) == {"vllm:num_requests_running": [({}, 2)]}
+
+
+def test_label_blocks_read_again_from_the_cache_read_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe reads the label blocks the previous probe cached: every line read twice reads as the reference reads it,
+    and lines that only share a cached block's opening (a second value, an exemplar) still take the full read."""
+    text = EDGE.replace("vllm:prompt_tokens_total 0x10\n", "")
+    read_series(text)
+    assert _norm(read_series(text)) == _norm(_reference(text))
+    read_series('vllm:num_requests_running{engine="0",model_name="m"} 3\n')
+    for odd in ('vllm:num_requests_running{engine="0",model_name="m"} 3 4 5\n',
+                'vllm:num_requests_running{engine="0",model_name="m"}3\n'):
+        assert _norm(read_series(odd)) == _norm(_reference(odd))
+    monkeypatch.setattr(parse, "LABEL_SETS_MAX", 3)
+    lines = "".join(f'vllm:num_requests_running{{engine="{i}"}} {i}\n' for i in range(10))
+    assert [v for _, v in read_series(lines)["vllm:num_requests_running"]] == list(range(10))
+    assert len(parse._LABEL_SETS) <= 3
