@@ -35,6 +35,11 @@ requests (``chat``: conversations) that arrive in the window. Each arm's prompt 
 an arm never finds prefixes an earlier arm left in the engines' caches or in sluice's index (what the engines still hold
 from earlier arms is unrelated text, evicted as new prompts need room, the same for every arm after the first).
 
+The client answers errors as the official openai client does with its defaults: a 408, 409, 429 or 5xx (a shed) is
+retried twice, after its Retry-After (when within 60 s; else 0.5 s doubling), and a request's TTFT counts from its
+first attempt, so a shed's wait is in it. A turn still failing after that ends its conversation. The plain Envoy arms
+and the oracle never answer an error here; the last column counts what sluice answered before a retry.
+
 Arms (the same engines, one after another):
 
 - ``sluice``: ``sluice up`` with its defaults (prefix routing on).
@@ -195,6 +200,10 @@ class Outcome:
     content: str = ""
     engine: str = ""
     reason: str = ""
+    retries: int = 0
+    """Attempts the client repeated (``CLIENT_RETRIES``) before this outcome."""
+    shed_reasons: list[str] = field(default_factory=list)
+    """What each repeated attempt was answered (sluice's ``x-sluice-route-reason``, else the status)."""
 
 
 @dataclass
@@ -224,8 +233,31 @@ async def _oracle_pick(session: aiohttp.ClientSession, arm: Arm, body: dict[str,
     return min(free or views, key=key)[0]
 
 
+CLIENT_RETRIES = 2
+"""The official openai client's default (``DEFAULT_MAX_RETRIES``): a 408, 409, 429 or 5xx answer is retried twice, after
+its Retry-After when that is within 60 s, else after 0.5 s doubling (at most 8 s) less up to a quarter of jitter."""
+
+
+def _retry_delay(response: aiohttp.ClientResponse, retries: int, rng: random.Random) -> float:
+    """The openai client's ``_calculate_retry_timeout``: Retry-After (``-ms`` first) when 0 < it <= 60 s, else backoff."""
+    for header, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        try:
+            value = float(response.headers.get(header, "")) / divisor
+        except ValueError:
+            continue
+        if 0 < value <= 60:
+            return value
+    return min(0.5 * 2.0 ** retries, 8.0) * (1 - 0.25 * rng.random())
+
+
+def _retried(status: int) -> bool:
+    return status in (408, 409, 429) or status >= 500
+
+
 async def send(session: aiohttp.ClientSession, arm: Arm, messages: list[dict[str, str]], natural: int,
                t0: float) -> Outcome:
+    """One request as the openai client sends it: retried on 408/409/429/5xx (``CLIENT_RETRIES``, after Retry-After);
+    TTFT and the outcome count from the first attempt, so a shed's wait is in the retried request's TTFT."""
     body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": True,
                             "stream_options": {"include_usage": True}, "sim_output_tokens": natural}
     headers: dict[str, str] = {}
@@ -233,20 +265,28 @@ async def send(session: aiohttp.ClientSession, arm: Arm, messages: list[dict[str
         headers[HASH_HEADER] = hashlib.blake2b(messages[0]["content"].encode(), digest_size=8).hexdigest()
     started = time.perf_counter()
     result = Outcome(0, started - t0)
+    rng = random.Random(f"{messages[-1]['content'][:64]}-{natural}")
     try:
-        if arm.engines:
-            engine = await _oracle_pick(session, arm, body)
-            url, result.engine = arm.engines[engine] + "/v1/chat/completions", engine
-        else:
-            url = arm.base + "/chat/completions"
-        parts: list[str] = []
-        async with session.post(url, json=body, headers=headers) as response:
-            result.status = response.status
-            result.engine = response.headers.get("x-sluice-engine", result.engine)
-            result.reason = response.headers.get("x-sluice-route-reason", "")
-            if response.status != 200:
-                await response.read()
+        for attempt in range(CLIENT_RETRIES + 1):
+            if arm.engines:
+                engine = await _oracle_pick(session, arm, body)
+                url, result.engine = arm.engines[engine] + "/v1/chat/completions", engine
             else:
+                url = arm.base + "/chat/completions"
+            parts: list[str] = []
+            async with session.post(url, json=body, headers=headers) as response:
+                result.status = response.status
+                result.engine = response.headers.get("x-sluice-engine", result.engine)
+                result.reason = response.headers.get("x-sluice-route-reason", "")
+                if response.status != 200:
+                    await response.read()
+                    if attempt < CLIENT_RETRIES and _retried(response.status):
+                        result.retries += 1
+                        result.shed_reasons.append(result.reason or str(response.status))
+                        delay = _retry_delay(response, attempt, rng)
+                        await asyncio.sleep(delay / SPEED)
+                        continue
+                    break
                 async for raw in response.content:
                     line = raw.strip()
                     if not line.startswith(b"data: {"):
@@ -263,7 +303,8 @@ async def send(session: aiohttp.ClientSession, arm: Arm, messages: list[dict[str
                         result.prompt_tokens = int(usage["prompt_tokens"])
                         result.completion_tokens = int(usage["completion_tokens"])
                         result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-        result.content = "".join(parts)
+                result.content = "".join(parts)
+                break
     except (aiohttp.ClientError, asyncio.TimeoutError):
         result.status = 599
     result.done_s = time.perf_counter() - t0
@@ -406,6 +447,7 @@ def summarise(results: list[Outcome], served: dict[str, int], warm: float,
         "max_share": max(n / total / (fair or {}).get(e, FAIR) for e, n in served.items()) if served else nan,
         "max_even": max(served.values()) / total / FAIR if served else nan,
         "reasons": Counter(r.reason for r in results if r.reason),
+        "retried": Counter(why for r in results for why in r.shed_reasons),
     }
 
 
@@ -483,10 +525,11 @@ def _table(cell: Cell) -> str:
     rows = []
     for name, s in cell.figures.items():
         reasons = ", ".join(f"{k} {n}" for k, n in s["reasons"].most_common(4)) or "-"
+        retried = ", ".join(f"{k} {n}" for k, n in s["retried"].most_common(3)) or "-"
         rows.append(f"| {name} | {s['ok']}/{s['n']} | {s['hit']:.1%} ({s['engine_hit']:.1%}) | "
                     f"{s['ttft_p50']:.2f} / {s['ttft_p90']:.2f} | {s['throughput']:.0f} | "
                     f"{' / '.join(str(v) for v in s['served'].values())} ({s['max_share']:.2f}x; even "
-                    f"{s['max_even']:.2f}x) | {reasons} |")
+                    f"{s['max_even']:.2f}x) | {reasons} | {retried} |")
     marks = "\n".join(f"- {'PASS' if ok else '**MISS**'}: {what}: {detail}" for what, ok, detail in verdicts(cell))
     extra = ""
     two = cell.figures.get("sluice-2rep")
@@ -497,8 +540,8 @@ def _table(cell: Cell) -> str:
                  "the Checks over both).\n")
     return f"""#### {cell.workload}, {cell.level:.0%} ({cell.rate:.2f} requests/s wall)
 
-| arm | ok / sent | hit rate (engine counters) | TTFT p50 / p90 (s) | tok/s | served {' / '.join(n for n, _ in ENGINES)} (largest / fair; / even 1/4) | route reasons |
-|---|---|---|---|---|---|---|
+| arm | ok / sent | hit rate (engine counters) | TTFT p50 / p90 (s) | tok/s | served {' / '.join(n for n, _ in ENGINES)} (largest / fair; / even 1/4) | route reasons | retried after (answer: count) |
+|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 {marks}
@@ -601,7 +644,9 @@ Each runs `envoy/bench-plain.yaml` with these clusters (ports are this run's):
 {chr(10).join(configs)}
 """
     full = (workloads, levels) == (list(WORKLOADS), list(LEVELS)) and not quick and not admission
-    path = write_report("prefix" if full else "prefix-quick", "sluice bench prefix: prefix-cache-aware routing against cache-blind and cache-keyed "
+    # A partial run never overwrites the full report, nor another workload's partial one.
+    name = "prefix" if full else "-".join(["prefix-quick", *(w for w in workloads if workloads != ["system"])])
+    path = write_report(name, "sluice bench prefix: prefix-cache-aware routing against cache-blind and cache-keyed "
                         "routing", body)
     print(body[body.index("## Targets"):body.index("## Cells")])
     print(f"report: {path}")
