@@ -282,6 +282,9 @@ class Observation:
                 while True:
                     for frame in await read_frame(process.stdout):
                         self._apply_frame(frame, ready)
+                    if self._indexed is self.pollers and len(self.pollers) >= INDEX_MIN_ENGINES:
+                        # The batch's rows now, between Checks, not in the next Check's snapshot (FleetIndex.refresh).
+                        self.core.refresh_index(self.clock(), self.rates.tables())
                     # Reading a batch already buffered never yields: after a busy moment the pipe holds several, and
                     # applying them back to back held every Check waiting behind them. One batch, then the loop.
                     await asyncio.sleep(0)

@@ -172,6 +172,11 @@ class AdmissionCore:
         """The fleet's engines, in order (start, reload)."""
         self.index.set_order(names)
 
+    def refresh_index(self, now: float, rates: RateTables) -> None:
+        """Bring the index's rows up to date now, between Checks (``FleetIndex.refresh``)."""
+        self.index.refresh(self.ledger.view, self.ledger.changed, self.serves.values(), self.policy, self.admit_stale,
+                           rates, now)
+
     def indexed_fleet(self, now: float, rates: RateTables | None = None) -> Fleet:
         """The fleet as noted through ``note_view``, with its index: only rows whose engine's view, tickets or serve count
         changed since the last call are recomputed, so a Check costs a few copies, not a pass over every engine."""

@@ -107,6 +107,8 @@ def test_indexed_choice_equals_full_scan(seed: int) -> None:
             views[i] = replace(random_view(rng, i), sample=replace(views[i].sample, taken_at=now))  # type: ignore[arg-type]
             core.note_view(views[i])
             core.ledger.note_probe(views[i].name, now)
+            if rng.random() < 0.5:  # as the probe worker's batches do: the rows are redone between Checks
+                core.refresh_index(now, tables)
         now += rng.choice([0.0, 0.05, 1.0])
 
 
@@ -121,6 +123,13 @@ def test_index_rows_follow_views_and_tickets() -> None:
     assert (first.load[0], second.load[0]) == (0.0, 1.0)  # the handed-out snapshot did not change under its holder
     core.note_view(replace(view, drained=True))
     assert not core.indexed_fleet(1.0).index.models["m"].ok[0]
+    # Rows redone between Checks (after a batch of probes) never change a snapshot already handed out.
+    held = core.indexed_fleet(1.0).index.models["m"]
+    core.note_view(replace(view, drained=False, sample=EngineSample(2.0, running=1, waiting=0)))
+    core.refresh_index(2.0, RateTables())
+    assert not held.ok[0] and held.views[0].drained
+    fresh = core.indexed_fleet(2.0).index.models["m"]
+    assert fresh.ok[0] and not fresh.views[0].drained
 
 
 def test_weights_jitter_at_scale_is_not_a_change() -> None:
