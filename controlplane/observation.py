@@ -13,7 +13,7 @@ import asyncio
 import heapq
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from controlplane.config import Config, EngineConfig
@@ -129,9 +129,10 @@ class Observation:
             self._up[engine] = value
             self.metrics.engine_up.labels(engine).set(value)
 
-    def check_staleness(self, now: float) -> None:
-        """Count every fresh -> stale transition (``sluice_engine_state_stale_total``) and keep ``sluice_engine_up``."""
-        for poller in self.pollers:
+    def check_staleness(self, now: float, pollers: Sequence[EnginePoller] | None = None) -> None:
+        """Count every fresh -> stale transition (``sluice_engine_state_stale_total``) and keep ``sluice_engine_up``,
+        for ``pollers`` (default: every engine's)."""
+        for poller in self.pollers if pollers is None else pollers:
             view = poller.view(now)
             self._set_up(view.name, 0 if view.stale else 1)
             was = self._was_stale.get(view.name)

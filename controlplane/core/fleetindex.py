@@ -108,6 +108,8 @@ class IndexSnapshot:
     admit_stale: bool
     now: float
     half_life_s: float
+    eligibility: int = -1
+    """``FleetIndex.eligibility`` when taken: equal numbers, the same engines serve, drained, at floor and stale."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +172,10 @@ class FleetIndex:
         self._chip_tables: dict[str, _ChipTables] = {}
         self._policy: Policy | None = None
         self._admit_stale: bool | None = None
+        self.eligibility = 0
+        """Bumped whenever an engine comes or goes or its models, drain, version or staleness change: what decides
+        which engines a model's route may use at all (``weights.eligible_engines``), so the publisher's staleness tick
+        skips that pass over every engine while the number stands."""
 
     # -- change notices --------------------------------------------------------------------------------------------
     def set_order(self, names: Iterable[str]) -> None:
@@ -183,6 +189,7 @@ class FleetIndex:
         self._relist()
         self._members_dirty = True
         self._models = None
+        self.eligibility += 1
 
     def _relist(self) -> None:
         self._list = [self.views[n] for n in self.order if n in self.views]
@@ -206,6 +213,9 @@ class FleetIndex:
         if old is None or old.models != view.models:
             self._members_dirty = True
             self._models = None
+        if (old is None or old.models != view.models or old.drained != view.drained or old.version != view.version
+                or old.stale != view.stale):
+            self.eligibility += 1
         self._dirty.add(view.name)
 
     def note_serve(self, engine: str) -> None:
@@ -256,7 +266,7 @@ class FleetIndex:
         self.refresh(ledger_views, changed, serves, policy, admit_stale, rates, now)
         models = {model: self._freeze(rows, policy, rates) for model, rows in self._rows.items()}
         return (engines, MappingProxyType(dict(self._ledger)),
-                IndexSnapshot(MappingProxyType(models), policy, admit_stale, now, half_life_s))
+                IndexSnapshot(MappingProxyType(models), policy, admit_stale, now, half_life_s, self.eligibility))
 
     # -- internals -------------------------------------------------------------------------------------------------
     def _rebuild(self, ledger_views: Callable[[str], EngineLedger], serves: dict[str, tuple[float, float]], policy: Policy,

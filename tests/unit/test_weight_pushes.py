@@ -83,3 +83,37 @@ def test_a_weights_push_rebuilds_only_the_routes_and_equals_a_full_build() -> No
 
     asyncio.run(run())
 
+
+
+def test_on_an_indexed_fleet_eligibility_is_recomputed_only_when_an_engine_moves(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """At scale the staleness tick reads which engines are eligible from the index's eligibility number instead of a
+    pass over every engine; a drain (or staleness, a floor) still leaves the route at once."""
+    from controlplane.core import weights
+    from controlplane.core.admission import AdmissionCore
+    from controlplane.core.ledger import Ledger
+    from controlplane.core.policy import Policy
+    from controlplane.xds import publisher as publisher_module
+
+    config = parse_config({"engines": [{"name": "thor", "url": "http://127.0.0.1:9000"},
+                                       {"name": "spark", "url": "http://127.0.0.1:9001"}]})
+    core = AdmissionCore(Policy(), Ledger(600))
+    core.set_engines(["thor", "spark"])
+    for view in fleet(0).engines:
+        core.note_view(view)
+    passes = []
+    real = weights.eligible_engines
+    monkeypatch.setattr(publisher_module, "eligible_engines", lambda f, p: passes.append(1) or real(f, p))
+    publisher = XdsPublisher(config, SluiceMetrics())
+    publisher.start(core.indexed_fleet(0.0), {}, (), now=0.0)
+
+    async def run() -> None:
+        await publisher.refresh_weights(core.indexed_fleet(1.0), now=1.0)
+        before = len(passes)
+        core.note_view(fleet(2).engines[0])  # thor busier: not a change of eligibility
+        assert not await publisher.refresh_weights(core.indexed_fleet(2.0), now=2.0)
+        assert len(passes) == before
+        core.note_view(fleet(2, drained="spark").engines[1])
+        assert await publisher.refresh_weights(core.indexed_fleet(3.0), now=3.0)
+        assert len(passes) == before + 1 and set(publisher.weights["cortex"]) == {"thor"}
+
+    asyncio.run(run())
