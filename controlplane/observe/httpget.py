@@ -42,7 +42,6 @@ class _Response(asyncio.Protocol):
         self._buffer = bytearray()
         self._done: asyncio.Future[tuple[int, dict[str, str], bytes]] | None = None
         self._head: tuple[int, dict[str, str], bool] | None = None
-        self._received = 0
         self.unclean = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -52,7 +51,6 @@ class _Response(asyncio.Protocol):
         self._done = loop.create_future()
         self._buffer.clear()
         self._head = None
-        self._received = 0
         return self._done
 
     def data_received(self, data: bytes) -> None:
@@ -60,7 +58,6 @@ class _Response(asyncio.Protocol):
             self.unclean = True  # bytes nobody asked for: the connection is not reused
             return
         self._buffer += data
-        self._received += len(data)
         try:
             self._parse(at_eof=False)
         except HttpError as exc:
@@ -71,14 +68,13 @@ class _Response(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
         self._finish_at_close()
 
     def _finish_at_close(self) -> None:
         self.closed = True
         if self._done is None or self._done.done():
             return
-        if self._received == 0:
+        if self._head is None and not self._buffer:  # not a byte of the answer arrived
             self._done.set_exception(_StaleConnection("connection closed before an answer"))
             return
         try:

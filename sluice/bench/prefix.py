@@ -200,10 +200,9 @@ class Outcome:
     content: str = ""
     engine: str = ""
     reason: str = ""
-    retries: int = 0
-    """Attempts the client repeated (``CLIENT_RETRIES``) before this outcome."""
     shed_reasons: list[str] = field(default_factory=list)
-    """What each repeated attempt was answered (sluice's ``x-sluice-route-reason``, else the status)."""
+    """What each attempt the client repeated (``CLIENT_RETRIES``) was answered (sluice's ``x-sluice-route-reason``,
+    else the status)."""
 
 
 @dataclass
@@ -281,7 +280,6 @@ async def send(session: aiohttp.ClientSession, arm: Arm, messages: list[dict[str
                 if response.status != 200:
                     await response.read()
                     if attempt < CLIENT_RETRIES and _retried(response.status):
-                        result.retries += 1
                         result.shed_reasons.append(result.reason or str(response.status))
                         delay = _retry_delay(response, attempt, rng)
                         await asyncio.sleep(delay / SPEED)
