@@ -118,6 +118,11 @@ def test_a_restarted_engine_is_forgotten(tmp_path: Path) -> None:
             return {e.name: e.expected_cached_tokens for e in why.engines}
 
         assert expected()[home] > 5_000
+        # A restart shows as counters going backwards, so a probe must have seen them move first: the tickets are
+        # released from the access log, and the stop below could otherwise come before the next probe (a race seen in
+        # about one run in four once the rest of the stack got faster).
+        wait_for(lambda: metric_labelled(stack, f'sluice_engine_prefill_tokens_per_second{{engine="{home}"}}') > 0,
+                 timeout=10, what="a probe that saw the request's prefill")
         port = int(stack.sim_url(home).rsplit(":", 1)[1])
         stop(stack.sims[home])
         stack.sims[home], _ = launch_sim("spark", home, 20.0, tmp_path, port=port)
