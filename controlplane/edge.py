@@ -98,6 +98,7 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Reason.SESSION_AFFINITY: _OK,
     Reason.STALE_FAIL_OPEN: _OK,
     Reason.WORK_CONSERVING: _OK,
+    Reason.FAIR_SHARE: _OK,
     Reason.PREFIX_CACHE: _OK,
     Reason.MODEL_LIST: _OK,
     # refused: the request itself

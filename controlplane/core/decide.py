@@ -49,8 +49,8 @@ from controlplane.core.model import (
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.request import RequestError
 from controlplane.core.route import (
-    Estimate, cached_tokens, estimate, expected_frees, expected_output_tokens, prefill_rate, waits_too_long,
-    weighted_pick,
+    Estimate, cached_tokens, capacity_throughput, estimate, expected_frees, expected_output_tokens, over_share,
+    prefill_rate, waits_too_long, weighted_pick,
 )
 
 # Names callers import from here (the admin API, admission, tests) though they live beside this module.
@@ -229,6 +229,9 @@ def decide(
                 band = [x for x in band if x.cached_tokens == longest]
             chosen = weighted_pick(band, fleet.recent_serves, pick)
             return _admit(request, chosen, Reason.SATISFICING_BAND, policy, now, fleet)
+    set_aside = math.inf
+    if deadline_s is None:
+        estimates, set_aside = _spread(estimates, candidates, fleet, policy)
     free = [x for x in estimates if x.can_start]
     if not free:
         # Nothing can start now (or what could start misses the deadline while a busy engine would meet it).
@@ -239,7 +242,8 @@ def decide(
         return _wait(request, candidates, fleet, policy, now, 0, first, detail, park_limit,
                      idle_slot=idle_slot)
 
-    admitted = _finish_soonest(request, estimates, free, fleet, policy, now, affinity, admitted_reason, arriving)
+    admitted = _finish_soonest(request, estimates, free, fleet, policy, now, affinity, admitted_reason, arriving,
+                               set_aside)
     if admitted is not None:
         return admitted
     best = min(estimates, key=lambda x: _soonest(x, fleet))
@@ -254,16 +258,37 @@ def _soonest(x: Estimate, fleet: Fleet) -> tuple[float, float, float, str]:
     return (round(x.finish_s, 6), load, load / x.engine.cap if x.engine.cap else load, x.engine.name)
 
 
+def _spread(estimates: list[Estimate], candidates: list[EngineView], fleet: Fleet,
+            policy: Policy) -> tuple[list[Estimate], float]:
+    """The fair-share spread (route.py): ``estimates`` without the engines over their share that are not expected to hold
+    part of the prompt, when an engine left can start now (else all of them: the spread never makes a request wait);
+    and the soonest finish among the free slots set aside (inf: none), which names the reason ``fair_share``."""
+    ratio = policy.max_share_over_capacity
+    if not ratio or len(candidates) < 2:
+        return estimates, math.inf
+    serves = fleet.recent_serves
+    throughput = {e.name: capacity_throughput(e, fleet, policy) for e in candidates}
+    total_serves = sum(serves.get(e.name, 0.0) for e in candidates)
+    total_throughput = sum(throughput.values())
+    over = [x.cached_tokens == 0 and over_share(serves.get(x.engine.name, 0.0), throughput[x.engine.name],
+                                                total_serves, total_throughput, ratio) for x in estimates]
+    kept = [x for x, o in zip(estimates, over) if not o]
+    if len(kept) == len(estimates) or not any(x.can_start for x in kept):
+        return estimates, math.inf
+    return kept, min((x.finish_s for x, o in zip(estimates, over) if o and x.can_start), default=math.inf)
+
+
 def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: list[Estimate], fleet: Fleet,
                     policy: Policy, now: float, affinity: str | None, admitted_reason: Reason,
-                    arriving: bool = False) -> Decision | None:
+                    arriving: bool = False, set_aside: float = math.inf) -> Decision | None:
     """Without a deadline: the engine where the request finishes soonest (route.py), or None when that means waiting.
 
     Waiting for a busy faster engine while a slot is free needs: it finishes sooner (by the margin), the wait is bounded
     (``waits_too_long``), and, for a request just **arriving** (nothing parked ahead of it), that waiting also gives it its
     first token sooner: an arrival that finds a free slot is its own user's latency, and starting now beats finishing
     first. A request already parked (a burst's backlog) keeps pure finish-soonest, which is what splits seed 000's bursts
-    the way the best assignment does."""
+    the way the best assignment does. ``set_aside``: the soonest finish of a free slot the fair-share spread set aside
+    (``_spread``); a choice finishing later than that is reported ``fair_share``."""
     def soonest(x: Estimate) -> tuple[float, float, float, str]:
         return _soonest(x, fleet)
 
@@ -284,6 +309,8 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
         acceptable = free  # a sheddable request takes any free slot rather than being shed for want of a faster one
     if best.can_start or acceptable:
         chosen = best if best.can_start else min(acceptable, key=soonest)
+        if admitted_reason is Reason.FINISH_SOONEST and chosen.finish_s > set_aside + 1e-6:
+            admitted_reason = Reason.FAIR_SHARE
         return _admit(request, chosen, admitted_reason, policy, now, fleet)
     return None
 
@@ -360,14 +387,27 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         chosen = int(np.searchsorted(cumulative, pick * float(cumulative[-1]), side="right"))
         return _admit(request, exact(int(members[min(chosen, len(members) - 1)]), True), Reason.SATISFICING_BAND,
                       policy, now, fleet)
-    return _soonest_indexed(request, rows, candidate, fits, busy, ttft + out / rate, prefill_s, out, exact, at, affinity,
-                            None, fleet, policy, now, arriving)
+    finish = ttft + out / rate
+    set_aside = math.inf
+    ratio = policy.max_share_over_capacity
+    if ratio and int(candidate.sum()) >= 2:
+        # The fair-share spread, as _spread does it on the full scan.
+        serves = rows.serve_value * np.power(0.5, np.maximum(0.0, index.now - rows.serve_at) / index.half_life_s)
+        total_serves, total_throughput = float(serves[candidate].sum()), float(rows.full[candidate].sum())
+        if total_throughput > 0:
+            over = candidate & (hit == 0) & (serves >= 1.0 + ratio * total_serves * rows.full / total_throughput)
+            if over.any() and (fits & ~over).any():
+                if (fits & over).any():
+                    set_aside = float(finish[fits & over].min())
+                fits, busy = fits & ~over, busy & ~over
+    return _soonest_indexed(request, rows, candidate, fits, busy, finish, prefill_s, out, exact, at, affinity,
+                            None, fleet, policy, now, arriving, set_aside)
 
 
 def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free: Any, busy: Any, finish: Any,
                      prefill_s: Any, out: float, exact: Any, at: int | None, affinity: str | None,
                      deadline_s: float | None, fleet: Fleet, policy: Policy, now: float,
-                     arriving: bool = False) -> Decision | None:
+                     arriving: bool = False, set_aside: float = math.inf) -> Decision | None:
     """Finish-soonest on the index: ``free`` rows can start now (with a deadline, those meeting it), ``busy`` rows are only
     short of a slot; None when no free row is left (the full scan parks or sheds). Waiting for a faster busy engine parks
     here, as the full scan would."""
@@ -400,7 +440,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
         if deadline_s is None or sticky.ttft_s <= deadline_s:
             estimates.append(sticky)
     admitted = _finish_soonest(request, estimates, [x for x in estimates if x.can_start], fleet, policy, now, affinity,
-                               Reason.FINISH_SOONEST, arriving)
+                               Reason.FINISH_SOONEST, arriving, set_aside)
     if admitted is not None:
         return admitted
     best = min(estimates, key=lambda x: _soonest(x, fleet))

@@ -37,7 +37,7 @@ import numpy as np
 from controlplane.core.model import EngineLedger, EngineView, Fleet, RateTables
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.fit import effective_load, held_tokens, model_len
-from controlplane.core.route import decode_rate
+from controlplane.core.route import capacity_throughput, decode_rate
 
 _INF = math.inf
 _NAN = math.nan
@@ -92,6 +92,8 @@ class ModelArrays:
     """Per-request decode rate at the batch a free slot runs in under pressure (the cap; load + 1 without a cap)."""
     d_free: np.ndarray
     """... and without pressure (min(cap, load + 1))."""
+    full: np.ndarray
+    """Tokens/s with the batch full (``route.capacity_throughput``): the engine's part of the capacity (fair share)."""
     serve_value: np.ndarray
     serve_at: np.ndarray
     first_done: np.ndarray
@@ -136,7 +138,8 @@ class _Rows:
         n = len(names)
         self.views: list[EngineView | None] = [None] * n
         self.f = {k: np.zeros(n) for k in ("model_len", "capacity", "usage", "cap", "load", "held", "open_model",
-                                           "p_fallback", "d_press", "d_free", "serve_value", "serve_at", "first_done")}
+                                           "p_fallback", "d_press", "d_free", "full", "serve_value", "serve_at",
+                                           "first_done")}
         rank = {name: r for r, name in enumerate(sorted(names))}
         self.name_rank = np.array([rank[name] for name in names], dtype=np.int64)
         self.ok = np.zeros(n, dtype=bool)
@@ -320,6 +323,7 @@ class FleetIndex:
         free = min(cap, batch) if cap is not None else batch
         f["d_press"][i] = decode_rate(view, max(1, press), one, policy)
         f["d_free"][i] = decode_rate(view, max(1, free), one, policy)
+        f["full"][i] = capacity_throughput(view, one, policy)
         value, at = serves.get(name, (0.0, now))
         f["serve_value"][i] = value
         f["serve_at"][i] = at
@@ -360,6 +364,6 @@ class FleetIndex:
         return ModelArrays(
             tuple(rows.names), views, rows.ok, f["model_len"], f["capacity"], f["usage"],
             f["cap"], f["load"], f["held"], f["open_model"], prefill, quality_block, f["d_press"], f["d_free"],
-            f["serve_value"], f["serve_at"], f["first_done"], rows.name_rank, rows.position,
+            f["full"], f["serve_value"], f["serve_at"], f["first_done"], rows.name_rank, rows.position,
         )
 

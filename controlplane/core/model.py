@@ -218,6 +218,7 @@ class Reason(enum.Enum):
     SESSION_AFFINITY = "session_affinity"
     STALE_FAIL_OPEN = "stale_fail_open"
     WORK_CONSERVING = "work_conserving"
+    FAIR_SHARE = "fair_share"
     """A free slot taken although a busy engine would finish sooner: its slot wait exceeded the work-conserving bound."""
     PREFIX_CACHE = "prefix_cache"
     """The chosen engine is expected to hold the start of the prompt in its prefix cache, and the estimate that chose it

@@ -58,6 +58,12 @@ class Policy:
     max_wait_for_faster_services: float = 0.5
     """Work conservation: a request waits for a busy faster engine while a free slot is idle only if that engine's slot
     wait is at most this many of the request's service times on it (0: never wait while a slot is free)."""
+    max_share_over_capacity: float = 1.3
+    """Fair-share spread (route.py): without a deadline, an engine whose recent admissions (``serve_half_life_s``) exceed
+    this many times its part of the candidates' capacity (cap x decode rate at cap) takes a request only when it is
+    expected to hold part of its prompt, or when no engine under its share can start it now. Finish-soonest alone
+    sends light load to the fastest engines and leaves slower ones idle (``bench prefix`` at 50% load: 1.75x of a
+    spark's share); the spread trades some latency at light load for using the whole fleet. 0: off."""
     band_margin_ms: float = 1000.0
     """Satisficing band: estimated TTFT at least this far inside the deadline."""
     serve_half_life_s: float = 300.0

@@ -200,6 +200,22 @@ def cached_tokens(engine: str, request: InferenceRequest, cached: Mapping[str, i
     return min(cached.get(engine, 0), max(0, request.prompt_tokens - 1))
 
 
+def capacity_throughput(engine: EngineView, fleet: Fleet, policy: Policy) -> float:
+    """Tokens/s ``engine`` generates with its batch full (cap x per-request decode rate at cap; one stream without a
+    cap): its part of the fleet's capacity, for the fallback weights and the fair-share spread."""
+    batch = engine.cap or 1
+    return batch * decode_rate(engine, batch, fleet, policy)
+
+
+def over_share(serves: float, throughput: float, total_serves: float, total_throughput: float, ratio: float) -> bool:
+    """Fair-share spread: ``serves`` (an engine's recent admissions) is above ``ratio`` times its part of the candidates'
+    capacity (``throughput / total_throughput``) of ``total_serves``, with one admission of slack so that the first few
+    requests of a quiet period are not spread by chance."""
+    if ratio <= 0 or total_throughput <= 0:
+        return False
+    return serves >= 1.0 + ratio * total_serves * throughput / total_throughput
+
+
 def weighted_pick(estimates: list[Estimate], serves: Mapping[str, float], pick: float) -> Estimate:
     """Weighted choice with weight 1 / (1 + recent serves); ``pick`` in [0, 1) is the caller's random draw."""
     weights = [1.0 / (1.0 + serves.get(e.engine.name, 0.0)) for e in estimates]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from controlplane.core.fit import effective_load
 from controlplane.core.model import EngineView, Fleet
 from controlplane.core.policy import Policy, meets_floor
-from controlplane.core.route import decode_rate
+from controlplane.core.route import capacity_throughput, decode_rate
 
 Weights = dict[str, dict[str, int]]
 SCALE = 1000
@@ -35,7 +35,7 @@ def compute_weights(fleet: Fleet, policy: Policy) -> Weights:
         engines = [e for e in fleet.engines if _eligible(e, model, fleet, policy)]
         if not engines:
             continue
-        full = {e.name: (e.cap or 1) * decode_rate(e, e.cap or 1, fleet, policy) for e in engines}
+        full = {e.name: capacity_throughput(e, fleet, policy) for e in engines}
         free = {e.name: max(0.0, (e.cap or 1) - effective_load(e, fleet)) * decode_rate(e, e.cap or 1, fleet, policy)
                 for e in engines}
         raw = free if sum(free.values()) > 0 else full
