@@ -46,6 +46,13 @@ idled. Failure mode: an engine much slower than the rest (more than about
 those requests finish later than waiting would have; keep such an engine out with the model's decode floor (band and quality
 cap), a larger bound, or drain it. With bound 0 the router never waits while a slot is free.
 
+**Fair-share spread** (``max_share_over_capacity``, decide._spread). Without a deadline, an engine whose recent admissions
+(the band's decayed serve counts) are ``over_share`` (at least ``1 + ratio x total x its part of the candidates'
+capacity_throughput``) is set aside, unless it is expected to hold part of the prompt or no engine left can start the
+request now: finish-soonest alone leaves slower engines idle at light load (``bench prefix`` at 50%: a spark at 1.75x its
+share, a thor at none). Failure mode: a request may finish later on the slower engine than on the fast one; bounded by the
+ratio, 0 turns it off. An admission finishing later than a set-aside free slot reports ``fair_share``.
+
 With a deadline (``x-sluice-max-ttft-ms`` or the model's default) only engines whose ``ttft`` meets it count. None: shed
 ``ttft_unmeetable`` when even an idle engine's prefill misses it, or when a slot is free and no engine meets it even
 without its wait (parking would idle that slot until the park limit sheds anyway); else park while a release might still
