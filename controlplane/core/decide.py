@@ -60,6 +60,8 @@ __all__ = [
 ]
 
 _NOTHING_CACHED: Mapping[str, int] = MappingProxyType({})
+_TINY = 1e-12
+"""A floor under a capacity divided by (an engine that measured no decode at all)."""
 
 
 def refuse(error: RequestError) -> Decision:
@@ -227,7 +229,8 @@ def decide(
             longest = max(x.cached_tokens for x in band)
             if longest:  # the prompt where it is cached: good enough anyway, and its prefill costs nothing
                 band = [x for x in band if x.cached_tokens == longest]
-            chosen = weighted_pick(band, fleet.recent_serves, pick)
+            throughput = {x.engine.name: capacity_throughput(x.engine, fleet, policy) for x in band}
+            chosen = weighted_pick(band, fleet.recent_serves, pick, throughput)
             return _admit(request, chosen, Reason.SATISFICING_BAND, policy, now, fleet)
     set_aside = math.inf
     if deadline_s is None:
@@ -278,6 +281,21 @@ def _spread(estimates: list[Estimate], candidates: list[EngineView], fleet: Flee
     return kept, min((x.finish_s for x, o in zip(estimates, over) if o and x.can_start), default=math.inf)
 
 
+def _near_tie(soonest: Estimate, pool: list[Estimate], fleet: Fleet, policy: Policy) -> Estimate:
+    """Near ties (route.py): among ``pool``'s free slots finishing within ``near_tie_fraction`` of ``soonest`` (the
+    soonest of them), the one expected to hold the most of the prompt (a hit also spares the fleet a prefill), then the
+    fewest recent admissions per unit of capacity, then ``_soonest``'s order."""
+    if policy.near_tie_fraction <= 0:
+        return soonest
+    limit = soonest.finish_s * (1 + policy.near_tie_fraction)
+    tied = [x for x in pool if x.can_start and x.finish_s <= limit]
+    if len(tied) < 2:
+        return soonest
+    serves = fleet.recent_serves
+    return min(tied, key=lambda x: (-x.cached_tokens, serves.get(x.engine.name, 0.0)
+                                    / max(capacity_throughput(x.engine, fleet, policy), _TINY), _soonest(x, fleet)))
+
+
 def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: list[Estimate], fleet: Fleet,
                     policy: Policy, now: float, affinity: str | None, admitted_reason: Reason,
                     arriving: bool = False, set_aside: float = math.inf) -> Decision | None:
@@ -308,7 +326,8 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
     if request.priority is Priority.SHEDDABLE and not acceptable:
         acceptable = free  # a sheddable request takes any free slot rather than being shed for want of a faster one
     if best.can_start or acceptable:
-        chosen = best if best.can_start else min(acceptable, key=soonest)
+        # The soonest free slot either way (acceptable holds the free slots soonest first, up to a bound), or a near tie.
+        chosen = _near_tie(best if best.can_start else min(acceptable, key=soonest), free, fleet, policy)
         if admitted_reason is Reason.FINISH_SOONEST and chosen.finish_s > set_aside + 1e-6:
             admitted_reason = Reason.FAIR_SHARE
         return _admit(request, chosen, admitted_reason, policy, now, fleet)
@@ -374,7 +393,8 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         if not band.any():
             # No band: finish-soonest among the engines that meet the deadline (busy ones filtered once estimated).
             return _soonest_indexed(request, rows, candidate, fits & (ttft <= deadline_s), busy, ttft + out / rate,
-                                    prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now, arriving)
+                                    prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now, arriving,
+                                    hit=hit)
         if at is not None and band[at]:
             return _admit(request, exact(at, True), Reason.SESSION_AFFINITY, policy, now, fleet)
         members = np.flatnonzero(band)
@@ -383,7 +403,10 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
             members = members[hit[members] == longest]
         serves = rows.serve_value[members] * np.power(
             0.5, np.maximum(0.0, index.now - rows.serve_at[members]) / index.half_life_s)
-        cumulative = np.cumsum(1.0 / (1.0 + serves))
+        full = rows.full[members]
+        largest = float(full.max())
+        capacity = full / largest if largest > 0 else np.ones(len(members))
+        cumulative = np.cumsum(capacity / (1.0 + serves / capacity))  # route.band_weight
         chosen = int(np.searchsorted(cumulative, pick * float(cumulative[-1]), side="right"))
         return _admit(request, exact(int(members[min(chosen, len(members) - 1)]), True), Reason.SATISFICING_BAND,
                       policy, now, fleet)
@@ -401,31 +424,37 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
                     set_aside = float(finish[fits & over].min())
                 fits, busy = fits & ~over, busy & ~over
     return _soonest_indexed(request, rows, candidate, fits, busy, finish, prefill_s, out, exact, at, affinity,
-                            None, fleet, policy, now, arriving, set_aside)
+                            None, fleet, policy, now, arriving, set_aside, hit)
 
 
 def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free: Any, busy: Any, finish: Any,
                      prefill_s: Any, out: float, exact: Any, at: int | None, affinity: str | None,
                      deadline_s: float | None, fleet: Fleet, policy: Policy, now: float,
-                     arriving: bool = False, set_aside: float = math.inf) -> Decision | None:
+                     arriving: bool = False, set_aside: float = math.inf, hit: Any = None) -> Decision | None:
     """Finish-soonest on the index: ``free`` rows can start now (with a deadline, those meeting it), ``busy`` rows are only
     short of a slot; None when no free row is left (the full scan parks or sheds). Waiting for a faster busy engine parks
     here, as the full scan would."""
     if not free.any():
         return None
     free_rows = np.flatnonzero(free)
-    free_finish = finish[free_rows]
-    # The soonest free slot by _soonest's key: finish rounded to 1 us (Python's round, on the few distinct values near the
-    # minimum), then the lighter load, the more headroom, the name.
-    near = free_finish <= float(free_finish.min()) + 1e-6
-    rounded = {float(v): round(float(v), 6) for v in np.unique(free_finish[near])}
-    lowest = min(rounded.values())
-    tied = free_rows[near & np.isin(free_finish, [v for v, r in rounded.items() if r == lowest])]
-    load = rows.load[tied]
-    cap = rows.cap[tied]
-    headroom = np.where(np.isfinite(cap) & (cap > 0), load / np.where(np.isfinite(cap) & (cap > 0), cap, 1.0), load)
-    best_free = int(tied[np.lexsort((rows.name_rank[tied], headroom, load))[0]])
+    best_free = _soonest_row(rows, free_rows, finish)
     estimates = [exact(best_free, True)]
+    if policy.near_tie_fraction > 0 and len(free_rows) > 1:
+        # Near ties (as _near_tie): the free rows finishing within the fraction of the soonest, the longest expected hit
+        # first, then the fewest serves per unit of capacity, then _soonest's order. Only the winner is estimated;
+        # _finish_soonest then finds it again.
+        near = free_rows[finish[free_rows] <= estimates[0].finish_s * (1 + policy.near_tie_fraction)]
+        if len(near) > 1:
+            if hit is not None:
+                near = near[hit[near] == hit[near].max()]
+            index = fleet.index
+            assert index is not None
+            served = rows.serve_value[near] * np.power(
+                0.5, np.maximum(0.0, index.now - rows.serve_at[near]) / index.half_life_s)
+            ratio = served / np.maximum(rows.full[near], _TINY)
+            tie = _soonest_row(rows, near[ratio == ratio.min()], finish)
+            if tie != best_free:
+                estimates.append(exact(tie, True))
     bound = estimates[0].finish_s + 1e-6
     # A busy engine runs the request at its full batch after its slot wait, which is at least until its soonest ticket's
     # expected finish (or one service when it has none): beyond the bound even so, it cannot win.
@@ -451,6 +480,20 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
                  f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
                  park_limit)
+
+
+def _soonest_row(rows: Any, among: Any, finish: Any) -> int:
+    """The row of ``among`` (row numbers) first by _soonest's key: finish rounded to 1 us (Python's round, on the few
+    distinct values near the minimum), then the lighter load, the more headroom, the name."""
+    values = finish[among]
+    near = values <= float(values.min()) + 1e-6
+    rounded = {float(v): round(float(v), 6) for v in np.unique(values[near])}
+    lowest = min(rounded.values())
+    tied = among[near & np.isin(values, [v for v, r in rounded.items() if r == lowest])]
+    load = rows.load[tied]
+    cap = rows.cap[tied]
+    headroom = np.where(np.isfinite(cap) & (cap > 0), load / np.where(np.isfinite(cap) & (cap > 0), cap, 1.0), load)
+    return int(tied[np.lexsort((rows.name_rank[tied], headroom, load))[0]])
 
 
 def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: Policy, now: float,

@@ -58,16 +58,23 @@ class Policy:
     max_wait_for_faster_services: float = 0.5
     """Work conservation: a request waits for a busy faster engine while a free slot is idle only if that engine's slot
     wait is at most this many of the request's service times on it (0: never wait while a slot is free)."""
-    max_share_over_capacity: float = 1.3
-    """Fair-share spread (route.py): without a deadline, an engine whose recent admissions (``serve_half_life_s``) exceed
-    this many times its part of the candidates' capacity (cap x decode rate at cap) takes a request only when it is
-    expected to hold part of its prompt, or when no engine under its share can start it now. Finish-soonest alone
-    sends light load to the fastest engines and leaves slower ones idle (``bench prefix`` at 50% load: 1.75x of a
-    spark's share); the spread trades some latency at light load for using the whole fleet. 0: off."""
+    near_tie_fraction: float = 0.05
+    """Near ties (route.py): without a deadline, the free slots whose expected finish is within this fraction of the
+    soonest one's are equally good, and the one with the fewest recent admissions per unit of its capacity takes the
+    request. Engines of one kind measure rates a percent or two apart, and finish-soonest alone sent all light load to
+    whichever measured faster (``bench prefix`` at 50% load: spark-a 59 requests, spark-b 37). 0: the soonest always."""
+    max_share_over_capacity: float = 0.0
+    """Fair-share spread (route.py), off by default: without a deadline, an engine whose recent admissions
+    (``serve_half_life_s``) exceed this many times its part of the candidates' capacity (cap x decode rate at cap) takes
+    a request only when it is expected to hold part of its prompt, or when no engine under its share can start it now.
+    It sends light load to slower engines, where it finishes later: at 1.3 (its default in session 7) ``bench steady``
+    thor+spark at 50% put 4 of 27 requests on thor and its TTFT p90 went from 0.04 to 0.06 s against the best plain
+    Envoy's 0.05 (bench/results/README.md, session 8). Near ties (above) spread equal engines at no such cost. For an
+    operator who wants every engine used at light load (e.g. to keep its measured rates fresh). 0: off."""
     band_margin_ms: float = 1000.0
     """Satisficing band: estimated TTFT at least this far inside the deadline."""
     serve_half_life_s: float = 300.0
-    """Half-life of the recent-serves count that weights the band."""
+    """Half-life of the recent-serves count that weights the band and breaks near ties."""
     backfill: bool = False
     """Off: strict FIFO within a class. On: a parked request behind a blocked head may start now if it is expected to
     finish before the head could start (EASY backfilling), so the head is not delayed. Off by default, decided by

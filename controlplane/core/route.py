@@ -46,20 +46,31 @@ idled. Failure mode: an engine much slower than the rest (more than about
 those requests finish later than waiting would have; keep such an engine out with the model's decode floor (band and quality
 cap), a larger bound, or drain it. With bound 0 the router never waits while a slot is free.
 
-**Fair-share spread** (``max_share_over_capacity``, decide._spread). Without a deadline, an engine whose recent admissions
-(the band's decayed serve counts) are ``over_share`` (at least ``1 + ratio x total x its part of the candidates'
-capacity_throughput``) is set aside, unless it is expected to hold part of the prompt or no engine left can start the
-request now: finish-soonest alone leaves slower engines idle at light load (``bench prefix`` at 50%: a spark at 1.75x its
-share, a thor at none). Failure mode: a request may finish later on the slower engine than on the fast one; bounded by the
-ratio, 0 turns it off. An admission finishing later than a set-aside free slot reports ``fair_share``.
+**Near ties** (``near_tie_fraction``, default 0.05, decide._near_tie). The free slots whose ``finish`` is within that
+fraction of the soonest free slot's are equally good: the one expected to hold the most of the prompt takes the request,
+then the one with the fewest recent admissions (the band's decayed serve counts) per unit of ``capacity_throughput``,
+then the soonest. Two engines of one kind measure
+rates a percent or two apart, so finish-soonest alone gave all light load to whichever measured faster (``bench prefix``
+at 50%: spark-a 59 requests, spark-b 37); a 2.7x slower engine is no tie and stays out of light load. Failure mode: a
+request may finish up to that fraction later than on the soonest slot.
+
+**Fair-share spread** (``max_share_over_capacity``, off by default, decide._spread). Without a deadline, an engine whose
+recent admissions are ``over_share`` (at least ``1 + ratio x total x its part of the candidates' capacity_throughput``)
+is set aside, unless it is expected to hold part of the prompt or no engine left can start the request now. It uses
+slower engines at light load, where requests finish later: ``bench steady`` thor+spark at 50% with ratio 1.3 put 4 of 27
+requests on thor and lost its TTFT p90 to a plain weighted Envoy (0.06 against 0.05 s; 0.04 without it). An admission
+finishing later than a set-aside free slot reports ``fair_share``.
 
 With a deadline (``x-sluice-max-ttft-ms`` or the model's default) only engines whose ``ttft`` meets it count. None: shed
 ``ttft_unmeetable`` when even an idle engine's prefill misses it, or when a slot is free and no engine meets it even
 without its wait (parking would idle that slot until the park limit sheds anyway); else park while a release might still
 come in time (waits are uncertain, real releases decide). The **satisficing band** (seed 002) is every engine that can start now with ``ttft`` at least
 ``band_margin_ms`` inside the deadline and a decode rate at or above the model's floor; the pick inside the band is weighted
-by ``1 / (1 + recent serves)`` (serves decay with a 5-minute half-life), so load spreads over every engine that is good
-enough instead of piling onto the fastest. A session (``x-sluice-session``) keeps its engine while that engine is in the band
+by ``band_weight``: ``c / (1 + recent serves / c)`` with ``c`` the member's ``capacity_throughput`` over the band's largest
+(serves decay with a 5-minute half-life), so load spreads over every engine that is good enough, in proportion to its
+capacity, instead of piling onto the fastest. Seed 002's ``1 / (1 + recent serves)`` (what equal members still get)
+evened the counts out, so a slow engine took as many deadline requests as a fast one (``bench steady`` mixed6 at 50%:
+TTFT p90 0.31 s against a weighted Envoy's 0.20). A session (``x-sluice-session``) keeps its engine while that engine is in the band
 (prefix-cache affinity); without a deadline, while the engine is within the work-conserving margin of the best.
 
 **Prefix cache.** An expected cache hit is prefill the engine skips, so it enters ``ttft`` and ``finish`` above and nothing
@@ -223,9 +234,22 @@ def over_share(serves: float, throughput: float, total_serves: float, total_thro
     return serves >= 1.0 + ratio * total_serves * throughput / total_throughput
 
 
-def weighted_pick(estimates: list[Estimate], serves: Mapping[str, float], pick: float) -> Estimate:
-    """Weighted choice with weight 1 / (1 + recent serves); ``pick`` in [0, 1) is the caller's random draw."""
-    weights = [1.0 / (1.0 + serves.get(e.engine.name, 0.0)) for e in estimates]
+def band_weight(serves: float, capacity: float) -> float:
+    """The satisficing band's weight for a member with ``serves`` recent admissions and ``capacity`` its throughput over
+    the band's largest (0 < capacity <= 1): ``c / (1 + s / c)``. Equal members get seed 002's ``1 / (1 + s)``; unequal
+    ones settle at shares proportional to their capacity (with ``s`` proportional to the share ``p``, ``p ~ c / (1 +
+    p N / c)`` gives ``p ~ c`` once the counts ``N`` are large), where an even spread would load a slow engine as much
+    as a fast one."""
+    return capacity / (1.0 + serves / capacity)
+
+
+def weighted_pick(estimates: list[Estimate], serves: Mapping[str, float], pick: float,
+                  throughput: Mapping[str, float]) -> Estimate:
+    """Weighted choice by ``band_weight`` (``throughput``: each member's ``capacity_throughput``); ``pick`` in [0, 1) is
+    the caller's random draw."""
+    largest = max(throughput[e.engine.name] for e in estimates)
+    weights = [band_weight(serves.get(e.engine.name, 0.0), throughput[e.engine.name] / largest if largest > 0 else 1.0)
+               for e in estimates]
     target = pick * sum(weights)
     for estimate_, weight in zip(estimates, weights):
         if target < weight:

@@ -130,6 +130,18 @@ def test_band_spreads_by_recent_serves() -> None:
     assert picks["a"] < picks["b"] / 5  # ~1/10 the weight of a never-served peer
 
 
+def test_band_shares_follow_capacity() -> None:
+    """Every member is good enough for a 60 s deadline; fast has twice slow's capacity (decode rate at its cap), so it
+    settles at about twice slow's share, where seed 002's 1 / (1 + serves) split them evenly."""
+    fast, slow = engine("fast", decode=40.0), engine("slow", decode=20.0)
+    rng = random.Random(5)
+    serves: Counter[str] = Counter()
+    for _ in range(3000):
+        fleet = Fleet((fast, slow), recent_serves=dict(serves))
+        serves[decide(chat(ttft_ms=60_000), fleet, P, now=0.0, pick=rng.random()).engine or ""] += 1
+    assert 1.8 < serves["fast"] / serves["slow"] < 2.2, serves
+
+
 def test_band_honours_the_decode_floor() -> None:
     policy = Policy(default_max_tokens=111, models={"cortex": ModelPolicy(decode_floor_tokens_per_s=15)})
     fleet = Fleet((engine("slowdecode", decode=10.0), engine("ok", running=1, decode=30.0)))
