@@ -406,7 +406,8 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         full = rows.full[members]
         largest = float(full.max())
         capacity = full / largest if largest > 0 else np.ones(len(members))
-        cumulative = np.cumsum(capacity / (1.0 + serves / capacity))  # route.band_weight
+        quick = ttft[members]
+        cumulative = np.cumsum(capacity / (1.0 + serves / capacity) * (float(quick.min()) / quick))  # weighted_pick
         chosen = int(np.searchsorted(cumulative, pick * float(cumulative[-1]), side="right"))
         return _admit(request, exact(int(members[min(chosen, len(members) - 1)]), True), Reason.SATISFICING_BAND,
                       policy, now, fleet)

@@ -67,10 +67,12 @@ without its wait (parking would idle that slot until the park limit sheds anyway
 come in time (waits are uncertain, real releases decide). The **satisficing band** (seed 002) is every engine that can start now with ``ttft`` at least
 ``band_margin_ms`` inside the deadline and a decode rate at or above the model's floor; the pick inside the band is weighted
 by ``band_weight``: ``c / (1 + recent serves / c)`` with ``c`` the member's ``capacity_throughput`` over the band's largest
-(serves decay with a 5-minute half-life), so load spreads over every engine that is good enough, in proportion to its
-capacity, instead of piling onto the fastest. Seed 002's ``1 / (1 + recent serves)`` (what equal members still get)
-evened the counts out, so a slow engine took as many deadline requests as a fast one (``bench steady`` mixed6 at 50%:
-TTFT p90 0.31 s against a weighted Envoy's 0.20). A session (``x-sluice-session``) keeps its engine while that engine is in the band
+(serves decay with a 5-minute half-life), times the quickest member's ``ttft`` over this member's (weighted_pick). Load
+spreads over every engine that is good enough, in proportion to its capacity, instead of piling onto the fastest; and a
+long prompt mostly goes where it prefills fast, so a slow engine mostly gets the requests it is least slow at. Seed 002's
+``1 / (1 + recent serves)`` (what equal members still get) evened the counts out, so a slow engine took as many deadline
+requests as a fast one, long prompts included (``bench steady`` mixed6 at 50%: TTFT p90 0.31 s against a weighted
+Envoy's 0.20; with capacity alone 0.26 against 0.18; with the TTFT factor too 0.09 against 0.14). A session (``x-sluice-session``) keeps its engine while that engine is in the band
 (prefix-cache affinity); without a deadline, while the engine is within the work-conserving margin of the best.
 
 **Prefix cache.** An expected cache hit is prefill the engine skips, so it enters ``ttft`` and ``finish`` above and nothing
@@ -245,11 +247,13 @@ def band_weight(serves: float, capacity: float) -> float:
 
 def weighted_pick(estimates: list[Estimate], serves: Mapping[str, float], pick: float,
                   throughput: Mapping[str, float]) -> Estimate:
-    """Weighted choice by ``band_weight`` (``throughput``: each member's ``capacity_throughput``); ``pick`` in [0, 1) is
-    the caller's random draw."""
+    """The satisficing band's weighted choice: ``band_weight`` (``throughput``: each member's ``capacity_throughput``)
+    times the quickest member's ``ttft`` over this one's, so that a long prompt mostly goes where it prefills fast and a
+    slow engine mostly gets the requests it is least slow at; ``pick`` in [0, 1) is the caller's random draw."""
     largest = max(throughput[e.engine.name] for e in estimates)
+    quickest = min(e.ttft_s for e in estimates)
     weights = [band_weight(serves.get(e.engine.name, 0.0), throughput[e.engine.name] / largest if largest > 0 else 1.0)
-               for e in estimates]
+               * (quickest / e.ttft_s) for e in estimates]
     target = pick * sum(weights)
     for estimate_, weight in zip(estimates, weights):
         if target < weight:

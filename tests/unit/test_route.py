@@ -131,15 +131,28 @@ def test_band_spreads_by_recent_serves() -> None:
 
 
 def test_band_shares_follow_capacity() -> None:
-    """Every member is good enough for a 60 s deadline; fast has twice slow's capacity (decode rate at its cap), so it
-    settles at about twice slow's share, where seed 002's 1 / (1 + serves) split them evenly."""
-    fast, slow = engine("fast", decode=40.0), engine("slow", decode=20.0)
+    """Every member is good enough for a 60 s deadline and starts the request as quickly; big has twice small's capacity
+    (4 slots against 2), so it settles at about twice small's share, where seed 002's 1 / (1 + serves) split them
+    evenly."""
+    fast, slow = engine("fast", seqs=4), engine("slow", seqs=2)
     rng = random.Random(5)
     serves: Counter[str] = Counter()
     for _ in range(3000):
         fleet = Fleet((fast, slow), recent_serves=dict(serves))
         serves[decide(chat(ttft_ms=60_000), fleet, P, now=0.0, pick=rng.random()).engine or ""] += 1
     assert 1.8 < serves["fast"] / serves["slow"] < 2.2, serves
+
+
+def test_band_sends_a_long_prompt_where_it_prefills_fast() -> None:
+    """Both engines are in the band, equal in capacity; slow prefills 10x slower. A short prompt starts about as soon on
+    either and is spread nearly evenly; a 20,000-token one starts 10x later on slow and goes there about a tenth as
+    often."""
+    fast, slow = engine("fast", prefill=10_000.0), engine("slow", prefill=1_000.0)
+    fleet = Fleet((fast, slow))
+    for prompt, lo, hi in ((10, 0.7, 1.0), (20_000, 0.07, 0.14)):
+        picks = Counter(decide(chat(prompt=prompt, ttft_ms=60_000), fleet, P, now=0.0, pick=i / 1000).engine
+                        for i in range(1000))
+        assert lo < picks["slow"] / picks["fast"] < hi, (prompt, picks)
 
 
 def test_band_honours_the_decode_floor() -> None:
