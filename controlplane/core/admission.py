@@ -17,7 +17,12 @@ forgets an engine that restarted (a counter went backwards) or was drained; a re
 an empty index (old hashes would never match again).
 
 Parking lot: per model, one FIFO per priority class (critical, then standard). The heads are tried in that order each wake;
-the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard).
+the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard). A head
+that waits although a slot is free (``Decision.idle_slot``: it finishes sooner on a busy engine, such as the one holding its
+prompt's prefix, or no free engine meets its deadline) does not hold the line for that slot: the wake passes it over (at
+most ``backfill_scan`` a wake), and an arrival whose every request ahead was last decided that way, with no slot freed
+since (``_frees``: a freed slot may be the one they wait for, and the wake that follows decides them first), is decided
+as if first: it takes a slot they refused, or parks at the back.
 Adaptive LIFO under overload (``lifo_after_ms``, default 2000; 0 = strict FIFO always): when a class's oldest parked
 request has waited longer than that (or longer than half its own TTFT deadline) at a wake, the wake serves that class
 newest first (its "head" is the newest request; still critical before standard, still head-of-line: a newest request
@@ -53,7 +58,7 @@ leaves time to prefill. Every shed carries a Retry-After from the ledger. A woke
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -128,6 +133,13 @@ class AdmissionCore:
         """(model, class) -> when a request last parked there (sustained overload: requests keep joining)."""
         self._service_s: dict[str, float] = {}
         """model -> recent seconds from admission to release, averaged (``SERVICE_EWMA``): ``overload_bound_s``."""
+        self._passable: dict[str, tuple[int, str | None]] = {}
+        """Parked requests last decided to wait although a slot was free (``Decision.idle_slot``: waiting for a busy
+        engine, or no free one meets the deadline): the ``_frees`` count they were decided at and the engine they wait
+        for. An arrival may pass them while nothing has freed since (see ``check``), counting them ahead on theirs."""
+        self._frees = 0
+        """Slots freed so far (releases, reaped and lapsed tickets, reloads): a freed slot may be what a passable request
+        waits for, so it must be decided again (the wake that follows does) before anyone passes it."""
 
     # -- views -------------------------------------------------------------------------------------------------------
     def fleet(self, engines: Iterable[EngineView], now: float, rates: RateTables | None = None) -> Fleet:
@@ -209,10 +221,15 @@ class AdmissionCore:
         ``ahead_elsewhere``: requests the shared store says are parked ahead of it on other replicas."""
         model = request.model
         ahead = (self.queued_ahead(model, request.priority) if model else 0) + ahead_elsewhere
-        decision = decide(request, fleet, self.policy, now, ahead, self.sessions.get(request.session), self.draw(),
-                          arriving=True, cached=self.expected_cached(request))
-        rule = QueueRule.ARRIVAL
-        if decision.verdict is Verdict.PARK and ahead and self.policy.backfill and model is not None:
+        # Everyone parked ahead waits for a busy engine although a slot is free (they would not take it): the arrival is
+        # decided as if first. It may take a free slot they refused, or park too (at the back, as ever).
+        waiting = self._passing(model, request) if ahead and not ahead_elsewhere and model is not None else None
+        passing = waiting is not None
+        decision = decide(request, fleet, self.policy, now, 0 if passing else ahead,
+                          self.sessions.get(request.session), self.draw(), arriving=True,
+                          cached=self.expected_cached(request), waiting=waiting)
+        rule = QueueRule.NONE if passing else QueueRule.ARRIVAL
+        if decision.verdict is Verdict.PARK and ahead and not passing and self.policy.backfill and model is not None:
             decision = self._backfill_arrival(request, model, fleet, now, decision)
             rule = QueueRule.NONE
         if decision.verdict is Verdict.ADMIT:
@@ -220,6 +237,21 @@ class AdmissionCore:
         if decision.verdict is not Verdict.PARK:
             return Outcome(request_id, decision)
         return self._park(request_id, request, decision, fleet, now)
+
+    def _passing(self, model: str, request: InferenceRequest) -> Counter[str] | None:
+        """If every request parked ahead of ``request`` (its class and higher) was decided to wait although a slot was
+        free, with no slot freed since: how many of them wait for each engine. Else None (it parks behind them)."""
+        queues = self._lot.get(model, {})
+        klass = _class_of(request)
+        waiting: Counter[str] = Counter()
+        for c in PARK_CLASSES[: PARK_CLASSES.index(klass) + 1]:
+            for p in queues.get(c, ()):
+                frees, engine = self._passable.get(p.request_id, (-1, None))
+                if frees != self._frees:
+                    return None
+                if engine is not None:
+                    waiting[engine] += 1
+        return waiting
 
     def _park(self, request_id: str, request: InferenceRequest, decision: Decision, fleet: Fleet,
               now: float) -> Outcome:
@@ -239,6 +271,8 @@ class AdmissionCore:
         )
         self._last_parked[(model, klass)] = now
         self._where[request_id] = (model, klass)
+        if decision.idle_slot:
+            self._passable[request_id] = (self._frees, decision.waits_for)
         return Outcome(request_id, decision)
 
     def force_park(self, request_id: str, request: InferenceRequest, fleet: Fleet, now: float) -> Outcome:
@@ -295,6 +329,7 @@ class AdmissionCore:
     def cancel(self, request_id: str) -> bool:
         """The client went away while parked: drop it; it holds nothing. False if it was not parked."""
         where = self._where.pop(request_id, None)
+        self._passable.pop(request_id, None)
         if where is None:
             return False
         model, klass = where
@@ -306,6 +341,8 @@ class AdmissionCore:
         """Close a ticket. ``completed``: its request ended now (an access-log entry, another replica's release event);
         False for a ticket found closed late (a lapsed lease, a resync), whose time held says nothing of service."""
         ticket = self.ledger.release(ticket_id, now)
+        if ticket is not None:
+            self._frees += 1
         if ticket is not None and completed:
             # How long a slot of this model is held per request, as achieved (the overload bound scales with it).
             held = max(0.0, now - ticket.admitted_at)
@@ -325,11 +362,14 @@ class AdmissionCore:
         counted against this probe (the ledger's unseen-load correction)."""
         reaped = self.ledger.reap_idle(engine, taken_at, idle_grace_s) if idle else []
         self.ledger.note_probe(engine, taken_at)
+        self._frees += bool(reaped)
         return reaped
 
     def expire_leases(self, now: float) -> list[Ticket]:
         """Tickets whose lease ran out (their access-log entry never came): closed and returned."""
-        return self.ledger.expire(now)
+        expired = self.ledger.expire(now)
+        self._frees += bool(expired)
+        return expired
 
     def set_policy(self, policy: Policy, admit_stale: bool) -> None:
         """A reload: the new policy (and ``observe.on_stale``) applies to every later decision; parked requests keep
@@ -343,6 +383,7 @@ class AdmissionCore:
         self.policy = policy
         self.admit_stale = admit_stale
         self.serves.half_life_s = policy.serve_half_life_s
+        self._frees += 1  # what a parked request would take may have changed: decide it again before passing it
 
     def record_output(self, model: str, completion_tokens: int) -> None:
         """A request of ``model`` finished after generating ``completion_tokens`` (the access log's count, or the engine's
@@ -377,7 +418,8 @@ class AdmissionCore:
                 # the newest leaves the oldest), so one class's admissions in one wake are all oldest-first or all
                 # newest-first.
                 lifo = self._lifo(queue, now)
-                passed = 0  # heads with a deadline that could not use the free slot in time: left parked, passed over
+                passed = 0  # heads that will not take a free slot: left parked, passed over
+                waiting: Counter[str] = Counter()  # the engines the passed heads wait for (each takes a slot there first)
                 while passed < len(queue):
                     at = len(queue) - 1 - passed if lifo else passed
                     head = queue[at]
@@ -386,14 +428,19 @@ class AdmissionCore:
                         # The deadline counts from arrival: what is left of it is what a wake can still promise.
                         left = request.max_ttft_ms - int((now - head.parked_at) * 1000)
                         request = replace(request, max_ttft_ms=max(1, left))
+                    # Behind it: every other parked request but the heads passed over before it (they are ahead).
                     decision = decide(request, fleet_of(), self.policy, now, 0,
-                                      self.sessions.get(request.session), self.draw(), self.depth(model) - 1,
-                                      cached=self.expected_cached(request))
+                                      self.sessions.get(request.session), self.draw(), self.depth(model) - 1 - passed,
+                                      cached=self.expected_cached(request), waiting=waiting)
                     if decision.verdict is Verdict.PARK and decision.idle_slot and passed < self.policy.backfill_scan:
-                        # A slot is free but no engine it could start on meets its deadline, now or later (what is
-                        # left of it only shrinks): holding the line for it would idle that slot until it is shed.
+                        # A slot is free that it will not take (it waits for a busy engine that finishes it sooner, or
+                        # no free engine meets its deadline): holding the line for it would idle that slot.
+                        self._passable[head.request_id] = (self._frees, decision.waits_for)
+                        if decision.waits_for is not None:
+                            waiting[decision.waits_for] += 1
                         passed += 1
                         continue
+                    self._passable.pop(head.request_id, None)
                     if decision.verdict is Verdict.PARK:
                         blocked = True
                         if self.policy.backfill:
@@ -498,6 +545,7 @@ class AdmissionCore:
             if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= head_start:
                 queue.remove(parked)
                 del self._where[parked.request_id]
+                self._passable.pop(parked.request_id, None)
                 out.append(self._admit(parked.request_id, parked.request, decision, now, now - parked.parked_at,
                                        QueueRule.NONE, parked))
                 refresh()

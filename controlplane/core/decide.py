@@ -23,7 +23,8 @@ the deadline leaves room for prefill (both with each engine's expected cache hit
 Which fitting engine (or busy but faster one) gets the request is route.py's job.
 Nothing fits and nothing is worth waiting for: ``sheddable`` requests are shed (``saturated``), others park (the reason is
 the first blocking fit rule, or ``waiting_for_faster``). A request with parked requests ahead of it in its class or a higher
-one parks behind them (FIFO, ``queued_behind``).
+one parks behind them (FIFO, ``queued_behind``), unless they all wait for busy engines although a slot is free
+(``Decision.idle_slot``; admission.py decides it as if first then).
 
 Retry-After (shed) is when the ledger expects the ``(queued_ahead + 1)``-th slot among the candidates to free: open tickets'
 expected finish times (``expected_done_at = admitted_at + finish`` as route.py estimates it, with the *expected* output length,
@@ -127,19 +128,21 @@ def model_list(fleet: Fleet) -> tuple[ServedModel, ...]:
 def decide(
     request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0,
     affinity: str | None = None, pick: float = 0.5, behind: int = 0, arriving: bool = False,
-    cached: Mapping[str, int] | None = None,
+    cached: Mapping[str, int] | None = None, waiting: Mapping[str, int] | None = None,
 ) -> Decision:
     """Choose what happens to ``request`` (see the module docstring and route.py). ``queued_ahead``: parked requests of
     this model in this request's priority class or a higher one; ``affinity``: the engine the request's session used last;
     ``pick``: a uniform draw in [0, 1) for the satisficing band's weighted choice; ``behind``: parked requests of this
     model queued after this one (a woken head's backlog); ``cached``: prompt tokens each engine is expected to hold in
-    its prefix cache (engines not named: none)."""
+    its prefix cache (engines not named: none); ``waiting``: parked requests ahead of this one, passed over, that wait for
+    each named engine (each takes one of its slots first)."""
     model = request.model
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, models=model_list(fleet))
     cached = cached or _NOTHING_CACHED
+    waiting = waiting or _NOTHING_CACHED
     if fleet.index is not None:
-        indexed = _indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind, arriving, cached)
+        indexed = _indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind, arriving, cached, waiting)
         if indexed is not None:
             return indexed
     serving = [e for e in fleet.engines if e.serves(model) and not e.drained]
@@ -201,7 +204,8 @@ def decide(
     blocked = {e.name: misfits(e, request, fleet, policy) for e in candidates}
     # Engines that fit now, and engines only short of a slot (worth waiting for if they finish sooner).
     pressure = any(blocked.values())
-    estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure, behind, hit(e))
+    estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure, behind, hit(e),
+                          waiting.get(e.name, 0))
                  for e in candidates if not blocked[e.name] or blocked[e.name] == (Reason.CAP,)]
     idle_slot = False  # with a deadline, a slot is free now (a PARK below: none it could start on meets the deadline)
     if deadline_s is not None and estimates:
@@ -252,7 +256,7 @@ def decide(
     best = min(estimates, key=lambda x: _soonest(x, fleet))
     return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
                  f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
-                 park_limit)
+                 park_limit, idle_slot=True, waits_for=best.engine.name)
 
 
 def _soonest(x: Estimate, fleet: Fleet) -> tuple[float, float, float, str]:
@@ -336,7 +340,8 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
 
 def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int,
              affinity: str | None, pick: float, behind: int, arriving: bool = False,
-             cached: Mapping[str, int] = _NOTHING_CACHED) -> Decision | None:
+             cached: Mapping[str, int] = _NOTHING_CACHED,
+             waiting: Mapping[str, int] = _NOTHING_CACHED) -> Decision | None:
     """``decide`` on the fleet's index (fleetindex.py): the fit rules and the no-wait estimate of every candidate at once
     (numpy over the model's rows), then real ``Estimate`` objects only for the engines that can be chosen: the band (its
     weighted pick on a cumulative sum), or the soonest free slot, the busy engines whose no-wait lower bound could beat it,
@@ -384,7 +389,8 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     ttft = prefill_s + 1.0 / rate  # route.estimate with no wait (0.0 + x is x)
 
     def exact(i: int, can_start: bool) -> Estimate:
-        return estimate(rows.views[i], request, can_start, fleet, policy, now, pressure, behind, int(hit[i]))
+        return estimate(rows.views[i], request, can_start, fleet, policy, now, pressure, behind, int(hit[i]),
+                        waiting.get(rows.names[i], 0))
 
     at = rows.position.get(affinity) if affinity is not None else None
     if deadline_s is not None:
@@ -480,7 +486,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     candidates = [rows.views[i] for i in np.flatnonzero(candidate)]
     return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
                  f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
-                 park_limit)
+                 park_limit, idle_slot=True, waits_for=best.engine.name)
 
 
 def _soonest_row(rows: Any, among: Any, finish: Any) -> int:
@@ -514,10 +520,10 @@ def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: 
 
 def _wait(request: InferenceRequest, candidates: list[EngineView], fleet: Fleet, policy: Policy, now: float,
           queued_ahead: int, reason: Reason, detail: str, park_limit: float | None = None,
-          idle_slot: bool = False) -> Decision:
+          idle_slot: bool = False, waits_for: str | None = None) -> Decision:
     if request.priority is Priority.SHEDDABLE:
         # Under saturation a sheddable request is shed at once rather than holding a place in the queue.
         return shed(Reason.SATURATED, f"fleet saturated for {request.model}: {detail}",
                     retry_after(candidates, fleet, policy, now, queued_ahead))
     return Decision(Verdict.PARK, reason, detail=detail, park_limit_s=park_limit, idle_slot=idle_slot,
-                    retry_after_s=retry_after(candidates, fleet, policy, now, queued_ahead))
+                    waits_for=waits_for, retry_after_s=retry_after(candidates, fleet, policy, now, queued_ahead))

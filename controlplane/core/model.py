@@ -317,12 +317,15 @@ class Decision:
     park_limit_s: float | None = None
     """PARK with a TTFT deadline: the longest the request may wait and still prefill in time."""
     idle_slot: bool = False
-    """PARK with a TTFT deadline although a slot is free now: no engine it could start on meets the deadline. Such a
-    request cannot use that slot later either (its deadline only shrinks), so it does not hold the line for it
-    (AdmissionCore.wake)."""
+    """PARK although a slot is free now, which this request will not take: it waits for a busy engine that finishes it
+    sooner (``waiting_for_faster``), or no free engine meets its TTFT deadline (a deadline only shrinks, so it could
+    never use that slot). Such a request does not hold the line for the free slot: requests behind it may take it
+    (AdmissionCore.wake and check)."""
     cached_tokens: int = 0
     """ADMIT: prompt tokens the chosen engine is expected to find in its prefix cache (its prefill was estimated without
     them)."""
+    waits_for: str | None = None
+    """PARK ``waiting_for_faster``: the busy engine the request waits for (requests passing it count it ahead there)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,9 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
                    r.prompt_tokens - 1 (an engine always computes the last prompt token)
     prefill      = (r.prompt_tokens - cached) / prefill_rate
     service      = prefill + out / decode_rate                               (one request of r's shape at batch n)
-    k            = load - cap + 1 + behind, where ``behind`` counts the parked requests queued after r: waiting for a busy
+    k            = load - cap + 1 + ahead + behind, where ``ahead`` counts the parked requests ahead of r that wait for this
+                   engine in particular (passed over while they do: admission.py), and ``behind`` the parked requests
+                   queued after r: waiting for a busy
                    engine is only worth it if that engine could also absorb the backlog, else the whole queue idles
                    behind r (fleet scale). Not for an engine expected to hold r's prefix (cached > 0): the backlog's
                    requests are placed by their own prefixes, mostly elsewhere, and r's wait for it stays bounded by
@@ -179,7 +181,9 @@ def slot_wait(engine: EngineView, position: int, service_s: float, fleet: Fleet,
 
 
 def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: Fleet, policy: Policy,
-             now: float, pressure: bool = False, behind: int = 0, cached_tokens: int = 0) -> Estimate:
+             now: float, pressure: bool = False, behind: int = 0, cached_tokens: int = 0, ahead: int = 0) -> Estimate:
+    """``ahead``: parked requests ahead of this one in line that wait for this engine in particular (passed over while
+    they wait for it, admission.py): each takes one of its slots first."""
     assert request.model is not None
     cached_tokens = min(cached_tokens, max(0, request.prompt_tokens - 1))
     load = effective_load(engine, fleet)
@@ -196,7 +200,7 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
         # Everyone queued for this engine ahead of r, r itself, and the parked requests behind r (unless this engine
         # holds r's prefix: see the docstring): each costs one service of r's shape at the full-batch rate (the best
         # guess for requests whose own lengths sluice cannot know).
-        position = (int(load - cap + 1) if cap is not None else 1) + (0 if cached_tokens else behind)
+        position = (int(load - cap + 1) if cap is not None else 1) + (0 if cached_tokens else behind) + ahead
         wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
     ttft = wait + prefill_s + 1.0 / rate
     return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in)

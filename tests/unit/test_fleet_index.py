@@ -93,8 +93,10 @@ def test_indexed_choice_equals_full_scan(seed: int) -> None:
         behind = rng.choice([0, 0, 3])
         # Expected prefix-cache hits on a few engines (some longer than the prompt, which the core clamps).
         cached = {v.name: rng.choice([64, 1000, 40_000]) for v in views if rng.random() < 0.2}
-        indexed = decide(request, fleet, policy, now, 0, affinity, pick, behind, cached=cached)
-        full = decide(request, replace(fleet, index=None), policy, now, 0, affinity, pick, behind, cached=cached)
+        waiting = {v.name: rng.choice([1, 3]) for v in views if rng.random() < 0.1}  # passed heads waiting there
+        indexed = decide(request, fleet, policy, now, 0, affinity, pick, behind, cached=cached, waiting=waiting)
+        full = decide(request, replace(fleet, index=None), policy, now, 0, affinity, pick, behind, cached=cached,
+                      waiting=waiting)
         same(indexed, full)
         assert indexed.detail == full.detail and indexed.park_limit_s == full.park_limit_s
         assert indexed.retry_after_s == full.retry_after_s
