@@ -16,13 +16,16 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
     prefill      = (r.prompt_tokens - cached) / prefill_rate
     service      = prefill + out / decode_rate                               (one request of r's shape at batch n)
     k            = load - cap + 1 + ahead + behind, where ``ahead`` counts the parked requests ahead of r that wait for this
-                   engine in particular (passed over while they do: admission.py), and ``behind`` the parked requests
-                   queued after r: waiting for a busy
-                   engine is only worth it if that engine could also absorb the backlog, else the whole queue idles
-                   behind r (fleet scale). Not for an engine expected to hold r's prefix (cached > 0): the backlog's
-                   requests are placed by their own prefixes, mostly elsewhere, and r's wait for it stays bounded by
-                   work conservation (below); counted, it made a busy holder look a backlog away, and under load
-                   requests went cold to whichever slot freed (``sluice bench prefix``: bench/results/README.md)
+                   engine in particular (passed over while they do: admission.py; uncounted, a second request waits for
+                   the very slot the first will take), and ``behind`` the parked requests queued after r: waiting for a
+                   busy engine is only worth it if that engine could also absorb the backlog, else the whole queue
+                   idles behind r (fleet scale). Neither counts for an engine expected to hold r's prefix (cached > 0): the
+                   backlog's requests are placed by their own prefixes, mostly elsewhere, and r's wait for it stays
+                   bounded by work conservation (below); counted, it made a busy holder look a backlog away, and under
+                   load requests went cold to whichever slot freed (``sluice bench prefix``: bench/results/README.md;
+                   counting ``ahead`` there too, session 8, sent 10 of 99 requests of its shared system prompts cold at
+                   90% load, hit rate 98.9% -> 87.6%, throughput 165 -> 120 tok/s: a cold 8,000-token prefill costs
+                   the fleet seconds of an engine that waiting does not)
     slot_wait    = 0 if load < cap; else, with D = e's open tickets' expected finishes (soonest first):
                    D[k] - now when k <= |D|, else max(0, D[-1] - now) + ceil((k - |D|) / cap) x service
                    (the engine drains a backlog deeper than its tickets in waves of cap: no clamp)
@@ -200,7 +203,7 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
         # Everyone queued for this engine ahead of r, r itself, and the parked requests behind r (unless this engine
         # holds r's prefix: see the docstring): each costs one service of r's shape at the full-batch rate (the best
         # guess for requests whose own lengths sluice cannot know).
-        position = (int(load - cap + 1) if cap is not None else 1) + (0 if cached_tokens else behind) + ahead
+        position = (int(load - cap + 1) if cap is not None else 1) + (0 if cached_tokens else behind + ahead)
         wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
     ttft = wait + prefill_s + 1.0 / rate
     return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in)
