@@ -132,6 +132,11 @@ class AdmissionService:
             refusal = await self._commit(outcome, request, fleet, now)
             if refusal is None:
                 return outcome
+            if request.model is not None:
+                # The retracted admission freed its slot in the mirror: the line's head may fit now. Without this wake a
+                # burst whose first admissions lost the race to the first parks (the store's line already had a head)
+                # parked everything and stood still until the next probe (no probe at all in a test: park_timeout).
+                self.wake([request.model])
             if refusal is Refusal.QUEUED:
                 ahead_elsewhere = 1
             elif refusal in (Refusal.CAP, Refusal.KV):
