@@ -60,7 +60,8 @@ __all__ = [
     "refuse", "retry_after", "shed",
 ]
 
-_NOTHING_CACHED: Mapping[str, int] = MappingProxyType({})
+_NONE_NAMED: Mapping[str, int] = MappingProxyType({})
+"""``cached`` / ``waiting`` naming no engine."""
 _TINY = 1e-12
 """A floor under a capacity divided by (an engine that measured no decode at all)."""
 
@@ -139,8 +140,8 @@ def decide(
     model = request.model
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, models=model_list(fleet))
-    cached = cached or _NOTHING_CACHED
-    waiting = waiting or _NOTHING_CACHED
+    cached = cached or _NONE_NAMED
+    waiting = waiting or _NONE_NAMED
     if fleet.index is not None:
         indexed = _indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind, arriving, cached, waiting)
         if indexed is not None:
@@ -234,7 +235,7 @@ def decide(
             if longest:  # the prompt where it is cached: good enough anyway, and its prefill costs nothing
                 band = [x for x in band if x.cached_tokens == longest]
             throughput = {x.engine.name: capacity_throughput(x.engine, fleet, policy) for x in band}
-            chosen = weighted_pick(band, fleet.recent_serves, pick, throughput)
+            chosen = weighted_pick(band, fleet.recent_serves, pick, throughput, policy.near_tie_fraction * deadline_s)
             return _admit(request, chosen, Reason.SATISFICING_BAND, policy, now, fleet)
     set_aside = math.inf
     if deadline_s is None:
@@ -340,8 +341,8 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
 
 def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int,
              affinity: str | None, pick: float, behind: int, arriving: bool = False,
-             cached: Mapping[str, int] = _NOTHING_CACHED,
-             waiting: Mapping[str, int] = _NOTHING_CACHED) -> Decision | None:
+             cached: Mapping[str, int] = _NONE_NAMED,
+             waiting: Mapping[str, int] = _NONE_NAMED) -> Decision | None:
     """``decide`` on the fleet's index (fleetindex.py): the fit rules and the no-wait estimate of every candidate at once
     (numpy over the model's rows), then real ``Estimate`` objects only for the engines that can be chosen: the band (its
     weighted pick on a cumulative sum), or the soonest free slot, the busy engines whose no-wait lower bound could beat it,
@@ -399,21 +400,21 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         if not band.any():
             # No band: finish-soonest among the engines that meet the deadline (busy ones filtered once estimated).
             return _soonest_indexed(request, rows, candidate, fits & (ttft <= deadline_s), busy, ttft + out / rate,
-                                    prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now, arriving,
-                                    hit=hit)
+                                    prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now, hit,
+                                    arriving)
         if at is not None and band[at]:
             return _admit(request, exact(at, True), Reason.SESSION_AFFINITY, policy, now, fleet)
         members = np.flatnonzero(band)
         longest = float(hit[members].max())
         if longest > 0:  # as the full scan: the band members expected to hold the longest prefix
             members = members[hit[members] == longest]
-        serves = rows.serve_value[members] * np.power(
-            0.5, np.maximum(0.0, index.now - rows.serve_at[members]) / index.half_life_s)
+        serves = _recent_serves(rows, index, members)
         full = rows.full[members]
         largest = float(full.max())
         capacity = full / largest if largest > 0 else np.ones(len(members))
-        quick = ttft[members]
-        cumulative = np.cumsum(capacity / (1.0 + serves / capacity) * (float(quick.min()) / quick))  # weighted_pick
+        quick, grain = ttft[members], policy.near_tie_fraction * deadline_s
+        factor = (float(quick.min()) + grain) / (quick + grain)  # ttft_factor
+        cumulative = np.cumsum(capacity / (1.0 + serves / capacity) * factor)  # weighted_pick
         chosen = int(np.searchsorted(cumulative, pick * float(cumulative[-1]), side="right"))
         return _admit(request, exact(int(members[min(chosen, len(members) - 1)]), True), Reason.SATISFICING_BAND,
                       policy, now, fleet)
@@ -422,7 +423,7 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     ratio = policy.max_share_over_capacity
     if ratio and int(candidate.sum()) >= 2:
         # The fair-share spread, as _spread does it on the full scan.
-        serves = rows.serve_value * np.power(0.5, np.maximum(0.0, index.now - rows.serve_at) / index.half_life_s)
+        serves = _recent_serves(rows, index, slice(None))
         total_serves, total_throughput = float(serves[candidate].sum()), float(rows.full[candidate].sum())
         if total_throughput > 0:
             over = candidate & (hit == 0) & (serves >= 1.0 + ratio * total_serves * rows.full / total_throughput)
@@ -431,13 +432,13 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
                     set_aside = float(finish[fits & over].min())
                 fits, busy = fits & ~over, busy & ~over
     return _soonest_indexed(request, rows, candidate, fits, busy, finish, prefill_s, out, exact, at, affinity,
-                            None, fleet, policy, now, arriving, set_aside, hit)
+                            None, fleet, policy, now, hit, arriving, set_aside)
 
 
 def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free: Any, busy: Any, finish: Any,
                      prefill_s: Any, out: float, exact: Any, at: int | None, affinity: str | None,
-                     deadline_s: float | None, fleet: Fleet, policy: Policy, now: float,
-                     arriving: bool = False, set_aside: float = math.inf, hit: Any = None) -> Decision | None:
+                     deadline_s: float | None, fleet: Fleet, policy: Policy, now: float, hit: Any,
+                     arriving: bool = False, set_aside: float = math.inf) -> Decision | None:
     """Finish-soonest on the index: ``free`` rows can start now (with a deadline, those meeting it), ``busy`` rows are only
     short of a slot; None when no free row is left (the full scan parks or sheds). Waiting for a faster busy engine parks
     here, as the full scan would."""
@@ -452,13 +453,9 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
         # _finish_soonest then finds it again.
         near = free_rows[finish[free_rows] <= estimates[0].finish_s * (1 + policy.near_tie_fraction)]
         if len(near) > 1:
-            if hit is not None:
-                near = near[hit[near] == hit[near].max()]
-            index = fleet.index
-            assert index is not None
-            served = rows.serve_value[near] * np.power(
-                0.5, np.maximum(0.0, index.now - rows.serve_at[near]) / index.half_life_s)
-            ratio = served / np.maximum(rows.full[near], _TINY)
+            near = near[hit[near] == hit[near].max()]
+            assert fleet.index is not None
+            ratio = _recent_serves(rows, fleet.index, near) / np.maximum(rows.full[near], _TINY)
             tie = _soonest_row(rows, near[ratio == ratio.min()], finish)
             if tie != best_free:
                 estimates.append(exact(tie, True))
@@ -487,6 +484,11 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
                  f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
                  park_limit, idle_slot=True, waits_for=best.engine.name)
+
+
+def _recent_serves(rows: Any, index: Any, among: Any) -> Any:
+    """The rows' recent serves decayed to the snapshot's time, as ``DecayedServes`` reads them one at a time."""
+    return rows.serve_value[among] * np.power(0.5, np.maximum(0.0, index.now - rows.serve_at[among]) / index.half_life_s)
 
 
 def _soonest_row(rows: Any, among: Any, finish: Any) -> int:

@@ -72,7 +72,9 @@ without its wait (parking would idle that slot until the park limit sheds anyway
 come in time (waits are uncertain, real releases decide). The **satisficing band** (seed 002) is every engine that can start now with ``ttft`` at least
 ``band_margin_ms`` inside the deadline and a decode rate at or above the model's floor; the pick inside the band is weighted
 by ``band_weight``: ``c / (1 + recent serves / c)`` with ``c`` the member's ``capacity_throughput`` over the band's largest
-(serves decay with a 5-minute half-life), times the quickest member's ``ttft`` over this member's (weighted_pick). Load
+(serves decay with a 5-minute half-life), times ``(quickest ttft + g) / (this member's ttft + g)`` with ``g`` the
+``near_tie_fraction`` of the deadline (ttft_factor, weighted_pick: a difference of a few milliseconds against a 10 s
+deadline is no preference). Load
 spreads over every engine that is good enough, in proportion to its capacity, instead of piling onto the fastest; and a
 long prompt mostly goes where it prefills fast, so a slow engine mostly gets the requests it is least slow at. Seed 002's
 ``1 / (1 + recent serves)`` (what equal members still get) evened the counts out, so a slow engine took as many deadline
@@ -252,15 +254,25 @@ def band_weight(serves: float, capacity: float) -> float:
     return capacity / (1.0 + serves / capacity)
 
 
+def ttft_factor(ttft_s: float, quickest_s: float, grain_s: float) -> float:
+    """How much the band prefers a member for starting sooner: ``(quickest + grain) / (ttft + grain)``, with ``grain``
+    the near-tie fraction of the deadline. A member twice as slow to start as the quickest, with both well above the
+    grain, gets about half the weight; differences well inside the grain hardly count. Without the grain a plain ratio
+    ``quickest / ttft`` made 2 ms against 51 ms (a measured engine against one still on the default rates, with a 10 s
+    deadline) a 25x preference: every request went to the one measured engine and the others were never measured."""
+    return (quickest_s + grain_s) / (ttft_s + grain_s)
+
+
 def weighted_pick(estimates: list[Estimate], serves: Mapping[str, float], pick: float,
-                  throughput: Mapping[str, float]) -> Estimate:
+                  throughput: Mapping[str, float], grain_s: float) -> Estimate:
     """The satisficing band's weighted choice: ``band_weight`` (``throughput``: each member's ``capacity_throughput``)
-    times the quickest member's ``ttft`` over this one's, so that a long prompt mostly goes where it prefills fast and a
-    slow engine mostly gets the requests it is least slow at; ``pick`` in [0, 1) is the caller's random draw."""
+    times ``ttft_factor``, so that a long prompt mostly goes where it prefills fast and a slow engine mostly gets the
+    requests it is least slow at; ``pick`` in [0, 1) is the caller's random draw, ``grain_s`` the TTFT difference that
+    counts (``ttft_factor``)."""
     largest = max(throughput[e.engine.name] for e in estimates)
     quickest = min(e.ttft_s for e in estimates)
     weights = [band_weight(serves.get(e.engine.name, 0.0), throughput[e.engine.name] / largest if largest > 0 else 1.0)
-               * (quickest / e.ttft_s) for e in estimates]
+               * ttft_factor(e.ttft_s, quickest, grain_s) for e in estimates]
     target = pick * sum(weights)
     for estimate_, weight in zip(estimates, weights):
         if target < weight:

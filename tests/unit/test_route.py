@@ -19,7 +19,7 @@ from controlplane.core.model import (
     EngineLedger, EngineSample, EngineView, Fleet, InferenceRequest, Reason, ServedModel, Verdict,
 )
 from controlplane.core.policy import ModelPolicy, Policy
-from controlplane.core.route import ServeCounter, SessionMap
+from controlplane.core.route import ServeCounter, SessionMap, ttft_factor
 from controlplane.core.weights import compute_weights, moved
 from controlplane.edge import http_status
 
@@ -145,14 +145,24 @@ def test_band_shares_follow_capacity() -> None:
 
 def test_band_sends_a_long_prompt_where_it_prefills_fast() -> None:
     """Both engines are in the band, equal in capacity; slow prefills 10x slower. A short prompt starts about as soon on
-    either and is spread nearly evenly; a 20,000-token one starts 10x later on slow and goes there about a tenth as
-    often."""
+    either and is spread nearly evenly; a 20,000-token one starts in 20 s on slow against 2 s on fast and, with the 25 s
+    deadline's 1.25 s grain, goes there (2 + 1.25) / (20 + 1.25) ~ 0.15 times as often."""
     fast, slow = engine("fast", prefill=10_000.0), engine("slow", prefill=1_000.0)
     fleet = Fleet((fast, slow))
-    for prompt, lo, hi in ((10, 0.7, 1.0), (20_000, 0.07, 0.14)):
-        picks = Counter(decide(chat(prompt=prompt, ttft_ms=60_000), fleet, P, now=0.0, pick=i / 1000).engine
+    for prompt, lo, hi in ((10, 0.7, 1.0), (20_000, 0.12, 0.19)):
+        picks = Counter(decide(chat(prompt=prompt, ttft_ms=25_000), fleet, P, now=0.0, pick=i / 1000).engine
                         for i in range(1000))
         assert lo < picks["slow"] / picks["fast"] < hi, (prompt, picks)
+
+
+def test_band_spreads_when_starts_differ_by_milliseconds() -> None:
+    """One engine starts a short prompt in 2 ms, the other in 50 ms; against a 10 s deadline (grain 0.5 s) that is
+    nearly no preference: the slower starter still gets close to half (a plain TTFT ratio gave it 1 in 26)."""
+    fleet = Fleet((engine("quick", prefill=10_000.0, decode=500.0), engine("slow", prefill=200.0, decode=500.0)))
+    assert ttft_factor(0.050, 0.002, 0.5) > 0.9
+    picks = Counter(decide(chat(prompt=10, ttft_ms=10_000), fleet, P, now=0.0, pick=i / 1000).engine
+                    for i in range(1000))
+    assert picks["slow"] > 0.3 * picks["quick"], picks
 
 
 def test_band_honours_the_decode_floor() -> None:
