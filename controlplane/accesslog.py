@@ -59,7 +59,7 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
             sent = props.time_to_last_upstream_tx_byte.ToTimedelta().total_seconds()
             actual = props.time_to_first_upstream_rx_byte.ToTimedelta().total_seconds() - sent
             if actual > 0:
-                plane.metrics.ttft_error.labels(ticket.engine).observe(actual / ticket.expected_ttft_s)
+                plane.note_ttft(ticket.engine, actual / ticket.expected_ttft_s)
 
     def _settle(self, entry: Any, ticket_id: str, authz: Any) -> None:
         """A tenant's finished request: its usage from the Lua filter's metadata (or the prompt estimate and the deltas

@@ -315,6 +315,12 @@ class AdmissionService:
     def knows_engine(self, engine: str) -> bool:
         return self.observation.knows(engine)
 
+    def note_ttft(self, engine: str, ratio: float) -> None:
+        """A served request's measured TTFT over its estimate (the access log): reported, and fed back (feedback.py)."""
+        self.metrics.ttft_error.labels(engine).observe(ratio)
+        self.core.observe_ttft(engine, ratio)
+        self.metrics.ttft_correction.labels(engine).set(self.core.ttft.factor(engine))
+
     # -- capacity events ---------------------------------------------------------------------------------------------
     def wake(self, models: list[str] | None = None) -> None:
         """Capacity may have freed: admit whatever parked requests now fit, in order (on the next turn of the loop, one

@@ -85,6 +85,11 @@ class SluiceMetrics:
             "Access-log TTFT (engine's first byte after the request reached it) over the TTFT the decision estimated.",
             ["engine"], buckets=(0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10), registry=r,
         )
+        self.ttft_correction = Gauge(
+            "sluice_ttft_correction",
+            "What the engine's TTFT estimates (prefill and first token) are multiplied by, from the measured TTFTs "
+            "against the estimates (1: none).", ["engine"], registry=r,
+        )
         self.park_cancelled = Counter(
             "sluice_admission_park_cancelled", "Parked requests whose client went away.", registry=r
         )

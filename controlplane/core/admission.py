@@ -64,6 +64,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from controlplane.core.decide import decide, earliest_fit, retry_after, shed
+from controlplane.core.feedback import TtftCorrections
 from controlplane.core.fleetindex import DecayedServes, FleetIndex
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import (
@@ -125,6 +126,8 @@ class AdmissionCore:
         self.index = FleetIndex()
         self.prefixes = PrefixIndex(policy.prefix_index_blocks)
         """Which engine probably holds which prompt prefix (prefix.py)."""
+        self.ttft = TtftCorrections(policy.ttft_correction_gain, policy.ttft_correction_max)
+        """Each engine's TTFT correction from the access log (feedback.py): set on the views the core decides on."""
         self._last_sample: dict[str, EngineSample] = {}
         self._lot: dict[str, dict[Priority, deque[Parked]]] = {}
         self._where: dict[str, tuple[str, Priority]] = {}
@@ -144,7 +147,7 @@ class AdmissionCore:
     # -- views -------------------------------------------------------------------------------------------------------
     def fleet(self, engines: Iterable[EngineView], now: float, rates: RateTables | None = None) -> Fleet:
         """A fleet of exactly ``engines`` (no index: ``decide`` scans every candidate). For tests and tools."""
-        engines = tuple(engines)
+        engines = tuple(self._corrected(e) for e in engines)
         return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
                      rates or RateTables(), self._serves_at(now), self.output_lengths.snapshot(),
                      self.output_lengths.tails())
@@ -170,6 +173,8 @@ class AdmissionCore:
             if before is not None and sample.taken_at > before.taken_at and restarted(before, sample):
                 why = "restart"
             self._last_sample[view.name] = sample
+        if why == "restart" and self.ttft.forget(view.name):  # its history says nothing of the new process
+            self._refresh_corrected([view.name])
         if view.drained:
             why = "drained"
         if why is not None and self.prefixes.forget(view.name):
@@ -178,7 +183,25 @@ class AdmissionCore:
 
     def note_view(self, view: EngineView) -> None:
         """The shell's latest view of an engine (probe, drain, failure, staleness flip): the index refreshes its rows."""
-        self.index.update(view)
+        self.index.update(self._corrected(view))
+
+    def _corrected(self, view: EngineView) -> EngineView:
+        factor = self.ttft.factor(view.name)
+        return view if view.ttft_correction == factor else replace(view, ttft_correction=factor)
+
+    def observe_ttft(self, engine: str, ratio: float) -> None:
+        """A served request's TTFT as the engine delivered it over the decision's estimate (the access log): the engine's
+        correction moves (feedback.py), and once it changed, the index's rows of that engine and every parked request's
+        last decision are stale."""
+        if self.ttft.observe(engine, ratio):
+            self._refresh_corrected([engine])
+
+    def _refresh_corrected(self, engines: Iterable[str]) -> None:
+        for engine in engines:
+            current = self.index.views.get(engine)
+            if current is not None:
+                self.index.update(self._corrected(current))
+        self._frees += 1
 
     def set_engines(self, names: Iterable[str]) -> None:
         """The fleet's engines, in order (start, reload)."""
@@ -383,6 +406,7 @@ class AdmissionCore:
         self.policy = policy
         self.admit_stale = admit_stale
         self.serves.half_life_s = policy.serve_half_life_s
+        self._refresh_corrected(self.ttft.configure(policy.ttft_correction_gain, policy.ttft_correction_max))
         self._frees += 1  # what a parked request would take may have changed: decide it again before passing it
 
     def record_output(self, model: str, completion_tokens: int) -> None:

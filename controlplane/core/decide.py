@@ -387,7 +387,7 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     pressure = bool((candidate & (cap_block | other)).any())
     rate = rows.d_press if pressure else rows.d_free
     out = expected_output_tokens(request, fleet, policy)
-    ttft = prefill_s + 1.0 / rate  # route.estimate with no wait (0.0 + x is x)
+    ttft = (prefill_s + 1.0 / rate) * rows.ttft_scale  # route.estimate with no wait (0.0 + x is x)
 
     def exact(i: int, can_start: bool) -> Estimate:
         return estimate(rows.views[i], request, can_start, fleet, policy, now, pressure, behind, int(hit[i]),
@@ -465,7 +465,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     service = prefill_s + out / rows.d_press
     first_done = rows.first_done
     wait = np.where(np.isnan(first_done), service, np.maximum(0.0, np.nan_to_num(first_done) - now))
-    lower = wait + prefill_s + 1.0 / rows.d_press + out / rows.d_press
+    lower = wait + (prefill_s + 1.0 / rows.d_press) * rows.ttft_scale + out / rows.d_press
     estimates += [x for x in (exact(int(i), False) for i in np.flatnonzero(busy & (lower <= bound)))
                   if deadline_s is None or x.ttft_s <= deadline_s]
     if at is not None and (free[at] or busy[at]) and all(x.engine.name != affinity for x in estimates):

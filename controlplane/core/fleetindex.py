@@ -94,6 +94,8 @@ class ModelArrays:
     """... and without pressure (min(cap, load + 1))."""
     full: np.ndarray
     """Tokens/s with the batch full (``route.capacity_throughput``): the engine's part of the capacity (fair share)."""
+    ttft_scale: np.ndarray
+    """The view's ``ttft_correction`` (route.estimate multiplies prefill and first token by it)."""
     serve_value: np.ndarray
     serve_at: np.ndarray
     first_done: np.ndarray
@@ -138,7 +140,7 @@ class _Rows:
         n = len(names)
         self.views: list[EngineView | None] = [None] * n
         self.f = {k: np.zeros(n) for k in ("model_len", "capacity", "usage", "cap", "load", "held", "open_model",
-                                           "p_fallback", "d_press", "d_free", "full", "serve_value", "serve_at",
+                                           "p_fallback", "d_press", "d_free", "full", "ttft_scale", "serve_value", "serve_at",
                                            "first_done")}
         rank = {name: r for r, name in enumerate(sorted(names))}
         self.name_rank = np.array([rank[name] for name in names], dtype=np.int64)
@@ -324,6 +326,7 @@ class FleetIndex:
         f["d_press"][i] = decode_rate(view, max(1, press), one, policy)
         f["d_free"][i] = decode_rate(view, max(1, free), one, policy)
         f["full"][i] = capacity_throughput(view, one, policy)
+        f["ttft_scale"][i] = view.ttft_correction
         value, at = serves.get(name, (0.0, now))
         f["serve_value"][i] = value
         f["serve_at"][i] = at
@@ -364,6 +367,6 @@ class FleetIndex:
         return ModelArrays(
             tuple(rows.names), views, rows.ok, f["model_len"], f["capacity"], f["usage"],
             f["cap"], f["load"], f["held"], f["open_model"], prefill, quality_block, f["d_press"], f["d_free"],
-            f["full"], f["serve_value"], f["serve_at"], f["first_done"], rows.name_rank, rows.position,
+            f["full"], f["ttft_scale"], f["serve_value"], f["serve_at"], f["first_done"], rows.name_rank, rows.position,
         )
 

@@ -130,6 +130,9 @@ class EngineView:
     """Configured prefill rate until one is measured."""
     anchor_decode_tokens_per_s: float | None = None
     """Configured per-request decode rate until one is measured."""
+    ttft_correction: float = 1.0
+    """What the engine's own part of a TTFT estimate (prefill and first token) is multiplied by: its measured TTFTs
+    against the estimates (core/feedback.py; the core sets it, 1 until the access log shows the engine slower)."""
 
     def serves(self, model: str) -> bool:
         return any(m.model_id == model for m in self.models)

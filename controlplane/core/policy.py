@@ -71,6 +71,11 @@ class Policy:
     thor+spark at 50% put 4 of 27 requests on thor and its TTFT p90 went from 0.04 to 0.06 s against the best plain
     Envoy's 0.05 (bench/results/README.md, session 8). Near ties (above) spread equal engines at no such cost. For an
     operator who wants every engine used at light load (e.g. to keep its measured rates fresh). 0: off."""
+    ttft_correction_gain: float = 0.1
+    """TTFT feedback (core/feedback.py): each served request moves its engine's correction by its measured TTFT over the
+    estimate to this power (0.1: about ten requests to follow a lasting change). 0: no correction."""
+    ttft_correction_max: float = 4.0
+    """The largest TTFT correction (an engine's estimates are never multiplied by more; 1: no correction)."""
     band_margin_ms: float = 1000.0
     """Satisficing band: estimated TTFT at least this far inside the deadline."""
     serve_half_life_s: float = 300.0

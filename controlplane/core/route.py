@@ -207,7 +207,7 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
         # guess for requests whose own lengths sluice cannot know).
         position = (int(load - cap + 1) if cap is not None else 1) + (0 if cached_tokens else behind + ahead)
         wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
-    ttft = wait + prefill_s + 1.0 / rate
+    ttft = wait + (prefill_s + 1.0 / rate) * engine.ttft_correction
     return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in)
 
 

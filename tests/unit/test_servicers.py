@@ -37,6 +37,7 @@ class FakeCompletions:
     open: dict[str, Ticket] = field(default_factory=lambda: {"t1": Ticket("t1", "thor", "cortex", 0.0, 0.0)})
     released: list[str] = field(default_factory=list)
     failures: list[tuple[str, str]] = field(default_factory=list)
+    ttfts: list[tuple[str, float]] = field(default_factory=list)
 
     def release_ticket(self, ticket_id: str) -> Ticket | None:
         self.released.append(ticket_id)
@@ -47,6 +48,9 @@ class FakeCompletions:
 
     def knows_engine(self, engine: str) -> bool:
         return engine == "thor"
+
+    def note_ttft(self, engine: str, ratio: float) -> None:
+        self.ttfts.append((engine, ratio))
 
 
 def entry(*, ticket: str | None, code: int, first_byte: bool, connect_failure: bool = False) -> Any:

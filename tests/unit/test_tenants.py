@@ -214,6 +214,9 @@ class Completions:
     def knows_engine(self, engine: str) -> bool:
         return True
 
+    def note_ttft(self, engine: str, ratio: float) -> None:
+        pass
+
 
 def _entry(ticket: str, usage: dict[str, float], *, charged: bool = True, code: int = 200) -> Any:
     e = accesslog_pb2.HTTPAccessLogEntry()

@@ -1,0 +1,68 @@
+"""TTFT feedback (issue 9): an engine whose TTFTs come in slower than estimated is judged by what it delivers."""
+
+from __future__ import annotations
+
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.decide import decide
+from controlplane.core.feedback import TtftCorrections
+from controlplane.core.ledger import Ledger
+from controlplane.core.model import EngineSample, EngineView, InferenceRequest, Reason, ServedModel, Verdict
+from controlplane.core.policy import Policy
+
+
+def served(corrections: TtftCorrections, engine: str, true_over_raw: float, n: int) -> None:
+    """``n`` requests on ``engine`` whose real TTFT is ``true_over_raw`` times the uncorrected estimate; each ratio is
+    taken against the estimate as corrected when it was made (as the access log compares with the ticket)."""
+    for _ in range(n):
+        corrections.observe(engine, true_over_raw / corrections.factor(engine))
+
+
+def test_the_correction_settles_at_the_measured_error() -> None:
+    c = TtftCorrections(gain=0.1, maximum=4.0)
+    served(c, "spark", 2.0, 80)
+    assert abs(c.factor("spark") - 2.0) < 0.05 * 2.0
+    assert c.factor("thor") == 1.0, "an engine never measured is not corrected"
+    served(c, "spark", 1.0, 120)  # the engine is on time again: the correction goes away
+    assert c.factor("spark") < 1.05
+
+
+def test_the_correction_only_corrects_upward_and_is_capped() -> None:
+    c = TtftCorrections(gain=0.5, maximum=3.0)
+    served(c, "early-headers", 0.01, 50)  # first byte before the first token: no proof the engine is faster
+    assert c.factor("early-headers") == 1.0
+    served(c, "stalled", 100.0, 50)
+    assert c.factor("stalled") == 3.0
+    assert c.forget("stalled") and c.factor("stalled") == 1.0
+
+
+def test_a_lower_maximum_on_reload_clamps_and_gain_zero_turns_it_off() -> None:
+    c = TtftCorrections(gain=0.5, maximum=4.0)
+    served(c, "a", 3.0, 40)
+    assert c.configure(0.5, 2.0) == ["a"] and c.factor("a") == 2.0
+    assert c.configure(0.0, 2.0) == ["a"] and c.factor("a") == 1.0
+    assert not c.observe("a", 5.0) and c.factor("a") == 1.0
+
+
+def view(name: str) -> EngineView:
+    return EngineView(name=name, url="", max_num_seqs=4, models=(ServedModel("m", 32_768),), version="0.10.1",
+                      sample=EngineSample(0.0, running=0, waiting=0, kv_usage=0.0, kv_capacity_tokens=100_000),
+                      last_ok_at=0.0, stale=False, chip_class=name, anchor_prefill_tokens_per_s=1000.0,
+                      anchor_decode_tokens_per_s=50.0)
+
+
+def test_an_engine_slower_than_estimated_loses_deadline_traffic_it_cannot_meet() -> None:
+    """A 1500-token prompt prefills in 1.5 s on either engine by their rates; with a 3 s deadline both are in the band.
+    Once the access log shows "slow" delivering TTFTs 2.5x its estimates, its corrected TTFT (3.8 s) misses the
+    deadline and every such request goes to "ok"; the correction is what the metrics report."""
+    core = AdmissionCore(Policy(), Ledger(3600))
+    engines = [view("slow"), view("ok")]
+    request = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=1500, max_tokens=50,
+                               max_ttft_ms=3000)
+    before = {decide(request, core.fleet(engines, 0.0), core.policy, 0.0, pick=p / 10).engine for p in range(10)}
+    assert before == {"slow", "ok"}
+    for _ in range(60):
+        core.observe_ttft("slow", 2.5 / core.ttft.factor("slow"))
+    assert 2.3 < core.ttft.factor("slow") <= 2.5
+    after = [decide(request, core.fleet(engines, 0.0), core.policy, 0.0, pick=p / 10) for p in range(10)]
+    assert {d.engine for d in after} == {"ok"}
+    assert all(d.verdict is Verdict.ADMIT and d.reason is Reason.SATISFICING_BAND for d in after)
