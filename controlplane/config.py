@@ -940,6 +940,8 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
         backfill=c.flag("admission.backfill", ad["backfill"]),
         backfill_scan=int(c.number("admission.backfill_scan", ad["backfill_scan"], minimum=1, integer=True)),
         lifo_after_ms=float(c.number("admission.lifo_after_ms", ad["lifo_after_ms"], minimum=0)),
+        lifo_deadline_fraction=float(c.number("admission.lifo_deadline_fraction", ad["lifo_deadline_fraction"],
+                                              minimum=0)),
         overload_shed_after_ms=float(c.number("admission.overload_shed_after_ms", ad["overload_shed_after_ms"],
                                               minimum=0)),
         overload_shed_services=float(c.number("admission.overload_shed_services", ad["overload_shed_services"],

@@ -24,7 +24,7 @@ most ``backfill_scan`` a wake), and an arrival whose every request ahead was las
 since (``_frees``: a freed slot may be the one they wait for, and the wake that follows decides them first), is decided
 as if first: it takes a slot they refused, or parks at the back.
 Adaptive LIFO under overload (``lifo_after_ms``, default 2000; 0 = strict FIFO always): when a class's oldest parked
-request has waited longer than that (or longer than half its own TTFT deadline) at a wake, the wake serves that class
+request has waited longer than that (or longer than ``lifo_deadline_fraction`` of its own TTFT deadline, off by default) at a wake, the wake serves that class
 newest first (its "head" is the newest request; still critical before standard, still head-of-line: a newest request
 that does not fit stops the wake). Why: in a FIFO lot
 under sustained overload every request waits about the same time, the backlog's, so once that exceeds the clients' TTFT
@@ -539,17 +539,18 @@ class AdmissionCore:
 
     def _lifo(self, queue: deque[Parked], now: float) -> bool:
         """Whether a wake serves ``queue`` newest first: its oldest request has waited longer than ``lifo_after_ms``, or
-        longer than half its own TTFT deadline. Deadlines at or below ``lifo_after_ms`` would otherwise keep the lot FIFO
-        for good (each request is shed before it has waited that long), and a FIFO head with little of its deadline left
-        can start only on the fastest engine while the others idle (``bench steady``'s deadline mix at 110%: thor + spark
-        at 58% of their throughput, 155 of 238 requests shed)."""
+        longer than ``lifo_deadline_fraction`` of its own TTFT deadline (off by default: see Policy). Deadlines at or
+        below ``lifo_after_ms`` keep the lot FIFO then (each request is shed before it has waited that long), which is
+        what serves the most of them in time: a FIFO head with little of its deadline left that only the fastest engine
+        could start is passed over by the wake, not waited for."""
         limit = self.policy.lifo_after_ms
         if limit <= 0 or not queue:
             return False
         oldest = queue[0]
         waited_ms = (now - oldest.parked_at) * 1000
         deadline_ms = oldest.request.max_ttft_ms
-        return waited_ms > limit or bool(deadline_ms and waited_ms > deadline_ms / 2)
+        fraction = self.policy.lifo_deadline_fraction
+        return waited_ms > limit or bool(deadline_ms and fraction and waited_ms > deadline_ms * fraction)
 
     def _backfill(self, model: str, klass: Priority, head: Parked, fleet_of: Callable[[], Fleet],
                   refresh: Callable[[], None], now: float, lifo: bool = False) -> list[Outcome]:

@@ -65,7 +65,7 @@ class World:
 
     def wake(self) -> list[Outcome]:
         """``core.wake``, checking each class's order: while its oldest parked request has waited no longer than
-        ``lifo_after_ms`` (nor half its own TTFT deadline) the wake answers the oldest first (FIFO); past it, the newest
+        ``lifo_after_ms`` (nor ``lifo_deadline_fraction`` of its own TTFT deadline) the wake answers the oldest first (FIFO); past it, the newest
         first (adaptive LIFO)."""
         before: dict[Priority, list[str]] = {Priority.CRITICAL: [], Priority.STANDARD: []}
         oldest: dict[Priority, tuple[float, int | None]] = {}
@@ -74,7 +74,7 @@ class World:
             oldest.setdefault(p.request.priority, (p.parked_at, p.request.max_ttft_ms))
         outcomes = self.core.wake(self.fleet(), self.now)
         if not self.core.policy.backfill:  # backfill reorders on purpose
-            limit = self.core.policy.lifo_after_ms
+            limit, fraction = self.core.policy.lifo_after_ms, self.core.policy.lifo_deadline_fraction
             # A head with a TTFT deadline that no free slot can meet is passed over and stays parked (wake): the order
             # holds among the others.
             still = {p.request_id for p in self.core.parked() if p.request.max_ttft_ms}
@@ -82,8 +82,8 @@ class World:
                 answered = [o.request_id for o in outcomes if o.request_id in order]
                 waited_ms = (self.now - oldest[klass][0]) * 1000 if klass in oldest else 0.0
                 deadline_ms = oldest[klass][1] if klass in oldest else None
-                lifo = limit > 0 and klass in oldest and (waited_ms > limit
-                                                          or bool(deadline_ms and waited_ms > deadline_ms / 2))
+                lifo = limit > 0 and klass in oldest and (
+                    waited_ms > limit or bool(deadline_ms and fraction and waited_ms > deadline_ms * fraction))
                 expected = [r for r in (order[::-1] if lifo else order) if r not in still][:len(answered)]
                 assert answered == expected, f"{klass} {'LIFO' if lifo else 'FIFO'} order broken"
         return outcomes
@@ -197,9 +197,9 @@ def test_admission_invariants(steps: list[tuple[Any, ...]]) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(op, max_size=80))
 def test_admission_invariants_with_adaptive_lifo(steps: list[tuple[Any, ...]]) -> None:
-    """Past ``lifo_after_ms`` a wake serves newest first (``World.wake`` checks each wake's order); every other invariant
-    holds, and the drain still admits every parked request."""
-    run_and_drain(World(), steps)
+    """Past ``lifo_after_ms`` (or half a request's deadline) a wake serves newest first (``World.wake`` checks each
+    wake's order); every other invariant holds, and the drain still admits every parked request."""
+    run_and_drain(World(replace(POLICY, lifo_deadline_fraction=0.5)), steps)
 
 
 @settings(max_examples=300, deadline=None)

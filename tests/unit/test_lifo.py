@@ -100,3 +100,21 @@ def test_a_negative_threshold_is_refused() -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config({"engines": [{"name": "a", "url": "http://127.0.0.1:1"}], "admission": {"lifo_after_ms": -1}})
     assert [p.split(":")[0] for p in caught.value.problems] == ["admission.lifo_after_ms"]
+
+
+def test_a_deadline_fraction_turns_lifo_before_lifo_after_ms() -> None:
+    """Deadlines of 1 s keep a 2 s ``lifo_after_ms`` from ever passing; ``lifo_deadline_fraction`` 0.5 turns the lot LIFO
+    once the oldest has waited half its deadline, and 0 (the default) keeps it FIFO, as a queue at 95% load needs."""
+    def parked(fraction: float) -> AdmissionCore:
+        core = AdmissionCore(Policy(lifo_after_ms=2000, lifo_deadline_fraction=fraction), Ledger(lease_seconds=3600))
+        assert core.check("running", chat(), core.fleet([ENGINE], 0.0), 0.0).ticket is not None
+        for i, rid in enumerate("abc", start=1):
+            request = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=100, max_tokens=100,
+                                       max_ttft_ms=1000)
+            now = i / 10
+            assert core.check(rid, request, core.fleet([ENGINE], now), now).decision.verdict is Verdict.PARK
+        return core
+
+    assert release_and_wake(parked(0.5), "running", 0.75) == ["c"]  # a has waited 0.65 s of its 1 s
+    assert release_and_wake(parked(0.0), "running", 0.75) == ["a"]
+    assert Policy().lifo_deadline_fraction == 0.0

@@ -43,10 +43,12 @@ def test_a_head_that_only_lacks_a_slot_still_holds_the_line() -> None:
 
 
 def test_deadline_traffic_turns_newest_first_past_half_the_deadline() -> None:
-    """2 s deadlines are shed before ``lifo_after_ms`` (2 s) could ever pass: the lot turns LIFO once its oldest has
-    used half its deadline, so a free slot goes to the request with the most time left, not the one about to expire."""
+    """2 s deadlines are shed before ``lifo_after_ms`` (2 s) could ever pass: with ``lifo_deadline_fraction`` 0.5 (off
+    by default) the lot turns LIFO once its oldest has used half its deadline, so a free slot goes to the request with the
+    most time left, not the one about to expire."""
     views = [engine("only", seqs=1, prefill=10_000.0, decode=50.0)]
-    core = AdmissionCore(Policy(band_margin_ms=0, lifo_after_ms=2000), Ledger(lease_seconds=600))
+    core = AdmissionCore(Policy(band_margin_ms=0, lifo_after_ms=2000, lifo_deadline_fraction=0.5),
+                         Ledger(lease_seconds=600))
     assert core.check("holder", chat(prompt=100, max_tokens=200), core.fleet(views, 0.0), 0.0).ticket is not None
     for rid, at in (("older", 0.1), ("newer", 0.6)):
         core.check(rid, chat(prompt=100, max_tokens=50, ttft_ms=2000), core.fleet(views, at), at)
