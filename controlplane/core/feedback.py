@@ -76,7 +76,3 @@ class TtftCorrections:
                 self._published[engine] = self._factors[engine] = clamped
                 changed.append(engine)
         return changed
-
-    def snapshot(self) -> dict[str, float]:
-        """engine -> its published factor, engines without one left out (the metrics)."""
-        return dict(self._published)

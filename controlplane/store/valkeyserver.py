@@ -29,11 +29,23 @@ def valkey_binary() -> Path:
     return path
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports ``free_port`` returned in this process: the kernel may hand a just-released port out again, and a test that asks
+for five ports for one ``sluice up`` got the same one twice (Envoy's admin and an engine: the engine failed to bind)."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel says is free now (valkey-server's ``--port 0`` means "no TCP", so it cannot pick one itself)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port the kernel says is free now and that this process has not been given before (the one definition: tests,
+    benches and ``sluice up`` use it). It can be taken before the caller binds it: prefer binding port 0 and asking the
+    server what it bound; this is for processes that cannot report back (valkey-server's ``--port 0`` means "no TCP")."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free port that this process was not given already")
 
 
 class ValkeyServer:

@@ -20,25 +20,11 @@ if TYPE_CHECKING:
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
-_HANDED_OUT: set[int] = set()
-"""Ports ``free_port`` returned in this process: the kernel may hand a just-released port out again, and a test that asks
-for five ports for one ``sluice up`` got the same one twice (Envoy's admin and an engine: the engine failed to bind)."""
-
-
 def free_port() -> int:
-    """A port free right now and not returned before by this process (the only definition; tests and benches import
-    it). It can be taken before the caller binds it: prefer binding port 0 and asking the server what it bound; this is
-    for processes that cannot report back."""
-    import socket
+    """A loopback port free right now (``controlplane.store.valkeyserver.free_port``, the one definition)."""
+    from controlplane.store.valkeyserver import free_port as pick
 
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no free port that was not handed out already")
+    return pick()
 
 
 def machine() -> str:
