@@ -107,7 +107,8 @@ class Outcome:
     """An admission's place against the line, which the shared store checks (a woken head: OLDEST or NEWEST; a
     backfill: NONE)."""
     parked: Parked | None = None
-    """A woken request's entry in the lot: what ``restore`` puts back if the store refuses the admission."""
+    """A woken request's entry in the lot: what ``restore`` puts back if the store refuses the admission, and what
+    leaves the shared line when a wake answers it without an admission."""
     noted: tuple[int, ...] = ()
     """Prompt blocks this admission added to the prefix index for its engine (``retract`` takes them back)."""
 
@@ -480,8 +481,12 @@ class AdmissionCore:
                         out.append(self._admit(head.request_id, head.request, decision, now, now - head.parked_at,
                                                rule, head))
                         current[0] = self.refreshed(current[0], now)
-                    else:  # the world changed under it (model gone, floor raised): answer now rather than time out
-                        out.append(Outcome(head.request_id, decision, parked_for=now - head.parked_at))
+                    else:
+                        # Answered without a place (its TTFT deadline can no longer be met, the model is gone, a floor
+                        # was raised): now rather than at its timeout. ``parked`` tells the shell to take it out of the
+                        # shared line too; left there, it would head the line for good and every later admission of the
+                        # model would be refused ``queued`` (bench steady, deadline mix at 110%: 155 of 237 shed).
+                        out.append(Outcome(head.request_id, decision, parked_for=now - head.parked_at, parked=head))
                 if blocked:
                     break  # critical before standard: a blocked critical head holds the standard class too
         return out

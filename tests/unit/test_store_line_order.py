@@ -113,6 +113,35 @@ async def test_a_request_woken_before_its_park_landed_gets_its_admission_and_lea
         await svc.stop()
 
 
+async def test_a_parked_request_a_wake_answers_without_an_admission_leaves_the_line() -> None:
+    # b parks; a floor raised meanwhile makes the wake answer it (version_floor) instead of admitting it. Found by
+    # ``bench steady`` (deadline mix at 110%: a wake shed heads ttft_unmeetable): the answered head stayed in the shared
+    # line, at its head, and every later admission of the model was refused 'queued' while the engines idled.
+    state = MemoryState()
+    svc = service(MemoryStore(state, "r0"), {"e": 1})
+    await svc.open_store()
+    svc.start()
+    try:
+        a = await answer(svc, "a")
+        assert a.ticket is not None
+        b = asyncio.create_task(answer(svc, "b"))
+        await asyncio.sleep(0.05)  # b is parked and in the line
+        assert line(state) == ["r0|b"]
+        policy = svc.core.policy
+        svc.core.set_policy(replace(policy, version_floors=(("m", "9.0"),)), admit_stale=True)
+        svc.wake()
+        refused = await asyncio.wait_for(b, 1.0)
+        assert refused.ticket is None and refused.decision.reason.value == "version_floor", refused.decision
+        await asyncio.sleep(0.05)
+        assert line(state) == [], "a request answered by a wake stayed in the shared line"
+        svc.core.set_policy(policy, admit_stale=True)
+        svc.release_ticket(a.ticket.ticket_id)
+        c = await asyncio.wait_for(answer(svc, "c"), 1.0)  # before the fix: refused 'queued', parked until park_timeout
+        assert c.ticket is not None and c.parked_for == 0, c.decision
+    finally:
+        await svc.stop()
+
+
 class RecordedParks(ValkeyStore):
     """A Valkey store that notes the order of its ``park`` calls (the line's order)."""
 
