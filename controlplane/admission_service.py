@@ -55,6 +55,8 @@ RECENT_RELEASES = 100_000
 
 PARK_SWEEP_S = 0.1
 """How often park deadlines are checked (a shed comes at most this late)."""
+LINE_AUDIT_S = 5.0
+"""How often this replica's members of the shared lines are checked against its lot (``_audit_lines``)."""
 
 
 class AdmissionService:
@@ -99,6 +101,11 @@ class AdmissionService:
         """Models whose wake stopped at a request in ``_parking``: woken again when its park lands."""
         self._early: dict[str, Outcome] = {}
         """Answers (a shed) given to a parked request before its Check reached ``wait_parked``."""
+        self._unparking: set[str] = set()
+        """Requests whose ``unpark`` is on its way (queued behind the line lock, perhaps)."""
+        self._settling: set[str] = set()
+        """Woken requests out of the lot while ``_settle`` writes their admissions: a refused one goes back, in the line
+        all along (the line audit must not take it out)."""
 
     # -- CheckPort ---------------------------------------------------------------------------------------------------
     @property
@@ -202,7 +209,7 @@ class AdmissionService:
                 self._parks_awaited.discard(model)
                 self.wake([model])
 
-    async def _in_line(self, op: str, call: Callable[[], Awaitable[None]]) -> None:
+    async def _in_line(self, op: str, call: Callable[[], Awaitable[object]]) -> None:
         """A park or unpark, made one at a time in the order they were asked for: concurrent calls would travel on
         different connections of the store's client and land in any order, and the shared line would then disagree with
         this replica's lot about who is first (each waiting for a head the other never offers). Skipped while the store
@@ -355,6 +362,14 @@ class AdmissionService:
         """Write a wake's admissions to the store in order and answer them. After a refusal every later admission of
         that model goes back to its place too (its line order must hold). Returns models to wake again (the mirror
         learned tickets it lacked)."""
+        woken = {o.request_id for o in outcomes if o.parked is not None}
+        self._settling |= woken
+        try:
+            return await self._settle_in_order(outcomes, now)
+        finally:
+            self._settling -= woken
+
+    async def _settle_in_order(self, outcomes: list[Outcome], now: float) -> set[str]:
         blocked: set[str] = set()
         again: set[str] = set()
         answered: list[Outcome] = []
@@ -401,7 +416,14 @@ class AdmissionService:
         """A request left the lot without an admission (cancelled, shed): it leaves the shared line too."""
         if where is not None:
             model, klass = where
-            self._spawn(self._in_line("unpark", lambda: self.store.unpark(model, klass, request_id)))
+            self._unparking.add(request_id)
+
+            async def unpark() -> None:
+                try:
+                    await self._in_line("unpark", lambda: self.store.unpark(model, klass, request_id))
+                finally:
+                    self._unparking.discard(request_id)
+            self._spawn(unpark())
 
     def _resolve(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
@@ -554,8 +576,12 @@ class AdmissionService:
         return task
 
     async def _sweep_park_deadlines(self) -> None:
+        audit_at = self.clock() + LINE_AUDIT_S
         while True:
             await asyncio.sleep(PARK_SWEEP_S)
+            if self.clock() >= audit_at:
+                audit_at = self.clock() + LINE_AUDIT_S
+                await self._audit_lines()
             if self.core.depth():
                 now = self.clock()
                 due = self.core.due(now)
@@ -564,6 +590,33 @@ class AdmissionService:
                 for outcome in expired:
                     self._unpark_later(wheres.get(outcome.request_id), outcome.request_id)
                 self._resolve(expired)
+
+    async def _audit_lines(self) -> None:
+        """Take out of the shared lines every member of this replica that its lot no longer holds. Every way out of the
+        lot unparks its request, so this finds nothing; it is the backstop for one that does not (session 9 found a
+        wake's shed that did not): a stray member heads its line for good, and every later admission of its model, on
+        every replica, is refused ``queued`` while the engines idle. Under the line lock, so every park and unpark asked
+        for before has landed and none lands meanwhile; a request in ``_parking`` (its park still to come),
+        ``_settling`` (woken, perhaps going back) or ``_unparking`` (its unpark on its way) is no stray. Counted in
+        ``sluice_line_strays_removed_total``."""
+        for model, klass in self.core.lines():
+            strays: list[str] = []
+            async with self._line_lock:
+                if not self.store_up:
+                    return
+                try:
+                    held = await self._timed("members", self.store.members(model, klass))
+                    candidates = [r for r in held if self.core.where(r) is None and r not in self._parking
+                                  and r not in self._settling and r not in self._unparking]
+                    # unpark says whether it removed anything: a request admitted while ``members`` was read is gone
+                    strays = [r for r in candidates if await self._timed("unpark", self.store.unpark(model, klass, r))]
+                except StoreUnavailable:
+                    return  # the heartbeat loop notices; the next audit tries again
+            if strays:
+                log.warning("%d request(s) of %s were in the shared line but no longer parked here; taken out: %s",
+                            len(strays), model, ", ".join(strays[:5]))
+                self.metrics.line_strays_removed.inc(len(strays))
+                self.wake([model])
 
     async def _reap_leases(self) -> None:
         while True:

@@ -171,6 +171,9 @@ class SluiceMetrics:
         self.store_refusals = Counter(
             "sluice_store_refusals", "Admissions the shared store refused because another replica was first (cap, kv, "
             "queued); the request was decided again.", ["refusal"], registry=r)
+        self.line_strays_removed = Counter(
+            "sluice_line_strays_removed", "Members of this replica in a shared line that its lot no longer held, taken "
+            "out by the line audit (each one had blocked its model's admissions; it should stay 0).", registry=r)
         self.store_fail_open = Counter(
             "sluice_store_fail_open", "Admissions made on this replica's own ledger while the store was unreachable "
             "(store.on_failure: open).", registry=r)

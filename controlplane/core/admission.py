@@ -312,6 +312,10 @@ class AdmissionCore:
         at = self._where.get(request_id)
         return None if at is None else (at[0], PARK_CLASSES.index(at[1]))
 
+    def lines(self) -> list[tuple[str, int]]:
+        """Every (model, class index) the lot has held requests of: the shared lines this replica may have members in."""
+        return [(model, PARK_CLASSES.index(klass)) for model, queues in self._lot.items() for klass in queues]
+
     def class_index(self, request: InferenceRequest) -> int:
         """The request's parking class as an index into ``PARK_CLASSES`` (how the shared store names its line)."""
         return PARK_CLASSES.index(_class_of(request))

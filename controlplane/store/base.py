@@ -125,7 +125,10 @@ class Store(Protocol):
     async def restore(self, tickets: list[Ticket]) -> int:
         """Write back tickets this replica owns that the store lacks (after a store outage), without checks; how many."""
     async def park(self, model: str, klass: int, request_id: str) -> None: ...
-    async def unpark(self, model: str, klass: int, request_id: str) -> None: ...
+    async def unpark(self, model: str, klass: int, request_id: str) -> bool:
+        """Take a request out of the line; False if it was not there (admitted, or unparked before)."""
+    async def members(self, model: str, klass: int) -> list[str]:
+        """Request ids this replica holds in the line ``(model, klass)``, oldest first (the line audit's view)."""
     async def heartbeat(self, ttl_s: float) -> None:
         """This replica is alive for ``ttl_s`` more seconds. A replica whose heartbeat lapsed is dead: its parked
         members are dropped from every line the next time a ``reserve`` looks at them."""

@@ -130,9 +130,15 @@ class MemoryStore:
         s.seq += 1
         s.lines.setdefault((model, klass), {})[member(self.replica_id, request_id)] = s.seq
 
-    async def unpark(self, model: str, klass: int, request_id: str) -> None:
-        if self.state.lines.get((model, klass), {}).pop(member(self.replica_id, request_id), None) is not None:
-            self.state.publish(StoreEvent(EventKind.UNPARKED, self.replica_id, request_id, model=model))
+    async def unpark(self, model: str, klass: int, request_id: str) -> bool:
+        if self.state.lines.get((model, klass), {}).pop(member(self.replica_id, request_id), None) is None:
+            return False
+        self.state.publish(StoreEvent(EventKind.UNPARKED, self.replica_id, request_id, model=model))
+        return True
+
+    async def members(self, model: str, klass: int) -> list[str]:
+        mine = member(self.replica_id, "")
+        return [m[len(mine):] for m in self.state.lines.get((model, klass), {}) if m.startswith(mine)]
 
     async def heartbeat(self, ttl_s: float) -> None:
         self.state.replicas[self.replica_id] = self.state.wall() + ttl_s

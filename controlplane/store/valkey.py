@@ -248,9 +248,17 @@ class ValkeyStore:
     async def park(self, model: str, klass: int, request_id: str) -> None:
         await self._run("park", f"{model}:{klass}", member(self.replica_id, request_id))
 
-    async def unpark(self, model: str, klass: int, request_id: str) -> None:
-        await self._run("unpark", f"{model}:{klass}", member(self.replica_id, request_id), self.replica_id,
-                        request_id, model)
+    async def unpark(self, model: str, klass: int, request_id: str) -> bool:
+        return bool(await self._run("unpark", f"{model}:{klass}", member(self.replica_id, request_id), self.replica_id,
+                                    request_id, model))
+
+    async def members(self, model: str, klass: int) -> list[str]:
+        mine = member(self.replica_id, "")
+        try:
+            line = await self.client.zrange(f"{self.prefix}:q:{model}:{klass}", 0, -1)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            raise StoreUnavailable(f"members: {exc}") from exc
+        return [m[len(mine):] for m in map(_text, line) if m.startswith(mine)]
 
     async def heartbeat(self, ttl_s: float) -> None:
         try:

@@ -168,6 +168,22 @@ async def test_unpark_leaves_the_line(stores: Factory) -> None:
     assert (await b.reserve(Claim(ticket("next"), cap=None, kv_limit=None, queue=QueueRule.ARRIVAL, klass=1))).ok
 
 
+async def test_members_are_a_replicas_own_requests_in_line_order(stores: Factory) -> None:
+    a, b = stores("a"), stores("b")
+    await a.park("m", 1, "first")
+    await b.park("m", 1, "theirs")
+    await a.park("m", 1, "second|with a bar")
+    await a.park("m", 0, "critical")
+    assert await a.members("m", 1) == ["first", "second|with a bar"]
+    assert await b.members("m", 1) == ["theirs"]
+    assert await a.unpark("m", 1, "first") is True
+    assert await a.unpark("m", 1, "first") is False  # gone already: the audit counts only what it took out
+    assert await b.unpark("m", 1, "second|with a bar") is False  # a replica unparks only its own members
+    assert await a.members("m", 1) == ["second|with a bar"]
+    assert await a.members("m", 0) == ["critical"]
+    assert await a.members("other", 1) == []
+
+
 async def test_restore_writes_back_only_what_is_missing(stores: Factory) -> None:
     a = stores("a")
     assert (await a.reserve(Claim(ticket("kept"), cap=None, kv_limit=None))).ok

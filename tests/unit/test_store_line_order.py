@@ -142,6 +142,35 @@ async def test_a_parked_request_a_wake_answers_without_an_admission_leaves_the_l
         await svc.stop()
 
 
+async def test_a_stray_member_of_this_replica_is_taken_out_of_the_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The backstop for any leak like the one above: a member this replica's lot does not hold (planted here) blocks the
+    # line until the line audit takes it out; then the request parked behind it is admitted.
+    monkeypatch.setattr("controlplane.admission_service.LINE_AUDIT_S", 0.3)
+    state = MemoryState()
+    store = MemoryStore(state, "r0")
+    svc = service(store, {"e": 1}, max_park_s=30.0)
+    await svc.open_store()
+    svc.start()
+    try:
+        a = await answer(svc, "a")
+        assert a.ticket is not None
+        b = asyncio.create_task(answer(svc, "b"))  # the lot now has a line for m
+        await asyncio.sleep(0.05)
+        svc.release_ticket(a.ticket.ticket_id)
+        first = await asyncio.wait_for(b, 1.0)
+        assert first.ticket is not None, first.decision
+        await store.park("m", 1, "ghost")  # what a lost unpark leaves behind
+        svc.release_ticket(first.ticket.ticket_id)
+        started = time.monotonic()
+        c = await asyncio.wait_for(answer(svc, "c"), 5.0)  # without the audit: parked behind the ghost until max_park_s
+        assert c.ticket is not None, c.decision
+        assert c.parked_for > 0 and time.monotonic() - started < 2.0
+        assert line(state) == []
+        assert svc.metrics.line_strays_removed._value.get() == 1
+    finally:
+        await svc.stop()
+
+
 class RecordedParks(ValkeyStore):
     """A Valkey store that notes the order of its ``park`` calls (the line's order)."""
 
