@@ -378,8 +378,7 @@ class AdmissionService:
             model = parked.request.model if parked is not None else None
             if outcome.ticket is None:
                 answered.append(outcome)
-                if outcome.parked is not None and model is not None:
-                    self._unpark_later((model, self.core.class_index(outcome.parked.request)), outcome.request_id)
+                self._left_lot(outcome)
                 continue
             if parked is None or model is None:
                 answered.append(outcome)
@@ -411,6 +410,13 @@ class AdmissionService:
                                           self.config.tickets.idle_reap_grace_seconds)
             self._expired(reaped, "its engine is idle")
         self.wake([model.model_id for model in view.models])
+
+    def _left_lot(self, outcome: Outcome) -> None:
+        """A parked request the core answered without an admission (a wake's refusal or shed, a sweep's shed: its
+        ``Outcome.parked``) leaves the shared line too."""
+        parked = outcome.parked
+        if parked is not None and parked.request.model is not None:
+            self._unpark_later((parked.request.model, self.core.class_index(parked.request)), outcome.request_id)
 
     def _unpark_later(self, where: tuple[str, int] | None, request_id: str) -> None:
         """A request left the lot without an admission (cancelled, shed): it leaves the shared line too."""
@@ -584,11 +590,9 @@ class AdmissionService:
                 await self._audit_lines()
             if self.core.depth():
                 now = self.clock()
-                due = self.core.due(now)
-                wheres = {p.request_id: self.core.where(p.request_id) for p in due}
-                expired = self.core.expire_parked(self.observation.fleet(now), now, due)
+                expired = self.core.expire_parked(self.observation.fleet(now), now)
                 for outcome in expired:
-                    self._unpark_later(wheres.get(outcome.request_id), outcome.request_id)
+                    self._left_lot(outcome)
                 self._resolve(expired)
 
     async def _audit_lines(self) -> None:

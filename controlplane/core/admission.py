@@ -107,8 +107,9 @@ class Outcome:
     """An admission's place against the line, which the shared store checks (a woken head: OLDEST or NEWEST; a
     backfill: NONE)."""
     parked: Parked | None = None
-    """A woken request's entry in the lot: what ``restore`` puts back if the store refuses the admission, and what
-    leaves the shared line when a wake answers it without an admission."""
+    """The request's entry in the lot when it was parked: what ``restore`` puts back if the store refuses a woken
+    request's admission, and what leaves the shared line when the lot answers it without one (a wake's refusal or shed,
+    ``expire_parked``). Every outcome for a parked request carries it."""
     noted: tuple[int, ...] = ()
     """Prompt blocks this admission added to the prefix index for its engine (``retract`` takes them back)."""
 
@@ -510,12 +511,12 @@ class AdmissionCore:
                 due += [p for p in queue if not p.ttft_bound and p.deadline > now and now - p.parked_at > bound]
         return due
 
-    def expire_parked(self, fleet: Fleet, now: float, due: list[Parked] | None = None) -> list[Outcome]:
-        """Shed every parked request ``due`` now (``due``: the caller's ``due(now)``, when it already asked):
-        ``park_timeout`` or ``ttft_unmeetable`` past its deadline, ``overloaded`` when a sustained overload left it
-        behind; each with a Retry-After."""
+    def expire_parked(self, fleet: Fleet, now: float) -> list[Outcome]:
+        """Shed every parked request ``due`` now: ``park_timeout`` or ``ttft_unmeetable`` past its deadline,
+        ``overloaded`` when a sustained overload left it behind; each with a Retry-After (and its ``parked`` entry, for
+        the shell to take it out of the shared line)."""
         out = []
-        for parked in self.due(now) if due is None else due:
+        for parked in self.due(now):
             self.cancel(parked.request_id)
             model = parked.request.model
             candidates = [e for e in fleet.engines if model and e.serves(model)]
@@ -529,7 +530,7 @@ class AdmissionCore:
             else:
                 decision = shed(Reason.PARK_TIMEOUT,
                                 f"no capacity for {model} within {self.policy.max_park_s:g} s", wait)
-            out.append(Outcome(parked.request_id, decision, parked_for=now - parked.parked_at))
+            out.append(Outcome(parked.request_id, decision, parked_for=now - parked.parked_at, parked=parked))
         return out
 
     def _backfill_arrival(self, request: InferenceRequest, model: str, fleet: Fleet, now: float,

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, cast
 
@@ -40,6 +41,18 @@ def service(store: Store, caps: dict[str, int], max_park_s: float = 3.0) -> Admi
                                           max_queue_depth=5000))
     core = AdmissionCore(config.policy, Ledger(lease_seconds=10_000))
     return AdmissionService(config, core, cast(Any, FakeObservation(core, caps, kv_capacity_tokens=100_000)), SluiceMetrics(), time.monotonic, store)
+
+
+@asynccontextmanager
+async def running(store: Store, caps: dict[str, int], max_park_s: float = 3.0) -> AsyncIterator[AdmissionService]:
+    """An admission service on ``store``, joined and started, stopped on the way out."""
+    svc = service(store, caps, max_park_s)
+    await svc.open_store()
+    svc.start()
+    try:
+        yield svc
+    finally:
+        await svc.stop()
 
 
 class SlowParks(MemoryStore):
@@ -69,10 +82,7 @@ def line(state: MemoryState) -> list[str]:
 async def test_parks_landing_out_of_order_do_not_deadlock_the_line() -> None:
     # b parks before c, but b's park lands after c's: the store's line says c first, the replica's lot says b first.
     state = MemoryState()
-    svc = service(SlowParks(state, {"b": 0.05}), {"e": 1})
-    await svc.open_store()
-    svc.start()
-    try:
+    async with running(SlowParks(state, {"b": 0.05}), {"e": 1}) as svc:
         a = await answer(svc, "a")
         assert a.ticket is not None
         b = asyncio.create_task(answer(svc, "b"))
@@ -87,16 +97,11 @@ async def test_parks_landing_out_of_order_do_not_deadlock_the_line() -> None:
         second = await asyncio.wait_for(c, 1.0)
         assert second.ticket is not None, second.decision
         assert line(state) == []
-    finally:
-        await svc.stop()
 
 
 async def test_a_request_woken_before_its_park_landed_gets_its_admission_and_leaves_no_member() -> None:
     state = MemoryState()
-    svc = service(SlowParks(state, {"b": 0.05}), {"e": 1})
-    await svc.open_store()
-    svc.start()
-    try:
+    async with running(SlowParks(state, {"b": 0.05}), {"e": 1}) as svc:
         a = await answer(svc, "a")
         assert a.ticket is not None
         b = asyncio.create_task(answer(svc, "b"))
@@ -109,8 +114,6 @@ async def test_a_request_woken_before_its_park_landed_gets_its_admission_and_lea
         svc.release_ticket(woken.ticket.ticket_id)
         c = await asyncio.wait_for(answer(svc, "c"), 1.0)  # the engine is idle: admitted at once, not queued
         assert c.ticket is not None and c.parked_for == 0, c.decision
-    finally:
-        await svc.stop()
 
 
 async def test_a_parked_request_a_wake_answers_without_an_admission_leaves_the_line() -> None:
@@ -118,10 +121,7 @@ async def test_a_parked_request_a_wake_answers_without_an_admission_leaves_the_l
     # ``bench steady`` (deadline mix at 110%: a wake shed heads ttft_unmeetable): the answered head stayed in the shared
     # line, at its head, and every later admission of the model was refused 'queued' while the engines idled.
     state = MemoryState()
-    svc = service(MemoryStore(state, "r0"), {"e": 1})
-    await svc.open_store()
-    svc.start()
-    try:
+    async with running(MemoryStore(state, "r0"), {"e": 1}) as svc:
         a = await answer(svc, "a")
         assert a.ticket is not None
         b = asyncio.create_task(answer(svc, "b"))
@@ -138,8 +138,17 @@ async def test_a_parked_request_a_wake_answers_without_an_admission_leaves_the_l
         svc.release_ticket(a.ticket.ticket_id)
         c = await asyncio.wait_for(answer(svc, "c"), 1.0)  # before the fix: refused 'queued', parked until park_timeout
         assert c.ticket is not None and c.parked_for == 0, c.decision
-    finally:
-        await svc.stop()
+
+
+async def test_a_parked_request_shed_at_its_deadline_leaves_the_line() -> None:
+    state = MemoryState()
+    async with running(MemoryStore(state, "r0"), {"e": 1}, max_park_s=0.3) as svc:
+        a = await answer(svc, "a")
+        assert a.ticket is not None
+        b = await asyncio.wait_for(answer(svc, "b"), 2.0)  # parks behind a, which never finishes
+        assert b.ticket is None and b.decision.reason.value == "park_timeout", b.decision
+        await asyncio.sleep(0.05)
+        assert line(state) == [], "a request shed by the park sweep stayed in the shared line"
 
 
 async def test_a_stray_member_of_this_replica_is_taken_out_of_the_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -148,10 +157,7 @@ async def test_a_stray_member_of_this_replica_is_taken_out_of_the_line(monkeypat
     monkeypatch.setattr("controlplane.admission_service.LINE_AUDIT_S", 0.3)
     state = MemoryState()
     store = MemoryStore(state, "r0")
-    svc = service(store, {"e": 1}, max_park_s=30.0)
-    await svc.open_store()
-    svc.start()
-    try:
+    async with running(store, {"e": 1}, max_park_s=30.0) as svc:
         a = await answer(svc, "a")
         assert a.ticket is not None
         b = asyncio.create_task(answer(svc, "b"))  # the lot now has a line for m
@@ -166,9 +172,7 @@ async def test_a_stray_member_of_this_replica_is_taken_out_of_the_line(monkeypat
         assert c.ticket is not None, c.decision
         assert c.parked_for > 0 and time.monotonic() - started < 2.0
         assert line(state) == []
-        assert svc.metrics.line_strays_removed._value.get() == 1
-    finally:
-        await svc.stop()
+        assert svc.metrics.registry.get_sample_value("sluice_line_strays_removed_total") == 1
 
 
 class RecordedParks(ValkeyStore):
@@ -190,11 +194,8 @@ def valkey() -> Iterator[ValkeyServer]:
 async def test_a_burst_on_one_replica_over_valkey_is_admitted_in_line_order(valkey: ValkeyServer) -> None:
     store = RecordedParks(valkey.url, "r0", prefix="lineorder")
     store.parks = []
-    svc = service(store, {f"e{i}": 4 for i in range(4)}, max_park_s=10.0)
-    await svc.open_store()
-    svc.start()
     admitted_from_park: list[str] = []
-    try:
+    async with running(store, {f"e{i}": 4 for i in range(4)}, max_park_s=10.0) as svc:
         async def one(k: int) -> str:
             outcome = await answer(svc, f"q{k}")
             if outcome.ticket is not None:
@@ -212,5 +213,3 @@ async def test_a_burst_on_one_replica_over_valkey_is_admitted_in_line_order(valk
         await asyncio.sleep(0.2)
         leftover = [k async for k in store.client.scan_iter(match="lineorder:q:*")]
         assert not leftover or all(await store.client.zcard(k) == 0 for k in leftover)
-    finally:
-        await svc.stop()
