@@ -287,7 +287,7 @@ class AdmissionService:
         """Close a ticket (the access log, the retry redirector): at once here, in the store in the background."""
         ticket = self.core.release(ticket_id, self.clock())
         if ticket is not None:
-            self.metrics.tickets_released.labels(ticket.engine).inc()
+            self.metrics.engine(ticket.engine).tickets_released.inc()
             self.wake([ticket.model])
         self._release_in_store(ticket_id)
         return ticket
@@ -324,9 +324,10 @@ class AdmissionService:
 
     def note_ttft(self, engine: str, ratio: float) -> None:
         """A served request's measured TTFT over its estimate (the access log): reported, and fed back (feedback.py)."""
-        self.metrics.ttft_error.labels(engine).observe(ratio)
+        series = self.metrics.engine(engine)
+        series.ttft_error.observe(ratio)
         self.core.observe_ttft(engine, ratio)
-        self.metrics.ttft_correction.labels(engine).set(self.core.ttft.factor(engine))
+        series.ttft_correction.set(self.core.ttft.factor(engine))
 
     # -- capacity events ---------------------------------------------------------------------------------------------
     def wake(self, models: list[str] | None = None) -> None:
@@ -448,7 +449,7 @@ class AdmissionService:
         for ticket in tickets:
             log.warning("ticket %s on %s reaped (%s): its access-log entry never arrived", ticket.ticket_id,
                         ticket.engine, why)
-            self.metrics.tickets_expired.labels(ticket.engine).inc()
+            self.metrics.engine(ticket.engine).tickets_expired.inc()
             self._release_in_store(ticket.ticket_id)
         if tickets:
             self.wake()

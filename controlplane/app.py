@@ -91,7 +91,8 @@ class ControlPlane:
         self.ledger = Ledger(config.tickets.lease_seconds)
         self.metrics = SluiceMetrics(
             open_tickets=lambda: {p.config.name: self.ledger.open_tickets(p.config.name) for p in self.pollers},
-            prefix_index=lambda: (self.admission.prefixes.held, self.admission.prefixes.limit_blocks))
+            prefix_index=lambda: (self.admission.prefixes.held, self.admission.prefixes.limit_blocks),
+            engine_states=lambda: self.observation.engine_states())
         self.admission = AdmissionCore(config.policy, self.ledger, admit_stale=config.observe.on_stale is OnStale.OPEN,
                                        draw=random.random)
         self.observation = Observation(config, self.admission, self.metrics, clock, self._on_probe)

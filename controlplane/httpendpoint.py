@@ -12,7 +12,7 @@ calling this port.
 from __future__ import annotations
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from controlplane.edge import JSON_CONTENT_TYPE, Failure, error_json, reply
 from controlplane.metrics import SluiceMetrics
@@ -50,7 +50,7 @@ class HttpEndpoint:
             await self._runner.cleanup()
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})
+        return web.Response(body=await self.metrics.exposition(), headers={"content-type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, _: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -70,7 +70,7 @@ class HttpEndpoint:
             # retry's Check (same request id) charges afresh instead of finding the id still open.
             await self.quota.refund_now(ticket.ticket_id)
         self.completions.note_engine_failure(engine, "failed before its first byte; retried elsewhere")
-        self.metrics.engine_retries.labels(engine).inc()
+        self.metrics.engine(engine).retries.inc()
         separator = "&" if request.query_string else "?"
         location = f"http://{request.host}{request.path_qs}{separator}{AVOID_PARAM}={engine}"
         return web.Response(status=307, headers={"location": location})

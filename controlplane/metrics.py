@@ -1,12 +1,23 @@
-"""The control plane's Prometheus metrics (prefix ``sluice_``), on a registry per instance so tests can run several."""
+"""The control plane's Prometheus metrics (prefix ``sluice_``), on a registry per instance so tests can run several.
+
+A scrape (``SluiceMetrics.exposition``) reads what lives on the event loop (the ledger's tickets, the engines' views, the
+task count) there, and renders the rest in a thread: at 1000 engines the per-engine series are about 17,000 lines, and
+rendering them on the loop held every Check for 0.2-0.3 s at each scrape (bench/results/README.md, session 9). The
+instruments (counters, gauges, histograms) are thread-safe; the loop-side collectors are only ever called on the loop.
+
+Every per-engine child is created when the engine is registered (``engine``), at start-up before the control plane
+freezes its start-up objects out of the collector's reach (app.py), not at the engine's first event: created later,
+1000 engines' histogram children were most of what each full collection traversed."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 
@@ -21,6 +32,50 @@ class _OpenTickets(Collector):
         for engine, count in sorted(self._open_tickets().items()):
             family.add_metric([engine], count)
         yield family
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What one engine's last probe showed, for the per-engine gauges (None: not reported, the series is left out)."""
+
+    name: str
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None
+    prefill_tokens_per_s: float | None
+    """The last interval that measured one (an idle interval measures nothing and keeps the previous figure)."""
+    decode_tokens_per_s_each: float | None
+    degraded: bool | None
+    """None until the engine's first good probe."""
+
+
+class _EngineStates(Collector):
+    """The per-engine probe gauges, read from the engines' current views at scrape time: a probe sets nothing (at 1000
+    engines, six gauge writes per probe were 6,000 locked writes a second), and they cannot drift from what decisions
+    read."""
+
+    def __init__(self, states: Callable[[], Iterable[EngineState]]) -> None:
+        self._states = states
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = (
+            ("sluice_engine_requests_running", "Running requests from the engine's last probe.", "running"),
+            ("sluice_engine_requests_waiting", "Waiting requests from the engine's last probe.", "waiting"),
+            ("sluice_engine_kv_usage_ratio", "KV-cache usage from the engine's last probe (0..1).", "kv_usage"),
+            ("sluice_engine_prefill_tokens_per_second", "Prefill tokens per second of prefill, last interval.",
+             "prefill_tokens_per_s"),
+            ("sluice_engine_decode_tokens_per_second_each", "One request's decode rate, last interval.",
+             "decode_tokens_per_s_each"),
+            ("sluice_observer_degraded", "1 when the engine lacks a load gauge its flavour needs.", "degraded"),
+        )
+        states = list(self._states())
+        for name, documentation, field in families:
+            family = GaugeMetricFamily(name, documentation, labels=["engine"])
+            for state in states:
+                value = getattr(state, field)
+                if value is not None:
+                    family.add_metric([state.name], float(value))
+            yield family
 
 
 class _PrefixIndex(Collector):
@@ -56,13 +111,45 @@ class _EventLoopTasks(Collector):
                                 value=len(asyncio.all_tasks(self._loop)))
 
 
+class _Read(Collector):
+    """Families already read (on the loop), handed to the rendering thread with the instruments."""
+
+    def __init__(self, instruments: Collector, families: Sequence[Metric]) -> None:
+        self._instruments = instruments
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families
+        yield from self._instruments.collect()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSeries:
+    """One engine's labelled children of the per-engine instruments (``SluiceMetrics.engine``)."""
+
+    up: Gauge
+    stale: Counter
+    ttft_error: Histogram
+    ttft_correction: Gauge
+    tickets_released: Counter
+    tickets_expired: Counter
+    retries: Counter
+
+
 class SluiceMetrics:
     def __init__(self, open_tickets: Callable[[], dict[str, int]] = dict,
-                 prefix_index: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
-        r = self.registry = CollectorRegistry()
-        r.register(_OpenTickets(open_tickets))
-        r.register(_PrefixIndex(prefix_index))
-        r.register(_EventLoopTasks())
+                 prefix_index: Callable[[], tuple[int, int]] = lambda: (0, 0),
+                 engine_states: Callable[[], Iterable[EngineState]] = tuple) -> None:
+        r = self._instruments = CollectorRegistry()
+        self._on_loop: tuple[Collector, ...] = (_OpenTickets(open_tickets), _EngineStates(engine_states),
+                                                _PrefixIndex(prefix_index), _EventLoopTasks())
+        """Collectors that read event-loop state: called on the loop only."""
+        self.registry = CollectorRegistry()
+        """Everything (what tests and ``get_sample_value`` read): the instruments and the loop-side collectors."""
+        self.registry.register(r)
+        for collector in self._on_loop:
+            self.registry.register(collector)
+        self._engines: dict[str, EngineSeries] = {}
         self.xds_nacks = Counter("sluice_xds_nacks", "xDS responses Envoy rejected.", ["type_url"], registry=r)
         self.xds_streams = Gauge("sluice_xds_streams", "Open ADS streams.", registry=r)
         self.xds_responses = Counter("sluice_xds_responses", "xDS responses sent.", ["type_url"], registry=r)
@@ -142,21 +229,9 @@ class SluiceMetrics:
         self.access_log_entries = Counter(
             "sluice_access_log_entries", "HTTP access-log entries received from Envoy.", ["outcome"], registry=r
         )
-        self.engine_running = Gauge(
-            "sluice_engine_requests_running", "Running requests from the engine's last probe.", ["engine"], registry=r
-        )
-        self.engine_waiting = Gauge(
-            "sluice_engine_requests_waiting", "Waiting requests from the engine's last probe.", ["engine"], registry=r
-        )
-        self.engine_kv_usage = Gauge(
-            "sluice_engine_kv_usage_ratio", "KV-cache usage from the engine's last probe (0..1).", ["engine"], registry=r
-        )
         self.engine_up = Gauge("sluice_engine_up", "1 when the engine's last probe is fresh.", ["engine"], registry=r)
         self.engine_stale = Counter(
             "sluice_engine_state_stale", "Transitions of an engine from fresh to stale.", ["engine"], registry=r
-        )
-        self.observer_degraded = Gauge(
-            "sluice_observer_degraded", "1 when the engine lacks a load gauge its flavour needs.", ["engine"], registry=r
         )
         # The shared store (controlplane/store/): every replica exports its own; ``replica`` names which one it is.
         self.replica_info = Gauge("sluice_replica_info", "1, labelled with this control plane's replica id and store "
@@ -201,11 +276,30 @@ class SluiceMetrics:
         self.prefix_prompt_tokens = Counter(
             "sluice_prefix_prompt_tokens", "Prompt tokens (estimated) of admitted requests: the expected hit ratio's "
             "denominator.", registry=r)
-        self.engine_prefill_rate = Gauge(
-            "sluice_engine_prefill_tokens_per_second", "Prefill tokens per second of prefill, last interval.", ["engine"],
-            registry=r,
-        )
-        self.engine_decode_rate = Gauge(
-            "sluice_engine_decode_tokens_per_second_each", "One request's decode rate, last interval.", ["engine"],
-            registry=r,
-        )
+
+    def engine(self, name: str) -> EngineSeries:
+        """``name``'s per-engine children, created at its first call (the control plane calls it when the engine is
+        registered: observation.py)."""
+        series = self._engines.get(name)
+        if series is None:
+            series = self._engines[name] = EngineSeries(
+                self.engine_up.labels(name), self.engine_stale.labels(name), self.ttft_error.labels(name),
+                self.ttft_correction.labels(name), self.tickets_released.labels(name), self.tickets_expired.labels(name),
+                self.engine_retries.labels(name))
+            series.ttft_correction.set(1.0)
+        return series
+
+    def forget_engine(self, name: str) -> None:
+        """An engine left the config: its series leave the exposition (a later engine of that name starts afresh)."""
+        self._engines.pop(name, None)
+        for metric in (self.engine_up, self.engine_stale, self.ttft_error, self.ttft_correction, self.tickets_released,
+                       self.tickets_expired, self.engine_retries):
+            try:
+                metric.remove(name)
+            except KeyError:
+                pass  # never created for this engine
+
+    async def exposition(self) -> bytes:
+        """The Prometheus text of everything: the loop-side collectors read here, the rest rendered in a thread."""
+        read = [family for collector in self._on_loop for family in collector.collect()]
+        return await asyncio.to_thread(generate_latest, _Read(self._instruments, read))

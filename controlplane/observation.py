@@ -20,7 +20,7 @@ from controlplane.config import Config, EngineConfig
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.model import EngineRates, EngineView, Fleet
 from controlplane.core.output_length import lengths_from_buckets
-from controlplane.metrics import SluiceMetrics
+from controlplane.metrics import EngineState, SluiceMetrics
 from controlplane.observe.poller import EnginePoller, ProbeError
 from controlplane.observe.rates import RateBook
 from controlplane.observe.worker import WorkerSetup, encode, read_frame
@@ -56,8 +56,8 @@ class Observation:
         self._was_stale: dict[str, bool] = {}
         self._up: dict[str, int] = {}
         """engine -> the value ``sluice_engine_up`` was last set to (``_set_up``)."""
-        self._probe_gauges: dict[str, tuple[Any, ...]] = {}
-        """engine -> its children of the gauges every probe sets (``probed``); dropped with the engine's series."""
+        self._shown_rates: dict[str, tuple[float | None, float | None]] = {}
+        """engine -> the last prefill and decode rates an interval measured (``sluice_engine_*_tokens_per_second*``)."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._worker_task: asyncio.Task[None] | None = None
 
@@ -85,6 +85,19 @@ class Observation:
                     # A stale engine's failures keep changing its last error (operators read it): looked at once a poll.
                     heapq.heappush(heap, (now + self.config.observe.poll_interval_seconds, name))
         return self.core.indexed_fleet(now, self.rates.tables())
+
+    def engine_states(self) -> list[EngineState]:
+        """Every engine's last probe as the per-engine gauges show it (read at scrape time, on the loop)."""
+        states = []
+        for poller in self.pollers:
+            view = poller.latest
+            sample = view.sample
+            prefill, decode = self._shown_rates.get(view.name, (None, None))
+            states.append(EngineState(
+                view.name, sample.running if sample else None, sample.waiting if sample else None,
+                sample.kv_usage if sample else None, prefill, decode,
+                None if view.last_ok_at is None else bool(view.degraded)))
+        return states
 
     def model_label(self, model: str | None) -> str:
         """A metrics label for ``model``: only models some engine serves, so clients cannot grow label cardinality."""
@@ -127,7 +140,7 @@ class Observation:
         staleness tick was most of a 20-40 ms stall of the event loop at 1000 engines."""
         if self._up.get(engine) != value:
             self._up[engine] = value
-            self.metrics.engine_up.labels(engine).set(value)
+            self.metrics.engine(engine).up.set(value)
 
     def check_staleness(self, now: float, pollers: Sequence[EnginePoller] | None = None) -> None:
         """Count every fresh -> stale transition (``sluice_engine_state_stale_total``) and keep ``sluice_engine_up``,
@@ -137,7 +150,7 @@ class Observation:
             self._set_up(view.name, 0 if view.stale else 1)
             was = self._was_stale.get(view.name)
             if view.stale and was is False:
-                self.metrics.engine_stale.labels(view.name).inc()
+                self.metrics.engine(view.name).stale.inc()
                 log.warning("engine %s is stale (last error: %s); on_stale=%s", view.name, view.last_error or "none",
                             self.config.observe.on_stale)
             elif not view.stale and was:
@@ -149,27 +162,9 @@ class Observation:
         poller = self._by_name.get(view.name)
         if poller is not None:
             self._note_view(poller, self.clock())
-        sample = view.sample
-        gauges = self._probe_gauges.get(view.name)
-        if gauges is None:
-            # Each engine's labelled children, looked up once: ``labels()`` per gauge per probe was a fifth of the
-            # control plane's probe cost at 1000 engines.
-            m = self.metrics
-            gauges = self._probe_gauges[view.name] = tuple(
-                g.labels(view.name) for g in (m.engine_running, m.engine_waiting, m.engine_kv_usage,
-                                              m.engine_prefill_rate, m.engine_decode_rate, m.observer_degraded))
-        running, waiting, kv_usage, prefill_rate, decode_rate, degraded = gauges
-        if sample is not None:
-            for gauge, value in (
-                (running, sample.running),
-                (waiting, sample.waiting),
-                (kv_usage, sample.kv_usage),
-                (prefill_rate, rates.prefill_tokens_per_s if rates else None),
-                (decode_rate, rates.decode_tokens_per_s_each if rates else None),
-            ):
-                if value is not None:
-                    gauge.set(value)
-        degraded.set(1 if view.degraded else 0)
+        if rates is not None and (rates.prefill_tokens_per_s is not None or rates.decode_tokens_per_s_each is not None):
+            prefill, decode = self._shown_rates.get(view.name, (None, None))
+            self._shown_rates[view.name] = (rates.prefill_tokens_per_s or prefill, rates.decode_tokens_per_s_each or decode)
         if rates is not None and view.models:
             # Rates are booked under the engine's first model: engine metrics are per process, not per model.
             model = view.models[0].model_id
@@ -180,9 +175,8 @@ class Observation:
                 # interval's mean.
                 lengths = lengths_from_buckets(rates.finished_by_length, rates.mean_output_tokens,
                                                OUTPUT_SAMPLES_PER_PROBE)
-                for length in lengths or [round(rates.mean_output_tokens)] * min(rates.finished_requests,
-                                                                                 OUTPUT_SAMPLES_PER_PROBE):
-                    self.core.record_output(model, length)
+                self.core.record_outputs(model, lengths or [round(rates.mean_output_tokens)] * min(
+                    rates.finished_requests, OUTPUT_SAMPLES_PER_PROBE))
         self._on_probe_sink(view, rates)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------------
@@ -193,6 +187,8 @@ class Observation:
         plane's ledger is empty, and without it an engine not yet probed serves no models (404 ``model_not_found``) and
         its pre-crash streams count as zero load."""
         engines = self.config.engines
+        for engine in engines:
+            self.metrics.engine(engine.name)
         if self.config.observe.probes_in_worker(len(engines)):
             self.pollers = [self._holder(e) for e in engines]
             await self._start_worker()
@@ -216,6 +212,8 @@ class Observation:
         old = {e.name: e for e in self.config.engines}
         new = {e.name: e for e in config.engines}
         self.config = config
+        for name in new.keys() - old.keys():
+            self.metrics.engine(name)
         if self._worker_task is not None:  # the worker probes the new set from a fresh start; views carry over
             for name, engine in old.items():
                 if new.get(name) != engine:
@@ -330,14 +328,9 @@ class Observation:
                 close = stopped.close
                 task.add_done_callback(lambda _: close())
         self._up.pop(name, None)  # an engine added again under this name gets its gauges set afresh
-        self._probe_gauges.pop(name, None)
-        m = self.metrics
-        for gauge in (m.engine_running, m.engine_waiting, m.engine_kv_usage, m.engine_up, m.observer_degraded,
-                      m.engine_prefill_rate, m.engine_decode_rate):
-            try:
-                gauge.remove(name)
-            except KeyError:
-                pass  # never set for this engine
+        self._shown_rates.pop(name, None)
+        if name not in {e.name for e in self.config.engines}:
+            self.metrics.forget_engine(name)
 
     def _find(self, name: str) -> EnginePoller | None:
         return next((p for p in self.pollers if p.config.name == name), None)

@@ -420,6 +420,10 @@ class AdmissionCore:
         generation counter split over the requests it finished): later estimates expect that many, on average."""
         self.output_lengths.record(model, completion_tokens)
 
+    def record_outputs(self, model: str, lengths: Iterable[int]) -> None:
+        """``record_output`` for several requests at once (a probe's interval)."""
+        self.output_lengths.record_many(model, lengths)
+
     def refreshed(self, fleet: Fleet, now: float) -> Fleet:
         """``fleet`` with what the core itself changed since it was built (tickets, serve counts): after an admission the
         next decision must see it. An indexed fleet is re-snapshotted; a plain one gets fresh ledger views."""

@@ -7,8 +7,9 @@ Times are seconds on the control plane's monotonic clock, always passed in.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -29,6 +30,25 @@ def _empty() -> Mapping[Any, Any]:
     return MappingProxyType({})
 
 
+_C = TypeVar("_C", bound=type)
+
+
+def pickled_by_fields(cls: _C) -> _C:
+    """Pickle instances of a frozen dataclass as a call of its constructor with its fields in order. The probe worker
+    sends every probe's view through a pipe (observe/worker.py): dataclasses' own ``__setstate__`` looks the fields up
+    and sets them one by one per object, twice the cost of this on each side (at 1000 engines, a view a millisecond)."""
+    names = tuple(f.name for f in fields(cls))
+    get = operator.attrgetter(*names)
+    values: Callable[[Any], tuple[Any, ...]] = get if len(names) > 1 else lambda obj: (get(obj),)
+
+    def __reduce__(self: Any) -> tuple[type, tuple[Any, ...]]:
+        return cls, values(self)
+
+    setattr(cls, "__reduce__", __reduce__)
+    return cls
+
+
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class EngineSample:
     """One probe of an engine's ``/metrics``, normalised across engine flavours. ``None`` means the engine did not say."""
@@ -71,6 +91,7 @@ class EngineSample:
         return (self.running or 0.0) + (self.waiting or 0.0)
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     model_id: str
@@ -79,6 +100,7 @@ class ServedModel:
     """Base model of a LoRA adapter."""
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class EngineRates:
     """Rates between two consecutive probes (see ``controlplane/observe/rates.py`` for the formulas)."""
@@ -101,6 +123,7 @@ class EngineRates:
     that gained any (empty when the engine exposes no buckets or they were reset)."""
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class EngineView:
     """What the control plane knows about one engine at one instant."""

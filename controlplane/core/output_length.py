@@ -96,6 +96,9 @@ def lengths_from_buckets(by_length: Iterable[tuple[float, float, int]], mean: fl
     return [max(1, round(m * scale)) for m in middles]
 
 
+TAIL_REBUILD_FRACTION = 16
+"""A model's ``OutputTail`` is rebuilt once this fraction of its window (16 lengths of 256) is new."""
+
 MEMORYLESS = OutputTail((), ())
 """The tail of a model with too few recorded lengths: the rest is one expected answer, however far along."""
 
@@ -109,26 +112,34 @@ class OutputLengthBook:
         self.window = window
         self.min_samples = min_samples
         self._rings: dict[str, deque[int]] = {}
-        self._sums: dict[str, int] = {}
         self._trusted: dict[str, float] = {}
         """model -> mean, only for models with ``min_samples`` or more (what ``snapshot`` hands the decision core)."""
         self._tails: dict[str, OutputTail] = {}
         self._stale_tails: set[str] = set()
+        self._untailed: dict[str, int] = {}
+        """model -> lengths recorded since its tail was last built."""
+        self._tail_every = max(1, window // TAIL_REBUILD_FRACTION)
         self._tails_view: Mapping[str, OutputTail] = MappingProxyType({})
 
     def record(self, model: str, completion_tokens: int) -> None:
         """One finished request of ``model`` generated ``completion_tokens`` (negative counts are ignored)."""
-        if completion_tokens < 0:
+        self.record_many(model, (completion_tokens,))
+
+    def record_many(self, model: str, lengths: Iterable[int]) -> None:
+        """Finished requests of ``model`` and what each generated (a probe reports an interval's at once)."""
+        kept = [length for length in lengths if length >= 0]
+        if not kept:
             return
-        ring = self._rings.setdefault(model, deque())
-        total = self._sums.get(model, 0) + completion_tokens
-        ring.append(completion_tokens)
-        if len(ring) > self.window:
-            total -= ring.popleft()
-        self._sums[model] = total  # a running sum keeps record() and the mean O(1) on the request path
+        ring = self._rings.get(model)
+        if ring is None:
+            ring = self._rings[model] = deque(maxlen=self.window)
+        ring.extend(kept)
         if len(ring) >= self.min_samples:
-            self._trusted[model] = total / len(ring)
-            self._stale_tails.add(model)
+            self._trusted[model] = sum(ring) / len(ring)
+            untailed = self._untailed.get(model, 0) + len(kept)
+            self._untailed[model] = untailed
+            if model not in self._tails or untailed >= self._tail_every:
+                self._stale_tails.add(model)
 
     def expected(self, model: str) -> float | None:
         return self._trusted.get(model)
@@ -137,10 +148,13 @@ class OutputLengthBook:
         return len(self._rings.get(model, ()))
 
     def tails(self) -> Mapping[str, OutputTail]:
-        """Each trusted model's ``OutputTail`` (read-only; rebuilt, one sort of the ring, only for models whose ring
-        changed since the last call)."""
+        """Each trusted model's ``OutputTail`` (read-only). Rebuilt (one sort of the ring) when a model is first trusted,
+        then once a ``1 / TAIL_REBUILD_FRACTION`` of its window is new: the shape of hundreds of lengths moves slowly,
+        and rebuilding it at every Check after any new length was a sort of the ring per Check at fleet scale (at 1000
+        engines every probe reports finished requests)."""
         if self._stale_tails:
             for model in self._stale_tails:
+                self._untailed[model] = 0
                 tail = OutputTail.of(self._rings[model])
                 if tail is None:
                     self._tails.pop(model, None)

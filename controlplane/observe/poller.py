@@ -79,6 +79,11 @@ class EnginePoller:
     def flavor(self) -> Flavor | None:
         return self._configured_flavor or self._view.flavor
 
+    @property
+    def latest(self) -> EngineView:
+        """The view as the last probe left it, without a staleness judgement (what the per-engine gauges show)."""
+        return self._view
+
     def serves(self, model: str) -> bool:
         """Whether the engine lists ``model`` (no staleness judgement: cheap enough for every Check's metrics label)."""
         return self._view.serves(model)
@@ -153,7 +158,7 @@ class EnginePoller:
             self._failed_at = None
         if view.last_ok_at is not None and view.last_ok_at != self._view.last_ok_at:
             self.probes += 1
-        self._view = replace(view, drained=self._view.drained)
+        self._view = view if view.drained == self._view.drained else replace(view, drained=self._view.drained)
     async def _get(self, path: str, *, as_json: bool, optional: bool = False) -> Any:
         try:
             status, body = await self._http.get(path, self.observe.poll_timeout_seconds)

@@ -84,6 +84,22 @@ def test_output_length_book_trusts_a_bounded_mean() -> None:
         OutputLengthBook(window=2, min_samples=3)
 
 
+def test_the_tail_is_rebuilt_when_a_sixteenth_of_the_window_is_new() -> None:
+    """Per Check, ``tails()`` must not re-sort the ring after every new length (at 1000 engines every probe reports
+    some): the shape is rebuilt when a model is first trusted, then every window / 16 new lengths."""
+    book = OutputLengthBook(window=64, min_samples=8)
+    book.record_many("m", [10] * 7)
+    assert "m" not in book.tails()
+    book.record("m", 10)
+    first = book.tails()["m"]                      # trusted: built at once
+    book.record_many("m", [1000] * 3)
+    assert book.tails()["m"] is first              # 3 of 64 new: the shape stands
+    assert book.expected("m") == pytest.approx((8 * 10 + 3 * 1000) / 11)  # the mean follows every length
+    book.record("m", 1000)
+    rebuilt = book.tails()["m"]                    # 4 = 64 / 16 new
+    assert rebuilt is not first and rebuilt.remaining(0.5) > first.remaining(0.5)
+
+
 def test_the_ledger_expects_finishes_from_the_learned_length() -> None:
     core = AdmissionCore(P, Ledger(lease_seconds=600))
     views = [engine("e", decode=20.0)]
