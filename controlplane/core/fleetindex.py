@@ -253,12 +253,13 @@ class FleetIndex:
             for name in dirty:
                 if name in self.views:
                     self._ledger[name] = ledger_views(name)
+            ledgers = self._ledgers(rates)
             for rows in self._rows.values():
                 hit = [n for n in dirty if n in rows.position]
                 if hit:
                     rows.writable()
                     for name in hit:
-                        self._fill(rows, rows.position[name], serves, policy, rates, now)
+                        self._fill(rows, rows.position[name], serves, policy, ledgers, now)
         self._dirty.clear()
         self._serve_dirty.clear()
 
@@ -285,10 +286,11 @@ class FleetIndex:
                 if not names or names[-1] != engine.name:
                     names.append(engine.name)
         self._rows = {}
+        ledgers = self._ledgers(rates)
         for model, names in members.items():
             rows = _Rows(model, names)
             for i in range(len(names)):
-                self._fill(rows, i, serves, policy, rates, now)
+                self._fill(rows, i, serves, policy, ledgers, now)
             self._rows[model] = rows
         self._members_dirty = False
 
@@ -297,12 +299,16 @@ class FleetIndex:
             self._chips[chip] = len(self._chips)
         return self._chips[chip]
 
-    def _fill(self, rows: _Rows, i: int, serves: dict[str, tuple[float, float]], policy: Policy, rates: RateTables,
+    def _ledgers(self, rates: RateTables) -> Fleet:
+        """What ``_fill`` hands the fit and route functions: the index's ledger views (a live read-only proxy, not a
+        copy: one Fleet per refresh instead of one per row) and the rates."""
+        return Fleet((), MappingProxyType(self._ledger), bool(self._admit_stale), rates)
+
+    def _fill(self, rows: _Rows, i: int, serves: dict[str, tuple[float, float]], policy: Policy, one: Fleet,
               now: float) -> None:
         name, model = rows.names[i], rows.model
         view = self.views[name]
-        ledger = self._ledger.get(name, EngineLedger())
-        one = Fleet((), {name: ledger}, bool(self._admit_stale), rates)
+        ledger = one.of(name)
         f = rows.f
         rows.views[i] = view
         rows.ok[i] = (view.serves(model) and not view.drained and not view.stale

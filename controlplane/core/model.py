@@ -6,9 +6,10 @@ Times are seconds on the control plane's monotonic clock, always passed in.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -383,6 +384,40 @@ class EngineLedger:
 _NO_TICKETS = EngineLedger()
 
 
+class BatchRates(Mapping[int, float]):
+    """One engine's per-request decode rate by batch size (running requests), read-only, its batch sizes kept sorted:
+    the rate at the nearest measured batch is a bisection, not a pass over every batch the engine ever ran (an engine
+    with ``--max-num-seqs 256`` can have hundreds, read three times per index row and once per estimate)."""
+
+    __slots__ = ("_rates", "_batches")
+
+    def __init__(self, rates: Mapping[int, float]) -> None:
+        self._batches = tuple(sorted(rates))
+        self._rates = {batch: rates[batch] for batch in self._batches}
+
+    def __getitem__(self, batch: int) -> float:
+        return self._rates[batch]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._batches)
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __repr__(self) -> str:
+        return f"BatchRates({self._rates!r})"
+
+    def nearest(self, batch: int) -> float:
+        """The rate at the measured batch size nearest ``batch`` (the smaller of two as near)."""
+        batches = self._batches
+        i = bisect.bisect_left(batches, batch)
+        if i == len(batches):
+            return self._rates[batches[-1]]
+        if i == 0 or batches[i] - batch < batch - batches[i - 1]:
+            return self._rates[batches[i]]
+        return self._rates[batches[i - 1]]
+
+
 @dataclass(frozen=True, slots=True)
 class RateTables:
     """Trusted medians the observation layer has learned (empty until enough samples)."""
@@ -391,15 +426,15 @@ class RateTables:
     """(model, chip class) -> solo decode tokens/s."""
     prefill_median: Mapping[tuple[str, str], float] = field(default_factory=_empty)
     """(model, chip class) -> prefill tokens/s."""
-    decode_by_batch: Mapping[str, Mapping[int, float]] = field(default_factory=_empty)
+    decode_by_batch: Mapping[str, BatchRates] = field(default_factory=_empty)
     """engine -> running requests -> per-request decode tokens/s."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "solo_decode", frozen_map(self.solo_decode))
         object.__setattr__(self, "prefill_median", frozen_map(self.prefill_median))
         if type(self.decode_by_batch) is not MappingProxyType:
-            object.__setattr__(self, "decode_by_batch",
-                               MappingProxyType({k: frozen_map(v) for k, v in self.decode_by_batch.items()}))
+            object.__setattr__(self, "decode_by_batch", MappingProxyType(
+                {k: v if type(v) is BatchRates else BatchRates(v) for k, v in self.decode_by_batch.items()}))
 
 
 @dataclass(frozen=True, slots=True)

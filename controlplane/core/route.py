@@ -123,8 +123,7 @@ class Estimate:
 def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) -> float:
     measured = fleet.rates.decode_by_batch.get(engine.name)
     if measured:
-        nearest = min(measured, key=lambda n: (abs(n - batch), n))
-        return measured[nearest]
+        return measured.nearest(batch)
     if engine.rates is not None and engine.rates.decode_tokens_per_s_each:
         return engine.rates.decode_tokens_per_s_each  # one interval's measurement beats any guess
     return engine.anchor_decode_tokens_per_s or policy.default_decode_tokens_per_s

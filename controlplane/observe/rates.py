@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TypeVar
 
-from controlplane.core.model import EngineRates, EngineSample, RateTables
+from controlplane.core.model import BatchRates, EngineRates, EngineSample, RateTables
 
 _Key = TypeVar("_Key", tuple[str, str], tuple[str, int])
 
@@ -157,7 +157,7 @@ class RateBook:
         # Trusted medians as the next tables will hold them; inner per-engine dicts are replaced, never changed in place.
         self._solo_medians: dict[tuple[str, str], float] = {}
         self._prefill_medians: dict[tuple[str, str], float] = {}
-        self._by_engine: dict[str, Mapping[int, float]] = {}
+        self._by_engine: dict[str, BatchRates] = {}
         self._tables = RateTables()
         self._class_stale = False  # a (model, chip class) median changed since the last tables()
         self._batch_stale = False  # an engine's per-batch median changed since the last tables()
@@ -182,12 +182,12 @@ class RateBook:
         ring = self._ring(self._decode_by_batch, (engine, batch))
         ring.add(value)
         median = ring.median
-        current = self._by_engine.get(engine, {})
+        current: Mapping[int, float] = self._by_engine.get(engine, {})
         if current.get(batch) == median:
             return
         updated = {**current, batch: median} if median is not None else {b: r for b, r in current.items() if b != batch}
         if updated:
-            self._by_engine[engine] = MappingProxyType(updated)
+            self._by_engine[engine] = BatchRates(updated)
         else:
             self._by_engine.pop(engine, None)
         self._batch_stale = True

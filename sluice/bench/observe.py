@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane.observe.poller as poller_module
 from controlplane.config import EngineConfig, EngineFlavor, ObserveConfig, OnStale, SimFlavor
-from controlplane.core.model import EngineRates, RateTables
+from controlplane.core.model import BatchRates, EngineRates, RateTables
 from controlplane.observe.parse import _WANTED, Series, read_series
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import MedianRing, RateBook
@@ -80,7 +80,8 @@ def _old_tables(book: RateBook) -> RateTables:
     by_engine: dict[str, dict[int, float]] = {}
     for (engine, batch), rate in trusted(book._decode_by_batch).items():
         by_engine.setdefault(engine, {})[batch] = rate
-    return RateTables(trusted(book._solo_decode), trusted(book._prefill), by_engine)
+    return RateTables(trusted(book._solo_decode), trusted(book._prefill),
+                      {engine: BatchRates(rates) for engine, rates in by_engine.items()})
 
 
 @contextmanager

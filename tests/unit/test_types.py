@@ -5,9 +5,11 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controlplane.config import ConfigError, EngineFlavor, OnFailure, OnStale, SimFlavor, parse_config
-from controlplane.core.model import EngineLedger, Fleet, Flavor, RateTables
+from controlplane.core.model import BatchRates, EngineLedger, Fleet, Flavor, RateTables
 from controlplane.core.policy import ModelPolicy, Policy
 from enginesim.exposition import Dialect
 
@@ -52,7 +54,17 @@ def test_frozen_dataclasses_hold_read_only_copies() -> None:
     tables = RateTables(decode_by_batch=by_batch)
     by_batch["a"][2] = 5.0
     assert dict(tables.decode_by_batch["a"]) == {1: 10.0}
-    for mapping in (policy.models, fleet.ledger, fleet.expected_output, tables.solo_decode, tables.decode_by_batch["a"]):
+    for mapping in (policy.models, fleet.ledger, fleet.expected_output, tables.solo_decode, tables.decode_by_batch):
         assert isinstance(mapping, MappingProxyType)
         with pytest.raises(TypeError):
             mapping["x"] = None  # type: ignore[index]
+    with pytest.raises(TypeError):  # an engine's rates by batch (BatchRates): read-only, kept sorted for bisection
+        tables.decode_by_batch["a"][3] = 1.0  # type: ignore[index]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.integers(1, 300), st.floats(1, 100), min_size=1, max_size=40), st.integers(0, 400))
+def test_batch_rates_reads_the_nearest_measured_batch(rates: dict[int, float], batch: int) -> None:
+    """The bisection gives what a pass over every batch gives: the nearest measured batch, the smaller of two as near."""
+    nearest = min(rates, key=lambda n: (abs(n - batch), n))
+    assert BatchRates(rates).nearest(batch) == rates[nearest]
