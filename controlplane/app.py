@@ -312,7 +312,7 @@ class ControlPlane:
                 self.observation.check_staleness(self.clock(), pollers[start:start + STALENESS_SLICE])
                 await asyncio.sleep(0)
             await self.refresh_weights()
-            await asyncio.sleep(self.config.observe.poll_interval_seconds / 2)
+            await asyncio.sleep(self.observation.observe.poll_interval_seconds / 2)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -50,6 +50,8 @@ class Observation:
     def __init__(self, config: Config, core: AdmissionCore, metrics: SluiceMetrics, clock: Callable[[], float],
                  on_probe: ProbeSink) -> None:
         self.config = config
+        self.observe = config.observe.for_fleet(len(config.engines))
+        """The observe settings as this fleet runs them (the poll interval within ``observe.max_probes_per_second``)."""
         self.core = core
         self.metrics = metrics
         self.clock = clock
@@ -89,7 +91,7 @@ class Observation:
                     self.core.note_view(view)
                 if view.stale:
                     # A stale engine's failures keep changing its last error (operators read it): looked at once a poll.
-                    heapq.heappush(heap, (now + self.config.observe.poll_interval_seconds, name))
+                    heapq.heappush(heap, (now + self.observe.poll_interval_seconds, name))
         return self.core.indexed_fleet(now, self.rates.tables())
 
     def engine_states(self) -> list[EngineState]:
@@ -195,14 +197,17 @@ class Observation:
         engines = self.config.engines
         for engine in engines:
             self.metrics.engine(engine.name)
+        if self.observe is not self.config.observe:
+            log.info("%d engines: each polled every %.2fs (observe.max_probes_per_second %g)", len(engines),
+                     self.observe.poll_interval_seconds, self.observe.max_probes_per_second)
         if self.config.observe.probes_in_worker(len(engines)):
             self.pollers = [self._holder(e) for e in engines]
             await self._start_worker()
             return
-        interval = self.config.observe.poll_interval_seconds
+        interval = self.observe.poll_interval_seconds
         for index, engine in enumerate(engines):
             self._start_poller(engine, interval * (1 + index / len(engines)))
-        timeout = self.config.observe.poll_timeout_seconds
+        timeout = self.observe.poll_timeout_seconds
 
         async def probe(poller: EnginePoller) -> None:
             try:
@@ -218,6 +223,12 @@ class Observation:
         old = {e.name: e for e in self.config.engines}
         new = {e.name: e for e in config.engines}
         self.config = config
+        observe = config.observe.for_fleet(len(config.engines))
+        if observe != self.observe:  # the fleet's size moved its poll interval: every poller judges staleness by it
+            log.info("%d engines: each polled every %.2fs", len(config.engines), observe.poll_interval_seconds)
+            for poller in self.pollers:
+                poller.observe = observe
+        self.observe = observe
         for name in new.keys() - old.keys():
             self.metrics.engine(name)
         if self._worker_task is not None:  # the worker probes the new set from a fresh start; views carry over
@@ -254,13 +265,13 @@ class Observation:
     # -- the probe worker (observe/worker.py) --------------------------------------------------------------------------
     def _holder(self, engine: EngineConfig) -> EnginePoller:
         """A poller that never probes: it holds the views the worker sends (and this process's drains and failures)."""
-        return EnginePoller(engine, self.config.observe, self.probed, clock=self.clock)
+        return EnginePoller(engine, self.observe, self.probed, clock=self.clock)
 
     async def _start_worker(self) -> None:
         """Start the worker and wait for its first probe round (bounded), then keep reading it in a task."""
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._worker_task = asyncio.create_task(self._run_worker(ready), name="probe-worker")
-        wait = self.config.observe.poll_timeout_seconds + WORKER_START_S
+        wait = self.observe.poll_timeout_seconds + WORKER_START_S
         try:
             await asyncio.wait_for(asyncio.shield(ready), wait)
         except asyncio.TimeoutError:
@@ -274,7 +285,7 @@ class Observation:
 
     async def _run_worker(self, ready: asyncio.Future[None]) -> None:
         """Run the worker, apply its frames; restart it (after ``WORKER_RESTART_S``) whenever it exits."""
-        setup = WorkerSetup(tuple(p.config for p in self.pollers), self.config.observe,
+        setup = WorkerSetup(tuple(p.config for p in self.pollers), self.observe,
                             logging.getLogger().getEffectiveLevel())
         while True:
             process = await asyncio.create_subprocess_exec(
@@ -322,7 +333,7 @@ class Observation:
             self.probed(poller.view(self.clock()), frame[2])
 
     def _start_poller(self, engine: EngineConfig, offset: float) -> None:
-        poller = EnginePoller(engine, self.config.observe, self.probed, clock=self.clock)
+        poller = EnginePoller(engine, self.observe, self.probed, clock=self.clock)
         self.pollers = [*self.pollers, poller]
         self._tasks[engine.name] = asyncio.create_task(poller.run(offset), name=f"poll-{engine.name}")
 
@@ -356,4 +367,4 @@ class Observation:
         self.core.note_view(view)
         if view.last_ok_at is not None and not view.stale:
             # When this view turns stale unless a probe lands first (EnginePoller.view: strictly older than the window).
-            heapq.heappush(self._stale_at, (view.last_ok_at + self.config.observe.stale_after_s, view.name))
+            heapq.heappush(self._stale_at, (view.last_ok_at + self.observe.stale_after_s, view.name))

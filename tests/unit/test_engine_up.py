@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from controlplane.config import parse_config
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger
@@ -49,3 +51,25 @@ def test_engine_up_follows_a_failure_and_a_recovery_between_ticks() -> None:
     later = 10.3 + config.observe.stale_after_s + 1
     observation.check_staleness(later)
     assert up(metrics, "thor") == 0
+
+
+def test_a_large_fleet_is_polled_within_the_probe_budget_and_goes_stale_by_it() -> None:
+    """Issue 9: 1000 engines probed every second were most of two cores (bench scale). ``observe.max_probes_per_second``
+    (300) stretches each engine's interval instead, and staleness follows the stretched interval."""
+    engines = [{"name": f"e{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(1000)]
+    config = parse_config({"engines": engines})
+    now = [100.0]
+    observation = Observation(config, AdmissionCore(Policy(), Ledger(lease_seconds=600)), SluiceMetrics(),
+                              lambda: now[0], lambda view, rates: None)
+    assert observation.observe.poll_interval_seconds == pytest.approx(1000 / 300)
+    assert observation.observe.stale_after_s == pytest.approx(3 * 1000 / 300)
+    poller = observation._holder(config.engines[0])
+    fresh = engine("e0")
+    assert fresh.sample is not None
+    poller.adopt(replace(fresh, last_ok_at=100.0, sample=replace(fresh.sample, taken_at=100.0)))
+    assert not poller.view(100.0 + 9.0).stale       # three stretched intervals are 10 s: not stale at 9 s
+    assert poller.view(100.0 + 10.5).stale
+    # A small fleet keeps the configured interval; a budget of 0 lifts the bound.
+    assert parse_config({"engines": engines[:200]}).observe.for_fleet(200).poll_interval_seconds == 1.0
+    unbounded = parse_config({"engines": engines, "observe": {"max_probes_per_second": 0}})
+    assert unbounded.observe.for_fleet(1000).poll_interval_seconds == 1.0
