@@ -36,8 +36,9 @@ WORKER_START_S = 5.0
 """Beyond the probe timeout, how long start-up waits for the probe worker's first round (a process to start)."""
 WORKER_RESTART_S = 0.5
 
-FRAMES_PER_TURN = 16
-"""Probe reports applied per turn of the event loop (about 1.5 ms of it at 1000 engines on the bench machine). The
+FRAMES_PER_TURN = 4
+"""Probe reports applied per turn of the event loop (about 0.3 ms of it on the bench machine; 16 a turn measured a
+1000-engine p99 of 18-38 ms against 18-19 ms with 4, two runs each, bench scale, session 10). The
 worker sends a batch every 10 ms, but on a busy host it is starved (it runs at nice 10) and then sends hundreds at once:
 applied in one turn, batches of 200-900 reports held every Check for 20-100 ms (``bench scale``, 1000 engines, session
 10: p99 about 100 ms against 14 ms with 2 engines)."""

@@ -83,9 +83,10 @@ class Policy:
     backfill: bool = False
     """Off: strict FIFO within a class. On: a parked request behind a blocked head may start now if it is expected to
     finish before the head could start (EASY backfilling), so the head is not delayed. Off by default, decided by
-    measurement (2026-12-01, bench/results/README.md): it helps ``bench cag4`` a little (8k TTFT p50 6.0 against 6.9 s,
-    no preemptions either way) and changes nothing in ``bench steady``'s open and capped mixes, but costs its deadline mix
-    at high load (goodput at 110% 4.80 against 5.12 req/s, at 95% Poisson 4.70 against 4.90)."""
+    measurement twice (bench/results/README.md): it helps ``bench cag4`` a little (8k TTFT p50 6.0 against 6.9 s on
+    2026-12-01, 6.0 against 6.5 s on 12-02, no preemptions either way) and changes nothing in ``bench steady``'s open and
+    capped mixes, but costs its deadline mix at overload (goodput at 110% 4.80 against 5.12 req/s on 12-01; 5.17
+    against 5.42, with 29 sheds against 20, on 12-02 after the estimates and the shared line were fixed; equal at 95%)."""
     backfill_scan: int = 16
     """How far behind a blocked head backfill looks; also how many heads with a deadline no free slot can meet a wake
     passes over (AdmissionCore.wake)."""
