@@ -95,6 +95,12 @@ class Observation:
                     heapq.heappush(heap, (now + self.observe.poll_interval_seconds, name))
         return self.core.indexed_fleet(now, self.rates.tables())
 
+    def refresh_rows(self, now: float) -> None:
+        """Redo the index rows of engines whose views changed, now, between Checks, instead of in the next Check's
+        snapshot (``FleetIndex.refresh``): the probe worker's reader calls it after each slice of reports."""
+        if self._indexed is self.pollers and len(self.pollers) >= INDEX_MIN_ENGINES:
+            self.core.refresh_index(now, self.rates.tables())
+
     def engine_states(self) -> list[EngineState]:
         """Every engine's last probe as the per-engine gauges show it (read at scrape time, on the loop)."""
         states = []
@@ -301,10 +307,7 @@ class Observation:
                     for start in range(0, len(batch), FRAMES_PER_TURN):
                         for frame in batch[start:start + FRAMES_PER_TURN]:
                             self._apply_frame(frame, ready)
-                        if self._indexed is self.pollers and len(self.pollers) >= INDEX_MIN_ENGINES:
-                            # The slice's rows now, between Checks, not in the next Check's snapshot
-                            # (FleetIndex.refresh).
-                            self.core.refresh_index(self.clock(), self.rates.tables())
+                        self.refresh_rows(self.clock())
                         # One slice, then the loop: Checks that arrived meanwhile go first (FRAMES_PER_TURN).
                         await asyncio.sleep(0)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:

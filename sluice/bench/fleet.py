@@ -4,7 +4,9 @@ busiest 10% of engines take, TTFT-SLO attainment, over-shed, and how often the f
 
 What runs is what ``controlplane/app.py`` wires: a ``ControlPlane`` built from a config of N engines, one ``EnginePoller``
 per engine whose probes land through the poller's own callback (``Observation.probed``: the index, RateBook, then the admission service: ledger probe note,
-output lengths, index update, wake), every Check as ``authz.py`` makes it (``plane.fleet(now)`` then
+output lengths, index update, wake) and then, as the probe worker's reader does at this scale, ``Observation.refresh_rows``
+(the engine's index rows redone between Checks; until session 10 the bench left them to the next Check's snapshot, which
+charged probe work to the Checks), every Check as ``authz.py`` makes it (``plane.fleet(now)`` then
 ``plane.admission.check``, ``record_outcome``, a parked Check waiting on the future ``wake`` resolves), every release as the
 access log makes it (``plane.release_ticket``: ledger, wake), the park-deadline sweep every 0.1 s and the staleness loop's
 ``refresh_weights`` every 0.5 s. Only the clock is simulated (the plane reads it), so 60 s of traffic runs in seconds.
@@ -173,7 +175,15 @@ class Plane:
         sample = EngineSample(self.now, running=n, waiting=0, kv_usage=0.0, kv_capacity_tokens=KV_CAPACITY)
         poller._view = replace(poller._view, sample=sample, last_ok_at=self.now, stale=False, version="0.11.0",
                                models=(ServedModel("m", 32_768),), flavor=Flavor.VLLM, rates=rates)
-        self.timed("probes", lambda: self.plane.observation.probed(poller._view, rates))
+        observation = self.plane.observation
+
+        def land() -> None:
+            # What the probe worker's reader does with a report at fleet scale (observation._run_worker): the view,
+            # then the engine's index rows, between Checks.
+            observation.probed(poller._view, rates)
+            observation.refresh_rows(self.now)
+
+        self.timed("probes", land)
         self.probes += 1
 
 
