@@ -62,6 +62,8 @@ class Observation:
         self._by_name: dict[str, EnginePoller] = {}
         self._indexed: list[EnginePoller] | None = None
         self._stale_at: list[tuple[float, str]] = []
+        self._watched: set[str] = set()
+        """Engines with an entry on ``_stale_at``."""
         self._was_stale: dict[str, bool] = {}
         self._up: dict[str, int] = {}
         """engine -> the value ``sluice_engine_up`` was last set to (``_set_up``)."""
@@ -85,14 +87,21 @@ class Observation:
         while heap and heap[0][0] < now:
             _, name = heapq.heappop(heap)
             poller = self._by_name.get(name)
-            if poller is not None:
-                view = poller.view(now)
-                current = self.core.index.views.get(name)
-                if current is None or current.stale != view.stale or current.last_error != view.last_error:
-                    self.core.note_view(view)
-                if view.stale:
-                    # A stale engine's failures keep changing its last error (operators read it): looked at once a poll.
-                    heapq.heappush(heap, (now + self.observe.poll_interval_seconds, name))
+            if poller is None:
+                self._watched.discard(name)
+                continue
+            view = poller.view(now)
+            current = self.core.index.views.get(name)
+            if current is None or current.stale != view.stale or current.last_error != view.last_error:
+                self.core.note_view(view)
+            if view.stale:
+                # A stale engine's failures keep changing its last error (operators read it): looked at once a poll.
+                heapq.heappush(heap, (now + self.observe.poll_interval_seconds, name))
+            elif view.last_ok_at is not None:
+                # Probes landed since this entry was pushed: the engine's deadline moved on, look again then.
+                heapq.heappush(heap, (view.last_ok_at + self.observe.stale_after_s, name))
+            else:
+                self._watched.discard(name)
         return self.core.indexed_fleet(now, self.rates.tables())
 
     def refresh_rows(self, now: float) -> None:
@@ -369,6 +378,10 @@ class Observation:
     def _note_view(self, poller: EnginePoller, now: float) -> None:
         view = poller.view(now)
         self.core.note_view(view)
-        if view.last_ok_at is not None and not view.stale:
+        if view.last_ok_at is not None and not view.stale and view.name not in self._watched:
             # When this view turns stale unless a probe lands first (EnginePoller.view: strictly older than the window).
+            # One entry per engine: a later probe does not push another, the entry is pushed again when it comes due
+            # (``fleet``), so the heap holds the fleet, not every probe of the last staleness window (at 1000 engines a
+            # second, a Check popped 16 superseded entries).
+            self._watched.add(view.name)
             heapq.heappush(self._stale_at, (view.last_ok_at + self.observe.stale_after_s, view.name))

@@ -34,7 +34,7 @@ from typing import cast
 
 import numpy as np
 
-from controlplane.core.model import EngineLedger, EngineView, Fleet, RateTables
+from controlplane.core.model import ClassChangeLog, EngineLedger, EngineView, Fleet, RateTables
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.fit import effective_load, held_tokens, model_len
 from controlplane.core.route import capacity_throughput, decode_rate
@@ -122,6 +122,8 @@ class _ChipTables:
 
     prefill_median: Mapping[tuple[str, str], float]
     solo_decode: Mapping[tuple[str, str], float]
+    class_serial: int
+    class_changes: ClassChangeLog | None
     policy: Policy
     chips: int
     trusted: np.ndarray
@@ -340,25 +342,37 @@ class FleetIndex:
 
     def _per_chip(self, model: str, policy: Policy, rates: RateTables) -> tuple[np.ndarray, np.ndarray]:
         """Shared per (model, chip class): the trusted prefill median and the quality cap (fit.quality_cap), by chip code.
-        Kept until the class medians, the policy or the chip classes change: an engine's chip class defaults to its
-        name, so at 1000 engines this was a loop over 1000 classes per Check."""
+        Kept until the class medians, the policy or the chip classes change, and then redone only for the classes whose
+        medians changed (the book's ``ClassChangeLog``) and new ones: an engine's chip class defaults to its name, so at
+        1000 engines redoing every class was a loop over 1000 classes per Check."""
         cached = self._chip_tables.get(model)
-        if (cached is not None and cached.prefill_median is rates.prefill_median
-                and cached.solo_decode is rates.solo_decode and cached.policy is policy
-                and cached.chips == len(self._chips)):
-            return cached.trusted, cached.quality_cap
         chips = len(self._chips)
-        trusted = np.zeros(chips)
-        qcap = np.full(chips, _INF)
+        if (cached is not None and cached.prefill_median is rates.prefill_median
+                and cached.solo_decode is rates.solo_decode and cached.policy is policy and cached.chips == chips):
+            return cached.trusted, cached.quality_cap
+        changed = None
+        if cached is not None and cached.policy is policy and rates.class_changes is not None \
+                and cached.class_changes is rates.class_changes:
+            changed = rates.class_changes.since(cached.class_serial, rates.class_serial)
+        if cached is None or changed is None:
+            trusted, qcap = np.zeros(chips), np.full(chips, _INF)
+            redo: Iterable[tuple[str, int]] = self._chips.items()
+        else:
+            trusted = np.concatenate([cached.trusted, np.zeros(chips - cached.chips)])
+            qcap = np.concatenate([cached.quality_cap, np.full(chips - cached.chips, _INF)])
+            codes = [(chip, self._chips[chip]) for m, chip in changed if m == model and chip in self._chips]
+            if chips > cached.chips:  # classes first seen since (codes only grow)
+                codes += [(chip, code) for chip, code in self._chips.items() if code >= cached.chips]
+            redo = codes
         floor = policy.model(model).decode_floor_tokens_per_s
         default_solo = policy.model(model).solo_decode_tokens_per_s
-        for chip, code in self._chips.items():
+        for chip, code in redo:
             trusted[code] = rates.prefill_median.get((model, chip)) or 0.0
             if floor:
                 solo = rates.solo_decode.get((model, chip)) or default_solo
-                if solo:
-                    qcap[code] = max(1, math.floor(solo * policy.quality_overcommit / floor))
-        self._chip_tables[model] = _ChipTables(rates.prefill_median, rates.solo_decode, policy, chips, trusted, qcap)
+                qcap[code] = max(1, math.floor(solo * policy.quality_overcommit / floor)) if solo else _INF
+        self._chip_tables[model] = _ChipTables(rates.prefill_median, rates.solo_decode, rates.class_serial,
+                                               rates.class_changes, policy, chips, trusted, qcap)
         return trusted, qcap
 
     def _freeze(self, rows: _Rows, policy: Policy, rates: RateTables) -> ModelArrays:

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TypeVar
 
-from controlplane.core.model import BatchRates, EngineRates, EngineSample, RateTables
+from controlplane.core.model import BatchRates, ClassChangeLog, EngineRates, EngineSample, RateTables
 
 _Key = TypeVar("_Key", tuple[str, str], tuple[str, int])
 
@@ -160,6 +160,8 @@ class RateBook:
         self._by_engine: dict[str, BatchRates] = {}
         self._tables = RateTables()
         self._class_stale = False  # a (model, chip class) median changed since the last tables()
+        self._changed_classes: set[tuple[str, str]] = set()  # ... which ones
+        self._class_changes = ClassChangeLog()
         self._batch_stale = False  # an engine's per-batch median changed since the last tables()
 
     def _ring(self, table: dict[_Key, MedianRing], key: _Key) -> MedianRing:
@@ -167,7 +169,8 @@ class RateBook:
             table[key] = MedianRing(self.capacity, self.min_samples)
         return table[key]
 
-    def _add(self, rings: dict[_Key, MedianRing], medians: dict[_Key, float], key: _Key, value: float) -> None:
+    def _add(self, rings: dict[tuple[str, str], MedianRing], medians: dict[tuple[str, str], float], key: tuple[str, str],
+             value: float) -> None:
         ring = self._ring(rings, key)
         ring.add(value)
         median = ring.median
@@ -177,6 +180,7 @@ class RateBook:
             else:
                 medians[key] = median
             self._class_stale = True
+            self._changed_classes.add(key)
 
     def _add_by_batch(self, engine: str, batch: int, value: float) -> None:
         ring = self._ring(self._decode_by_batch, (engine, batch))
@@ -210,11 +214,14 @@ class RateBook:
             # median almost every Check. The per-class tables stay the same objects until one of theirs moves, so the
             # fleet index can keep what it derives from them (FleetIndex._freeze).
             old = self._tables
-            solo, prefill = old.solo_decode, old.prefill_median
+            solo, prefill, serial = old.solo_decode, old.prefill_median, old.class_serial
             if self._class_stale:
                 solo, prefill = MappingProxyType(dict(self._solo_medians)), MappingProxyType(dict(self._prefill_medians))
+                serial += 1
+                self._class_changes.append(serial, frozenset(self._changed_classes))
+                self._changed_classes.clear()
             by_batch = MappingProxyType(dict(self._by_engine)) if self._batch_stale else old.decode_by_batch
-            self._tables = RateTables(solo, prefill, by_batch)
+            self._tables = RateTables(solo, prefill, by_batch, serial, self._class_changes)
             self._class_stale = self._batch_stale = False
         return self._tables
 

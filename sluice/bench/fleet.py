@@ -256,6 +256,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
     heapq.heapify(events)
     sim.now = 0.0
     plane.observation._stale_at.clear()
+    plane.observation._watched.clear()
     for e in engines:
         sim.probe(e)
     sim.cpu.clear()

@@ -73,3 +73,45 @@ def test_a_large_fleet_is_polled_within_the_probe_budget_and_goes_stale_by_it() 
     assert parse_config({"engines": engines[:200]}).observe.for_fleet(200).poll_interval_seconds == 1.0
     unbounded = parse_config({"engines": engines, "observe": {"max_probes_per_second": 0}})
     assert unbounded.observe.for_fleet(1000).poll_interval_seconds == 1.0
+
+
+def test_a_large_fleet_goes_stale_on_time_however_many_probes_landed_before() -> None:
+    """The staleness heap keeps one entry per engine (a Check at 1000 engines popped 16 superseded ones): an engine
+    probed many times goes stale one window after its last probe, not after its first, and the others stay fresh."""
+    engines = [{"name": f"e{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(40)]
+    config = parse_config({"engines": engines})
+    now = [100.0]
+    observation = Observation(config, AdmissionCore(Policy(), Ledger(lease_seconds=600)), SluiceMetrics(),
+                              lambda: now[0], lambda view, rates: None)
+    observation.pollers = [observation._holder(e) for e in config.engines]
+    window = observation.observe.stale_after_s
+
+    def probe_lands(name: str, at: float) -> None:
+        poller = observation._by_name.get(name) or observation._find(name)
+        assert poller is not None
+        fresh = engine(name)
+        assert fresh.sample is not None
+        now[0] = at
+        poller.adopt(replace(fresh, last_ok_at=at, sample=replace(fresh.sample, taken_at=at)))
+        observation.probed(poller.view(at), None)
+
+    def stale(at: float) -> set[str]:
+        return {e.name for e in observation.fleet(at).engines if e.stale}
+
+    observation.fleet(100.0)  # the index takes the fleet
+    # Every engine probed every half second for one window, then only e0 for another window.
+    ticks = int(window / 0.5)
+    for step in range(2 * ticks + 1):
+        at = 100.0 + step * 0.5
+        for i in range(40) if step <= ticks else (0,):
+            probe_lands(f"e{i}", at)
+        assert stale(at) == set()  # the others' last probe is at most one window old
+    assert len(observation._stale_at) <= 40  # one entry an engine, not one a probe
+    others_last, e0_last = 100.0 + ticks * 0.5, 100.0 + 2 * ticks * 0.5
+    everyone_else = {f"e{i}" for i in range(1, 40)}
+    assert stale(others_last + window + 0.1) == everyone_else
+    assert stale(e0_last + window - 0.1) == everyone_else  # e0: fresh until its last probe's window ends
+    assert stale(e0_last + window + 0.1) == everyone_else | {"e0"}
+    probe_lands("e7", e0_last + window + 0.2)
+    assert "e7" not in stale(e0_last + window + 0.3)
+    assert "e7" in stale(e0_last + 2 * window + 0.5)

@@ -153,3 +153,55 @@ def test_weights_jitter_at_scale_is_not_a_change() -> None:
     assert should_push(published, half, 0.10, now=10.0, last_push_at=0.0)
     gone = {"m": {f"e{i}": 5 for i in range(199)}}
     assert should_push(published, gone, 0.10, now=1.0, last_push_at=0.0)  # an engine left: at once
+
+
+def test_per_class_tables_follow_a_rate_book_class_by_class() -> None:
+    """Without chip classes configured every engine is its own class, and the index redoes only the classes whose
+    medians changed (the book's change log): after any sequence of probes its prefill and quality-cap arrays equal
+    those of an index built from scratch on the same tables, as do its decisions."""
+    from controlplane.observe.rates import RateBook
+
+    rng = random.Random(11)
+    policy = Policy(models={"m": ModelPolicy(decode_floor_tokens_per_s=10.0, solo_decode_tokens_per_s=40.0)})
+    views = [replace(random_view(rng, i), chip_class=f"e{i}", stale=False, drained=False, version="0.11.0")
+             for i in range(40)]
+    book = RateBook(capacity=8, min_samples=2)
+    live = AdmissionCore(policy, Ledger(3600))
+    live.set_engines(v.name for v in views)
+    for v in views:
+        live.note_view(v)
+    for step in range(60):
+        for v in rng.sample(views, rng.randint(0, 4)):
+            book.record("m", v.chip_class, EngineRates(1.0, prefill_tokens_per_s=rng.uniform(1000, 9000), solo=True,
+                                                       decode_tokens_per_s_each=rng.uniform(20, 80)))
+            live.note_view(v)
+        if step == 30:  # an engine of a class never seen before joins
+            views.append(replace(views[0], name="late", chip_class="late"))
+            live.set_engines(v.name for v in views)
+            live.note_view(views[-1])
+        tables = book.tables()
+        fresh = AdmissionCore(policy, Ledger(3600))
+        fresh.set_engines(v.name for v in views)
+        for v in views:
+            fresh.note_view(v)
+        ours, theirs = live.indexed_fleet(float(step), tables), fresh.indexed_fleet(float(step), tables)
+        assert ours.index is not None and theirs.index is not None
+        a, b = ours.index.models["m"], theirs.index.models["m"]
+        assert list(a.prefill) == list(b.prefill)
+        assert list(a.quality_block) == list(b.quality_block)
+        request = random_request(rng)
+        same(decide(request, ours, policy, float(step)), decide(request, theirs, policy, float(step)))
+    assert tables.class_serial > 30  # the log was used, not a rebuild per table
+
+
+def test_a_class_change_log_answers_what_changed_since_a_table_or_that_it_forgot() -> None:
+    from controlplane.core.model import ClassChangeLog
+
+    log = ClassChangeLog(keep=3)
+    for serial, key in enumerate([("m", "a"), ("m", "b"), ("n", "a"), ("m", "c")], start=1):
+        log.append(serial, frozenset({key}))
+    assert log.since(4, 4) == set()
+    assert log.since(3, 4) == {("m", "c")}
+    assert log.since(1, 4) == {("m", "b"), ("n", "a"), ("m", "c")}
+    assert log.since(1, 3) == {("m", "b"), ("n", "a")}
+    assert log.since(0, 4) is None  # table 1's change is forgotten (keep=3)
