@@ -4,9 +4,9 @@ busiest 10% of engines take, TTFT-SLO attainment, over-shed, and how often the f
 
 What runs is what ``controlplane/app.py`` wires: a ``ControlPlane`` built from a config of N engines, one ``EnginePoller``
 per engine whose probes land through the poller's own callback (``Observation.probed``: the index, RateBook, then the admission service: ledger probe note,
-output lengths, index update, wake) and then, as the probe worker's reader does at this scale, ``Observation.refresh_rows``
-(the engine's index rows redone between Checks; until session 10 the bench left them to the next Check's snapshot, which
-charged probe work to the Checks), every Check as ``authz.py`` makes it (``plane.fleet(now)`` then
+output lengths, index update, wake) and then, after every ``FRAMES_PER_TURN`` probes as the probe worker's reader does at
+this scale, ``Observation.refresh_rows`` (their engines' index rows redone between Checks; until session 11 the bench left
+every row to the next Check's snapshot, which the real process does not), every Check as ``authz.py`` makes it (``plane.fleet(now)`` then
 ``plane.admission.check``, ``record_outcome``, a parked Check waiting on the future ``wake`` resolves), every release as the
 access log makes it (``plane.release_ticket``: ledger, wake), the park-deadline sweep every 0.1 s and the staleness loop's
 ``refresh_weights`` every 0.5 s. Only the clock is simulated (the plane reads it), so 60 s of traffic runs in seconds.
@@ -14,7 +14,9 @@ access log makes it (``plane.release_ticket``: ledger, wake), the park-deadline 
 Fleet: four tiers (seed 002's shape: a few fast boxes, many modest ones), per tier a solo decode rate, a prefill rate and
 a cap; per-request decode at batch n = solo x n^-0.3. Every engine is probed once a second (staggered), reporting its true
 running count and the rates an interval would measure (prefill and decode jittered by +-5%), after a warm-up that makes
-every (model, chip class) median and each engine's per-batch decode medians trusted. Requests: Poisson at LOAD x capacity,
+every (model, chip class) median and each engine's per-batch decode medians trusted. Each tier is a chip class, as an
+operator would configure it; the "no chip classes" arm leaves ``chip_class`` unset, so every engine is its own class (a
+new user's fleet: a class median per engine, each changing with that engine's probes). Requests: Poisson at LOAD x capacity,
 prompts 200-4000 tokens, outputs lognormal around 150 tokens, every request with a TTFT deadline of SLO_S.
 
 Decisions are counted where they happen (every call of ``decide`` by ``AdmissionCore``: arrivals, woken heads); the CPU is
@@ -50,9 +52,11 @@ from controlplane.config import parse_config
 from controlplane.core.admission import Outcome
 from controlplane.core.model import EngineRates, EngineSample, Flavor, InferenceRequest, ServedModel, Verdict
 from controlplane.core.weights import Weights
+from controlplane.observation import FRAMES_PER_TURN
 from controlplane.observe.poller import EnginePoller
 from sluice.bench.common import pyplot, save_figure, write_report
 
+NO_CLASSES = "sluice (band), no chip classes"
 SIZES = tuple(int(s) for s in __import__("os").environ.get("SLUICE_FLEET_SIZES", "200,1000").split(","))
 REQUESTS = int(__import__("os").environ.get("SLUICE_FLEET_REQUESTS", "6000"))
 BEFORE_REQUESTS = {200: 1500, 1000: 400}
@@ -177,14 +181,18 @@ class Plane:
                                models=(ServedModel("m", 32_768),), flavor=Flavor.VLLM, rates=rates)
         observation = self.plane.observation
 
+        self.probes += 1
+        slice_ends = self.probes % FRAMES_PER_TURN == 0
+
         def land() -> None:
-            # What the probe worker's reader does with a report at fleet scale (observation._run_worker): the view,
-            # then the engine's index rows, between Checks.
+            # What the probe worker's reader does with its reports at fleet scale (observation._run_worker): each view,
+            # then, once a slice of FRAMES_PER_TURN has landed, the index rows of their engines, between Checks (a
+            # Check that comes first redoes them in its snapshot, charged to the Check).
             observation.probed(poller._view, rates)
-            observation.refresh_rows(self.now)
+            if slice_ends:
+                observation.refresh_rows(self.now)
 
         self.timed("probes", land)
-        self.probes += 1
 
 
 async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool, before: bool = False) -> dict[str, Any]:
@@ -408,13 +416,16 @@ def run_fleet_bench() -> int:
         rates[size] = rate
         jobs = arrivals(random.Random(SEED + 1), rate, REQUESTS)
         arms = [("sluice (band)", True, False, jobs),
+                (NO_CLASSES, True, False, jobs),
                 ("before: full rebuild + scan (band)", True, True, jobs[: BEFORE_REQUESTS[size]])]
         if size == SIZES[0]:
             # The band's purpose at scale (seed 002); at saturation fastest-first parks heads that nothing fits, which the
             # full scan decides, so it runs at the smaller size only.
             arms.insert(1, ("fastest-first", False, False, jobs))
         for arm, band, before, arm_jobs in arms:
-            fresh = [SimEngine(e.name, e.chip, e.solo, e.prefill, e.cap) for e in engines]
+            # NO_CLASSES: no chip_class configured, so each engine is its own class (a new user's fleet).
+            fresh = [SimEngine(e.name, e.name if arm == NO_CLASSES else e.chip, e.solo, e.prefill, e.cap)
+                     for e in engines]
             key = f"{size} | {arm}"
             results[key] = asyncio.run(run_arm(fresh, arm_jobs, band, before))
             r = results[key]
