@@ -2,13 +2,14 @@
 heterogeneous fleet. It measures what only scale shows: real ``decide`` calls per CPU second, the share of traffic the
 busiest 10% of engines take, TTFT-SLO attainment, over-shed, and how often the fallback weights are pushed.
 
-What runs is what ``controlplane/app.py`` wires: a ``ControlPlane`` built from a config of N engines, one ``EnginePoller``
-per engine whose probes land through the poller's own callback (``Observation.probed``: the index, RateBook, then the admission service: ledger probe note,
-output lengths, index update, wake) and then, after every ``FRAMES_PER_TURN`` probes as the probe worker's reader does at
-this scale, ``Observation.refresh_rows`` (their engines' index rows redone between Checks; until session 11 the bench left
-every row to the next Check's snapshot, which the real process does not), every Check as ``authz.py`` makes it (``plane.fleet(now)`` then
-``plane.admission.check``, ``record_outcome``, a parked Check waiting on the future ``wake`` resolves), every release as the
-access log makes it (``plane.release_ticket``: ledger, wake), the park-deadline sweep every 0.1 s and the staleness loop's
+What runs is what ``controlplane/app.py`` wires: a ``ControlPlane`` built from a config of N engines, one
+``EnginePoller`` per engine whose probes land through the poller's own callback (``Observation.probed``: the index,
+RateBook, then the admission service: ledger probe note, output lengths, index update, wake) and then, after every
+``FRAMES_PER_TURN`` probes as the probe worker's reader does at this scale, ``Observation.refresh_rows`` (their engines'
+index rows redone between Checks; until session 11 the bench left every row to the next Check's snapshot, which the real
+process does not), every Check as ``authz.py`` makes it (``plane.fleet(now)`` then ``plane.admission.check``,
+``record_outcome``, a parked Check waiting on the future ``wake`` resolves), every release as the access log makes it
+(``plane.release_ticket``: ledger, wake), the park-deadline sweep every 0.1 s and the staleness loop's
 ``refresh_weights`` every 0.5 s. Only the clock is simulated (the plane reads it), so 60 s of traffic runs in seconds.
 
 Fleet: four tiers (seed 002's shape: a few fast boxes, many modest ones), per tier a solo decode rate, a prefill rate and
@@ -180,7 +181,6 @@ class Plane:
         poller._view = replace(poller._view, sample=sample, last_ok_at=self.now, stale=False, version="0.11.0",
                                models=(ServedModel("m", 32_768),), flavor=Flavor.VLLM, rates=rates)
         observation = self.plane.observation
-
         self.probes += 1
         slice_ends = self.probes % FRAMES_PER_TURN == 0
 
