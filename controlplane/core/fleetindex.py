@@ -137,7 +137,7 @@ class _Rows:
 
     def __init__(self, model: str, names: list[str]) -> None:
         self.model = model
-        self.names = names
+        self.names = tuple(names)  # never changes: every snapshot hands out this tuple
         self.position: Mapping[str, int] = MappingProxyType({n: i for i, n in enumerate(names)})
         n = len(names)
         self.views: list[EngineView | None] = [None] * n
@@ -149,8 +149,12 @@ class _Rows:
         self.ok = np.zeros(n, dtype=bool)
         self.chip = np.zeros(n, dtype=np.int64)
         self.shared = False
+        self.frozen: tuple[ModelArrays, np.ndarray, np.ndarray] | None = None
+        """The last snapshot's arrays and the per-class arrays they were made with: handed out again while no row
+        changed (a Check freezes every model, and most models' rows did not change since the last one)."""
 
     def writable(self) -> None:
+        self.frozen = None
         if self.shared:
             self.f = {k: v.copy() for k, v in self.f.items()}
             self.ok = self.ok.copy()
@@ -379,14 +383,18 @@ class FleetIndex:
         model = rows.model
         f = rows.f
         trusted, qcap = self._per_chip(model, policy, rates)
+        if rows.frozen is not None and rows.frozen[1] is trusted and rows.frozen[2] is qcap:
+            return rows.frozen[0]
         chip_trusted = trusted[rows.chip]
         prefill = np.where(chip_trusted > 0, chip_trusted, f["p_fallback"])
         quality_block = f["open_model"] >= qcap[rows.chip]
         rows.shared = True
         views = cast("tuple[EngineView, ...]", tuple(rows.views))  # _fill has filled every slot
-        return ModelArrays(
-            tuple(rows.names), views, rows.ok, f["model_len"], f["capacity"], f["usage"],
+        arrays = ModelArrays(
+            rows.names, views, rows.ok, f["model_len"], f["capacity"], f["usage"],
             f["cap"], f["load"], f["held"], f["open_model"], prefill, quality_block, f["d_press"], f["d_free"],
             f["full"], f["ttft_scale"], f["serve_value"], f["serve_at"], f["first_done"], rows.name_rank, rows.position,
         )
+        rows.frozen = (arrays, trusted, qcap)
+        return arrays
 

@@ -139,6 +139,27 @@ def test_index_rows_follow_views_and_tickets() -> None:
     assert fresh.ok[0] and not fresh.views[0].drained
 
 
+def test_a_model_whose_rows_did_not_change_is_handed_out_again_and_follows_its_next_change() -> None:
+    """A Check freezes every model's rows; a model none of whose engines changed gets the same arrays again (no pass over
+    its rows), and the first change after that shows."""
+    core = AdmissionCore(Policy(), Ledger(3600))
+    a = EngineView("a", "", 2, (ServedModel("m"),), "1", EngineSample(0.0, running=0, waiting=0), 0.0, stale=False)
+    b = replace(a, name="b", models=(ServedModel("n"),))
+    tables = RateTables()  # the rate book's tables: the same object until a median moves
+    core.set_engines(["a", "b"])
+    core.note_view(a)
+    core.note_view(b)
+    first = core.indexed_fleet(1.0, tables).index.models
+    core.ledger.admit("t", "a", "m", 1.0)
+    second = core.indexed_fleet(1.0, tables).index.models
+    assert second["n"] is first["n"] and second["m"] is not first["m"]
+    assert (first["m"].load[0], second["m"].load[0]) == (0.0, 1.0)
+    core.ledger.admit("u", "b", "n", 1.0)
+    third = core.indexed_fleet(1.0, tables).index.models
+    assert third["n"].load[0] == 1.0 and second["n"].load[0] == 0.0
+    assert third["m"] is second["m"]
+
+
 def test_weights_jitter_at_scale_is_not_a_change() -> None:
     from controlplane.core.weights import moved, should_push
 
