@@ -358,10 +358,11 @@ class FleetIndex:
         if cached is not None and cached.policy is policy and rates.class_changes is not None \
                 and cached.class_changes is rates.class_changes:
             changed = rates.class_changes.since(cached.class_serial, rates.class_serial)
-        if cached is None or changed is None:
+        if changed is None:
             trusted, qcap = np.zeros(chips), np.full(chips, _INF)
             redo: Iterable[tuple[str, int]] = self._chips.items()
         else:
+            assert cached is not None  # a change log is only consulted against a cached table
             trusted = np.concatenate([cached.trusted, np.zeros(chips - cached.chips)])
             qcap = np.concatenate([cached.quality_cap, np.full(chips - cached.chips, _INF)])
             codes = [(chip, self._chips[chip]) for m, chip in changed if m == model and chip in self._chips]

@@ -263,8 +263,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
     events = [(at - IDLE_SECONDS, s, k, n) for at, s, k, n in events if k == "probe"]
     heapq.heapify(events)
     sim.now = 0.0
-    plane.observation._stale_at.clear()
-    plane.observation._watched.clear()
+    plane.observation.forget_staleness_deadlines()
     for e in engines:
         sim.probe(e)
     sim.cpu.clear()

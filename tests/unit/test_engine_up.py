@@ -11,6 +11,7 @@ import pytest
 from controlplane.config import parse_config
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger
+from controlplane.core.model import EngineView
 from controlplane.core.policy import Policy
 from controlplane.metrics import SluiceMetrics
 from controlplane.observation import Observation
@@ -22,6 +23,13 @@ def up(metrics: SluiceMetrics, name: str) -> float | None:
     return metrics.registry.get_sample_value("sluice_engine_up", {"engine": name})
 
 
+def probed_at(name: str, at: float) -> EngineView:
+    """``name``'s healthy view as a probe landing at ``at`` leaves it."""
+    fresh = engine(name)
+    assert fresh.sample is not None
+    return replace(fresh, last_ok_at=at, sample=replace(fresh.sample, taken_at=at))
+
+
 def test_engine_up_follows_a_failure_and_a_recovery_between_ticks() -> None:
     config = parse_config({"engines": [{"name": "thor", "url": "http://127.0.0.1:9000"}]})
     metrics = SluiceMetrics()
@@ -31,11 +39,9 @@ def test_engine_up_follows_a_failure_and_a_recovery_between_ticks() -> None:
     # A holder, as with the probe worker: it never probes, views reach it through ``adopt``.
     poller = EnginePoller(config.engines[0], config.observe, observation.probed, clock=lambda: now[0])
     observation.pollers = [poller]
-    fresh = engine("thor")
 
     def probe_lands(at: float) -> None:
-        assert fresh.sample is not None
-        poller.adopt(replace(fresh, last_ok_at=at, sample=replace(fresh.sample, taken_at=at)))
+        poller.adopt(probed_at("thor", at))
 
     probe_lands(10.0)
     observation.check_staleness(10.0)
@@ -64,9 +70,7 @@ def test_a_large_fleet_is_polled_within_the_probe_budget_and_goes_stale_by_it() 
     assert observation.observe.poll_interval_seconds == pytest.approx(1000 / 300)
     assert observation.observe.stale_after_s == pytest.approx(3 * 1000 / 300)
     poller = observation._holder(config.engines[0])
-    fresh = engine("e0")
-    assert fresh.sample is not None
-    poller.adopt(replace(fresh, last_ok_at=100.0, sample=replace(fresh.sample, taken_at=100.0)))
+    poller.adopt(probed_at("e0", 100.0))
     assert not poller.view(100.0 + 9.0).stale       # three stretched intervals are 10 s: not stale at 9 s
     assert poller.view(100.0 + 10.5).stale
     # A small fleet keeps the configured interval; a budget of 0 lifts the bound.
@@ -89,10 +93,8 @@ def test_a_large_fleet_goes_stale_on_time_however_many_probes_landed_before() ->
     def probe_lands(name: str, at: float) -> None:
         poller = observation._by_name.get(name) or observation._find(name)
         assert poller is not None
-        fresh = engine(name)
-        assert fresh.sample is not None
         now[0] = at
-        poller.adopt(replace(fresh, last_ok_at=at, sample=replace(fresh.sample, taken_at=at)))
+        poller.adopt(probed_at(name, at))
         observation.probed(poller.view(at), None)
 
     def stale(at: float) -> set[str]:
