@@ -63,7 +63,8 @@ def test_client_that_leaves_while_parked_leaves_nothing(stack: Stack) -> None:
     drained(stack)
     plane = stack.controlplane.plane  # type: ignore[union-attr]
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        holders = fill_slots(stack, pool, max_tokens=60)
+        # Holders that outlast a slow machine's wait for the fifth request to park (60 tokens at speed 10 took 0.14 s).
+        holders = fill_slots(stack, pool, max_tokens=1500)
         served_before = sum(len(stack.sim_log(n)) for n in stack.sims)
         raw = body(max_tokens=5)
         sock = socket.create_connection(("127.0.0.1", stack.config.envoy.listen_port))
@@ -114,7 +115,8 @@ def test_critical_jumps_the_standard_queue(stack: Stack) -> None:
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         # One holder much shorter than the others: its release frees exactly one slot, long before the next, so the two
         # parked requests are admitted at clearly different moments and the order cannot blur into one wake.
-        holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=n)) for n in (300, 1500, 1500, 1500)]
+        # Wide enough apart (about 2 s and 7 s at speed 10) that a loaded machine parks both before the first frees.
+        holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=n)) for n in (900, 3000, 3000, 3000)]
         wait_for(lambda: stack.status().open_tickets == 4, what="all four slots taken")
         standard = pool.submit(timed, "standard", {})
         wait_for(lambda: plane.admission.depth() == 1, what="standard parked")

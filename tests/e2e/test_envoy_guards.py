@@ -25,8 +25,9 @@ def chat(max_tokens: int = 3) -> bytes:
                        "ignore_eos": True}).encode()
 
 
-def raw_exchange(port: int, data: bytes, wait: float = 5.0) -> bytes:
-    """Send raw bytes on a fresh connection; read until Envoy closes it (or ``wait`` passes)."""
+def raw_exchange(port: int, data: bytes, wait: float = 15.0) -> bytes:
+    """Send raw bytes on a fresh connection; read one whole response (its content-length, or until Envoy closes the
+    connection), waiting at most ``wait`` for each read: a loaded machine can be seconds slow."""
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(data)
         s.settimeout(wait)
@@ -34,6 +35,11 @@ def raw_exchange(port: int, data: bytes, wait: float = 5.0) -> bytes:
         try:
             while chunk := s.recv(65536):
                 out += chunk
+                head, sep, body = out.partition(b"\r\n\r\n")
+                length = [line.split(b":", 1)[1] for line in head.lower().split(b"\r\n")
+                          if line.startswith(b"content-length:")]
+                if sep and length and len(body) >= int(length[0]):
+                    break
         except socket.timeout:
             pass
     return out
