@@ -9,7 +9,7 @@ from controlplane.core.explain import EngineExplanation
 from controlplane.core.fit import effective_load
 from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Priority, Reason
 from controlplane.core.policy import Policy
-from controlplane.core.request import RequestError, parse_request
+from controlplane.core.request import RequestError, parse_request, ttft_deadline
 from controlplane.edge import http_status
 from controlplane.ports import StatusFacts
 from controlplane.quota import TenantUsage
@@ -100,11 +100,11 @@ def explain_request(request: admin_pb2.ExplainDecisionRequest, priority: Priorit
         body.setdefault("model", request.model)  # the model is the request's own field; the body may leave it out
         parsed = parse_request("POST", route, json.dumps(body).encode(), {}, policy)
         prompt_tokens, blocks = prompt_tokens or parsed.prompt_tokens, parsed.prefix_blocks
+    max_ttft_ms, headroom_ms = ttft_deadline(request.max_ttft_ms or None, request.model, policy)
     return InferenceRequest(
         "POST", "/v1/chat/completions", request.model, prompt_tokens=prompt_tokens,
-        max_tokens=request.max_tokens or None, priority=priority,
-        max_ttft_ms=request.max_ttft_ms or policy.model(request.model).max_ttft_ms, session=request.session or None,
-        prefix_blocks=blocks,
+        max_tokens=request.max_tokens or None, priority=priority, max_ttft_ms=max_ttft_ms,
+        ttft_headroom_ms=headroom_ms, session=request.session or None, prefix_blocks=blocks,
     )
 
 

@@ -953,6 +953,8 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
                                             maximum=1)),
         ttft_correction_max=float(c.number("admission.ttft_correction_max", ad["ttft_correction_max"], minimum=1)),
         band_margin_ms=float(c.number("admission.band_margin_ms", ad["band_margin_ms"], minimum=0)),
+        ttft_headroom_fraction=float(c.number("admission.ttft_headroom_fraction", ad["ttft_headroom_fraction"],
+                                              minimum=0, maximum=0.9)),
         serve_half_life_s=float(c.number("admission.serve_half_life_seconds", ad["serve_half_life_seconds"],
                                          minimum=1)),
         backfill=c.flag("admission.backfill", ad["backfill"]),

@@ -303,7 +303,7 @@ class AdmissionCore:
     def force_park(self, request_id: str, request: InferenceRequest, fleet: Fleet, now: float) -> Outcome:
         """Park a request whose admissions the shared store kept refusing (other replicas took each slot first): it
         waits in line like any other, until ``max_park_s`` or its TTFT deadline."""
-        limit = request.max_ttft_ms / 1000 if request.max_ttft_ms else None
+        limit = request.planned_ttft_s()
         decision = Decision(Verdict.PARK, Reason.QUEUED_BEHIND, detail="slots taken by other control-plane replicas",
                             park_limit_s=limit)
         return self._park(request_id, request, decision, fleet, now)

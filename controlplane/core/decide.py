@@ -185,7 +185,7 @@ def decide(
         if len(holders) >= policy.prefix_max_replicas:
             candidates = holders  # the prefix occupies as many engines as it may: it waits for one of them
 
-    deadline_s = request.max_ttft_ms / 1000 if request.max_ttft_ms else None
+    deadline_s = request.planned_ttft_s()
     park_limit: float | None = None
     if deadline_s is not None:
         # Prefill alone, on an idle engine: if even that misses the deadline, nothing can meet it. Waits are uncertain
@@ -196,7 +196,7 @@ def decide(
         if prefill_floor > deadline_s:
             return shed(Reason.TTFT_UNMEETABLE,
                         f"no engine can prefill {request.prompt_tokens} tokens of {model} within "
-                        f"{request.max_ttft_ms} ms (best {prefill_floor * 1000:.0f} ms on an idle engine)",
+                        f"{_deadline_text(request)} (best {prefill_floor * 1000:.0f} ms on an idle engine)",
                         retry_after(candidates, fleet, policy, now))
         park_limit = deadline_s - prefill_floor
     if queued_ahead:
@@ -218,8 +218,9 @@ def decide(
                 # Even without any wait no engine meets it, and a slot is free now: parking would only idle that slot
                 # until the park limit sheds the request anyway.
                 return shed(Reason.TTFT_UNMEETABLE,
-                            f"no engine can start {request.prompt_tokens} tokens of {model} within {request.max_ttft_ms} "
-                            f"ms (best {soonest_ttft * 1000:.0f} ms)", retry_after(candidates, fleet, policy, now))
+                            f"no engine can start {request.prompt_tokens} tokens of {model} within "
+                            f"{_deadline_text(request)} (best {soonest_ttft * 1000:.0f} ms)",
+                            retry_after(candidates, fleet, policy, now))
             return _wait(request, candidates, fleet, policy, now, 0, Reason.TTFT_DEADLINE,
                          f"estimated TTFT {soonest_ttft * 1000:.0f} ms after waiting for a slot", park_limit,
                          idle_slot=idle_slot)
@@ -374,7 +375,7 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     watermark = policy.kv_high_watermark
     if (capacity[candidate] > 0).all() and need > float((capacity[candidate] * watermark).max()):
         return None  # context_length_exceeded: the full scan words the refusal
-    deadline_s = request.max_ttft_ms / 1000 if request.max_ttft_ms else None
+    deadline_s = request.planned_ttft_s()
     prefill_s = (request.prompt_tokens - hit) / rows.prefill
     if deadline_s is not None and float(prefill_s[candidate].min()) > deadline_s:
         return None  # ttft_unmeetable
@@ -484,6 +485,13 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
                  f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
                  park_limit, idle_slot=True, waits_for=best.engine.name)
+
+
+def _deadline_text(request: InferenceRequest) -> str:
+    """The deadline as a shed names it: "2000 ms", or "2000 ms less 200 ms of headroom" (a woken head's: what is left)."""
+    if not request.ttft_headroom_ms:
+        return f"{request.max_ttft_ms} ms"
+    return f"{request.max_ttft_ms} ms less {request.ttft_headroom_ms} ms of headroom"
 
 
 def _recent_serves(rows: Any, index: Any, among: Any) -> Any:

@@ -315,11 +315,21 @@ class InferenceRequest:
     priority: Priority = Priority.STANDARD
     """``x-sluice-priority``."""
     max_ttft_ms: int | None = None
-    """TTFT deadline (``x-sluice-max-ttft-ms``, else the model's default); None = no deadline."""
+    """TTFT deadline (``x-sluice-max-ttft-ms``, else the model's default); None = no deadline. A parked request's wake
+    passes what is left of it."""
+    ttft_headroom_ms: int = 0
+    """Planned into the deadline and kept however much of it is left (policy ``ttft_headroom_fraction`` of the
+    deadline at arrival): decisions plan for ``max_ttft_ms - ttft_headroom_ms`` (``planned_ttft_s``)."""
     session: str | None = None
     """Affinity key (``x-sluice-session``)."""
     prefix_blocks: tuple[int, ...] = ()
     """Chained hashes of the canonically rendered prompt's blocks (core/prefix.py); empty when prefix routing is off."""
+
+    def planned_ttft_s(self) -> float | None:
+        """The deadline decisions plan for, in seconds (the deadline less its headroom); None without a deadline."""
+        if not self.max_ttft_ms:
+            return None
+        return max(1, self.max_ttft_ms - self.ttft_headroom_ms) / 1000
 
 
 @dataclass(frozen=True, slots=True)

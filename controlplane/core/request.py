@@ -177,7 +177,14 @@ def parse_request(
     blocks: tuple[int, ...] = ()
     if policy.prefix_routing:
         blocks = prompt_blocks(render_prompt(route, body), policy.prefix_block_chars, policy.prefix_max_blocks)
+    max_ttft_ms, headroom_ms = ttft_deadline(max_ttft_ms, model, policy)
     return InferenceRequest(method, route, model=model, stream=bool(body.get("stream")), prompt_tokens=prompt_tokens,
-                            max_tokens=max_tokens, priority=priority,
-                            max_ttft_ms=max_ttft_ms or policy.model(model).max_ttft_ms, session=session,
-                            prefix_blocks=blocks)
+                            max_tokens=max_tokens, priority=priority, max_ttft_ms=max_ttft_ms,
+                            ttft_headroom_ms=headroom_ms, session=session, prefix_blocks=blocks)
+
+
+def ttft_deadline(asked_ms: int | None, model: str, policy: Policy) -> tuple[int | None, int]:
+    """A request's TTFT deadline (what it asked, else its model's default) and the headroom planned into it (policy
+    ``ttft_headroom_fraction``), in ms."""
+    deadline_ms = asked_ms or policy.model(model).max_ttft_ms
+    return deadline_ms, round(deadline_ms * policy.ttft_headroom_fraction) if deadline_ms else 0

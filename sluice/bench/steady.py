@@ -551,9 +551,11 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                                  f"{f['upstream_rq_pending_total']}; rejected {f['upstream_rq_pending_overflow']}")
                 if any(p > s for p, s in zip(f["peaks"], slots)) or f["upstream_rq_pending_overflow"]:
                     over_cap.append(where)
-    # A partial run (--quick, --fleet, --mix, --level) must not overwrite the full matrix's report.
+    # A partial run must not overwrite the full matrix's report, nor a chosen cell (--fleet, --mix, --level,
+    # --admission) the quick run's.
     full = (fleets, mixes, levels) == (list(FLEETS), list(MIXES), list(LEVELS)) and not admission
-    report = REAL_REPORT if _T.real else ("steady" if full else "steady-quick")
+    quick_only = quick and (fleets, mixes, levels) == (["thor+spark"], ["open"], list(LEVELS)) and not admission
+    report = REAL_REPORT if _T.real else ("steady" if full else "steady-quick" if quick_only else "steady-partial")
     plot = _plot(cells, report)
     doc = (__doc__ or "").replace("{SPEED}", f"{_T.speed:g}")
     windows = {f: WINDOWS_S[f] for f in slots_of}
