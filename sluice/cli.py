@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                    "400-request burst through 1 and 2 replicas, shorter windows (about a minute and a half); ratelimit: "
                    "shorter windows and a tenth of the limiter's charges; prefix: the system workload at 90%%, shorter "
                    "windows, no two-replica arm")
-    p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable (a run narrowed by --fleet, --mix, --level or --admission reports to steady-partial.md)")
+    p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable (a run "
+                   "narrowed by --fleet, --mix, --level or --admission reports to steady-partial.md)")
     p.add_argument("--mix", action="append", help="steady: only this client mix (open, capped, deadline); repeatable")
     p.add_argument("--level", action="append", type=float, help="steady, prefix: only this load level (e.g. 1.1); "
                    "repeatable")
