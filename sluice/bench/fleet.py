@@ -18,7 +18,8 @@ running count and the rates an interval would measure (prefill and decode jitter
 every (model, chip class) median and each engine's per-batch decode medians trusted. Each tier is a chip class, as an
 operator would configure it; the "no chip classes" arm leaves ``chip_class`` unset, so every engine is its own class (a
 new user's fleet: a class median per engine, each changing with that engine's probes). Requests: Poisson at LOAD x capacity,
-prompts 200-4000 tokens, outputs lognormal around 150 tokens, every request with a TTFT deadline of SLO_S.
+prompts 200-4000 tokens, outputs lognormal around 150 tokens, every request with a TTFT deadline of SLO_S (planned
+with the policy's ``ttft_headroom_fraction``, as ``parse_request`` does).
 
 Decisions are counted where they happen (every call of ``decide`` by ``AdmissionCore``: arrivals, woken heads); the CPU is
 the process time of every control-plane call above (Checks with their fleet, releases and probes with their wakes, sweeps,
@@ -52,6 +53,7 @@ from controlplane.app import ControlPlane
 from controlplane.config import parse_config
 from controlplane.core.admission import Outcome
 from controlplane.core.model import EngineRates, EngineSample, Flavor, InferenceRequest, ServedModel, Verdict
+from controlplane.core.request import ttft_deadline
 from controlplane.core.weights import Weights
 from controlplane.observation import FRAMES_PER_TURN
 from controlplane.observe.poller import EnginePoller
@@ -270,10 +272,13 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
     sim.probes = 0
 
     requests: dict[str, tuple[Arrival, InferenceRequest]] = {}
+    # The deadline as parse_request sets it (with the policy's headroom planned into it).
+    deadline_ms, headroom_ms = ttft_deadline(int(SLO_S * 1000), "m", plane.config.policy)
     for i, job in enumerate(jobs):
         rid = f"r{i}"
         requests[rid] = (job, InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=job.prompt,
-                                               max_tokens=job.output, max_ttft_ms=int(SLO_S * 1000)))
+                                               max_tokens=job.output, max_ttft_ms=deadline_ms,
+                                               ttft_headroom_ms=headroom_ms))
         heapq.heappush(events, (job.at, seq, "arrive", rid))
         seq += 1
     end = jobs[-1].at + 60.0

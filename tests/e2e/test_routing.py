@@ -22,7 +22,7 @@ def chat(content: str = "hi", max_tokens: int = 4) -> bytes:
 def test_deadline_skips_the_engine_too_slow_to_prefill(tmp_path: Path) -> None:
     """Anchors (wall-clock, simulators at x10): thor prefills 15k tok/s and decodes 500 tok/s; spark 40k and 75. A 20k-token
     prompt with 100 tokens to write finishes soonest on thor (1.33 s + 0.2 s against 0.5 s + 1.33 s), but only spark starts
-    it within a 1.6 s deadline with the band's 1 s margin."""
+    it within a 1.8 s deadline (planned for 1.62 s: ``ttft_headroom_fraction`` 10%) with the band's 1 s margin."""
     engines = [
         {"name": "thor", "sim": "thor", "prefill_tokens_per_s": 15_000, "decode_tokens_per_s": 500},
         {"name": "spark", "sim": "spark", "prefill_tokens_per_s": 40_000, "decode_tokens_per_s": 75},
@@ -36,7 +36,7 @@ def test_deadline_skips_the_engine_too_slow_to_prefill(tmp_path: Path) -> None:
         assert status == 200 and headers["x-sluice-engine"] == "thor"
         assert headers["x-sluice-route-reason"] == "finish_soonest"
         status, headers, _ = post(stack, "/chat/completions", chat(prompt("b"), max_tokens=100),
-                                  {"x-sluice-max-ttft-ms": "1600"})
+                                  {"x-sluice-max-ttft-ms": "1800"})
         assert status == 200
         assert headers["x-sluice-engine"] == "spark" and headers["x-sluice-route-reason"] == "satisficing_band"
         status, headers, payload = post(stack, "/chat/completions", chat(prompt("c"), max_tokens=100),
