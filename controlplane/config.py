@@ -947,6 +947,8 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
         max_wait_for_faster_services=float(c.number("admission.max_wait_for_faster_services",
                                                     ad["max_wait_for_faster_services"], minimum=0)),
         near_tie_fraction=float(c.number("admission.near_tie_fraction", ad["near_tie_fraction"], minimum=0)),
+        band_ttft_grain_fraction=float(c.number("admission.band_ttft_grain_fraction", ad["band_ttft_grain_fraction"],
+                                                minimum=0)),
         max_share_over_capacity=float(c.number("admission.max_share_over_capacity", ad["max_share_over_capacity"],
                                                minimum=0)),
         ttft_correction_gain=float(c.number("admission.ttft_correction_gain", ad["ttft_correction_gain"], minimum=0,

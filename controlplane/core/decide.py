@@ -236,7 +236,7 @@ def decide(
             if longest:  # the prompt where it is cached: good enough anyway, and its prefill costs nothing
                 band = [x for x in band if x.cached_tokens == longest]
             throughput = {x.engine.name: capacity_throughput(x.engine, fleet, policy) for x in band}
-            chosen = weighted_pick(band, fleet.recent_serves, pick, throughput, policy.near_tie_fraction * deadline_s)
+            chosen = weighted_pick(band, fleet.recent_serves, pick, throughput, policy.band_ttft_grain_fraction * deadline_s)
             return _admit(request, chosen, Reason.SATISFICING_BAND, policy, now, fleet)
     set_aside = math.inf
     if deadline_s is None:
@@ -413,7 +413,7 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         full = rows.full[members]
         largest = float(full.max())
         capacity = full / largest if largest > 0 else np.ones(len(members))
-        quick, grain = ttft[members], policy.near_tie_fraction * deadline_s
+        quick, grain = ttft[members], policy.band_ttft_grain_fraction * deadline_s
         factor = (float(quick.min()) + grain) / (quick + grain)  # ttft_factor
         cumulative = np.cumsum(capacity / (1.0 + serves / capacity) * factor)  # weighted_pick
         chosen = int(np.searchsorted(cumulative, pick * float(cumulative[-1]), side="right"))

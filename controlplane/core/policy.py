@@ -63,6 +63,13 @@ class Policy:
     soonest one's are equally good, and the one with the fewest recent admissions per unit of its capacity takes the
     request. Engines of one kind measure rates a percent or two apart, and finish-soonest alone sent all light load to
     whichever measured faster (``bench prefix`` at 50% load: spark-a 59 requests, spark-b 37). 0: the soonest always."""
+    band_ttft_grain_fraction: float = 0.01
+    """The satisficing band's TTFT preference (route.py ``ttft_factor``): a member's weight is multiplied by
+    ``(quickest ttft + g) / (its ttft + g)`` with ``g`` this fraction of the deadline, so differences well below ``g``
+    are no preference. Until session 12 it was ``near_tie_fraction`` (0.05): against a 2 s deadline a 500-token prompt's
+    33 ms on thor and 12 ms on spark weighed 0.83 to 1, and the band's TTFT p90 trailed a weighted, capped Envoy's at
+    low load (bench steady, thor+spark deadline mix: 50% 0.09 against 0.08 s, 80% 0.47 against 0.43); at 0.01 they
+    were 0.07 against 0.07 and 0.40 against 0.79-0.87 (bench/results/README.md). 0: only capacity and serves weigh."""
     max_share_over_capacity: float = 0.0
     """Fair-share spread (route.py), off by default: without a deadline, an engine whose recent admissions
     (``serve_half_life_s``) exceed this many times its part of the candidates' capacity (cap x decode rate at cap) takes

@@ -73,8 +73,9 @@ come in time (waits are uncertain, real releases decide). The **satisficing band
 ``band_margin_ms`` inside the deadline and a decode rate at or above the model's floor; the pick inside the band is weighted
 by ``band_weight``: ``c / (1 + recent serves / c)`` with ``c`` the member's ``capacity_throughput`` over the band's largest
 (serves decay with a 5-minute half-life), times ``(quickest ttft + g) / (this member's ttft + g)`` with ``g`` the
-``near_tie_fraction`` of the deadline (ttft_factor, weighted_pick: a difference of a few milliseconds against a 10 s
-deadline is no preference). Load
+``band_ttft_grain_fraction`` (1%) of the deadline (ttft_factor, weighted_pick: a difference of a millisecond against a
+10 s deadline is no preference; session 12 narrowed it from 5%, which let a slow prefill take as many of the band's
+requests as its capacity said and cost the TTFT p90 at low load). Load
 spreads over every engine that is good enough, in proportion to its capacity, instead of piling onto the fastest; and a
 long prompt mostly goes where it prefills fast, so a slow engine mostly gets the requests it is least slow at. Seed 002's
 ``1 / (1 + recent serves)`` (what equal members still get) evened the counts out, so a slow engine took as many deadline

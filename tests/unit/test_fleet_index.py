@@ -46,6 +46,7 @@ def random_policy(rng: random.Random) -> Policy:
         prefix_max_replicas=rng.choice([0, 0, 1, 3]),
         max_share_over_capacity=rng.choice([0.0, 1.0, 1.4]),
         near_tie_fraction=rng.choice([0.0, 0.05, 0.5]),
+        band_ttft_grain_fraction=rng.choice([0.0, 0.01, 0.05]),
     )
 
 
