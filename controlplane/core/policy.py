@@ -69,7 +69,7 @@ class Policy:
     are no preference. Until session 12 it was ``near_tie_fraction`` (0.05): against a 2 s deadline a 500-token prompt's
     33 ms on thor and 12 ms on spark weighed 0.83 to 1, and the band's TTFT p90 trailed a weighted, capped Envoy's at
     low load (bench steady, thor+spark deadline mix: 50% 0.09 against 0.08 s, 80% 0.47 against 0.43); at 0.01 they
-    were 0.07 against 0.07 and 0.40 against 0.79-0.87 (bench/results/README.md). 0: only capacity and serves weigh."""
+    were 0.07 against 0.07 and 0.40 against 0.50 (bench/results/README.md). 0: only capacity and serves weigh."""
     max_share_over_capacity: float = 0.0
     """Fair-share spread (route.py), off by default: without a deadline, an engine whose recent admissions
     (``serve_half_life_s``) exceed this many times its part of the candidates' capacity (cap x decode rate at cap) takes
