@@ -236,7 +236,8 @@ def decide(
             if longest:  # the prompt where it is cached: good enough anyway, and its prefill costs nothing
                 band = [x for x in band if x.cached_tokens == longest]
             throughput = {x.engine.name: capacity_throughput(x.engine, fleet, policy) for x in band}
-            chosen = weighted_pick(band, fleet.recent_serves, pick, throughput, policy.band_ttft_grain_fraction * deadline_s)
+            chosen = weighted_pick(band, fleet.recent_serves, pick, throughput,
+                                   policy.band_ttft_grain_fraction * deadline_s)
             return _admit(request, chosen, Reason.SATISFICING_BAND, policy, now, fleet)
     set_aside = math.inf
     if deadline_s is None:
@@ -488,7 +489,8 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
 
 
 def _deadline_text(request: InferenceRequest) -> str:
-    """The deadline as a shed names it: "2000 ms", or "2000 ms less 200 ms of headroom" (a woken head's: what is left)."""
+    """The deadline as a shed names it: "2000 ms", or "2000 ms less 200 ms of headroom" (for a woken head, what is
+    left of it)."""
     if not request.ttft_headroom_ms:
         return f"{request.max_ttft_ms} ms"
     return f"{request.max_ttft_ms} ms less {request.ttft_headroom_ms} ms of headroom"

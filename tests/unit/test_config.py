@@ -112,6 +112,20 @@ def test_admission_defaults_are_the_policys_own() -> None:
     assert DEFAULTS["admission"]["retry_after_max_seconds"] == Policy().retry_after_max_s
 
 
+def test_deadline_planning_settings_are_read_and_bounded() -> None:
+    """``admission.ttft_headroom_fraction`` (0 to 0.9) and ``admission.band_ttft_grain_fraction`` (0 or more) reach the
+    policy; out of range is a problem with its path, like any other setting."""
+    engines = [{"name": "thor", "url": "http://127.0.0.1:9000"}]
+    policy = parse_config({"engines": engines, "admission": {"ttft_headroom_fraction": 0.2,
+                                                             "band_ttft_grain_fraction": 0.03}}).policy
+    assert (policy.ttft_headroom_fraction, policy.band_ttft_grain_fraction) == (0.2, 0.03)
+    assert (Policy().ttft_headroom_fraction, Policy().band_ttft_grain_fraction) == (0.1, 0.01)
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"engines": engines, "admission": {"ttft_headroom_fraction": 0.95, "band_ttft_grain_fraction": -1}})
+    assert {p.split(":")[0] for p in caught.value.problems} == {"admission.ttft_headroom_fraction",
+                                                                  "admission.band_ttft_grain_fraction"}
+
+
 def test_changed_sections_and_restarts_follow_reloadable() -> None:
     base = parse_config(ONE)
     variants = {

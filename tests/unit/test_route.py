@@ -146,7 +146,8 @@ def test_band_shares_follow_capacity() -> None:
 def test_band_sends_a_long_prompt_where_it_prefills_fast() -> None:
     """Both engines are in the band, equal in capacity; slow prefills 10x slower. A short prompt starts about as soon on
     either and is spread nearly evenly; a 20,000-token one starts in 20 s on slow against 2 s on fast and, with the 25 s
-    deadline's 0.25 s grain (``band_ttft_grain_fraction``), goes there (2 + 0.25) / (20 + 0.25) ~ 0.11 times as often."""
+    deadline's 0.25 s grain (``band_ttft_grain_fraction``), goes there (2 + 0.25) / (20 + 0.25) ~ 0.11 times as
+    often."""
     fast, slow = engine("fast", prefill=10_000.0), engine("slow", prefill=1_000.0)
     fleet = Fleet((fast, slow))
     for prompt, lo, hi in ((10, 0.7, 1.0), (20_000, 0.09, 0.14)):
