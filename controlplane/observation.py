@@ -71,6 +71,11 @@ class Observation:
         """engine -> the last prefill and decode rates an interval measured (``sluice_engine_*_tokens_per_second*``)."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._worker_task: asyncio.Task[None] | None = None
+        for engine in config.engines:
+            # Each engine's series exist from the start (a scrape lists every configured engine) and are made here, not
+            # at the engine's first release or staleness flip: at 1000 engines making them costs 0.1-0.4 ms each, which
+            # would land on Checks and releases, and they are then in place before ``gc.freeze()``.
+            self.metrics.engine(engine.name)
 
     # -- what others read ------------------------------------------------------------------------------------------------
     def fleet(self, now: float) -> Fleet:
@@ -217,8 +222,6 @@ class Observation:
         plane's ledger is empty, and without it an engine not yet probed serves no models (404 ``model_not_found``) and
         its pre-crash streams count as zero load."""
         engines = self.config.engines
-        for engine in engines:
-            self.metrics.engine(engine.name)
         if self.observe is not self.config.observe:
             log.info("%d engines: each polled every %.2fs (observe.max_probes_per_second %g)", len(engines),
                      self.observe.poll_interval_seconds, self.observe.max_probes_per_second)

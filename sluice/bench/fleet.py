@@ -35,6 +35,7 @@ met the deadline.
 from __future__ import annotations
 
 import asyncio
+import gc
 import heapq
 import math
 import random
@@ -223,6 +224,7 @@ async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool, bef
     try:
         return await _run(sim, plane, engines, jobs, calls)
     finally:
+        gc.unfreeze()  # _run froze the start-up objects as the process does; the next arm starts afresh
         setattr(admission_module, "decide", real_decide)
         setattr(decide_module, "_indexed", real_indexed)
         setattr(publisher_module, "should_push", real_push)
@@ -238,6 +240,10 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
                 sim.probe(e, running=batch)
         sim.probe(e, running=0)
     await plane.refresh_weights()
+    # What ``serve_until_signalled`` does once the plane has started: what start-up built (config, pollers, index, series)
+    # lives for the process, so it is moved out of the collector's reach.
+    gc.collect()
+    gc.freeze()
     sim.cpu.clear()
     sim.probes = 0
 
