@@ -224,7 +224,7 @@ class AdmissionCore:
                      self.output_lengths.snapshot(), self.output_lengths.tails(), index)
 
     def _serves_at(self, now: float) -> DecayedServes:
-        return DecayedServes(dict(self.serves.values()), now, self.serves.half_life_s)
+        return DecayedServes(self.serves.values().snapshot(), now, self.serves.half_life_s)
 
     def depth(self, model: str | None = None) -> int:
         if model is None:

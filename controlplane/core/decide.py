@@ -359,68 +359,72 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     if rows is None:
         return None
     need = need_tokens(request, policy)
-    fits_context = context_tokens(request)
-    candidate = rows.ok & (rows.model_len >= fits_context)
+    candidate = rows.ok & (rows.model_len >= context_tokens(request))
     if not candidate.any():
         return None
-    hit = np.zeros(len(rows.names))
-    for engine in cached:
-        at_row = rows.position.get(engine)
-        if at_row is not None:
-            hit[at_row] = cached_tokens(engine, request, cached)
-    if policy.prefix_max_replicas and cached:
-        held = candidate & (hit > 0)
-        if int(held.sum()) >= policy.prefix_max_replicas:
-            candidate = held
-    capacity = rows.capacity
-    watermark = policy.kv_high_watermark
-    if (capacity[candidate] > 0).all() and need > float((capacity[candidate] * watermark).max()):
-        return None  # context_length_exceeded: the full scan words the refusal
+    # Expected prefix-cache hits as a vector over the rows; None (no hit anywhere, the common case) spares every Check the
+    # vector's arithmetic.
+    hit: Any = None
+    if cached:
+        hit = np.zeros(len(rows.names))
+        for engine in cached:
+            at_row = rows.position.get(engine)
+            if at_row is not None:
+                hit[at_row] = cached_tokens(engine, request, cached)
+        if policy.prefix_max_replicas:
+            held = candidate & (hit > 0)
+            if int(held.sum()) >= policy.prefix_max_replicas:
+                candidate = held
+    if need > float(rows.kv_limit.max(where=candidate, initial=-math.inf)):
+        return None  # context_length_exceeded (every candidate's KV known and too small): the full scan words the refusal
     deadline_s = request.planned_ttft_s()
-    prefill_s = (request.prompt_tokens - hit) / rows.prefill
-    if deadline_s is not None and float(prefill_s[candidate].min()) > deadline_s:
+    prefill_s = (request.prompt_tokens if hit is None else request.prompt_tokens - hit) / rows.prefill
+    if deadline_s is not None and float(prefill_s.min(where=candidate, initial=math.inf)) > deadline_s:
         return None  # ttft_unmeetable
-    cap_block = rows.load >= rows.cap
-    other = (rows.usage >= watermark) | ((capacity > 0) & (rows.held + need > capacity * watermark)) | rows.quality_block
-    fits = candidate & ~(cap_block | other)
+    other = rows.blocked | (rows.held + need > rows.kv_limit)
+    not_ready = rows.cap_block | other
+    fits = candidate & ~not_ready
     if not fits.any():
         return None
-    busy = candidate & cap_block & ~other
-    pressure = bool((candidate & (cap_block | other)).any())
-    rate = rows.d_press if pressure else rows.d_free
+    pressure = bool((candidate & not_ready).any())
+    rate, per_token = (rows.d_press, rows.per_token_press) if pressure else (rows.d_free, rows.per_token_free)
     out = expected_output_tokens(request, fleet, policy)
-    ttft = (prefill_s + 1.0 / rate) * rows.ttft_scale  # route.estimate with no wait (0.0 + x is x)
+    ttft = (prefill_s + per_token) * rows.ttft_scale  # route.estimate with no wait (0.0 + x is x)
 
     def exact(i: int, can_start: bool) -> Estimate:
-        return estimate(rows.views[i], request, can_start, fleet, policy, now, pressure, behind, int(hit[i]),
-                        waiting.get(rows.names[i], 0))
+        return estimate(rows.views[i], request, can_start, fleet, policy, now, pressure, behind,
+                        0 if hit is None else int(hit[i]), waiting.get(rows.names[i], 0))
 
     at = rows.position.get(affinity) if affinity is not None else None
     if deadline_s is not None:
         floor = policy.model(model).decode_floor_tokens_per_s or 0.0
-        band = fits & (ttft <= deadline_s - policy.band_margin_ms / 1000) & (rate >= floor)
-        if not band.any():
-            # No band: finish-soonest among the engines that meet the deadline (busy ones filtered once estimated).
-            return _soonest_indexed(request, rows, candidate, fits & (ttft <= deadline_s), busy, ttft + out / rate,
-                                    prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now, hit,
-                                    arriving)
+        band = fits & (ttft <= deadline_s - policy.band_margin_ms / 1000)
+        if floor:
+            band &= rate >= floor
         if at is not None and band[at]:
             return _admit(request, exact(at, True), Reason.SESSION_AFFINITY, policy, now, fleet)
-        members = np.flatnonzero(band)
-        longest = float(hit[members].max())
-        if longest > 0:  # as the full scan: the band members expected to hold the longest prefix
-            members = members[hit[members] == longest]
+        members = band.nonzero()[0]
+        if not len(members):
+            # No band: finish-soonest among the engines that meet the deadline (busy ones filtered once estimated).
+            return _soonest_indexed(request, rows, candidate, fits & (ttft <= deadline_s), candidate & rows.cap_block & ~other,
+                                    ttft + out / rate, prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now,
+                                    hit, arriving)
+        if hit is not None:
+            longest = float(hit[members].max())
+            if longest > 0:  # as the full scan: the band members expected to hold the longest prefix
+                members = members[hit[members] == longest]
         serves = _recent_serves(rows, index, members)
         full = rows.full[members]
         largest = float(full.max())
         capacity = full / largest if largest > 0 else np.ones(len(members))
         quick, grain = ttft[members], policy.band_ttft_grain_fraction * deadline_s
         factor = (float(quick.min()) + grain) / (quick + grain)  # ttft_factor
-        cumulative = np.cumsum(capacity / (1.0 + serves / capacity) * factor)  # weighted_pick
-        chosen = int(np.searchsorted(cumulative, pick * float(cumulative[-1]), side="right"))
+        cumulative = (capacity / (1.0 + serves / capacity) * factor).cumsum()  # weighted_pick
+        chosen = int(cumulative.searchsorted(pick * float(cumulative[-1]), side="right"))
         return _admit(request, exact(int(members[min(chosen, len(members) - 1)]), True), Reason.SATISFICING_BAND,
                       policy, now, fleet)
     finish = ttft + out / rate
+    busy = candidate & rows.cap_block & ~other
     set_aside = math.inf
     ratio = policy.max_share_over_capacity
     if ratio and int(candidate.sum()) >= 2:
@@ -428,7 +432,9 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         serves = _recent_serves(rows, index, slice(None))
         total_serves, total_throughput = float(serves[candidate].sum()), float(rows.full[candidate].sum())
         if total_throughput > 0:
-            over = candidate & (hit == 0) & (serves >= 1.0 + ratio * total_serves * rows.full / total_throughput)
+            over = candidate & (serves >= 1.0 + ratio * total_serves * rows.full / total_throughput)
+            if hit is not None:
+                over &= hit == 0
             if over.any() and (fits & ~over).any():
                 if (fits & over).any():
                     set_aside = float(finish[fits & over].min())
@@ -446,7 +452,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     here, as the full scan would."""
     if not free.any():
         return None
-    free_rows = np.flatnonzero(free)
+    free_rows = free.nonzero()[0]
     best_free = _soonest_row(rows, free_rows, finish)
     estimates = [exact(best_free, True)]
     if policy.near_tie_fraction > 0 and len(free_rows) > 1:
@@ -455,7 +461,8 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
         # _finish_soonest then finds it again.
         near = free_rows[finish[free_rows] <= estimates[0].finish_s * (1 + policy.near_tie_fraction)]
         if len(near) > 1:
-            near = near[hit[near] == hit[near].max()]
+            if hit is not None:
+                near = near[hit[near] == hit[near].max()]
             assert fleet.index is not None
             ratio = _recent_serves(rows, fleet.index, near) / np.maximum(rows.full[near], _TINY)
             tie = _soonest_row(rows, near[ratio == ratio.min()], finish)
@@ -468,7 +475,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     first_done = rows.first_done
     wait = np.where(np.isnan(first_done), service, np.maximum(0.0, np.nan_to_num(first_done) - now))
     lower = wait + (prefill_s + 1.0 / rows.d_press) * rows.ttft_scale + out / rows.d_press
-    estimates += [x for x in (exact(int(i), False) for i in np.flatnonzero(busy & (lower <= bound)))
+    estimates += [x for x in (exact(int(i), False) for i in (busy & (lower <= bound)).nonzero()[0])
                   if deadline_s is None or x.ttft_s <= deadline_s]
     if at is not None and (free[at] or busy[at]) and all(x.engine.name != affinity for x in estimates):
         sticky = exact(at, bool(free[at]))
@@ -482,7 +489,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     park_limit = None
     if deadline_s is not None:
         park_limit = deadline_s - float(prefill_s[candidate].min())
-    candidates = [rows.views[i] for i in np.flatnonzero(candidate)]
+    candidates = [rows.views[i] for i in candidate.nonzero()[0]]
     return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
                  f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
                  park_limit, idle_slot=True, waits_for=best.engine.name)
@@ -497,8 +504,9 @@ def _deadline_text(request: InferenceRequest) -> str:
 
 
 def _recent_serves(rows: Any, index: Any, among: Any) -> Any:
-    """The rows' recent serves decayed to the snapshot's time, as ``DecayedServes`` reads them one at a time."""
-    return rows.serve_value[among] * np.power(0.5, np.maximum(0.0, index.now - rows.serve_at[among]) / index.half_life_s)
+    """The rows' recent serves decayed to the snapshot's time, as ``DecayedServes`` reads them one at a time
+    (``ModelArrays.serve_log2``)."""
+    return np.exp2(rows.serve_log2[among] - index.now / index.half_life_s)
 
 
 def _soonest_row(rows: Any, among: Any, finish: Any) -> int:

@@ -27,6 +27,7 @@ the two agree on random fleets.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -38,6 +39,7 @@ from controlplane.core.model import ClassChangeLog, EngineLedger, EngineView, Fl
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.fit import effective_load, held_tokens, model_len
 from controlplane.core.route import capacity_throughput, decode_rate
+from controlplane.core.sharedmap import SharedMap
 
 _INF = math.inf
 _NAN = math.nan
@@ -48,7 +50,7 @@ class DecayedServes(Mapping[str, float]):
 
     __slots__ = ("_values", "_now", "_half_life")
 
-    def __init__(self, values: dict[str, tuple[float, float]], now: float, half_life_s: float) -> None:
+    def __init__(self, values: Mapping[str, tuple[float, float]], now: float, half_life_s: float) -> None:
         self._values = values
         self._now = now
         self._half_life = half_life_s
@@ -66,7 +68,12 @@ class DecayedServes(Mapping[str, float]):
 
 @dataclass(frozen=True, slots=True)
 class ModelArrays:
-    """One model's candidates, one row per engine serving it (in fleet order). Never changed after it is handed out."""
+    """One model's candidates, one row per engine serving it (in fleet order). Never changed after it is handed out.
+
+    What ``decide`` compares per Check is kept in the form it compares it in (a KV limit rather than capacity and
+    watermark, a decode time per token rather than a rate, serves in log space): each row is filled once per change in
+    plain Python, while every numpy operation on the arrays is paid by every Check (at 1000 engines each costs a few
+    microseconds, most of it call overhead, so their number is what a Check costs)."""
 
     names: tuple[str, ...]
     views: tuple[EngineView, ...]
@@ -74,16 +81,16 @@ class ModelArrays:
     """Serves the model, not drained, meets its version floor, fresh."""
     model_len: np.ndarray
     """max_model_len for the model (inf: unknown, never refuses)."""
-    capacity: np.ndarray
-    """KV capacity in tokens (0: unknown)."""
-    usage: np.ndarray
-    """Probe KV usage (nan: not reported)."""
+    kv_limit: np.ndarray
+    """KV capacity in tokens times ``kv_high_watermark`` (inf: capacity unknown, never refuses)."""
     cap: np.ndarray
     """Concurrency cap (inf: unknown)."""
     load: np.ndarray
     held: np.ndarray
-    open_model: np.ndarray
-    """Open tickets of this model (quality cap)."""
+    cap_block: np.ndarray
+    """``load >= cap``: only short of a slot."""
+    blocked: np.ndarray
+    """Blocked whatever the request: the probe's KV usage at or over the watermark, or the quality cap reached."""
     prefill: np.ndarray
     """Prefill tokens/s as ``route.prefill_rate`` gives it."""
     quality_block: np.ndarray
@@ -92,12 +99,17 @@ class ModelArrays:
     """Per-request decode rate at the batch a free slot runs in under pressure (the cap; load + 1 without a cap)."""
     d_free: np.ndarray
     """... and without pressure (min(cap, load + 1))."""
+    per_token_press: np.ndarray
+    """``1 / d_press`` (inf for a zero rate): the first token's decode time, as ``route.estimate`` divides it."""
+    per_token_free: np.ndarray
     full: np.ndarray
     """Tokens/s with the batch full (``route.capacity_throughput``): the engine's part of the capacity (fair share)."""
     ttft_scale: np.ndarray
     """The view's ``ttft_correction`` (route.estimate multiplies prefill and first token by it)."""
-    serve_value: np.ndarray
-    serve_at: np.ndarray
+    serve_log2: np.ndarray
+    """log2 of the engine's recent serves, brought to time 0: ``log2(count) + at / half_life`` (-inf: none), so that the
+    serves at ``now`` are ``2 ** (serve_log2 - now / half_life)``, as ``DecayedServes`` reads them one at a time (the
+    control plane's clock is monotonic, so a serve is never noted after a later snapshot's ``now``)."""
     first_done: np.ndarray
     """The soonest expected finish of the engine's open tickets (nan: none): a busy engine's slot wait is at least that."""
     name_rank: np.ndarray
@@ -132,8 +144,16 @@ class _ChipTables:
     """The quality cap by chip code (inf where none)."""
 
 
+_COLUMNS = ("model_len", "kv_limit", "cap", "load", "held", "open_model", "p_fallback", "d_press", "d_free",
+            "per_token_press", "per_token_free", "full", "ttft_scale", "serve_log2", "first_done")
+"""The float columns of a model's rows, in the order ``_fill`` writes them (one row of the matrix each)."""
+_FLAGS = ("ok", "hot", "cap_block")
+"""The boolean columns: ``ok`` as ``ModelArrays.ok``; ``hot``: the probe's KV usage at or over the watermark."""
+
+
 class _Rows:
-    """The live arrays of one model (copy-on-write once a snapshot holds them)."""
+    """The live arrays of one model (copy-on-write once a snapshot holds them): one float matrix and one boolean matrix,
+    a row per column and a column per engine, so that a copy is two numpy calls and a row's refresh two assignments."""
 
     def __init__(self, model: str, names: list[str]) -> None:
         self.model = model
@@ -141,12 +161,10 @@ class _Rows:
         self.position: Mapping[str, int] = MappingProxyType({n: i for i, n in enumerate(names)})
         n = len(names)
         self.views: list[EngineView | None] = [None] * n
-        self.f = {k: np.zeros(n) for k in ("model_len", "capacity", "usage", "cap", "load", "held", "open_model",
-                                           "p_fallback", "d_press", "d_free", "full", "ttft_scale", "serve_value", "serve_at",
-                                           "first_done")}
+        self.values = np.zeros((len(_COLUMNS), n))
+        self.flags = np.zeros((len(_FLAGS), n), dtype=bool)
         rank = {name: r for r, name in enumerate(sorted(names))}
         self.name_rank = np.array([rank[name] for name in names], dtype=np.int64)
-        self.ok = np.zeros(n, dtype=bool)
         self.chip = np.zeros(n, dtype=np.int64)
         self.shared = False
         self.frozen: tuple[ModelArrays, np.ndarray, np.ndarray] | None = None
@@ -154,12 +172,16 @@ class _Rows:
         changed (a Check freezes every model, and most models' rows did not change since the last one)."""
 
     def writable(self) -> None:
-        self.frozen = None
+        """Before a row is written: copy the matrices a handed-out snapshot still reads (its arrays are views of them).
+        A snapshot nobody holds any more (the Check that took it has answered) leaves no view alive, and its matrices
+        are written in place: ``sys.getrefcount`` counts the matrix's own reference, the call's argument and one per
+        live view. (``chip`` and ``views`` are never handed out: a snapshot gets derived arrays and a tuple.)"""
+        self.frozen = None  # drops the last snapshot's arrays unless someone else still holds them
         if self.shared:
-            self.f = {k: v.copy() for k, v in self.f.items()}
-            self.ok = self.ok.copy()
-            self.chip = self.chip.copy()
-            self.views = list(self.views)
+            if sys.getrefcount(self.values) > 2:
+                self.values = self.values.copy()
+            if sys.getrefcount(self.flags) > 2:
+                self.flags = self.flags.copy()
             self.shared = False
 
 
@@ -173,8 +195,11 @@ class FleetIndex:
         self._list: list[EngineView] = []
         self._at: dict[str, int] = {}
         """Position of each engine with a view in ``_list`` (fleet order)."""
-        self._ledger: dict[str, EngineLedger] = {}
+        self._ledger: SharedMap[str, EngineLedger] = SharedMap()
+        """Each engine's ledger view; a snapshot hands out ``snapshot()`` (no copy of the unchanged views)."""
         self._rows: dict[str, _Rows] = {}
+        self._fill_fleet: Fleet | None = None
+        self._fill_ledger: SharedMap[str, EngineLedger] | None = None
         self._members_dirty = True
         self._models: frozenset[str] | None = None
         self._dirty: set[str] = set()
@@ -244,7 +269,7 @@ class FleetIndex:
             self._engines = tuple(self._list)
         return self._engines
 
-    def refresh(self, ledger_views: Callable[[str], EngineLedger], changed: set[str], serves: dict[str, tuple[float, float]],
+    def refresh(self, ledger_views: Callable[[str], EngineLedger], changed: set[str], serves: Mapping[str, tuple[float, float]],
                 policy: Policy, admit_stale: bool, rates: RateTables, now: float) -> None:
         """Recompute the rows of engines whose view, tickets or serve count changed (every row after a change of members,
         policy or fail-open). ``snapshot`` starts with it; the shell also calls it between Checks, after a batch of
@@ -269,7 +294,7 @@ class FleetIndex:
         self._dirty.clear()
         self._serve_dirty.clear()
 
-    def snapshot(self, ledger_views: Callable[[str], EngineLedger], changed: set[str], serves: dict[str, tuple[float, float]],
+    def snapshot(self, ledger_views: Callable[[str], EngineLedger], changed: set[str], serves: Mapping[str, tuple[float, float]],
                  policy: Policy, admit_stale: bool, rates: RateTables, now: float,
                  half_life_s: float) -> tuple[tuple[EngineView, ...], Mapping[str, EngineLedger], IndexSnapshot]:
         """The engines, their ledger views and the index, all as of now. ``ledger_views(name)`` gives an engine's ledger
@@ -277,14 +302,14 @@ class FleetIndex:
         engines = self.engines()
         self.refresh(ledger_views, changed, serves, policy, admit_stale, rates, now)
         models = {model: self._freeze(rows, policy, rates) for model, rows in self._rows.items()}
-        return (engines, MappingProxyType(dict(self._ledger)),
+        return (engines, self._ledger.snapshot(),
                 IndexSnapshot(MappingProxyType(models), policy, admit_stale, now, half_life_s, self.eligibility))
 
     # -- internals -------------------------------------------------------------------------------------------------
-    def _rebuild(self, ledger_views: Callable[[str], EngineLedger], serves: dict[str, tuple[float, float]], policy: Policy,
+    def _rebuild(self, ledger_views: Callable[[str], EngineLedger], serves: Mapping[str, tuple[float, float]], policy: Policy,
                  admit_stale: bool, rates: RateTables, now: float) -> None:
         self._policy, self._admit_stale = policy, admit_stale
-        self._ledger = {e.name: ledger_views(e.name) for e in self.engines()}
+        self._ledger = SharedMap((e.name, ledger_views(e.name)) for e in self.engines())
         members: dict[str, list[str]] = {}
         for engine in self.engines():
             for m in engine.models:
@@ -307,42 +332,58 @@ class FleetIndex:
 
     def _ledgers(self, rates: RateTables) -> Fleet:
         """What ``_fill`` hands the fit and route functions: the index's ledger views (a live read-only proxy, not a
-        copy: one Fleet per refresh instead of one per row) and the rates."""
-        return Fleet((), MappingProxyType(self._ledger), bool(self._admit_stale), rates)
+        copy) and the rates, one Fleet kept while the rates, the ledger dictionary and fail-open stay the same (a Check
+        and each batch of probes refresh rows; building a Fleet each time cost more than most rows)."""
+        cached = self._fill_fleet
+        if (cached is not None and cached.rates is rates and self._fill_ledger is self._ledger
+                and cached.admit_stale == bool(self._admit_stale)):
+            return cached
+        self._fill_ledger = self._ledger
+        self._fill_fleet = Fleet((), MappingProxyType(self._ledger), bool(self._admit_stale), rates)
+        return self._fill_fleet
 
-    def _fill(self, rows: _Rows, i: int, serves: dict[str, tuple[float, float]], policy: Policy, one: Fleet,
+    def _fill(self, rows: _Rows, i: int, serves: Mapping[str, tuple[float, float]], policy: Policy, one: Fleet,
               now: float) -> None:
         name, model = rows.names[i], rows.model
         view = self.views[name]
         ledger = one.of(name)
-        f = rows.f
         rows.views[i] = view
-        rows.ok[i] = (view.serves(model) and not view.drained and not view.stale
-                      and meets_floor(view.version, policy.floor_for(model)))
-        f["model_len"][i] = model_len(view, model) or _INF
-        f["capacity"][i] = view.kv_capacity_tokens or 0
-        usage = view.sample.kv_usage if view.sample is not None else None
-        f["usage"][i] = _NAN if usage is None else usage
-        cap = view.cap
-        f["cap"][i] = _INF if cap is None else cap
-        load = effective_load(view, one)
-        f["load"][i] = load
-        f["held"][i] = held_tokens(view, one)
-        f["open_model"][i] = ledger.open_for(model)
         rows.chip[i] = self._chip(view.chip_class)
-        own = view.rates.prefill_tokens_per_s if view.rates is not None else None
-        f["p_fallback"][i] = own or view.anchor_prefill_tokens_per_s or policy.default_prefill_tokens_per_s
+        usage = view.sample.kv_usage if view.sample is not None else None
+        capacity = view.kv_capacity_tokens or 0
+        watermark = policy.kv_high_watermark
+        cap = view.cap
+        load = effective_load(view, one)
         batch = int(load) + 1
         press = cap if cap is not None else batch
         free = min(cap, batch) if cap is not None else batch
-        f["d_press"][i] = decode_rate(view, max(1, press), one, policy)
-        f["d_free"][i] = decode_rate(view, max(1, free), one, policy)
-        f["full"][i] = capacity_throughput(view, one, policy)
-        f["ttft_scale"][i] = view.ttft_correction
-        value, at = serves.get(name, (0.0, now))
-        f["serve_value"][i] = value
-        f["serve_at"][i] = at
-        f["first_done"][i] = ledger.expected_done[0] if ledger.expected_done else _NAN
+        d_press = decode_rate(view, max(1, press), one, policy)
+        d_free = decode_rate(view, max(1, free), one, policy)
+        own = view.rates.prefill_tokens_per_s if view.rates is not None else None
+        served, served_at = serves.get(name, (0.0, now))
+        rows.values[:, i] = (  # in _COLUMNS' order
+            model_len(view, model) or _INF,
+            capacity * watermark if capacity > 0 else _INF,
+            _INF if cap is None else cap,
+            load,
+            held_tokens(view, one),
+            ledger.open_for(model),
+            own or view.anchor_prefill_tokens_per_s or policy.default_prefill_tokens_per_s,
+            d_press,
+            d_free,
+            1.0 / d_press if d_press else _INF,
+            1.0 / d_free if d_free else _INF,
+            cap * d_press if cap else capacity_throughput(view, one, policy),  # (the same: cap x the rate at cap)
+            view.ttft_correction,
+            math.log2(served) + served_at / policy.serve_half_life_s if served > 0 else -_INF,
+            ledger.expected_done[0] if ledger.expected_done else _NAN,
+        )
+        rows.flags[:, i] = (  # in _FLAGS' order
+            (view.serves(model) and not view.drained and not view.stale
+             and meets_floor(view.version, policy.floor_for(model))),
+            usage is not None and usage >= watermark,
+            cap is not None and load >= cap,
+        )
 
     def _per_chip(self, model: str, policy: Policy, rates: RateTables) -> tuple[np.ndarray, np.ndarray]:
         """Shared per (model, chip class): the trusted prefill median and the quality cap (fit.quality_cap), by chip code.
@@ -363,14 +404,17 @@ class FleetIndex:
             redo: Iterable[tuple[str, int]] = self._chips.items()
         else:
             assert cached is not None  # a change log is only consulted against a cached table
-            trusted = np.concatenate([cached.trusted, np.zeros(chips - cached.chips)])
-            qcap = np.concatenate([cached.quality_cap, np.full(chips - cached.chips, _INF)])
+            if chips == cached.chips:
+                trusted, qcap = cached.trusted.copy(), cached.quality_cap.copy()
+            else:
+                trusted = np.concatenate([cached.trusted, np.zeros(chips - cached.chips)])
+                qcap = np.concatenate([cached.quality_cap, np.full(chips - cached.chips, _INF)])
             codes = [(chip, self._chips[chip]) for m, chip in changed if m == model and chip in self._chips]
             if chips > cached.chips:  # classes first seen since (codes only grow)
                 codes += [(chip, code) for chip, code in self._chips.items() if code >= cached.chips]
             redo = codes
-        floor = policy.model(model).decode_floor_tokens_per_s
-        default_solo = policy.model(model).solo_decode_tokens_per_s
+        model_policy = policy.model(model)
+        floor, default_solo = model_policy.decode_floor_tokens_per_s, model_policy.solo_decode_tokens_per_s
         for chip, code in redo:
             trusted[code] = rates.prefill_median.get((model, chip)) or 0.0
             if floor:
@@ -382,20 +426,21 @@ class FleetIndex:
 
     def _freeze(self, rows: _Rows, policy: Policy, rates: RateTables) -> ModelArrays:
         model = rows.model
-        f = rows.f
         trusted, qcap = self._per_chip(model, policy, rates)
         if rows.frozen is not None and rows.frozen[1] is trusted and rows.frozen[2] is qcap:
             return rows.frozen[0]
+        (model_len, kv_limit, cap, load, held, open_model, p_fallback, d_press, d_free, per_token_press, per_token_free,
+         full, ttft_scale, serve_log2, first_done) = rows.values  # views of the matrix's rows, in _COLUMNS' order
+        ok, hot, cap_block = rows.flags
         chip_trusted = trusted[rows.chip]
-        prefill = np.where(chip_trusted > 0, chip_trusted, f["p_fallback"])
-        quality_block = f["open_model"] >= qcap[rows.chip]
+        prefill = np.where(chip_trusted > 0, chip_trusted, p_fallback)
+        quality_block = open_model >= qcap[rows.chip]
         rows.shared = True
         views = cast("tuple[EngineView, ...]", tuple(rows.views))  # _fill has filled every slot
         arrays = ModelArrays(
-            rows.names, views, rows.ok, f["model_len"], f["capacity"], f["usage"],
-            f["cap"], f["load"], f["held"], f["open_model"], prefill, quality_block, f["d_press"], f["d_free"],
-            f["full"], f["ttft_scale"], f["serve_value"], f["serve_at"], f["first_done"], rows.name_rank, rows.position,
+            rows.names, views, ok, model_len, kv_limit, cap, load, held, cap_block, hot | quality_block, prefill,
+            quality_block, d_press, d_free, per_token_press, per_token_free, full, ttft_scale, serve_log2, first_done,
+            rows.name_rank, rows.position,
         )
         rows.frozen = (arrays, trusted, qcap)
         return arrays
-

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from operator import itemgetter
 
 from controlplane.core.model import EngineLedger, Ticket
+
+_expected_done = itemgetter(1)
+"""The key of ``EngineLedger.running``'s order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,26 +168,33 @@ class Ledger:
         return admitted_after - released_after
 
     def view(self, engine: str) -> EngineLedger:
-        """The engine's tickets as the decision core reads them (cached until they change)."""
+        """The engine's tickets as the decision core reads them (cached until they change). One pass over the tickets: a
+        Check at fleet scale redoes the views of the engines admitted to, released from and probed since the last one."""
         cached = self._views.get(engine)
         if cached is not None:
             return cached
         probe_at = self._last_probe.get(engine, float("-inf"))
         tickets = [self._open[t] for t in self._by_engine.get(engine, ())]
         by_model: dict[str, int] = {}
+        committed = unseen_tokens = admitted_after = 0
         for t in tickets:
             by_model[t.model] = by_model.get(t.model, 0) + 1
+            committed += t.reserved_tokens
+            if t.admitted_at >= probe_at:  # the probe cannot have seen it (always, before any probe)
+                admitted_after += 1
+                unseen_tokens += t.reserved_tokens
         released = [r for r in self._recent_releases.get(engine, ()) if r.admitted_at < probe_at < r.released_at]
+        running = sorted(((t.admitted_at + t.expected_ttft_s, t.expected_done_at, t.model) for t in tickets),
+                         key=_expected_done)
         view = self._views[engine] = EngineLedger(
             open_tickets=len(tickets),
-            unseen_load=self.unseen_load(engine),
+            unseen_load=admitted_after - len(released),
             released_since_probe_tokens=sum(r.reserved_tokens for r in released),
-            committed_tokens=sum(t.reserved_tokens for t in tickets),
-            unseen_reserved_tokens=sum(t.reserved_tokens for t in tickets if t.admitted_at >= probe_at),
+            committed_tokens=committed,
+            unseen_reserved_tokens=unseen_tokens,
             open_by_model=tuple(sorted(by_model.items())),
-            expected_done=tuple(sorted(t.expected_done_at for t in tickets)),
-            running=tuple(sorted(((t.admitted_at + t.expected_ttft_s, t.expected_done_at, t.model) for t in tickets),
-                                 key=lambda r: r[1])),
+            expected_done=tuple(r[1] for r in running),
+            running=tuple(running),
             finishing=tuple(sorted((t.expected_done_at, t.reserved_tokens) for t in tickets)),
         )
         return view

@@ -1,6 +1,6 @@
 """The data the decision core works on: immutable views of engines, requests and decisions.
 
-Everything here is a frozen dataclass, and a mapping one holds is a read-only ``MappingProxyType`` (``frozen_map``).
+Everything here is a frozen dataclass, and a mapping one holds is a read-only ``MappingProxyType`` or ``FrozenMap`` (``frozen_map``).
 Times are seconds on the control plane's monotonic clock, always passed in.
 """
 
@@ -16,16 +16,22 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from controlplane.core.output_length import OutputTail
+from controlplane.core.sharedmap import FrozenMap
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
 
+_READ_ONLY = (MappingProxyType, FrozenMap)
+"""Mapping types taken as they are (never changed by anyone after they are handed over)."""
+
+
 def frozen_map(mapping: Mapping[_K, _V]) -> Mapping[_K, _V]:
     """A read-only mapping for a frozen dataclass. A ``MappingProxyType`` is taken as it is (whoever built it handed over
-    a fresh dict and keeps no reference: the hot path builds one per Check and must not copy it twice); anything else is
-    copied first, so a caller's dict changing later cannot change the dataclass."""
-    return mapping if type(mapping) is MappingProxyType else MappingProxyType(dict(mapping))
+    a fresh dict and keeps no reference: the hot path builds one per Check and must not copy it twice), and so is a
+    ``FrozenMap`` (a SharedMap's snapshot, which never changes); anything else is copied first, so a caller's dict changing
+    later cannot change the dataclass."""
+    return mapping if type(mapping) in _READ_ONLY else MappingProxyType(dict(mapping))
 
 
 def _empty() -> Mapping[Any, Any]:
@@ -475,7 +481,7 @@ class RateTables:
     def __post_init__(self) -> None:
         object.__setattr__(self, "solo_decode", frozen_map(self.solo_decode))
         object.__setattr__(self, "prefill_median", frozen_map(self.prefill_median))
-        if type(self.decode_by_batch) is not MappingProxyType:
+        if type(self.decode_by_batch) not in _READ_ONLY:
             object.__setattr__(self, "decode_by_batch", MappingProxyType(
                 {k: v if type(v) is BatchRates else BatchRates(v) for k, v in self.decode_by_batch.items()}))
 
@@ -500,7 +506,7 @@ class Fleet:
 
     def __post_init__(self) -> None:
         # Two type checks when the caller handed over proxies (every Fleet the control plane builds per Check does).
-        if type(self.ledger) is not MappingProxyType:
+        if type(self.ledger) not in _READ_ONLY:
             object.__setattr__(self, "ledger", MappingProxyType(dict(self.ledger)))
         if type(self.expected_output) is not MappingProxyType:
             object.__setattr__(self, "expected_output", MappingProxyType(dict(self.expected_output)))

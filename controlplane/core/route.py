@@ -104,6 +104,7 @@ from controlplane.core.fit import effective_load
 from controlplane.core.model import EngineView, Fleet, InferenceRequest
 from controlplane.core.output_length import MEMORYLESS
 from controlplane.core.policy import Policy
+from controlplane.core.sharedmap import SharedMap
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +287,7 @@ class ServeCounter:
 
     def __init__(self, half_life_s: float = 300.0) -> None:
         self.half_life_s = half_life_s
-        self._values: dict[str, tuple[float, float]] = {}
+        self._values: SharedMap[str, tuple[float, float]] = SharedMap()  # a snapshot per Check copies no entry
 
     def _decayed(self, engine: str, now: float) -> float:
         value, at = self._values.get(engine, (0.0, now))
@@ -302,7 +303,7 @@ class ServeCounter:
     def snapshot(self, now: float) -> dict[str, float]:
         return {engine: self._decayed(engine, now) for engine in self._values}
 
-    def values(self) -> dict[str, tuple[float, float]]:
+    def values(self) -> SharedMap[str, tuple[float, float]]:
         """engine -> (count, when it was last added): decayed by the reader (fleetindex.DecayedServes)."""
         return self._values
 

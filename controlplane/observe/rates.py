@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TypeVar
 
+from controlplane.core.sharedmap import SharedMap
 from controlplane.core.model import BatchRates, ClassChangeLog, EngineRates, EngineSample, RateTables
 
 _Key = TypeVar("_Key", tuple[str, str], tuple[str, int])
@@ -155,9 +156,11 @@ class RateBook:
         self._solo_decode: dict[tuple[str, str], MedianRing] = {}
         self._decode_by_batch: dict[tuple[str, int], MedianRing] = {}
         # Trusted medians as the next tables will hold them; inner per-engine dicts are replaced, never changed in place.
-        self._solo_medians: dict[tuple[str, str], float] = {}
-        self._prefill_medians: dict[tuple[str, str], float] = {}
-        self._by_engine: dict[str, BatchRates] = {}
+        # SharedMaps: a table's mappings are their snapshots, so a new table copies none of the entries that did not move
+        # (sharedmap.py; at 1000 engines a probe moves some engine's median nearly every Check).
+        self._solo_medians: SharedMap[tuple[str, str], float] = SharedMap()
+        self._prefill_medians: SharedMap[tuple[str, str], float] = SharedMap()
+        self._by_engine: SharedMap[str, BatchRates] = SharedMap()
         self._tables = RateTables()
         self._class_stale = False  # a (model, chip class) median changed since the last tables()
         self._changed_classes: set[tuple[str, str]] = set()  # ... which ones
@@ -169,7 +172,7 @@ class RateBook:
             table[key] = MedianRing(self.capacity, self.min_samples)
         return table[key]
 
-    def _add(self, rings: dict[tuple[str, str], MedianRing], medians: dict[tuple[str, str], float], key: tuple[str, str],
+    def _add(self, rings: dict[tuple[str, str], MedianRing], medians: SharedMap[tuple[str, str], float], key: tuple[str, str],
              value: float) -> None:
         ring = self._ring(rings, key)
         ring.add(value)
@@ -216,11 +219,11 @@ class RateBook:
             old = self._tables
             solo, prefill, serial = old.solo_decode, old.prefill_median, old.class_serial
             if self._class_stale:
-                solo, prefill = MappingProxyType(dict(self._solo_medians)), MappingProxyType(dict(self._prefill_medians))
+                solo, prefill = self._solo_medians.snapshot(), self._prefill_medians.snapshot()
                 serial += 1
                 self._class_changes.append(serial, frozenset(self._changed_classes))
                 self._changed_classes.clear()
-            by_batch = MappingProxyType(dict(self._by_engine)) if self._batch_stale else old.decode_by_batch
+            by_batch = self._by_engine.snapshot() if self._batch_stale else old.decode_by_batch
             self._tables = RateTables(solo, prefill, by_batch, serial, self._class_changes)
             self._class_stale = self._batch_stale = False
         return self._tables

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -138,6 +139,24 @@ def test_index_rows_follow_views_and_tickets() -> None:
     assert not held.ok[0] and held.views[0].drained
     fresh = core.indexed_fleet(2.0).index.models["m"]
     assert fresh.ok[0] and not fresh.views[0].drained
+
+
+def test_an_array_kept_from_a_dropped_snapshot_never_changes_and_a_dropped_one_costs_no_copy() -> None:
+    """Rows are written in place once no snapshot's array is alive (the Check that took it answered); one array kept
+    from a snapshot, even without the snapshot, keeps its values."""
+    core = AdmissionCore(Policy(), Ledger(3600))
+    view = EngineView("a", "", 2, (ServedModel("m"),), "1", EngineSample(0.0, running=0, waiting=0), 0.0, stale=False)
+    core.set_engines(["a"])
+    core.note_view(view)
+    kept_load = core.indexed_fleet(1.0).index.models["m"].load  # the snapshot itself is dropped at once
+    core.ledger.admit("t", "a", "m", 1.0)
+    assert core.indexed_fleet(1.0).index.models["m"].load[0] == 1.0
+    assert kept_load[0] == 0.0
+    del kept_load
+    matrix = weakref.ref(core.index._rows["m"].values)  # (a weak reference: holding the matrix would be a reader)
+    core.ledger.admit("u", "a", "m", 1.0)
+    core.refresh_index(1.0, RateTables())
+    assert core.index._rows["m"].values is matrix()  # nobody held the last snapshot: written in place
 
 
 def test_a_model_whose_rows_did_not_change_is_handed_out_again_and_follows_its_next_change() -> None:

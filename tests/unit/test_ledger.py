@@ -58,6 +58,7 @@ def test_unseen_load(events: list[tuple[str, str, float]], probe_at: float | Non
         else:
             ledger.release(ticket, now=at)
     assert ledger.unseen_load("thor") == expected
+    assert ledger.view("thor").unseen_load == expected  # the view counts it in its own pass
 
 
 @settings(max_examples=200, deadline=None)
