@@ -12,8 +12,9 @@ import uuid
 import random
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
+from functools import partial
 from typing import Any
 from pathlib import Path
 from importlib.metadata import PackageNotFoundError, version
@@ -364,20 +365,38 @@ class ControlPlane:
         )
 
     async def stop(self) -> None:
+        """Shut down step by step, each step bounded by ``controlplane.stop_step_seconds`` and independent of the others:
+        a store that stopped answering mid-run once held a test's teardown past 30 s, and a process told to stop must
+        stop (a step that overruns or fails is logged and the next one runs)."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
-        await self.service.stop()
-        await self.observation.stop()
+        steps: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+            ("background tasks", lambda: asyncio.gather(*self._tasks, return_exceptions=True)),
+            ("admission service and store", self.service.stop),
+            ("observation", self.observation.stop),
+        ]
         if self._admin_server is not None:
-            await self._admin_server.stop(grace=0.2)
+            steps.append(("admin server", partial(self._admin_server.stop, grace=0.2)))
         if self._server is not None:
-            await self._server.stop(grace=0.5)
-        await self.http.stop()
-        await self.quota.close()
+            steps.append(("gRPC server", partial(self._server.stop, grace=0.5)))
+        steps += [("HTTP endpoint", self.http.stop), ("tenant limiter", self.quota.close)]
         if self.tracing is not None:  # after the gRPC server: the last Checks' spans are ended and go out with the flush
-            await self.tracing.shutdown()
+            steps.append(("tracing", self.tracing.shutdown))
+        for what, step in steps:
+            await _bounded(what, step(), self.config.controlplane.stop_step_seconds)
+        self._tasks.clear()
+
+
+async def _bounded(what: str, step: Awaitable[object], seconds: float) -> None:
+    """Run one shutdown step for at most ``seconds``: past that it is cancelled and left behind, not awaited (a step that
+    swallows its cancellation must not hold the stop either)."""
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        task.cancel()
+        log.warning("stop: %s took over %g s (controlplane.stop_step_seconds); left behind", what, seconds)
+    elif not task.cancelled() and task.exception() is not None:
+        log.warning("stop: %s failed: %r", what, task.exception())
 
 
 def make_store(config: Config) -> Store:

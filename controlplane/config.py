@@ -160,6 +160,9 @@ class ControlPlaneConfig:
     max_pending_rpcs: int
     """grpc-core's pending-call limits (soft and hard): calls beyond them are cancelled by gRPC itself, which Envoy would
     treat as an ext_authz error. Sized well above every parking lot together."""
+    stop_step_seconds: float = 5.0
+    """Shutdown: each step (background tasks, the store, observation, the servers, the limiter, tracing) gets at most
+    this long; one that overruns is abandoned with a warning, so a stop never hangs on a dead store."""
     admin_host: str = "127.0.0.1"
     """The admin API's own listener (never the Envoy-facing port). A non-loopback address needs an admin token source."""
     admin_port: int = 18001
@@ -489,7 +492,8 @@ def changed_sections(old: Config, new: Config) -> list[str]:
 
 DEFAULTS: dict[str, Any] = {
     "controlplane": {"host": "127.0.0.1", "grpc_port": 18000, "metrics_port": 9090, "max_check_queue_ms": 1000.0,
-                     "overload_retry_after_seconds": 1, "max_pending_rpcs": 100000, "admin_host": "127.0.0.1",
+                     "overload_retry_after_seconds": 1, "max_pending_rpcs": 100000, "stop_step_seconds": 5.0,
+                     "admin_host": "127.0.0.1",
                      "admin_port": 18001, "tls": None, "replicas": []},
     "admin": {"token_file": None, "token_env": None, "require_token_for_reads": False, "reload_dir": None, "tls": None},
     "envoy": {
@@ -670,6 +674,8 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
                                                   cp["overload_retry_after_seconds"], minimum=1, integer=True)),
         max_pending_rpcs=int(c.number("controlplane.max_pending_rpcs", cp["max_pending_rpcs"], minimum=1000,
                                       integer=True)),
+        stop_step_seconds=float(c.number("controlplane.stop_step_seconds", cp["stop_step_seconds"], minimum=0.1,
+                                         maximum=600)),
         admin_host=c.text("controlplane.admin_host", cp["admin_host"]),
         admin_port=c.port("controlplane.admin_port", cp["admin_port"], any_free=True),
         tls=_server_tls(c, "controlplane.tls", cp["tls"], mutual=True),
