@@ -166,6 +166,11 @@ class _Rows:
         rank = {name: r for r, name in enumerate(sorted(names))}
         self.name_rank = np.array([rank[name] for name in names], dtype=np.int64)
         self.chip = np.zeros(n, dtype=np.int64)
+        self.never = np.zeros(n, dtype=bool)
+        self.never.flags.writeable = False
+        """All False: the quality cap of a model without a decode floor (shared by every snapshot, never written)."""
+        self.views_tuple: tuple[EngineView, ...] | None = None
+        """``views`` as the last snapshot handed them out, kept until a row's view changes."""
         self.shared = False
         self.frozen: tuple[ModelArrays, np.ndarray, np.ndarray] | None = None
         """The last snapshot's arrays and the per-class arrays they were made with: handed out again while no row
@@ -347,7 +352,9 @@ class FleetIndex:
         name, model = rows.names[i], rows.model
         view = self.views[name]
         ledger = one.of(name)
-        rows.views[i] = view
+        if rows.views[i] is not view:
+            rows.views[i] = view
+            rows.views_tuple = None
         rows.chip[i] = self._chip(view.chip_class)
         usage = view.sample.kv_usage if view.sample is not None else None
         capacity = view.kv_capacity_tokens or 0
@@ -434,11 +441,16 @@ class FleetIndex:
         ok, hot, cap_block = rows.flags
         chip_trusted = trusted[rows.chip]
         prefill = np.where(chip_trusted > 0, chip_trusted, p_fallback)
-        quality_block = open_model >= qcap[rows.chip]
+        if policy.model(model).decode_floor_tokens_per_s:
+            quality_block = open_model >= qcap[rows.chip]
+            blocked = hot | quality_block
+        else:  # no floor, no quality cap (the common case): nothing to compare
+            quality_block, blocked = rows.never, hot
         rows.shared = True
-        views = cast("tuple[EngineView, ...]", tuple(rows.views))  # _fill has filled every slot
+        if rows.views_tuple is None:
+            rows.views_tuple = cast("tuple[EngineView, ...]", tuple(rows.views))  # _fill has filled every slot
         arrays = ModelArrays(
-            rows.names, views, ok, model_len, kv_limit, cap, load, held, cap_block, hot | quality_block, prefill,
+            rows.names, rows.views_tuple, ok, model_len, kv_limit, cap, load, held, cap_block, blocked, prefill,
             quality_block, d_press, d_free, per_token_press, per_token_free, full, ttft_scale, serve_log2, first_done,
             rows.name_rank, rows.position,
         )

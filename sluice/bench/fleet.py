@@ -4,10 +4,11 @@ busiest 10% of engines take, TTFT-SLO attainment, over-shed, and how often the f
 
 What runs is what ``controlplane/app.py`` wires: a ``ControlPlane`` built from a config of N engines, one
 ``EnginePoller`` per engine whose probes land through the poller's own callback (``Observation.probed``: the index,
-RateBook, then the admission service: ledger probe note, output lengths, index update, wake) and then, after every
-``FRAMES_PER_TURN`` probes as the probe worker's reader does at this scale, ``Observation.refresh_rows`` (their engines'
-index rows redone between Checks; until session 11 the bench left every row to the next Check's snapshot, which the real
-process does not), every Check as ``authz.py`` makes it (``plane.fleet(now)`` then ``plane.admission.check``,
+RateBook, then the admission service: ledger probe note, output lengths, index update, wake) as the probe worker's reader
+lands them at this scale: in the batches the worker sends every ``FLUSH_S``, ``FRAMES_PER_TURN`` reports at a time, each
+slice followed by ``Observation.refresh_rows`` (their engines' index rows redone between Checks; until session 11 the
+bench left every row to the next Check's snapshot, and until session 13 a slice's last rows when the batch ended short
+of a slice, which the real process does not), every Check as ``authz.py`` makes it (``plane.fleet(now)`` then ``plane.admission.check``,
 ``record_outcome``, a parked Check waiting on the future ``wake`` resolves), every release as the access log makes it
 (``plane.release_ticket``: ledger, wake, and the loop turns its store write and wake take, while they are in flight; until
 session 13 four turns, empty or not), the park-deadline sweep every 0.1 s and the staleness loop's ``refresh_weights``
@@ -55,14 +56,19 @@ import controlplane.xds.publisher as publisher_module
 from controlplane.app import ControlPlane
 from controlplane.config import parse_config
 from controlplane.core.admission import Outcome
-from controlplane.core.model import EngineRates, EngineSample, Flavor, InferenceRequest, ServedModel, Verdict
+from controlplane.core.model import (
+    EngineRates, EngineSample, EngineView, Flavor, InferenceRequest, ServedModel, Verdict,
+)
 from controlplane.core.request import ttft_deadline
 from controlplane.core.weights import Weights
 from controlplane.observation import FRAMES_PER_TURN
 from controlplane.observe.poller import EnginePoller
+from controlplane.observe.worker import FLUSH_S
 from sluice.bench.common import pyplot, save_figure, write_report
 
 NO_CLASSES = "sluice (band), no chip classes"
+Report = tuple[EnginePoller, EngineView, EngineRates]
+"""A probe's result as the probe worker sends it: the poller it is for, the view it makes, the rates it measured."""
 SIZES = tuple(int(s) for s in __import__("os").environ.get("SLUICE_FLEET_SIZES", "200,1000").split(","))
 REQUESTS = int(__import__("os").environ.get("SLUICE_FLEET_REQUESTS", "6000"))
 BEFORE_REQUESTS = {200: 1500, 1000: 400}
@@ -172,8 +178,9 @@ class Plane:
         finally:
             self.cpu[what] += time.process_time() - started
 
-    def probe(self, e: SimEngine, running: int | None = None, noise: bool = False) -> None:
-        """What ``EnginePoller.poll_once`` stores and hands to the callback after a good probe."""
+    def report(self, e: SimEngine, running: int | None = None, noise: bool = False) -> Report:
+        """What a probe of ``e`` measures now, as ``EnginePoller.poll_once`` would store it: the probe worker's report, which
+        lands when its batch is delivered (``deliver``)."""
         poller = self.pollers[e.name]
         n = len(e.running) if running is None else running
         if noise:
@@ -183,21 +190,30 @@ class Plane:
                             decode_tokens_per_s_each=per_request_rate(e.solo, n) * self.rng.uniform(0.95, 1.05),
                             solo=n == 1, batch=n or None)
         sample = EngineSample(self.now, running=n, waiting=0, kv_usage=0.0, kv_capacity_tokens=KV_CAPACITY)
-        poller._view = replace(poller._view, sample=sample, last_ok_at=self.now, stale=False, version="0.11.0",
-                               models=(ServedModel("m", 32_768),), flavor=Flavor.VLLM, rates=rates)
+        view = replace(poller._view, sample=sample, last_ok_at=self.now, stale=False, version="0.11.0",
+                       models=(ServedModel("m", 32_768),), flavor=Flavor.VLLM, rates=rates)
+        return poller, view, rates
+
+    def deliver(self, reports: list[Report]) -> None:
+        """What the probe worker's reader does with a batch of reports (``observation._run_worker``): FRAMES_PER_TURN of
+        them through the poller's callback, then the index rows of their engines (between Checks), and so on to the
+        batch's end; the worker sends a batch every ``FLUSH_S``."""
         observation = self.plane.observation
-        self.probes += 1
-        slice_ends = self.probes % FRAMES_PER_TURN == 0
 
-        def land() -> None:
-            # What the probe worker's reader does with its reports at fleet scale (observation._run_worker): each view,
-            # then, once a slice of FRAMES_PER_TURN has landed, the index rows of their engines, between Checks (a
-            # Check that comes first redoes them in its snapshot, charged to the Check).
-            observation.probed(poller._view, rates)
-            if slice_ends:
-                observation.refresh_rows(self.now)
+        def land(chunk: list[Report]) -> None:
+            for poller, view, rates in chunk:
+                poller._view = view
+                observation.probed(view, rates)
+            observation.refresh_rows(self.now)
 
-        self.timed("probes", land)
+        for start in range(0, len(reports), FRAMES_PER_TURN):
+            chunk = reports[start:start + FRAMES_PER_TURN]
+            self.timed("probes", lambda: land(chunk))
+        self.probes += len(reports)
+
+    def probe(self, e: SimEngine, running: int | None = None, noise: bool = False) -> None:
+        """A probe whose report lands at once (the warm-up)."""
+        self.deliver([self.report(e, running, noise)])
 
 
 async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool, before: bool = False) -> dict[str, Any]:
@@ -261,14 +277,23 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
         heapq.heappush(events, (t, seq, "weights", ""))
         seq += 1
         t += 0.5
+    pending: list[Report] = []  # reports the probe worker has not sent yet (a batch every FLUSH_S)
     while events and events[0][0] < IDLE_SECONDS:
         sim.now, _, kind, name = heapq.heappop(events)
         if kind == "probe":
-            sim.probe(by_name[name], noise=True)
+            if not pending:
+                heapq.heappush(events, (sim.now + FLUSH_S, seq, "flush", ""))
+                seq += 1
+            pending.append(sim.report(by_name[name], noise=True))
             heapq.heappush(events, (sim.now + 1.0, seq, "probe", name))
             seq += 1
+        elif kind == "flush":
+            sim.deliver(pending)
+            pending = []
         else:
             await plane.refresh_weights()
+    sim.deliver(pending)
+    pending = []
     idle_pushes = plane.weight_pushes - pushes_before_idle
     events = [(at - IDLE_SECONDS, s, k, n) for at, s, k, n in events if k == "probe"]
     heapq.heapify(events)
@@ -344,7 +369,8 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
     wall = time.perf_counter()
     while events:
         at, _, kind, name = heapq.heappop(events)
-        if kind in ("probe", "sweep", "weights") and at > last_arrival and not owner and not plane.admission.depth():
+        if kind in ("probe", "flush", "sweep", "weights") and at > last_arrival and not owner \
+                and not plane.admission.depth():
             continue  # every request answered and finished: the run ends (no idle tail charged to the path)
         if at > last_arrival and not window:
             # The arrival window is over: what the path cost while requests were arriving, probes and weights included.
@@ -369,9 +395,15 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
         elif kind == "probe":
             if sim.now > end:
                 continue
-            sim.probe(by_name[name])
+            if not pending:
+                heapq.heappush(events, (sim.now + FLUSH_S, seq, "flush", ""))
+                seq += 1
+            pending.append(sim.report(by_name[name]))
             heapq.heappush(events, (sim.now + 1.0, seq, "probe", name))
             seq += 1
+        elif kind == "flush":
+            sim.deliver(pending)
+            pending = []
         elif kind == "sweep":
             if plane.admission.depth():
                 sim.timed("sweeps", lambda: plane.service._resolve(plane.admission.expire_parked(plane.fleet(sim.now), sim.now)))
