@@ -358,6 +358,8 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     rows = index.models.get(model)
     if rows is None:
         return None
+    # A Check pays per numpy call (a few us each at 1000 rows, mostly dispatch): the rows hold what is compared here in
+    # the form it is compared in (fleetindex.ModelArrays), and array methods stand in for numpy's module functions.
     need = need_tokens(request, policy)
     candidate = rows.ok & (rows.model_len >= context_tokens(request))
     if not candidate.any():
@@ -406,9 +408,9 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
         members = band.nonzero()[0]
         if not len(members):
             # No band: finish-soonest among the engines that meet the deadline (busy ones filtered once estimated).
-            return _soonest_indexed(request, rows, candidate, fits & (ttft <= deadline_s), candidate & rows.cap_block & ~other,
-                                    ttft + out / rate, prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now,
-                                    hit, arriving)
+            busy = candidate & rows.cap_block & ~other
+            return _soonest_indexed(request, rows, candidate, fits & (ttft <= deadline_s), busy, ttft + out / rate,
+                                    prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now, hit, arriving)
         if hit is not None:
             longest = float(hit[members].max())
             if longest > 0:  # as the full scan: the band members expected to hold the longest prefix
