@@ -82,6 +82,9 @@ class AdmissionService:
         self._releasing: set[str] = set()
         self._release_tasks: set[asyncio.Task[None]] = set()
         self._store_timers: dict[str, Any] = {}
+        self._decision_counters: dict[tuple[str, str, str], Any] = {}
+        """``sluice_admission_decisions`` children by (model label, verdict, reason): looked up once, not per Check
+        (prometheus_client's ``labels`` validates and locks, about 10 us)."""
         self._recently_released: dict[str, None] = {}
         """Ticket ids released in the store lately, by any replica (insertion-ordered, bounded by ``RECENT_RELEASES``): a
         refusal's list of an engine's tickets, read after the release though the store made it before, never brings one
@@ -263,7 +266,11 @@ class AdmissionService:
                        tenant: str = "") -> None:
         d = outcome.decision
         m = self.metrics
-        m.admission_decisions.labels(self.model_label(model), d.verdict.value, d.reason.value).inc()
+        key = (self.model_label(model), d.verdict.value, d.reason.value)
+        counter = self._decision_counters.get(key)
+        if counter is None:
+            counter = self._decision_counters[key] = m.admission_decisions.labels(*key)
+        counter.inc()
         if d.verdict in (Verdict.SHED, Verdict.REJECT):
             m.admission_rejected.labels(d.reason.value).inc()
         elif d.verdict is Verdict.ADMIT and request is not None:

@@ -30,6 +30,10 @@ class Box:
     kv_budget_bytes: int | None = None
 
 
+_NO_MODEL_POLICY = ModelPolicy()
+"""What a model without its own settings gets."""
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     kv_high_watermark: float = 0.90
@@ -152,7 +156,7 @@ class Policy:
             object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
 
     def model(self, model_id: str) -> ModelPolicy:
-        return self.models.get(model_id, ModelPolicy())
+        return self.models.get(model_id, _NO_MODEL_POLICY)  # (not a new ModelPolicy per call: every Check asks)
 
     def floor_for(self, model_id: str) -> str | None:
         """The strictest floor among patterns matching ``model_id`` (None: no floor)."""
