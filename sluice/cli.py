@@ -114,12 +114,15 @@ def main(argv: list[str] | None = None) -> int:
                    "(each engine's expected cached tokens); its prompt tokens are counted unless --prompt-tokens is set")
 
     p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
-    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "chaos", "replicas",
-                                        "ratelimit", "prefix"])
+    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "scale", "chaos",
+                                        "replicas", "ratelimit", "prefix"])
     p.add_argument("--engines", metavar="N|FILE",
                    help="observe: how many simulated engines to poll (default 1000); overhead, steady: a YAML file listing the "
                         "engines to front instead of a simulator (e.g. real llama.cpp servers, see sluice/real/llama.py)")
     p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
+    p.add_argument("--sizes", help="scale: engine counts to run, comma-separated, the 2-engine run the baseline; "
+                   "1000p1: 1000 engines polled every second, probe budget lifted (default 2,200,1000,1000p1)")
+    p.add_argument("--seconds", type=float, help="scale: seconds of traffic per size (default 40)")
     p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open); replicas: a "
                    "400-request burst through 1 and 2 replicas, shorter windows (about a minute and a half); ratelimit: "
                    "shorter windows and a tenth of the limiter's charges; prefix: the system workload at 90%%, shorter "
@@ -196,6 +199,16 @@ def main(argv: list[str] | None = None) -> int:
             from sluice.bench.fleet import run_fleet_bench
 
             return run_fleet_bench()
+        if args.scenario == "scale":
+            from sluice.bench import scale
+
+            try:
+                sizes = scale.parse_sizes(args.sizes) if args.sizes else scale.SIZES
+            except ValueError as exc:
+                parser.error(str(exc))
+            if args.seconds is not None and args.seconds <= 0:
+                parser.error("--seconds: must be positive")
+            return scale.run_scale_bench(sizes, args.seconds or scale.SECONDS)
         if args.scenario == "steady":
             from sluice.bench.steady import run_steady_bench
 

@@ -38,7 +38,23 @@ from sluice.bench.common import histogram_quantile
 from sluice.bench.overhead import _histogram
 from sluice.bench.workload import gateway
 
-SIZES = tuple(os.environ.get("SLUICE_SCALE_SIZES", "2,200,1000,1000p1").split(","))
+_SIZE = re.compile(r"(\d+)(?:p(\d+(?:\.\d+)?))?")
+
+
+def parse_sizes(text: str) -> tuple[str, ...]:
+    """``--sizes`` (and ``SLUICE_SCALE_SIZES``): comma-separated engine counts, each optionally ``p<seconds>`` (that many
+    engines polled at that interval with the probe budget lifted); the run with 2 engines, if any, is the baseline."""
+    def valid(size: str) -> bool:
+        match = _SIZE.fullmatch(size)
+        return match is not None and int(match.group(1)) >= 1
+
+    sizes = tuple(s.strip() for s in text.split(",") if s.strip())
+    if not sizes or not all(valid(s) for s in sizes):
+        raise ValueError(f"sizes: expected engine counts like 2,200,1000 or 1000p1 (polled every 1 s), got {text!r}")
+    return sizes
+
+
+SIZES = parse_sizes(os.environ.get("SLUICE_SCALE_SIZES", "2,200,1000,1000p1"))
 """Engines per run, on the default config: 1000 engines are polled every 3.33 s (``observe.max_probes_per_second``, 300).
 ``1000p1`` is 1000 engines polled every second with the probe budget lifted (what observation at that rate costs)."""
 RATE = 100
@@ -108,12 +124,12 @@ async def open_loop(url: str, rate: int, seconds: float) -> list[dict[str, Any]]
     return results
 
 
-def run_size(label: str) -> dict[str, Any]:
+def run_size(label: str, seconds: float = SECONDS) -> dict[str, Any]:
     size, _, poll = label.partition("p")
     size_n = int(size)
     observe: dict[str, float] = ({"poll_interval_seconds": float(poll), "poll_timeout_seconds": 0.8,
                                   "max_probes_per_second": 0} if poll else {})
-    result = _run_size(size_n, observe)
+    result = _run_size(size_n, observe, seconds)
     one = [{"name": "e", "url": "http://127.0.0.1:9"}]
     interval = parse_config({"engines": one, "observe": observe}).observe.for_fleet(size_n).poll_interval_seconds
     why = "probe budget lifted" if poll else "default config"
@@ -121,7 +137,7 @@ def run_size(label: str) -> dict[str, Any]:
     return result
 
 
-def _run_size(size: int, observe: dict[str, float]) -> dict[str, Any]:
+def _run_size(size: int, observe: dict[str, float], seconds: float) -> dict[str, Any]:
     farm = subprocess.Popen(
         [sys.executable, "-c", "from sluice.bench.farm import main_engines; main_engines()", "--engines", str(size)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -142,7 +158,7 @@ def _run_size(size: int, observe: dict[str, float]) -> dict[str, Any]:
             before, decided_before = _histogram(metrics_url), _decisions(metrics_url)
             cpu_before, wall_before = (_cpu_s(pid) if pid else 0.0), time.monotonic()
             load_before = os.getloadavg()[0]
-            rows = asyncio.run(open_loop(url, RATE, SECONDS))
+            rows = asyncio.run(open_loop(url, RATE, seconds))
             time.sleep(0.5)
             cpu = (_cpu_s(pid) - cpu_before) / (time.monotonic() - wall_before) if pid else float("nan")
             after, decided_after = _histogram(metrics_url), _decisions(metrics_url)
@@ -176,10 +192,10 @@ def _run_size(size: int, observe: dict[str, float]) -> dict[str, Any]:
     }
 
 
-def run_scale_bench() -> int:
+def run_scale_bench(sizes: tuple[str, ...] = SIZES, seconds: float = SECONDS) -> int:
     results = []
-    for size in SIZES:
-        r = run_size(size)
+    for size in sizes:
+        r = run_size(size, seconds)
         results.append(r)
         print(f"{r['label']} engines: p50 {r['p50']:.2f} ms p99 {r['p99']:.2f} ms, Check p99 {r['check_p99']:.3f} ms, "
               f"{r['ok']}/{r['sent']} ok, {r['pinned']} pinned, {r['matched']} matched, {r['decisions']:.0f} decisions, "
@@ -202,7 +218,7 @@ def run_scale_bench() -> int:
         verdicts.append(f"{r['label']} engines: p99 ratio {ratio:.2f}x ({'meets' if ratio <= TARGET_RATIO else 'misses'} "
                         f"the {TARGET_RATIO}x target); every request decided by a Check: {'yes' if every else 'NO'}"
                         f" (statuses {r['statuses']}, codes {r['codes']})")
-    body = f"""{__doc__.replace("RATE", str(RATE)).replace("SECONDS", f"{SECONDS:g}")}
+    body = f"""{__doc__.replace("RATE", str(RATE)).replace("SECONDS", f"{seconds:g}")}
 | engines | sent | 200 | with x-sluice-engine | Envoy went where the Check said | decisions counted | end-to-end p50 / p99 (ms) | p99 / p99 at 2 engines | Check p50 / p99 (ms, server) | engines used | busiest 10% take | control plane CPU (of one core) | start-up to serving (s) | load avg at start | not 200 (code: count) |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 {rows}
@@ -218,5 +234,8 @@ decided by a Check.
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(run_scale_bench())
+if __name__ == "__main__":  # the same as ``sluice bench scale`` (options: ``--sizes``, ``--seconds``; ``--help``)
+    import runpy
+
+    sys.argv = ["sluice", "bench", "scale", *sys.argv[1:]]
+    runpy.run_module("sluice", run_name="__main__")  # the CLI's own parser, without this module importing the CLI
