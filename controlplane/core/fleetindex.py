@@ -344,7 +344,7 @@ class FleetIndex:
                 and cached.admit_stale == bool(self._admit_stale)):
             return cached
         self._fill_ledger = self._ledger
-        self._fill_fleet = Fleet((), MappingProxyType(self._ledger), bool(self._admit_stale), rates)
+        self._fill_fleet = Fleet((), self._ledger.live(), bool(self._admit_stale), rates)
         return self._fill_fleet
 
     def _fill(self, rows: _Rows, i: int, serves: Mapping[str, tuple[float, float]], policy: Policy, one: Fleet,

@@ -11,6 +11,7 @@ keys). Reading costs one tuple index more than a dict.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import TypeVar, overload
 
 _K = TypeVar("_K")
@@ -65,9 +66,12 @@ class FrozenMap(_Chunked[_K, _V]):
 
 
 class SharedMap(_Chunked[_K, _V]):
-    """A mutable mapping (``m[k] = v``, ``del m[k]``, ``pop``) whose ``snapshot()`` costs no copy of its entries."""
+    """A mutable mapping (``m[k] = v``, ``del m[k]``, ``pop``) whose ``snapshot()`` costs no copy of its entries.
 
-    __slots__ = ("_owned", "_frozen")
+    Reading the map itself goes through a plain dict that mirrors it (``live()`` hands out a read-only view of that
+    dict, read at C speed by hot loops such as the fleet index's row fills)."""
+
+    __slots__ = ("_owned", "_frozen", "_mirror")
     _chunks: list[dict[_K, _V]]
 
     def __init__(self, items: Iterable[tuple[_K, _V]] = ()) -> None:
@@ -76,8 +80,28 @@ class SharedMap(_Chunked[_K, _V]):
         """Whether each chunk is this map's alone (no snapshot holds it), so it may be written in place."""
         self._len = 0
         self._frozen: FrozenMap[_K, _V] | None = None
+        self._mirror: dict[_K, _V] = {}
         for key, value in items:
             self[key] = value
+
+    def live(self) -> Mapping[_K, _V]:
+        """A read-only view of the map as it is at each read (not a snapshot: later writes show through)."""
+        return MappingProxyType(self._mirror)
+
+    def __getitem__(self, key: _K) -> _V:
+        return self._mirror[key]
+
+    @overload
+    def get(self, key: _K, /) -> _V | None: ...
+
+    @overload
+    def get(self, key: _K, default: _V | _D, /) -> _V | _D: ...
+
+    def get(self, key: _K, default: object = None, /) -> object:
+        return self._mirror.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._mirror
 
     def _writable(self, key: _K) -> dict[_K, _V]:
         at = hash(key) & _MASK
@@ -92,10 +116,12 @@ class SharedMap(_Chunked[_K, _V]):
         size = len(chunk)
         chunk[key] = value
         self._len += len(chunk) - size
+        self._mirror[key] = value
 
     def __delitem__(self, key: _K) -> None:
         del self._writable(key)[key]
         self._len -= 1
+        del self._mirror[key]
 
     def pop(self, key: _K, default: _V | None = None) -> _V | None:
         if key not in self:

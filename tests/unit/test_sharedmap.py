@@ -31,6 +31,9 @@ def test_random_writes_read_like_a_dict_and_snapshots_keep_their_moment(seed: in
         assert len(shared) == len(plain)
         assert (key in shared) == (key in plain) and shared.get(key, -1) == plain.get(key, -1)
     assert dict(shared) == plain and shared == plain
+    live = shared.live()
+    shared["late"] = -1
+    assert live["late"] == -1 and dict(live) == {**plain, "late": -1}  # a live view, not a snapshot
     for snapshot, then in kept:
         assert dict(snapshot.items()) == then and len(snapshot) == len(then)
         assert all(snapshot[k] == v for k, v in then.items())
