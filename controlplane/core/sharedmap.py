@@ -5,7 +5,7 @@ Issue 9: at 1000 engines every Check froze three per-engine dictionaries (the fl
 serve counts, the rate book's per-engine decode rates), about 8 us each for a copy of 1000 entries, although between two
 Checks only a few entries change. Here the keys are spread over ``CHUNKS`` small dictionaries: a snapshot is a tuple of
 them (no entry copied), and the first write to a chunk after a snapshot copies that chunk alone (about 16 entries at 1000
-keys). Reading costs one tuple index more than a dict.
+keys). Reading a snapshot costs one tuple index more than a dict; the map itself reads a plain mirror of its entries.
 """
 
 from __future__ import annotations
