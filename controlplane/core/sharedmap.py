@@ -5,12 +5,12 @@ Issue 9: at 1000 engines every Check froze three per-engine dictionaries (the fl
 serve counts, the rate book's per-engine decode rates), about 8 us each for a copy of 1000 entries, although between two
 Checks only a few entries change. Here the keys are spread over ``CHUNKS`` small dictionaries: a snapshot is a tuple of
 them (no entry copied), and the first write to a chunk after a snapshot copies that chunk alone (about 16 entries at 1000
-keys). Reading a snapshot costs one tuple index more than a dict; the map itself reads a plain mirror of its entries.
+keys). Reading a snapshot costs one tuple index more than a dict; the map itself is read as a plain dict.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import TypeVar, overload
 
@@ -22,12 +22,15 @@ CHUNKS = 64
 _MASK = CHUNKS - 1
 
 
-class _Chunked(Mapping[_K, _V]):
-    """Reading: the key's chunk, then the key (``get`` without Mapping's exception on a miss)."""
+class FrozenMap(Mapping[_K, _V]):
+    """A read-only snapshot of a ``SharedMap``: the key's chunk, then the key (``get`` without Mapping's exception on a
+    miss)."""
 
     __slots__ = ("_chunks", "_len")
-    _chunks: Sequence[dict[_K, _V]]
-    _len: int
+
+    def __init__(self, chunks: tuple[dict[_K, _V], ...], length: int) -> None:
+        self._chunks = chunks  # never written again: the SharedMap copies a chunk before writing to it
+        self._len = length
 
     def __getitem__(self, key: _K) -> _V:
         return self._chunks[hash(key) & _MASK][key]
@@ -52,44 +55,32 @@ class _Chunked(Mapping[_K, _V]):
         return self._len
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({dict(self.items())!r})"
+        return f"FrozenMap({dict(self.items())!r})"
 
 
-class FrozenMap(_Chunked[_K, _V]):
-    """A read-only snapshot of a ``SharedMap``."""
-
-    __slots__ = ()
-
-    def __init__(self, chunks: tuple[dict[_K, _V], ...], length: int) -> None:
-        self._chunks = chunks  # never written again: the SharedMap copies a chunk before writing to it
-        self._len = length
-
-
-class SharedMap(_Chunked[_K, _V]):
+class SharedMap(Mapping[_K, _V]):
     """A mutable mapping (``m[k] = v``, ``del m[k]``, ``pop``) whose ``snapshot()`` costs no copy of its entries.
 
-    Reading the map itself goes through a plain dict that mirrors it (``live()`` hands out a read-only view of that
-    dict, read at C speed by hot loops such as the fleet index's row fills)."""
+    The map is a plain dict (read at C speed; ``live()`` hands out a read-only view of it, for hot loops such as the
+    fleet index's row fills); beside it, the same entries spread over ``CHUNKS`` dicts, which is what a snapshot holds."""
 
-    __slots__ = ("_owned", "_frozen", "_mirror")
-    _chunks: list[dict[_K, _V]]
+    __slots__ = ("_entries", "_chunks", "_owned", "_frozen")
 
     def __init__(self, items: Iterable[tuple[_K, _V]] = ()) -> None:
-        self._chunks = [{} for _ in range(CHUNKS)]
+        self._entries: dict[_K, _V] = {}
+        self._chunks: list[dict[_K, _V]] = [{} for _ in range(CHUNKS)]
         self._owned = [True] * CHUNKS
         """Whether each chunk is this map's alone (no snapshot holds it), so it may be written in place."""
-        self._len = 0
         self._frozen: FrozenMap[_K, _V] | None = None
-        self._mirror: dict[_K, _V] = {}
         for key, value in items:
             self[key] = value
 
     def live(self) -> Mapping[_K, _V]:
         """A read-only view of the map as it is at each read (not a snapshot: later writes show through)."""
-        return MappingProxyType(self._mirror)
+        return MappingProxyType(self._entries)
 
     def __getitem__(self, key: _K) -> _V:
-        return self._mirror[key]
+        return self._entries[key]
 
     @overload
     def get(self, key: _K, /) -> _V | None: ...
@@ -98,12 +89,19 @@ class SharedMap(_Chunked[_K, _V]):
     def get(self, key: _K, default: _V | _D, /) -> _V | _D: ...
 
     def get(self, key: _K, default: object = None, /) -> object:
-        return self._mirror.get(key, default)
+        return self._entries.get(key, default)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._mirror
+        return key in self._entries
 
-    def _writable(self, key: _K) -> dict[_K, _V]:
+    def __iter__(self) -> Iterator[_K]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _chunk(self, key: _K) -> dict[_K, _V]:
+        """The key's chunk, copied first if a snapshot holds it."""
         at = hash(key) & _MASK
         if not self._owned[at]:
             self._chunks[at] = dict(self._chunks[at])
@@ -112,28 +110,23 @@ class SharedMap(_Chunked[_K, _V]):
         return self._chunks[at]
 
     def __setitem__(self, key: _K, value: _V) -> None:
-        chunk = self._writable(key)
-        size = len(chunk)
-        chunk[key] = value
-        self._len += len(chunk) - size
-        self._mirror[key] = value
+        self._chunk(key)[key] = value
+        self._entries[key] = value
 
     def __delitem__(self, key: _K) -> None:
-        del self._writable(key)[key]
-        self._len -= 1
-        del self._mirror[key]
+        del self._entries[key]  # (first: a missing key raises before any chunk is copied)
+        del self._chunk(key)[key]
 
     def pop(self, key: _K, default: _V | None = None) -> _V | None:
-        if key not in self:
+        if key not in self._entries:
             return default
-        value = self[key]
+        value = self._entries[key]
         del self[key]
         return value
 
     def snapshot(self) -> FrozenMap[_K, _V]:
         """The map as it is now, never changed by later writes (the same object until the next write)."""
         if self._frozen is None:
-            self._frozen = FrozenMap(tuple(self._chunks), self._len)
+            self._frozen = FrozenMap(tuple(self._chunks), len(self._entries))
             self._owned = [False] * CHUNKS
         return self._frozen
-
