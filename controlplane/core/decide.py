@@ -476,7 +476,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     service = prefill_s + out / rows.d_press
     first_done = rows.first_done
     wait = np.where(np.isnan(first_done), service, np.maximum(0.0, np.nan_to_num(first_done) - now))
-    lower = wait + (prefill_s + 1.0 / rows.d_press) * rows.ttft_scale + out / rows.d_press
+    lower = wait + (prefill_s + rows.per_token_press) * rows.ttft_scale + out / rows.d_press
     estimates += [x for x in (exact(int(i), False) for i in (busy & (lower <= bound)).nonzero()[0])
                   if deadline_s is None or x.ttft_s <= deadline_s]
     if at is not None and (free[at] or busy[at]) and all(x.engine.name != affinity for x in estimates):

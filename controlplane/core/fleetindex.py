@@ -3,19 +3,21 @@ refreshed only where something changed. Pure (time passed in); numpy only as a c
 
 Issue 9: with 200 engines a Check rebuilt every engine's view and ledger view, decayed every engine's serve count, then
 ``decide`` ran ``misfits`` + ``estimate`` (a dozen Python calls) for every candidate: 2.5 ms a Check at 200 engines, 11 ms at
-1000. Here a Check costs a few dictionary copies plus numpy over the model's rows:
+1000. Here a Check costs the rows redone since the last one plus a few dozen numpy operations over the model's rows:
 
 - ``FleetIndex`` holds each engine's latest ``EngineView`` (the shell pushes one when a probe lands, an operator drains, a
   request fails, or staleness flips) and, per model, one row per engine serving it. A row holds what the fit rules and the
-  estimate need that does not depend on the request: cap, load, KV held, KV capacity and usage, open tickets of the model,
-  eligibility (not drained, meets the floor, fresh), the decode rate at the batch a free slot would run in (full batch under
-  pressure, ``load + 1`` otherwise) and the prefill fallback. A row is recomputed when its engine's view, ledger view or
+  estimate need that does not depend on the request, in the form ``decide`` compares it (``ModelArrays``): cap, load, KV
+  held, the KV limit, KV usage at the watermark, cap reached, open tickets of the model, eligibility (not drained, meets
+  the floor, fresh), the decode rate at the batch a free slot would run in (full batch under pressure, ``load + 1``
+  otherwise) and its reciprocal, the prefill fallback, the serve count in log space. A row is recomputed when its engine's view, ledger view or
   serve count changed (``Ledger.changed``, ``note_serve``), with the very functions ``decide`` uses (fit.py's
   ``effective_load``, ``held_tokens``, ``model_len``; route.py's ``decode_rate``), so the numbers are the same numbers.
 - Values shared across engines are applied per snapshot, vectorised: the trusted (model, chip class) prefill median and the
   quality cap from the (model, chip class) solo median.
-- ``snapshot`` hands ``decide`` frozen copies (``IndexSnapshot``); the live arrays are copied on the next write, never
-  changed under a holder.
+- ``snapshot`` hands ``decide`` frozen arrays (``IndexSnapshot``): views of one matrix per model, copied on the next
+  write while any of them is still held (never changed under a holder), written in place once none is (``_Rows.writable``);
+  the ledger views are a ``SharedMap`` snapshot (sharedmap.py), no copy of the unchanged ones.
 
 ``decide`` (decide.py, ``_indexed``) evaluates the fit rules and the no-wait estimate for every row at once, then builds
 real ``Estimate`` objects only for the few engines that can matter (the soonest free slot, busy engines whose no-wait lower
