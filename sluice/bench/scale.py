@@ -41,15 +41,21 @@ from sluice.bench.workload import gateway
 _SIZE = re.compile(r"(\d+)(?:p(\d+(?:\.\d+)?))?")
 
 
+def size_parts(size: str) -> tuple[int, float | None] | None:
+    """``1000`` -> (1000, None); ``1000p1`` -> (1000, 1.0): engines, and the poll interval with the probe budget lifted;
+    None when it is neither."""
+    match = _SIZE.fullmatch(size)
+    if match is None:
+        return None
+    return int(match.group(1)), float(match.group(2)) if match.group(2) else None
+
+
 def parse_sizes(text: str) -> tuple[str, ...]:
     """``--sizes`` (and ``SLUICE_SCALE_SIZES``): comma-separated engine counts, each optionally ``p<seconds>`` (that many
     engines polled at that interval with the probe budget lifted); the run with 2 engines, if any, is the baseline."""
-    def valid(size: str) -> bool:
-        match = _SIZE.fullmatch(size)
-        return match is not None and int(match.group(1)) >= 1
-
     sizes = tuple(s.strip() for s in text.split(",") if s.strip())
-    if not sizes or not all(valid(s) for s in sizes):
+    parts = [size_parts(s) for s in sizes]
+    if not sizes or any(p is None or p[0] < 1 or p[1] == 0 for p in parts):
         raise ValueError(f"sizes: expected engine counts like 2,200,1000 or 1000p1 (polled every 1 s), got {text!r}")
     return sizes
 
@@ -125,9 +131,10 @@ async def open_loop(url: str, rate: int, seconds: float) -> list[dict[str, Any]]
 
 
 def run_size(label: str, seconds: float = SECONDS) -> dict[str, Any]:
-    size, _, poll = label.partition("p")
-    size_n = int(size)
-    observe: dict[str, float] = ({"poll_interval_seconds": float(poll), "poll_timeout_seconds": 0.8,
+    parts = size_parts(label)
+    assert parts is not None, label  # parse_sizes checked it
+    size_n, poll = parts
+    observe: dict[str, float] = ({"poll_interval_seconds": poll, "poll_timeout_seconds": 0.8,
                                   "max_probes_per_second": 0} if poll else {})
     result = _run_size(size_n, observe, seconds)
     one = [{"name": "e", "url": "http://127.0.0.1:9"}]

@@ -14,7 +14,7 @@ from sluice.bench.scale import parse_sizes
 def test_sizes_are_counts_or_counts_polled_at_an_interval() -> None:
     assert parse_sizes("2,200, 1000,1000p1") == ("2", "200", "1000", "1000p1")
     assert parse_sizes("2,1000p0.5") == ("2", "1000p0.5")
-    for bad in ("", "two", "0", "1000p", "2;200"):
+    for bad in ("", "two", "0", "1000p", "1000p0", "2;200"):
         with pytest.raises(ValueError, match="sizes: expected engine counts"):
             parse_sizes(bad)
 
