@@ -269,6 +269,20 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
     pushes_before_idle = plane.weight_pushes
     events: list[tuple[float, int, str, str]] = []
     seq = 0
+    pending: list[Report] = []  # reports the probe worker has not sent yet (a batch every FLUSH_S)
+
+    def queue(report: Report) -> None:
+        """A probe's report waits for the worker's next batch (the first one of a batch schedules its delivery)."""
+        nonlocal seq
+        if not pending:
+            heapq.heappush(events, (sim.now + FLUSH_S, seq, "flush", ""))
+            seq += 1
+        pending.append(report)
+
+    def flush() -> None:
+        sim.deliver(pending)
+        pending.clear()
+
     for i, e in enumerate(engines):
         heapq.heappush(events, (i / len(engines), seq, "probe", e.name))
         seq += 1
@@ -277,23 +291,17 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
         heapq.heappush(events, (t, seq, "weights", ""))
         seq += 1
         t += 0.5
-    pending: list[Report] = []  # reports the probe worker has not sent yet (a batch every FLUSH_S)
     while events and events[0][0] < IDLE_SECONDS:
         sim.now, _, kind, name = heapq.heappop(events)
         if kind == "probe":
-            if not pending:
-                heapq.heappush(events, (sim.now + FLUSH_S, seq, "flush", ""))
-                seq += 1
-            pending.append(sim.report(by_name[name], noise=True))
+            queue(sim.report(by_name[name], noise=True))
             heapq.heappush(events, (sim.now + 1.0, seq, "probe", name))
             seq += 1
         elif kind == "flush":
-            sim.deliver(pending)
-            pending = []
+            flush()
         else:
             await plane.refresh_weights()
-    sim.deliver(pending)
-    pending = []
+    flush()
     idle_pushes = plane.weight_pushes - pushes_before_idle
     events = [(at - IDLE_SECONDS, s, k, n) for at, s, k, n in events if k == "probe"]
     heapq.heapify(events)
@@ -395,15 +403,11 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
         elif kind == "probe":
             if sim.now > end:
                 continue
-            if not pending:
-                heapq.heappush(events, (sim.now + FLUSH_S, seq, "flush", ""))
-                seq += 1
-            pending.append(sim.report(by_name[name]))
+            queue(sim.report(by_name[name]))
             heapq.heappush(events, (sim.now + 1.0, seq, "probe", name))
             seq += 1
         elif kind == "flush":
-            sim.deliver(pending)
-            pending = []
+            flush()
         elif kind == "sweep":
             if plane.admission.depth():
                 sim.timed("sweeps", lambda: plane.service._resolve(plane.admission.expire_parked(plane.fleet(sim.now), sim.now)))
