@@ -48,6 +48,44 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError("no free port that this process was not given already")
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out for port 0 and for outgoing connections (Linux's ``ip_local_port_range``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_run(count: int, stride: int, host: str = "127.0.0.1") -> int:
+    """A base port with ``base + i x stride`` free for every i below ``count``: ``sluice up --replicas`` gives replica i
+    each of its ports + i x stride, so a test or bench that asks for the base needs the strided ports free as well.
+
+    The run is picked below the kernel's ephemeral range. ``free_port``'s ports come from inside it, and so do the local
+    ports of outgoing connections. Either could take a strided port between this check and the replica's bind; CI once
+    saw replica 1's gRPC port taken that way. Below the range, only a listener started after the check can take one."""
+    import random
+
+    last = _ephemeral_floor() - stride * (count - 1) - 1
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(500):
+        base = rng.randrange(10000, last)
+        ports = [base + stride * i for i in range(count)]
+        if any(p in _HANDED_OUT for p in ports) or not all(_bindable(host, p) for p in ports):
+            continue
+        _HANDED_OUT.update(ports)
+        return base
+    raise RuntimeError(f"no run of {count} free ports {stride} apart below {last}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 class ValkeyServer:
     """One ``valkey-server`` process on ``host:port`` (a free port when 0). ``start()`` returns once it answers PING;
     ``stop()`` terminates it (``kill()``: SIGKILL, as a crash). Also a context manager."""

@@ -92,6 +92,7 @@ from enginesim.profiles import PROFILES
 from sluice.bench.common import pct, write_report
 from sluice.bench.plain import plain_envoy_arm
 from sluice.bench.workload import bare_sim, gateway, sim_stats
+from sluice.up import REPLICA_PORT_STRIDE
 
 SPEED = 1.0
 ENGINES = (("spark-a", "spark"), ("spark-b", "spark"), ("thor-a", "thor"), ("thor-b", "thor"))
@@ -596,7 +597,7 @@ def run_prefix_bench(quick: bool = False, workloads: list[str] | None = None, le
                 rep = optional.enter_context(gateway([dict(e) for e in engines], admission=settings,
                                                      up_args=("--replicas", "2", "--store", "valkey")))
                 arms["sluice-2rep"] = Arm("sluice-2rep", rep["base_url"] + "/v1")
-                replica_ports = [rep["controlplane"]["metrics_port"] + 10 * i for i in range(2)]
+                replica_ports = [rep["controlplane"]["metrics_port"] + REPLICA_PORT_STRIDE * i for i in range(2)]
             for name, envoy in (("LR", lr), ("ring", ring)):
                 configs.append(f"`{name}`:\n\n```yaml\n{envoy.bootstrap[envoy.bootstrap.index('    - name: engine'):]}"
                                f"```\nroute: `{_route_line(envoy.bootstrap)}`\n")

@@ -46,7 +46,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -71,6 +70,8 @@ from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 from google.protobuf import duration_pb2, struct_pb2, text_format
 
 from controlplane.config import parse_config
+from controlplane.store.valkeyserver import free_port_run
+from sluice.up import REPLICA_PORT_STRIDE as STRIDE
 from controlplane.xds.resources import AUTHZ_NAMESPACE
 from sluice.bench.common import free_port, histogram_quantile, median, paced, pct, wait_for, write_report
 from sluice.upprocess import UpProcess
@@ -84,8 +85,6 @@ BURST_TOKENS = 32
 """Output tokens of a burst request (``ignore_eos``): at 8 running a spark decodes 87.8 tok/s, 11 each, so 32 tokens take
 2.9 emulated s, 0.29 s wall at x10."""
 FAILOVER_TOKENS = 64
-STRIDE = 10
-"""``sluice up --replicas``: replica i listens on each control-plane port + 10 x i."""
 CHECK_WORKERS = 32
 HTTP_WORKERS = 16
 LATENCY_RATE = 200
@@ -255,24 +254,6 @@ def scrape(port: int) -> str:
         return str(response.read().decode())
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def stride_port(replicas: int) -> int:
-    """A port free now with port + 10 x i free too for every replica i."""
-    for _ in range(200):
-        port = free_port()
-        if port + STRIDE * (replicas - 1) < 65536 and all(_port_free(port + STRIDE * i) for i in range(1, replicas)):
-            return port
-    raise RuntimeError("no free port with free strides")
-
-
 class Fleet:
     """``ENGINES`` simulators, each on a port it bound itself (read from its log)."""
 
@@ -335,8 +316,7 @@ class Stack(UpProcess):
         self.replicas = replicas
         self.store = store
         raw: dict[str, Any] = {
-            "controlplane": {"grpc_port": stride_port(replicas), "metrics_port": stride_port(replicas),
-                             "admin_port": stride_port(replicas)},
+            "controlplane": {name: free_port_run(replicas, STRIDE) for name in ("grpc_port", "metrics_port", "admin_port")},
             "envoy": {"listen_port": free_port(), "admin_port": free_port(), "on_controlplane_failure": "closed"},
             "engines": engines,
             "admission": {"max_queue_depth": 4096, "lifo_after_ms": 0, "wait_for_faster_margin": WAIT_FOR_FASTER_MARGIN},

@@ -22,7 +22,9 @@ from typing import Any
 import aiohttp
 import yaml
 
+from controlplane.store.valkeyserver import free_port_run
 from sluice.bench.common import free_port
+from sluice.up import REPLICA_PORT_STRIDE
 
 
 @dataclass
@@ -43,8 +45,10 @@ def gateway(engines: list[dict[str, Any]], *, up_args: tuple[str, ...] = (),
             **sections: Any) -> Iterator[dict[str, Any]]:
     """``sluice up`` on a config with free ports (``up_args``: more of its options, e.g. ``--store valkey``); yields the
     config (with its ports) while it runs."""
+    replicas = int(up_args[up_args.index("--replicas") + 1]) if "--replicas" in up_args else 1
     config: dict[str, Any] = {
-        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
+        "controlplane": {name: free_port_run(replicas, REPLICA_PORT_STRIDE)
+                         for name in ("grpc_port", "metrics_port", "admin_port")},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
         "engines": engines,
         **sections,

@@ -18,6 +18,7 @@ import grpc
 import openai
 
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
+from sluice.up import REPLICA_PORT_STRIDE
 from tests.e2e.test_supervise import Up
 from tests.harness import wait_for
 
@@ -49,8 +50,8 @@ def test_two_replicas_hold_one_cap_survive_a_kill_and_remember_tickets(tmp_path:
     try:
         children = up.children()
         assert {"store", "controlplane-0", "controlplane-1", "envoy"} <= set(children)
-        metrics_ports = [up.raw["controlplane"]["metrics_port"] + 10 * i for i in range(2)]
-        admin_ports = [up.raw["controlplane"]["admin_port"] + 10 * i for i in range(2)]
+        metrics_ports = [up.raw["controlplane"]["metrics_port"] + REPLICA_PORT_STRIDE * i for i in range(2)]
+        admin_ports = [up.raw["controlplane"]["admin_port"] + REPLICA_PORT_STRIDE * i for i in range(2)]
         # Both replicas serve the same xDS resources: every type at the same version (content hashes).
         versions = [_xds_versions(port) for port in admin_ports]
         assert versions[0] == versions[1] and len(versions[0]) == 4, versions

@@ -20,6 +20,7 @@ import yaml
 
 from controlplane.core.tenants import key_digest
 from controlplane.store.valkeyserver import ValkeyServer
+from sluice.up import REPLICA_PORT_STRIDE
 from tests.e2e.test_supervise import Up
 from tests.harness import Stack, start_stack, wait_for
 
@@ -58,7 +59,7 @@ def test_two_replicas_on_one_valkey_enforce_one_budget(tmp_path: Path) -> None:
             answers = list(pool.map(lambda _: post(base, "sk-acme"), range(30)))
         statuses = sorted(a[0] for a in answers)
         assert statuses == [200] * 9 + [429] * 21, statuses
-        ports = [up.raw["controlplane"]["metrics_port"] + 10 * i for i in range(2)]
+        ports = [up.raw["controlplane"]["metrics_port"] + REPLICA_PORT_STRIDE * i for i in range(2)]
         decided = [metric(p, "sluice_ratelimit_decisions_total", tenant="acme") for p in ports]
         assert all(d > 0 for d in decided) and sum(decided) == 31, f"both replicas charge: {decided}"
     finally:
