@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -30,22 +31,16 @@ def valkey_binary() -> Path:
 
 
 _HANDED_OUT: set[int] = set()
-"""Ports ``free_port`` returned in this process: the kernel may hand a just-released port out again, and a test that asks
+"""Ports ``free_port`` and ``free_port_run`` returned in this process: the kernel may hand a just-released port out again, and a test that asks
 for five ports for one ``sluice up`` got the same one twice (Envoy's admin and an engine: the engine failed to bind)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel says is free now and that this process has not been given before (the one definition: tests,
-    benches and ``sluice up`` use it). It can be taken before the caller binds it: prefer binding port 0 and asking the
-    server what it bound; this is for processes that cannot report back (valkey-server's ``--port 0`` means "no TCP")."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no free port that this process was not given already")
+    """A port free now and that this process has not been given before (the one definition: tests, benches and ``sluice
+    up`` use it). It can be taken before the caller binds it: prefer binding port 0 and asking the server what it bound;
+    this is for processes that cannot report back (valkey-server's ``--port 0`` means "no TCP"). Picked as
+    ``free_port_run`` picks, below the ephemeral range."""
+    return free_port_run(1, 1, host)
 
 
 def _ephemeral_floor() -> int:
@@ -60,11 +55,9 @@ def free_port_run(count: int, stride: int, host: str = "127.0.0.1") -> int:
     """A base port with ``base + i x stride`` free for every i below ``count``: ``sluice up --replicas`` gives replica i
     each of its ports + i x stride, so a test or bench that asks for the base needs the strided ports free as well.
 
-    The run is picked below the kernel's ephemeral range. ``free_port``'s ports come from inside it, and so do the local
-    ports of outgoing connections. Either could take a strided port between this check and the replica's bind; CI once
-    saw replica 1's gRPC port taken that way. Below the range, only a listener started after the check can take one."""
-    import random
-
+    The run is picked below the kernel's ephemeral range: a port-0 bind and an outgoing connection's local port come from
+    inside it, and either could take a port between this check and the caller's bind (CI once saw replica 1's gRPC port
+    taken). Below the range, only a listener started after the check can take one."""
     last = _ephemeral_floor() - stride * (count - 1) - 1
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(500):

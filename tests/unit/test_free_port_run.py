@@ -1,12 +1,12 @@
 """``free_port_run``: the base port a test or bench gives ``sluice up --replicas`` has every replica's strided port free,
 below the kernel's ephemeral range (where no port-0 bind or outgoing connection can take it after the check), and never
-twice in one process."""
+twice in one process. ``free_port`` is a run of one."""
 
 from __future__ import annotations
 
 import socket
 
-from controlplane.store.valkeyserver import _ephemeral_floor, free_port_run
+from controlplane.store.valkeyserver import _ephemeral_floor, free_port, free_port_run
 from sluice.up import REPLICA_PORT_STRIDE
 
 
@@ -22,3 +22,8 @@ def test_every_strided_port_is_free_below_the_ephemeral_range_and_never_handed_o
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", port))  # raises if the port was not free
 
+
+
+def test_a_single_free_port_is_below_the_ephemeral_range_too() -> None:
+    ports = {free_port() for _ in range(50)}
+    assert len(ports) == 50 and max(ports) < _ephemeral_floor()
