@@ -21,7 +21,7 @@ from controlplane.core.admission import AdmissionCore
 from controlplane.core.model import EngineRates, EngineView, Fleet
 from controlplane.core.output_length import lengths_from_buckets
 from controlplane.metrics import EngineState, SluiceMetrics
-from controlplane.observe.poller import EnginePoller, ProbeError
+from controlplane.observe.poller import EnginePoller, first_round, first_round_bound_s
 from controlplane.observe.rates import RateBook
 from controlplane.observe.worker import WorkerSetup, encode, read_frame
 
@@ -232,15 +232,7 @@ class Observation:
         interval = self.observe.poll_interval_seconds
         for index, engine in enumerate(engines):
             self._start_poller(engine, interval * (1 + index / len(engines)))
-        timeout = self.observe.poll_timeout_seconds
-
-        async def probe(poller: EnginePoller) -> None:
-            try:
-                await asyncio.wait_for(poller.poll_once(), timeout)
-            except (ProbeError, asyncio.TimeoutError) as exc:
-                log.warning("engine %s: first probe failed: %s", poller.config.name, exc or "timed out")
-
-        await asyncio.gather(*(probe(p) for p in self.pollers))
+        await first_round(self.pollers, self.observe.poll_timeout_seconds)
 
     def apply_engines(self, config: Config) -> None:
         """A reload: start pollers for engines it added, stop those it removed, restart those it changed. A removed
@@ -296,7 +288,7 @@ class Observation:
         """Start the worker and wait for its first probe round (bounded), then keep reading it in a task."""
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._worker_task = asyncio.create_task(self._run_worker(ready), name="probe-worker")
-        wait = self.observe.poll_timeout_seconds + WORKER_START_S
+        wait = first_round_bound_s(len(self.pollers), self.observe.poll_timeout_seconds) + WORKER_START_S
         try:
             await asyncio.wait_for(asyncio.shield(ready), wait)
         except asyncio.TimeoutError:

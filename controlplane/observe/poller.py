@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -28,6 +29,36 @@ from controlplane.observe.parse import detect_flavor, missing_gauges, read_serie
 from controlplane.observe.rates import rates_between
 
 log = logging.getLogger("sluice.observe")
+
+FIRST_ROUND_CONCURRENCY = 64
+"""First probes in flight at once (``first_round``). All at once, 1000 engines' first probes (discovery and a 54 KB
+exposition each, about 1.5 ms of CPU) queued behind each other past the probe timeout: 969 of them failed together
+(``sluice bench scale``), those engines stayed unknown until their next probe 3.3 s later, and requests parked meanwhile.
+64 in flight keeps a loopback farm's round CPU-bound and still overlaps engines that answer slowly."""
+
+
+async def first_round(pollers: list[EnginePoller], timeout: float,
+                      failed: Callable[[EnginePoller], None] | None = None) -> None:
+    """Every engine's first probe, at most ``FIRST_ROUND_CONCURRENCY`` at once, each bounded by ``timeout`` from its own
+    start; ``failed`` is told of each engine whose probe failed. The control plane answers no Check before it ends."""
+    gate = asyncio.Semaphore(FIRST_ROUND_CONCURRENCY)
+
+    async def probe(poller: EnginePoller) -> None:
+        async with gate:
+            try:
+                await asyncio.wait_for(poller.poll_once(), timeout)
+            except (ProbeError, asyncio.TimeoutError) as exc:
+                log.warning("engine %s: first probe failed: %s", poller.config.name,
+                            str(exc) or f"no answer within {timeout:g} s (observe.poll_timeout_seconds)")
+                if failed is not None:
+                    failed(poller)
+
+    await asyncio.gather(*(probe(p) for p in pollers))
+
+
+def first_round_bound_s(engines: int, timeout: float) -> float:
+    """The longest ``first_round`` takes: every wave of ``FIRST_ROUND_CONCURRENCY`` probes timing out."""
+    return timeout * math.ceil(engines / FIRST_ROUND_CONCURRENCY)
 
 
 class ProbeError(Exception):

@@ -31,9 +31,7 @@ from typing import Any
 
 from controlplane.config import EngineConfig, ObserveConfig
 from controlplane.core.model import EngineRates, EngineView
-from controlplane.observe.poller import EnginePoller, ProbeError
-
-log = logging.getLogger("sluice.observe.worker")
+from controlplane.observe.poller import EnginePoller, first_round
 
 _LENGTH = struct.Struct(">I")
 
@@ -83,14 +81,7 @@ async def run_worker(setup: WorkerSetup, out: asyncio.StreamWriter | Any, stdin_
     pollers = [EnginePoller(e, setup.observe, probed, on_failure=failed) for e in setup.engines]
     timeout = setup.observe.poll_timeout_seconds
 
-    async def first(poller: EnginePoller) -> None:
-        try:
-            await asyncio.wait_for(poller.poll_once(), timeout)
-        except (ProbeError, asyncio.TimeoutError) as exc:
-            log.warning("engine %s: first probe failed: %s", poller.config.name, exc or "timed out")
-            failed(poller.view(0.0))
-
-    await asyncio.gather(*(first(p) for p in pollers))
+    await first_round(pollers, timeout, lambda poller: failed(poller.view(0.0)))
     send(("ready",))
     flush()  # the control plane answers no Check before it: not a moment later than needed
     interval = setup.observe.poll_interval_seconds
