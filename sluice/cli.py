@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", help="scale: engine counts to run, comma-separated, the 2-engine run the baseline; "
                    "1000p1: 1000 engines polled every second, probe budget lifted (default 2,200,1000,1000p1)")
     p.add_argument("--seconds", type=float, help="scale: seconds of traffic per size (default 40)")
+    p.add_argument("--rounds", type=int, help="scale: interleaved segments per size, the seconds split among them "
+                   "(default 3)")
     p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open); replicas: a "
                    "400-request burst through 1 and 2 replicas, shorter windows (about a minute and a half); ratelimit: "
                    "shorter windows and a tenth of the limiter's charges; prefix: the system workload at 90%%, shorter "
@@ -208,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(str(exc))
             if args.seconds is not None and args.seconds <= 0:
                 parser.error("--seconds: must be positive")
-            return scale.run_scale_bench(sizes, args.seconds or scale.SECONDS)
+            if args.rounds is not None and args.rounds < 1:
+                parser.error("--rounds: must be at least 1")
+            return scale.run_scale_bench(sizes, args.seconds or scale.SECONDS, args.rounds or scale.ROUNDS)
         if args.scenario == "steady":
             from sluice.bench.steady import run_steady_bench
 

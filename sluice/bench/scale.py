@@ -9,7 +9,11 @@ polls them every second, 54 MB/s) and a ``/v1/chat/completions`` that answers a 
 ``x-farm-engine``. So nearly all of a request's time is the gateway's, and what grows with the fleet is what sluice does
 per engine: polling and parsing, the per-Check fleet, the choice, weights and xDS.
 
-Per size: the farm and ``sluice up`` start, a warm-up, then an open loop of RATE requests/s (fixed intervals) for SECONDS s.
+Per size: SECONDS s of an open loop of RATE requests/s (fixed intervals), in ROUNDS interleaved segments: each round
+starts every size once (the farm and ``sluice up``, a warm-up, then its segment), in an order rotated by one each round.
+This host is shared and its load drifts by 3-6x within minutes (the same 2-engine p99 measured 17 and 107 ms an hour
+apart), so sizes measured one after the other compared host load, not fleets; interleaved, every size sees the same
+drift. The p99s are over all of a size's requests; the per-round ratios show how far one round can move.
 Measured: end-to-end latency at the client (p50, p99), the Check's own latency from ``sluice_authz_check_seconds`` (two
 scrapes), and whether every request was decided by a Check: each 200 carries ``x-sluice-engine`` (set only by an admitting
 Check) equal to the farm's ``x-farm-engine`` (Envoy went where the Check said), and ``sluice_admission_decisions_total``
@@ -67,6 +71,8 @@ RATE = 100
 SECONDS = float(os.environ.get("SLUICE_SCALE_SECONDS", "40"))
 """40 s: 4000 requests a size, so the p99 is the 40th worst; with 20 s it swung 1.5x between identical runs, and a
 10 s periodic event (the fallback-weights drift look) could fall outside the window."""
+ROUNDS = 3
+"""Segments per size (``--rounds``): SECONDS is split among them."""
 TARGET_RATIO = 1.5
 BODY = {"model": "reasoning", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
 
@@ -130,23 +136,15 @@ async def open_loop(url: str, rate: int, seconds: float) -> list[dict[str, Any]]
     return results
 
 
-def run_size(label: str, seconds: float = SECONDS) -> dict[str, Any]:
+def run_segment(label: str, seconds: float) -> dict[str, Any]:
+    """One size's segment: its farm and ``sluice up`` started, warmed up, then ``seconds`` of traffic."""
     parts = size_parts(label)
     assert parts is not None, label  # parse_sizes checked it
     size_n, poll = parts
     observe: dict[str, float] = ({"poll_interval_seconds": poll, "poll_timeout_seconds": 0.8,
                                   "max_probes_per_second": 0} if poll else {})
-    result = _run_size(size_n, observe, seconds)
-    one = [{"name": "e", "url": "http://127.0.0.1:9"}]
-    interval = parse_config({"engines": one, "observe": observe}).observe.for_fleet(size_n).poll_interval_seconds
-    why = "probe budget lifted" if poll else "default config"
-    result["label"] = f"{size_n}" + (f" (polled every {interval:.3g} s: {why})" if poll or interval > 1 else "")
-    return result
-
-
-def _run_size(size: int, observe: dict[str, float], seconds: float) -> dict[str, Any]:
     farm = subprocess.Popen(
-        [sys.executable, "-c", "from sluice.bench.farm import main_engines; main_engines()", "--engines", str(size)],
+        [sys.executable, "-c", "from sluice.bench.farm import main_engines; main_engines()", "--engines", str(size_n)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert farm.stdout is not None  # stdout=PIPE
@@ -167,52 +165,95 @@ def _run_size(size: int, observe: dict[str, float], seconds: float) -> dict[str,
             load_before = os.getloadavg()[0]
             rows = asyncio.run(open_loop(url, RATE, seconds))
             time.sleep(0.5)
-            cpu = (_cpu_s(pid) - cpu_before) / (time.monotonic() - wall_before) if pid else float("nan")
+            cpu_s, wall_s = (_cpu_s(pid) - cpu_before) if pid else float("nan"), time.monotonic() - wall_before
             after, decided_after = _histogram(metrics_url), _decisions(metrics_url)
     finally:
         farm.terminate()
         farm.wait(10)
-    ok = [r for r in rows if r["status"] == 200]
-    latencies = [r["ms"] for r in rows]
-    served = Counter(r["engine"] for r in ok if r["engine"])
-    busiest = sorted(served.values(), reverse=True)
-    top = sum(busiest[: max(1, size // 10)]) / max(1, len(ok))
+    one = [{"name": "e", "url": "http://127.0.0.1:9"}]
+    interval = parse_config({"engines": one, "observe": observe}).observe.for_fleet(size_n).poll_interval_seconds
+    why = "probe budget lifted" if poll else "default config"
     return {
-        "engines": size,
-        "sent": len(rows),
-        "ok": len(ok),
-        "statuses": dict(Counter(r["status"] for r in rows)),
-        "codes": dict(Counter(r.get("code", r.get("error", "")) for r in rows if r["status"] != 200)),
-        "worst_second": max(Counter(int(r["at"]) for r in rows if r["ms"] > 5 * median(latencies)).values(), default=0),
-        "pinned": sum(1 for r in ok if r["engine"]),
-        "matched": sum(1 for r in ok if r["engine"] and r["engine"] == r["farm"]),
+        "engines": size_n,
+        "label": f"{size_n}" + (f" (polled every {interval:.3g} s: {why})" if poll or interval > 1 else ""),
+        "rows": rows,
+        "checks": {bound: after[bound] - before.get(bound, 0.0) for bound in after},
         "decisions": decided_after - decided_before,
-        "p50": median(latencies),
-        "p99": pct(latencies, 99),
-        "check_p50": histogram_quantile(before, after, 0.5),
-        "check_p99": histogram_quantile(before, after, 0.99),
-        "distinct": len(served),
-        "top10": top,
-        "cp_cpu": cpu,
+        "cpu_s": cpu_s,
+        "wall_s": wall_s,
         "ready_s": ready_s,
         "load": load_before,
     }
 
 
-def run_scale_bench(sizes: tuple[str, ...] = SIZES, seconds: float = SECONDS) -> int:
-    results = []
-    for size in sizes:
-        r = run_size(size, seconds)
-        results.append(r)
+def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
+    """One size's figures over its segments (in round order): latencies pooled, counts summed."""
+    rows = [row for segment in segments for row in segment["rows"]]
+    size = segments[0]["engines"]
+    ok = [r for r in rows if r["status"] == 200]
+    latencies = [r["ms"] for r in rows]
+    served = Counter(r["engine"] for r in ok if r["engine"])
+    busiest = sorted(served.values(), reverse=True)
+    checks: Counter[float] = Counter()
+    for segment in segments:
+        checks.update(segment["checks"])
+    slow = Counter((i, int(r["at"])) for i, segment in enumerate(segments) for r in segment["rows"]
+                   if r["ms"] > 5 * median(latencies))
+    return {
+        "engines": size,
+        "label": segments[0]["label"],
+        "sent": len(rows),
+        "ok": len(ok),
+        "statuses": dict(Counter(r["status"] for r in rows)),
+        "codes": dict(Counter(r.get("code", r.get("error", "")) for r in rows if r["status"] != 200)),
+        "worst_second": max(slow.values(), default=0),
+        "pinned": sum(1 for r in ok if r["engine"]),
+        "matched": sum(1 for r in ok if r["engine"] and r["engine"] == r["farm"]),
+        "decisions": sum(segment["decisions"] for segment in segments),
+        "p50": median(latencies),
+        "p99": pct(latencies, 99),
+        "round_p99": [pct([r["ms"] for r in segment["rows"]], 99) for segment in segments],
+        "check_p50": histogram_quantile({}, checks, 0.5),
+        "check_p99": histogram_quantile({}, checks, 0.99),
+        "distinct": len(served),
+        "top10": sum(busiest[: max(1, size // 10)]) / max(1, len(ok)),
+        "cp_cpu": sum(segment["cpu_s"] for segment in segments) / sum(segment["wall_s"] for segment in segments),
+        "ready_s": max(segment["ready_s"] for segment in segments),
+        "load": [segment["load"] for segment in segments],
+    }
+
+
+def round_orders(sizes: tuple[str, ...], rounds: int) -> list[tuple[str, ...]]:
+    """Each round's order: the sizes rotated by one more each round, so no size always runs first or last."""
+    return [sizes[r % len(sizes):] + sizes[:r % len(sizes)] for r in range(rounds)]
+
+
+def run_scale_bench(sizes: tuple[str, ...] = SIZES, seconds: float = SECONDS, rounds: int = ROUNDS) -> int:
+    segments: dict[str, list[dict[str, Any]]] = {size: [] for size in sizes}
+    for number, order in enumerate(round_orders(sizes, rounds), 1):
+        for size in order:
+            segment = run_segment(size, seconds / rounds)
+            segments[size].append(segment)
+            latencies = [r["ms"] for r in segment["rows"]]
+            print(f"round {number}/{rounds}, {segment['label']} engines: p50 {median(latencies):.2f} ms "
+                  f"p99 {pct(latencies, 99):.2f} ms, {segment['decisions']:.0f} decisions for {len(latencies)} requests, "
+                  f"load {segment['load']:.2f}", flush=True)
+    results = [summarize(segments[size]) for size in sizes]
+    for r in results:
         print(f"{r['label']} engines: p50 {r['p50']:.2f} ms p99 {r['p99']:.2f} ms, Check p99 {r['check_p99']:.3f} ms, "
               f"{r['ok']}/{r['sent']} ok, {r['pinned']} pinned, {r['matched']} matched, {r['decisions']:.0f} decisions, "
               f"{r['distinct']} engines used, control plane {r['cp_cpu']:.0%} of a core, non-200 {r['codes']}, "
               f"slow requests in the worst second {r['worst_second']}", flush=True)
     base = next((r for r in results if r["engines"] == 2), results[0])
+
+    def per_round(r: dict[str, Any]) -> str:
+        return " / ".join(f"{mine / theirs:.2f}x" for mine, theirs in zip(r["round_p99"], base["round_p99"]))
+
     rows = "\n".join(
         f"| {r['label']} | {r['sent']} | {r['ok']} | {r['pinned']} | {r['matched']} | {r['decisions']:.0f} | "
-        f"{r['p50']:.2f} / {r['p99']:.2f} | **{r['p99'] / base['p99']:.2f}x** | {r['check_p50']:.3f} / {r['check_p99']:.3f} | "
-        f"{r['distinct']} | {r['top10']:.0%} | {r['cp_cpu']:.0%} | {r['ready_s']:.0f} | {r['load']:.2f} | "
+        f"{r['p50']:.2f} / {r['p99']:.2f} | **{r['p99'] / base['p99']:.2f}x** | {per_round(r)} | "
+        f"{r['check_p50']:.3f} / {r['check_p99']:.3f} | {r['distinct']} | {r['top10']:.0%} | {r['cp_cpu']:.0%} | "
+        f"{r['ready_s']:.0f} | {' / '.join(f'{x:.2f}' for x in r['load'])} | "
         f"{', '.join(f'{k}: {v}' for k, v in r['codes'].items()) or '-'} |"
         for r in results
     )
@@ -223,11 +264,12 @@ def run_scale_bench(sizes: tuple[str, ...] = SIZES, seconds: float = SECONDS) ->
         ratio = r["p99"] / base["p99"]
         every = r["pinned"] == r["sent"] and r["matched"] == r["sent"] and round(r["decisions"]) == r["sent"]
         verdicts.append(f"{r['label']} engines: p99 ratio {ratio:.2f}x ({'meets' if ratio <= TARGET_RATIO else 'misses'} "
-                        f"the {TARGET_RATIO}x target); every request decided by a Check: {'yes' if every else 'NO'}"
-                        f" (statuses {r['statuses']}, codes {r['codes']})")
-    body = f"""{__doc__.replace("RATE", str(RATE)).replace("SECONDS", f"{seconds:g}")}
-| engines | sent | 200 | with x-sluice-engine | Envoy went where the Check said | decisions counted | end-to-end p50 / p99 (ms) | p99 / p99 at 2 engines | Check p50 / p99 (ms, server) | engines used | busiest 10% take | control plane CPU (of one core) | start-up to serving (s) | load avg at start | not 200 (code: count) |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+                        f"the {TARGET_RATIO}x target; by round {per_round(r)}); every request decided by a Check: "
+                        f"{'yes' if every else 'NO'} (statuses {r['statuses']}, codes {r['codes']})")
+    doc = (__doc__ or "").replace("RATE", str(RATE)).replace("SECONDS", f"{seconds:g}").replace("ROUNDS", str(rounds))
+    body = f"""{doc}
+| engines | sent | 200 | with x-sluice-engine | Envoy went where the Check said | decisions counted | end-to-end p50 / p99 (ms) | p99 / p99 at 2 engines | the same, round by round | Check p50 / p99 (ms, server) | engines used | busiest 10% take | control plane CPU (of one core) | start-up to serving (s, slowest) | load avg at each start | not 200 (code: count) |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 {rows}
 
 Target (issue 9): end-to-end p99 at 200 and at 1000 engines no more than {TARGET_RATIO}x the p99 at 2 engines, every request
@@ -241,7 +283,7 @@ decided by a Check.
     return 0
 
 
-if __name__ == "__main__":  # the same as ``sluice bench scale`` (options: ``--sizes``, ``--seconds``; ``--help``)
+if __name__ == "__main__":  # the same as ``sluice bench scale`` (``--sizes``, ``--seconds``, ``--rounds``; ``--help``)
     import runpy
 
     sys.argv = ["sluice", "bench", "scale", *sys.argv[1:]]

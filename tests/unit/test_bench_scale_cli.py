@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sluice.bench.scale import parse_sizes
+from sluice.bench.scale import parse_sizes, round_orders, summarize
 
 
 def test_sizes_are_counts_or_counts_polled_at_an_interval() -> None:
@@ -19,15 +19,35 @@ def test_sizes_are_counts_or_counts_polled_at_an_interval() -> None:
             parse_sizes(bad)
 
 
-@pytest.mark.parametrize("argv", [["--sizes", "many"], ["--seconds", "0"]])
+@pytest.mark.parametrize("argv", [["--sizes", "many"], ["--seconds", "0"], ["--rounds", "0"]])
 def test_a_bad_argument_is_a_usage_error_and_nothing_runs(argv: list[str]) -> None:
     for command in ([sys.executable, "-m", "sluice", "bench", "scale"], [sys.executable, "-m", "sluice.bench.scale"]):
         done = subprocess.run([*command, *argv], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stderr
-        assert "sizes: expected engine counts" in done.stderr or "--seconds: must be positive" in done.stderr
+        assert any(why in done.stderr for why in ("sizes: expected engine counts", "--seconds: must be positive",
+                                                  "--rounds: must be at least 1")), done.stderr
 
 
 def test_help_describes_the_options_instead_of_running() -> None:
     done = subprocess.run([sys.executable, "-m", "sluice.bench.scale", "--help"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and "--sizes" in done.stdout and "--seconds" in done.stdout
+
+
+def test_rounds_interleave_the_sizes_in_an_order_rotated_each_round() -> None:
+    assert round_orders(("2", "200", "1000"), 4) == [("2", "200", "1000"), ("200", "1000", "2"), ("1000", "2", "200"),
+                                                     ("2", "200", "1000")]
+
+
+def test_a_size_pools_its_rounds_latencies_and_sums_its_counts() -> None:
+    def segment(latencies: list[float], decisions: float, inf_count: float) -> dict[str, object]:
+        rows = [{"status": 200, "engine": "e0", "farm": "e0", "ms": ms, "at": i / 100} for i, ms in enumerate(latencies)]
+        return {"engines": 2, "label": "2", "rows": rows, "checks": {0.001: inf_count, float("inf"): inf_count},
+                "decisions": decisions, "cpu_s": 1.0, "wall_s": 4.0, "ready_s": 3.0, "load": 0.5}
+
+    quick, slow = segment([1.0] * 100, 100, 100), segment([1.0] * 97 + [50.0, 60.0, 70.0], 100, 100)
+    result = summarize([quick, slow])
+    assert result["sent"] == 200 and result["decisions"] == 200 and result["matched"] == 200
+    assert result["round_p99"] == [1.0, 60.0]
+    assert result["p99"] == 50.0  # the slow round's three outliers are 1.5% of the pooled requests
+    assert result["cp_cpu"] == 0.25 and result["check_p99"] <= 1.0
