@@ -39,35 +39,52 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port free now and that this process has not been given before (the one definition: tests, benches and ``sluice
     up`` use it). It can be taken before the caller binds it: prefer binding port 0 and asking the server what it bound;
     this is for processes that cannot report back (valkey-server's ``--port 0`` means "no TCP"). Picked as
-    ``free_port_run`` picks, below the ephemeral range."""
+    ``free_port_run`` picks, outside the ephemeral range."""
     return free_port_run(1, 1, host)
 
 
-def _ephemeral_floor() -> int:
-    """The lowest port the kernel hands out for port 0 and for outgoing connections (Linux's ``ip_local_port_range``)."""
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for port 0 and for outgoing connections (Linux's ``ip_local_port_range``)."""
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2]
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_LOWEST = 10000
+"""Below this, ports are left alone (well-known and registered services)."""
 
 
 def free_port_run(count: int, stride: int, host: str = "127.0.0.1") -> int:
     """A base port with ``base + i x stride`` free for every i below ``count``: ``sluice up --replicas`` gives replica i
     each of its ports + i x stride, so a test or bench that asks for the base needs the strided ports free as well.
 
-    The run is picked below the kernel's ephemeral range: a port-0 bind and an outgoing connection's local port come from
-    inside it, and either could take a port between this check and the caller's bind (CI once saw replica 1's gRPC port
-    taken). Below the range, only a listener started after the check can take one."""
-    last = _ephemeral_floor() - stride * (count - 1) - 1
+    The run is picked outside the kernel's ephemeral range (below it, else above it): a port-0 bind and an outgoing
+    connection's local port come from inside it, and either could take a port between this check and the caller's bind
+    (CI once saw replica 1's gRPC port taken). Outside it, only a listener started after the check can take one. A host
+    whose ephemeral range leaves no room outside falls back to the kernel's own picks, checked the same way."""
+    span = stride * (count - 1)
+    low, high = _ephemeral_range()
+    spans = [(first, last) for first, last in ((_LOWEST, low - 1 - span), (high + 1, 65535 - span))
+             if last - first >= 1000]
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(500):
-        base = rng.randrange(10000, last)
+        if spans:
+            first, last = rng.choice(spans)
+            base = rng.randrange(first, last + 1)
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                base = int(sock.getsockname()[1])
+            if base + span > 65535:
+                continue
         ports = [base + stride * i for i in range(count)]
         if any(p in _HANDED_OUT for p in ports) or not all(_bindable(host, p) for p in ports):
             continue
         _HANDED_OUT.update(ports)
         return base
-    raise RuntimeError(f"no run of {count} free ports {stride} apart below {last}")
+    raise RuntimeError(f"no run of {count} free ports {stride} apart")
 
 
 def _bindable(host: str, port: int) -> bool:
