@@ -304,11 +304,19 @@ class ObserveConfig:
         the control plane about 0.1 ms on the bench machine, so 1000 engines a second are most of its two cores, and
         Checks queue behind them (``bench/results/scale.md``: end-to-end p99 7x the 2-engine one at 1000 engines polled
         every second, 1.3x at one probe every 3 s). With hundreds of engines sharing the traffic, each one's probe
-        matters less: sluice's own admissions are in the ledger at once, and the probe adds what bypassed it."""
+        matters less: sluice's own admissions are in the ledger at once, and the probe adds what bypassed it.
+
+        Discovery (``models_refresh_seconds``: ``/v1/models`` and ``/version``, two more requests) stretches by the same
+        factor: at 1000 engines every third probe was a discovery (two of every five of the worker's requests), and the probe
+        worker took 32% of a core with no traffic (29% after; two runs each of a harness over ``run_worker`` and the
+        bench farm). The failure mode: a model or version change is seen up to ``models_refresh_seconds`` x the factor
+        later (33 s at 1000 engines)."""
         budget = self.max_probes_per_second
         if budget <= 0 or engines <= budget * self.poll_interval_seconds:
             return self
-        return replace(self, poll_interval_seconds=engines / budget)
+        stretch = engines / (budget * self.poll_interval_seconds)
+        return replace(self, poll_interval_seconds=engines / budget,
+                       models_refresh_seconds=self.models_refresh_seconds * stretch)
 
     def probes_in_worker(self, engines: int) -> bool:
         return self.probe_process is ProbeProcess.ON or (

@@ -69,12 +69,15 @@ def test_a_large_fleet_is_polled_within_the_probe_budget_and_goes_stale_by_it() 
                               lambda: now[0], lambda view, rates: None)
     assert observation.observe.poll_interval_seconds == pytest.approx(1000 / 300)
     assert observation.observe.stale_after_s == pytest.approx(3 * 1000 / 300)
+    # Discovery (two more requests a probe) stretches with the interval: the same share of the probe budget.
+    assert observation.observe.models_refresh_seconds == pytest.approx(10 * 1000 / 300)
     poller = observation._holder(config.engines[0])
     poller.adopt(probed_at("e0", 100.0))
     assert not poller.view(100.0 + 9.0).stale       # three stretched intervals are 10 s: not stale at 9 s
     assert poller.view(100.0 + 10.5).stale
     # A small fleet keeps the configured interval; a budget of 0 lifts the bound.
-    assert parse_config({"engines": engines[:200]}).observe.for_fleet(200).poll_interval_seconds == 1.0
+    assert parse_config({"engines": engines[:200]}).observe.for_fleet(200) == parse_config(
+        {"engines": engines[:200]}).observe
     unbounded = parse_config({"engines": engines, "observe": {"max_probes_per_second": 0}})
     assert unbounded.observe.for_fleet(1000).poll_interval_seconds == 1.0
 
