@@ -333,8 +333,17 @@ class AdmissionService:
         """A served request's measured TTFT over its estimate (the access log): reported, and fed back (feedback.py)."""
         series = self.metrics.engine(engine)
         series.ttft_error.observe(ratio)
-        self.core.observe_ttft(engine, ratio)
+        self.core.observe_ttft(engine, ratio, self.clock())
         series.ttft_correction.set(self.core.ttft.factor(engine))
+
+    def decay_corrections(self) -> None:
+        """TTFT corrections held past their half-life without a request decay (feedback.py); the gauges follow, and a
+        parked request that a lower correction lets in is woken."""
+        changed = self.core.decay_corrections(self.clock())
+        for engine in changed:
+            self.metrics.engine(engine).ttft_correction.set(self.core.ttft.factor(engine))
+        if changed:
+            self.wake()
 
     # -- capacity events ---------------------------------------------------------------------------------------------
     def wake(self, models: list[str] | None = None) -> None:

@@ -312,6 +312,7 @@ class ControlPlane:
             for start in range(0, len(pollers), STALENESS_SLICE):
                 self.observation.check_staleness(self.clock(), pollers[start:start + STALENESS_SLICE])
                 await asyncio.sleep(0)
+            self.service.decay_corrections()
             await self.refresh_weights()
             await asyncio.sleep(self.observation.observe.poll_interval_seconds / 2)
 

@@ -546,7 +546,8 @@ DEFAULTS: dict[str, Any] = {
                   for f in fields(RateLimitConfig)},
 }
 _POLICY_NAME = {"max_park_seconds": "max_park_s", "retry_after_min_seconds": "retry_after_min_s", "retry_after_max_seconds": "retry_after_max_s",
-                "serve_half_life_seconds": "serve_half_life_s"}
+                "serve_half_life_seconds": "serve_half_life_s",
+                "ttft_correction_half_life_seconds": "ttft_correction_half_life_s"}
 """``admission`` keys whose ``Policy`` field is spelled differently; every other key is the field's own name."""
 _CONFIG_NAME = {field: key for key, field in _POLICY_NAME.items()}
 DEFAULTS["admission"] = {_CONFIG_NAME.get(f.name, f.name): f.default for f in fields(Policy)
@@ -968,6 +969,8 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
         ttft_correction_gain=float(c.number("admission.ttft_correction_gain", ad["ttft_correction_gain"], minimum=0,
                                             maximum=1)),
         ttft_correction_max=float(c.number("admission.ttft_correction_max", ad["ttft_correction_max"], minimum=1)),
+        ttft_correction_half_life_s=float(c.number("admission.ttft_correction_half_life_seconds",
+                                                   ad["ttft_correction_half_life_seconds"], minimum=0)),
         band_margin_ms=float(c.number("admission.band_margin_ms", ad["band_margin_ms"], minimum=0)),
         ttft_headroom_fraction=float(c.number("admission.ttft_headroom_fraction", ad["ttft_headroom_fraction"],
                                               minimum=0, maximum=0.9)),

@@ -128,7 +128,8 @@ class AdmissionCore:
         self.index = FleetIndex()
         self.prefixes = PrefixIndex(policy.prefix_index_blocks)
         """Which engine probably holds which prompt prefix (prefix.py)."""
-        self.ttft = TtftCorrections(policy.ttft_correction_gain, policy.ttft_correction_max)
+        self.ttft = TtftCorrections(policy.ttft_correction_gain, policy.ttft_correction_max,
+                                    policy.ttft_correction_half_life_s)
         """Each engine's TTFT correction from the access log (feedback.py): set on the views the core decides on."""
         self._last_sample: dict[str, EngineSample] = {}
         self._lot: dict[str, dict[Priority, deque[Parked]]] = {}
@@ -191,12 +192,20 @@ class AdmissionCore:
         factor = self.ttft.factor(view.name)
         return view if view.ttft_correction == factor else replace(view, ttft_correction=factor)
 
-    def observe_ttft(self, engine: str, ratio: float) -> None:
+    def observe_ttft(self, engine: str, ratio: float, now: float) -> None:
         """A served request's TTFT as the engine delivered it over the decision's estimate (the access log): the engine's
         correction moves (feedback.py), and once it changed, the index's rows of that engine and every parked request's
         last decision are stale."""
-        if self.ttft.observe(engine, ratio):
+        if self.ttft.observe(engine, ratio, now):
             self._refresh_corrected([engine])
+
+    def decay_corrections(self, now: float) -> list[str]:
+        """TTFT corrections held past their half-life without a request decay toward 1 (feedback.py); returns the
+        engines whose correction moved (their rows and parked requests' decisions are refreshed)."""
+        changed = self.ttft.decay(now)
+        if changed:
+            self._refresh_corrected(changed)
+        return changed
 
     def _refresh_corrected(self, engines: Iterable[str]) -> None:
         for engine in engines:
@@ -412,7 +421,8 @@ class AdmissionCore:
         self.policy = policy
         self.admit_stale = admit_stale
         self.serves.half_life_s = policy.serve_half_life_s
-        self._refresh_corrected(self.ttft.configure(policy.ttft_correction_gain, policy.ttft_correction_max))
+        self._refresh_corrected(self.ttft.configure(policy.ttft_correction_gain, policy.ttft_correction_max,
+                                                    policy.ttft_correction_half_life_s))
         self._frees += 1  # what a parked request would take may have changed: decide it again before passing it
 
     def record_output(self, model: str, completion_tokens: int) -> None:

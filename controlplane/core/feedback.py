@@ -18,7 +18,15 @@ ever corrects upward (never below 1) and never above ``maximum``:
 - The cap bounds what a burst of outliers (a stalled request, a restart) can do; the factor decays back once requests come
   in on time again.
 
-Pure: no clock, no I/O. Each control-plane replica derives its own from the access-log entries it receives.
+A factor only learns from requests the engine serves, and a high one is what keeps requests away: an engine that was slow
+for a while (a noisy neighbour, a stall) could stay out of deadline traffic for good, idle while requests park. So a
+factor **holds for ``half_life_s`` after the engine's last measured request, then decays toward 1**, halving in log space
+every ``half_life_s`` (``decay``, from the shell's periodic tick). Failure mode: an engine really that slow gets a few
+requests back every few half-lives, estimated too fast, until their TTFTs raise its factor again (about ten requests at
+gain 0.1). An engine in steady use never decays: each request restarts its hold.
+
+Pure: no clock, no I/O (time is passed in). Each control-plane replica derives its own from the access-log entries it
+receives.
 """
 
 from __future__ import annotations
@@ -30,31 +38,51 @@ _CHANGE = 0.02
 
 
 class TtftCorrections:
-    def __init__(self, gain: float, maximum: float) -> None:
+    def __init__(self, gain: float, maximum: float, half_life_s: float = 0.0) -> None:
         self.gain = gain
         self.maximum = maximum
-        self._factors: dict[str, float] = {}
+        self.half_life_s = half_life_s
+        """0: a factor never decays."""
+        self._factors: dict[str, tuple[float, float]] = {}
+        """engine -> (its factor, when its last measured request came in)."""
         self._published: dict[str, float] = {}
 
     def factor(self, engine: str) -> float:
         """What ``engine``'s TTFT estimates are multiplied by (1: no correction)."""
         return self._published.get(engine, 1.0)
 
-    def observe(self, engine: str, ratio: float) -> bool:
+    def observe(self, engine: str, ratio: float, now: float) -> bool:
         """One served request's measured TTFT over its estimate. True when the engine's published factor changed (the
         caller refreshes what holds it)."""
         if self.gain <= 0 or not ratio > 0 or math.isinf(ratio):
             return False
-        current = self._factors.get(engine, 1.0)
-        moved = min(self.maximum, max(1.0, current * ratio ** self.gain))
-        self._factors[engine] = moved
+        moved = min(self.maximum, max(1.0, self._decayed(engine, now) * ratio ** self.gain))
+        self._factors[engine] = (moved, now)
+        return self._publish(engine, moved)
+
+    def decay(self, now: float) -> list[str]:
+        """The engines whose published factor moved as it decayed (held past ``half_life_s`` without a request)."""
+        if self.half_life_s <= 0:
+            return []
+        return [engine for engine in list(self._published) if self._publish(engine, self._decayed(engine, now))]
+
+    def _decayed(self, engine: str, now: float) -> float:
+        factor, at = self._factors.get(engine, (1.0, now))
+        idle = now - at - self.half_life_s
+        if self.half_life_s <= 0 or idle <= 0:
+            return factor
+        return float(factor ** (2.0 ** (-idle / self.half_life_s)))
+
+    def _publish(self, engine: str, value: float) -> bool:
+        if value < 1.0 + _CHANGE:
+            value = 1.0
         published = self._published.get(engine, 1.0)
-        if abs(moved - published) <= _CHANGE * published and not (moved == 1.0 and published != 1.0):
+        if value == published or (value != 1.0 and abs(value - published) <= _CHANGE * published):
             return False
-        if moved == 1.0:
-            self._published.pop(engine, None)
+        if value == 1.0:
+            self._published.pop(engine)
         else:
-            self._published[engine] = moved
+            self._published[engine] = value
         return True
 
     def forget(self, engine: str) -> bool:
@@ -62,9 +90,11 @@ class TtftCorrections:
         self._factors.pop(engine, None)
         return self._published.pop(engine, None) is not None
 
-    def configure(self, gain: float, maximum: float) -> list[str]:
+    def configure(self, gain: float, maximum: float, half_life_s: float | None = None) -> list[str]:
         """A policy reload; returns the engines whose published factor changed (a lower maximum clamps them)."""
         self.gain, self.maximum = gain, maximum
+        if half_life_s is not None:
+            self.half_life_s = half_life_s
         changed = []
         for engine, value in list(self._published.items()):
             clamped = min(maximum, value)
@@ -73,6 +103,8 @@ class TtftCorrections:
                 self._factors.pop(engine, None)
                 changed.append(engine)
             elif clamped != value:
-                self._published[engine] = self._factors[engine] = clamped
+                factor, at = self._factors[engine]
+                self._published[engine] = clamped
+                self._factors[engine] = (min(maximum, factor), at)
                 changed.append(engine)
         return changed

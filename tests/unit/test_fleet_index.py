@@ -110,7 +110,9 @@ def test_indexed_choice_equals_full_scan(seed: int) -> None:
             core.release(rng.choice(open_ids), now)
         if rng.random() < 0.3:  # the access log's TTFTs: some engines come in slower than estimated
             for _ in range(rng.choice([1, 20])):
-                core.observe_ttft(rng.choice(views).name, rng.choice([0.2, 1.0, 1.5, 3.0, 10.0]))
+                core.observe_ttft(rng.choice(views).name, rng.choice([0.2, 1.0, 1.5, 3.0, 10.0]), now)
+        if rng.random() < 0.2:  # corrections held past their half-life decay (their engines' rows are redone)
+            core.decay_corrections(now + rng.choice([0.0, 90.0, 400.0]))
         if rng.random() < 0.3:
             i = rng.randrange(len(views))
             views[i] = replace(random_view(rng, i), sample=replace(views[i].sample, taken_at=now))  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ def served(corrections: TtftCorrections, engine: str, true_over_raw: float, n: i
     """``n`` requests on ``engine`` whose real TTFT is ``true_over_raw`` times the uncorrected estimate; each ratio is
     taken against the estimate as corrected when it was made (as the access log compares with the ticket)."""
     for _ in range(n):
-        corrections.observe(engine, true_over_raw / corrections.factor(engine))
+        corrections.observe(engine, true_over_raw / corrections.factor(engine), 0.0)
 
 
 def test_the_correction_settles_at_the_measured_error() -> None:
@@ -40,7 +40,7 @@ def test_a_lower_maximum_on_reload_clamps_and_gain_zero_turns_it_off() -> None:
     served(c, "a", 3.0, 40)
     assert c.configure(0.5, 2.0) == ["a"] and c.factor("a") == 2.0
     assert c.configure(0.0, 2.0) == ["a"] and c.factor("a") == 1.0
-    assert not c.observe("a", 5.0) and c.factor("a") == 1.0
+    assert not c.observe("a", 5.0, 0.0) and c.factor("a") == 1.0
 
 
 def view(name: str) -> EngineView:
@@ -61,8 +61,45 @@ def test_an_engine_slower_than_estimated_loses_deadline_traffic_it_cannot_meet()
     before = {decide(request, core.fleet(engines, 0.0), core.policy, 0.0, pick=p / 10).engine for p in range(10)}
     assert before == {"slow", "ok"}
     for _ in range(60):
-        core.observe_ttft("slow", 2.5 / core.ttft.factor("slow"))
+        core.observe_ttft("slow", 2.5 / core.ttft.factor("slow"), 0.0)
     assert 2.3 < core.ttft.factor("slow") <= 2.5
     after = [decide(request, core.fleet(engines, 0.0), core.policy, 0.0, pick=p / 10) for p in range(10)]
     assert {d.engine for d in after} == {"ok"}
     assert all(d.verdict is Verdict.ADMIT and d.reason is Reason.SATISFICING_BAND for d in after)
+
+
+def test_a_correction_holds_for_a_half_life_after_the_last_request_then_decays_to_none() -> None:
+    c = TtftCorrections(gain=1.0, maximum=4.0, half_life_s=60.0)
+    assert c.observe("spark", 4.0, now=100.0) and c.factor("spark") == 4.0
+    assert c.decay(159.0) == [] and c.factor("spark") == 4.0  # held: its last request came in 59 s ago
+    assert c.decay(220.0) == ["spark"] and abs(c.factor("spark") - 2.0) < 0.01  # one half-life past the hold: 4 ** 0.5
+    assert c.decay(280.0) == ["spark"] and abs(c.factor("spark") - 2.0 ** 0.5) < 0.01
+    c.decay(1000.0)
+    assert c.factor("spark") == 1.0 and c.decay(2000.0) == []
+
+
+def test_an_engine_in_steady_use_keeps_its_correction() -> None:
+    c = TtftCorrections(gain=0.1, maximum=4.0, half_life_s=60.0)
+    for second in range(600):
+        c.observe("spark", 2.0 / c.factor("spark"), now=float(second))
+        c.decay(float(second))
+    assert abs(c.factor("spark") - 2.0) < 0.05 * 2.0
+
+
+def test_an_engine_kept_out_by_its_correction_is_tried_again_once_it_decays() -> None:
+    """After a stall, "slow" delivered TTFTs 2.5x its estimates and lost every deadline request to "ok". Nothing more is
+    learned about an engine that gets no requests: once the correction has decayed, it is back in the band, where its
+    next requests measure it again."""
+    core = AdmissionCore(Policy(), Ledger(3600))
+    engines = [view("slow"), view("ok")]
+    request = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=1500, max_tokens=50,
+                               max_ttft_ms=3000)
+    for _ in range(60):
+        core.observe_ttft("slow", 2.5 / core.ttft.factor("slow"), 10.0)
+
+    def chosen(now: float) -> set[str | None]:
+        return {decide(request, core.fleet(engines, now), core.policy, now, pick=p / 10).engine for p in range(10)}
+
+    assert core.decay_corrections(60.0) == [] and chosen(60.0) == {"ok"}
+    assert core.decay_corrections(400.0) == ["slow"] and core.ttft.factor("slow") < 1.1
+    assert chosen(400.0) == {"slow", "ok"}
