@@ -307,9 +307,9 @@ class ObserveConfig:
         matters less: sluice's own admissions are in the ledger at once, and the probe adds what bypassed it.
 
         Discovery (``models_refresh_seconds``: ``/v1/models`` and ``/version``, two more requests) stretches by the same
-        factor: at 1000 engines every third probe was a discovery (two of every five of the worker's requests), and the probe
-        worker took 32% of a core with no traffic (29% after; two runs each of a harness over ``run_worker`` and the
-        bench farm). The failure mode: a model or version change is seen up to ``models_refresh_seconds`` x the factor
+        factor: at 1000 engines every third probe was a discovery (two of every five of the worker's requests), and the
+        probe worker took 32% of a core with no traffic (29% after; two runs each of a harness over ``run_worker`` and
+        the bench farm). The failure mode: a model or version change is seen up to ``models_refresh_seconds`` x the factor
         later (33 s at 1000 engines)."""
         budget = self.max_probes_per_second
         if budget <= 0 or engines <= budget * self.poll_interval_seconds:

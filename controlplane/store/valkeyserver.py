@@ -31,8 +31,9 @@ def valkey_binary() -> Path:
 
 
 _HANDED_OUT: set[int] = set()
-"""Ports ``free_port`` and ``free_port_run`` returned in this process: the kernel may hand a just-released port out again, and a test that asks
-for five ports for one ``sluice up`` got the same one twice (Envoy's admin and an engine: the engine failed to bind)."""
+"""Ports ``free_port`` and ``free_port_run`` returned in this process: the kernel may hand a just-released port out
+again, and a test that asks for five ports for one ``sluice up`` got the same one twice (Envoy's admin and an engine: the
+engine failed to bind)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
