@@ -229,10 +229,13 @@ class Observation:
             self.pollers = [self._holder(e) for e in engines]
             await self._start_worker()
             return
-        interval = self.observe.poll_interval_seconds
+        interval, timeout = self.observe.poll_interval_seconds, self.observe.poll_timeout_seconds
+        # The periodic probes start once the first round cannot still be running: two probes of one engine at once
+        # would share its one kept-alive connection.
+        start = max(interval, first_round_bound_s(len(engines), timeout))
         for index, engine in enumerate(engines):
-            self._start_poller(engine, interval * (1 + index / len(engines)))
-        await first_round(self.pollers, self.observe.poll_timeout_seconds)
+            self._start_poller(engine, start + interval * index / len(engines))
+        await first_round(self.pollers, timeout)
 
     def apply_engines(self, config: Config) -> None:
         """A reload: start pollers for engines it added, stop those it removed, restart those it changed. A removed
