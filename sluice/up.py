@@ -420,6 +420,19 @@ REPLICA_PORT_STRIDE = 10
 """``--replicas N``: replica i (from 0) listens on each of ``controlplane``'s ports + i x this."""
 
 
+def free_controlplane_ports(replicas: int = 1) -> dict[str, int]:
+    """A ``controlplane`` section's three ports for tests and benches, each free for every replica ``--replicas``
+    starts on it (``free_port_run``)."""
+    from controlplane.store.valkeyserver import free_port_run
+
+    return {name: free_port_run(replicas, REPLICA_PORT_STRIDE) for name in ("grpc_port", "metrics_port", "admin_port")}
+
+
+def replicas_in(args: tuple[str, ...] | list[str]) -> int:
+    """The ``--replicas`` a ``sluice up`` command line asks for (1 without)."""
+    return int(args[args.index("--replicas") + 1]) if "--replicas" in args else 1
+
+
 def replica_configs(completed: dict[str, Any], config: Config, replicas: int, store: str | None,
                     store_url: str | None) -> list[dict[str, Any]]:
     """One control-plane config per replica (``--replicas``, ``--store``): its own ports, every replica's address (Envoy

@@ -90,11 +90,9 @@ class TtftCorrections:
         self._factors.pop(engine, None)
         return self._published.pop(engine, None) is not None
 
-    def configure(self, gain: float, maximum: float, half_life_s: float | None = None) -> list[str]:
+    def configure(self, gain: float, maximum: float, half_life_s: float) -> list[str]:
         """A policy reload; returns the engines whose published factor changed (a lower maximum clamps them)."""
-        self.gain, self.maximum = gain, maximum
-        if half_life_s is not None:
-            self.half_life_s = half_life_s
+        self.gain, self.maximum, self.half_life_s = gain, maximum, half_life_s
         changed = []
         for engine, value in list(self._published.items()):
             clamped = min(maximum, value)

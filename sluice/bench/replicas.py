@@ -70,8 +70,7 @@ from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 from google.protobuf import duration_pb2, struct_pb2, text_format
 
 from controlplane.config import parse_config
-from controlplane.store.valkeyserver import free_port_run
-from sluice.up import REPLICA_PORT_STRIDE as STRIDE
+from sluice.up import REPLICA_PORT_STRIDE as STRIDE, free_controlplane_ports
 from controlplane.xds.resources import AUTHZ_NAMESPACE
 from sluice.bench.common import free_port, histogram_quantile, median, paced, pct, wait_for, write_report
 from sluice.upprocess import UpProcess
@@ -316,7 +315,7 @@ class Stack(UpProcess):
         self.replicas = replicas
         self.store = store
         raw: dict[str, Any] = {
-            "controlplane": {name: free_port_run(replicas, STRIDE) for name in ("grpc_port", "metrics_port", "admin_port")},
+            "controlplane": free_controlplane_ports(replicas),
             "envoy": {"listen_port": free_port(), "admin_port": free_port(), "on_controlplane_failure": "closed"},
             "engines": engines,
             "admission": {"max_queue_depth": 4096, "lifo_after_ms": 0, "wait_for_faster_margin": WAIT_FOR_FASTER_MARGIN},

@@ -197,8 +197,8 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
     checks: Counter[float] = Counter()
     for segment in segments:
         checks.update(segment["checks"])
-    slow = Counter((i, int(r["at"])) for i, segment in enumerate(segments) for r in segment["rows"]
-                   if r["ms"] > 5 * median(latencies))
+    slow_ms = 5 * median(latencies)
+    slow = Counter((i, int(r["at"])) for i, segment in enumerate(segments) for r in segment["rows"] if r["ms"] > slow_ms)
     return {
         "engines": size,
         "label": segments[0]["label"],

@@ -22,9 +22,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from controlplane.store.valkeyserver import free_port_run
 from sluice.bench.common import free_port
-from sluice.up import REPLICA_PORT_STRIDE
+from sluice.up import free_controlplane_ports, replicas_in
 
 
 @dataclass
@@ -45,10 +44,8 @@ def gateway(engines: list[dict[str, Any]], *, up_args: tuple[str, ...] = (),
             **sections: Any) -> Iterator[dict[str, Any]]:
     """``sluice up`` on a config with free ports (``up_args``: more of its options, e.g. ``--store valkey``); yields the
     config (with its ports) while it runs."""
-    replicas = int(up_args[up_args.index("--replicas") + 1]) if "--replicas" in up_args else 1
     config: dict[str, Any] = {
-        "controlplane": {name: free_port_run(replicas, REPLICA_PORT_STRIDE)
-                         for name in ("grpc_port", "metrics_port", "admin_port")},
+        "controlplane": free_controlplane_ports(replicas_in(up_args)),
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
         "engines": engines,
         **sections,

@@ -16,10 +16,9 @@ from typing import Any
 import grpc
 import openai
 
-from controlplane.store.valkeyserver import free_port_run
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 from sluice.upprocess import UpProcess, alive
-from sluice.up import REPLICA_PORT_STRIDE, Child, RestartHistory, RestartPolicy, Supervisor, next_restart, stop_children
+from sluice.up import Child, RestartHistory, RestartPolicy, Supervisor, free_controlplane_ports, next_restart, replicas_in, stop_children
 from tests.harness import free_port, wait_for
 
 # -- the policy, pure ------------------------------------------------------------------------------------------------------
@@ -148,10 +147,8 @@ class Up(UpProcess):
     def __init__(self, tmp_path: Path, engines: list[dict[str, Any]], args: tuple[str, ...] = (),
                  sections: dict[str, Any] | None = None, api_key: str = "unused") -> None:
         """``sections``: more of the config (``tenants``, ...); ``api_key``: what ``client`` sends."""
-        replicas = int(args[args.index("--replicas") + 1]) if "--replicas" in args else 1
         raw: dict[str, Any] = {
-            "controlplane": {name: free_port_run(replicas, REPLICA_PORT_STRIDE)
-                             for name in ("grpc_port", "metrics_port", "admin_port")},
+            "controlplane": free_controlplane_ports(replicas_in(args)),
             "envoy": {"listen_port": free_port(), "admin_port": free_port()},
             "engines": [{"url": f"http://127.0.0.1:{free_port()}", **e} for e in engines],
             **(sections or {}),

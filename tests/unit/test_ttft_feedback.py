@@ -38,8 +38,8 @@ def test_the_correction_only_corrects_upward_and_is_capped() -> None:
 def test_a_lower_maximum_on_reload_clamps_and_gain_zero_turns_it_off() -> None:
     c = TtftCorrections(gain=0.5, maximum=4.0)
     served(c, "a", 3.0, 40)
-    assert c.configure(0.5, 2.0) == ["a"] and c.factor("a") == 2.0
-    assert c.configure(0.0, 2.0) == ["a"] and c.factor("a") == 1.0
+    assert c.configure(0.5, 2.0, 0.0) == ["a"] and c.factor("a") == 2.0
+    assert c.configure(0.0, 2.0, 0.0) == ["a"] and c.factor("a") == 1.0
     assert not c.observe("a", 5.0, 0.0) and c.factor("a") == 1.0
 
 
