@@ -61,6 +61,18 @@ def first_round_bound_s(engines: int, timeout: float) -> float:
     return timeout * math.ceil(engines / FIRST_ROUND_CONCURRENCY)
 
 
+def next_due(due: float, started: float, interval: float) -> float:
+    """When the probe after one due at ``due`` (started at ``started``) is due: an interval later, so that waiting for
+    a wave never adds up to a longer interval; an interval after ``started`` when the probe started an interval or more
+    late (a slow probe, a backoff), so that a late engine is not probed twice in a row to catch up."""
+    return due + interval if due + interval > started else started + interval
+
+
+def wave_start(due: float, wave: float) -> float:
+    """The start of the first probe wave at or after ``due`` (``ObserveConfig.wave_s``; 0: ``due`` itself)."""
+    return math.ceil(due / wave) * wave if wave > 0 else due
+
+
 class ProbeError(Exception):
     """A probe that failed for a reason the engine owns (HTTP error, timeout, refused connection, bad payload)."""
 
@@ -146,8 +158,9 @@ class EnginePoller:
     async def run(self, start_offset: float = 0.0) -> None:
         """Poll forever. ``start_offset`` (seconds, < the interval) staggers engines so their probes, and the CPU that
         parsing costs, spread over the interval instead of landing on the event loop all at once."""
-        interval = self.observe.poll_interval_seconds
-        await asyncio.sleep(start_offset)
+        interval, wave = self.observe.poll_interval_seconds, self.observe.wave_s
+        due = self._clock() + start_offset
+        await asyncio.sleep(max(0.0, wave_start(due, wave) - self._clock()))
         while True:
             started = self._clock()
             try:
@@ -165,7 +178,8 @@ class EnginePoller:
                 self._view = replace(self._view, last_error="internal error while probing (see log)")
             else:
                 self.failures = 0
-            await asyncio.sleep(max(0.0, started + interval - self._clock()))
+            due = next_due(due, started, interval)
+            await asyncio.sleep(max(0.0, wave_start(due, wave) - self._clock()))
 
     def backoff_s(self) -> float:
         """Delay before the next probe after ``failures`` failures in a row: the interval, doubling, at most
