@@ -14,7 +14,9 @@ Issue 9: with 200 engines a Check rebuilt every engine's view and ledger view, d
   serve count changed (``Ledger.changed``, ``note_serve``), with the very functions ``decide`` uses (fit.py's
   ``effective_load``, ``held_tokens``, ``model_len``; route.py's ``decode_rate``), so the numbers are the same numbers.
 - Values shared across engines are applied per snapshot, vectorised: the trusted (model, chip class) prefill median and the
-  quality cap from the (model, chip class) solo median.
+  quality cap from the (model, chip class) solo median. The prefill column is kept: a row's fill takes its class's median
+  from the last per-class table, and the whole column is redone only when that table changes (a quarter of the Checks
+  at 1000 engines in ``bench fleet``).
 - ``snapshot`` hands ``decide`` frozen arrays (``IndexSnapshot``): views of one matrix per model, copied on the next
   write while any of them is still held (never changed under a holder), written in place once none is (``_Rows.writable``);
   the ledger views are a ``SharedMap`` snapshot (sharedmap.py), no copy of the unchanged ones.
@@ -146,9 +148,10 @@ class _ChipTables:
     """The quality cap by chip code (inf where none)."""
 
 
-_COLUMNS = ("model_len", "kv_limit", "cap", "load", "held", "open_model", "p_fallback", "d_press", "d_free",
+_COLUMNS = ("model_len", "kv_limit", "cap", "load", "held", "open_model", "p_fallback", "prefill", "d_press", "d_free",
             "per_token_press", "per_token_free", "full", "ttft_scale", "serve_log2", "first_done")
 """The float columns of a model's rows, in the order ``_fill`` writes them (one row of the matrix each)."""
+_P_FALLBACK, _PREFILL = _COLUMNS.index("p_fallback"), _COLUMNS.index("prefill")
 _FLAGS = ("ok", "hot", "cap_block")
 """The boolean columns: ``ok`` as ``ModelArrays.ok``; ``hot``: the probe's KV usage at or over the watermark."""
 
@@ -174,6 +177,9 @@ class _Rows:
         self.views_tuple: tuple[EngineView, ...] | None = None
         """``views`` as the last snapshot handed them out, kept until a row's view changes."""
         self.shared = False
+        self.prefill_from: np.ndarray | None = None
+        """The per-class trusted prefill table (``_ChipTables.trusted``) the prefill column was computed with: a row
+        filled since takes its class's value from the same table, so the column is redone only when the table is new."""
         self.frozen: tuple[ModelArrays, np.ndarray, np.ndarray] | None = None
         """The last snapshot's arrays and the per-class arrays they were made with: handed out again while no row
         changed (a Check freezes every model, and most models' rows did not change since the last one)."""
@@ -369,6 +375,10 @@ class FleetIndex:
         d_press = decode_rate(view, max(1, press), one, policy)
         d_free = decode_rate(view, max(1, free), one, policy)
         own = view.rates.prefill_tokens_per_s if view.rates is not None else None
+        fallback = own or view.anchor_prefill_tokens_per_s or policy.default_prefill_tokens_per_s
+        trusted = 0.0
+        if rows.prefill_from is not None and rows.chip[i] < len(rows.prefill_from):
+            trusted = float(rows.prefill_from[rows.chip[i]])
         served, served_at = serves.get(name, (0.0, now))
         rows.values[:, i] = (  # in _COLUMNS' order
             model_len(view, model) or _INF,
@@ -377,7 +387,8 @@ class FleetIndex:
             load,
             held_tokens(view, one),
             ledger.open_for(model),
-            own or view.anchor_prefill_tokens_per_s or policy.default_prefill_tokens_per_s,
+            fallback,
+            trusted if trusted > 0 else fallback,  # as _freeze computes the column (route.prefill_rate)
             d_press,
             d_free,
             1.0 / d_press if d_press else _INF,
@@ -438,11 +449,14 @@ class FleetIndex:
         trusted, qcap = self._per_chip(model, policy, rates)
         if rows.frozen is not None and rows.frozen[1] is trusted and rows.frozen[2] is qcap:
             return rows.frozen[0]
-        (model_len, kv_limit, cap, load, held, open_model, p_fallback, d_press, d_free, per_token_press, per_token_free,
+        if rows.prefill_from is not trusted:
+            rows.writable()
+            chip_trusted = trusted[rows.chip]
+            rows.values[_PREFILL] = np.where(chip_trusted > 0, chip_trusted, rows.values[_P_FALLBACK])
+            rows.prefill_from = trusted
+        (model_len, kv_limit, cap, load, held, open_model, _, prefill, d_press, d_free, per_token_press, per_token_free,
          full, ttft_scale, serve_log2, first_done) = rows.values  # views of the matrix's rows, in _COLUMNS' order
         ok, hot, cap_block = rows.flags
-        chip_trusted = trusted[rows.chip]
-        prefill = np.where(chip_trusted > 0, chip_trusted, p_fallback)
         if policy.model(model).decode_floor_tokens_per_s:
             quality_block = open_model >= qcap[rows.chip]
             blocked = hot | quality_block

@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 # QueueRule is defined beside the core that chooses it; the store checks it (re-exported for the backends).
@@ -154,11 +154,15 @@ class SharedClock:
         return SharedClock(wall() - monotonic())
 
     def to_shared(self, ticket: Ticket) -> Ticket:
-        o = self.offset
-        return replace(ticket, admitted_at=ticket.admitted_at + o, lease_deadline=ticket.lease_deadline + o,
-                       expected_done_at=ticket.expected_done_at + o)
+        return _shifted(ticket, self.offset)
 
     def to_local(self, ticket: Ticket) -> Ticket:
-        o = self.offset
-        return replace(ticket, admitted_at=ticket.admitted_at - o, lease_deadline=ticket.lease_deadline - o,
-                       expected_done_at=ticket.expected_done_at - o)
+        return _shifted(ticket, -self.offset)
+
+
+def _shifted(ticket: Ticket, offset: float) -> Ticket:
+    """``ticket`` with its times moved by ``offset``. Built directly, not with ``dataclasses.replace`` (which looks up
+    every field by name): every admission converts its ticket."""
+    return Ticket(ticket.ticket_id, ticket.engine, ticket.model, ticket.admitted_at + offset,
+                  ticket.lease_deadline + offset, ticket.reserved_tokens, ticket.expected_done_at + offset,
+                  ticket.expected_ttft_s)

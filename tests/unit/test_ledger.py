@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.ledger import Ledger
+from controlplane.core.model import Ticket
+from controlplane.store.base import SharedClock
 
 
 def test_release_is_idempotent_and_counts() -> None:
@@ -90,3 +94,17 @@ def test_an_idle_engine_reaps_tickets_whose_log_entry_was_lost() -> None:
     assert [t.ticket_id for t in reaped] == ["lost"]
     assert ledger.open_tickets("thor") == 1 and ledger.open_tickets("spark") == 1
     assert ledger.expired_total == 1 and ledger.view("thor").open_tickets == 1
+
+
+def test_a_ticket_crosses_to_the_shared_clock_and_back_with_every_field_kept() -> None:
+    """``SharedClock`` builds the shifted ticket field by field (every admission does it): a field it forgot would
+    silently fall back to its default in the store and on the other replicas."""
+    values = {"ticket_id": "t1", "engine": "e", "model": "m", "admitted_at": 1.0, "lease_deadline": 2.0,
+              "reserved_tokens": 7, "expected_done_at": 3.0, "expected_ttft_s": 0.5}
+    assert sorted(f.name for f in dataclasses.fields(Ticket)) == sorted(values), "a new field: SharedClock must copy it"
+    ticket = Ticket(**values)  # type: ignore[arg-type]
+    clock = SharedClock(100.0)
+    shared = clock.to_shared(ticket)
+    assert (shared.admitted_at, shared.lease_deadline, shared.expected_done_at) == (101.0, 102.0, 103.0)
+    assert (shared.reserved_tokens, shared.expected_ttft_s, shared.engine) == (7, 0.5, "e")
+    assert clock.to_local(shared) == ticket
