@@ -155,10 +155,12 @@ class EnginePoller:
             v = replace(v, last_error=self._failure)
         return v if v.stale == stale else replace(v, stale=stale)
 
-    async def run(self, start_offset: float = 0.0) -> None:
+    async def run(self, start_offset: float = 0.0, wave: float = 0.0) -> None:
         """Poll forever. ``start_offset`` (seconds, < the interval) staggers engines so their probes, and the CPU that
-        parsing costs, spread over the interval instead of landing on the event loop all at once."""
-        interval, wave = self.observe.poll_interval_seconds, self.observe.wave_s
+        parsing costs, spread over the interval instead of landing on the event loop all at once. ``wave`` (seconds, 0:
+        none): each probe starts on the next multiple of it, with the others due in it (``ObserveConfig.wave_s``; the
+        probe worker only, whose loop answers no Check)."""
+        interval = self.observe.poll_interval_seconds
         due = self._clock() + start_offset
         await asyncio.sleep(max(0.0, wave_start(due, wave) - self._clock()))
         while True:

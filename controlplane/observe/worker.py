@@ -85,7 +85,8 @@ async def run_worker(setup: WorkerSetup, out: asyncio.StreamWriter | Any, stdin_
     send(("ready",))
     flush()  # the control plane answers no Check before it: not a moment later than needed
     interval = setup.observe.poll_interval_seconds
-    tasks = [asyncio.create_task(p.run(interval * (1 + i / max(1, len(pollers)))), name=f"poll-{p.config.name}")
+    wave = setup.observe.wave_s
+    tasks = [asyncio.create_task(p.run(interval * (1 + i / max(1, len(pollers))), wave), name=f"poll-{p.config.name}")
              for i, p in enumerate(pollers)]
     try:
         await stdin_closed

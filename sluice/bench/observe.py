@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -31,6 +32,7 @@ from sluice.bench.common import free_port, median, pct, write_report
 from sluice.bench.vllm_exposition import vllm_v1_exposition
 
 _K = TypeVar("_K")
+NO_WAVES = "new, each probe on its own timer"
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "engine-metrics"
 LARGEST_REAL = "vllm-0.4.3-datadog-integrations-core.prom"
@@ -151,6 +153,10 @@ async def _loop_lag(stop: asyncio.Event, lags: list[float], period: float = 0.01
         lags.append(time.perf_counter() - before - period)
 
 
+ARMS = (("old", old_read_series, 0.1), (NO_WAVES, read_series, 0.0), ("new", read_series, 0.1))
+"""Reader and probe wave (``observe.probe_wave_seconds``) per arm; the waves matter only to the spread figures."""
+
+
 async def _measure(port: int, engines: int, cycles: int, spread_s: float) -> dict[str, dict[str, list[float]]]:
     observe = ObserveConfig(poll_interval_seconds=1.0, poll_timeout_seconds=5.0, stale_after_polls=3,
                             models_refresh_seconds=3600, max_backoff_seconds=10, on_stale=OnStale.OPEN, rate_ring_size=64,
@@ -165,7 +171,9 @@ async def _measure(port: int, engines: int, cycles: int, spread_s: float) -> dic
         for i in range(engines)
     ]
     await asyncio.gather(*(p.poll_once() for p in pollers))  # warm-up: connections, discovery
-    for arm, reader in (("old", old_read_series), ("new", read_series)):
+    for arm, reader, wave in ARMS:
+        for p in pollers:
+            p.observe = replace(observe, probe_wave_seconds=wave)
         with _poller_reads_with(reader):
             cycle_s: list[float] = []
             cpu_per_engine_ms: list[float] = []
@@ -187,7 +195,7 @@ async def _measure(port: int, engines: int, cycles: int, spread_s: float) -> dic
             stop = asyncio.Event()
             lag_task = asyncio.create_task(_loop_lag(stop, spread_lags))
             probes0, cpu0, t0 = sum(p.probes for p in pollers), time.process_time(), time.perf_counter()
-            tasks = [asyncio.create_task(p.run(i / engines)) for i, p in enumerate(pollers)]
+            tasks = [asyncio.create_task(p.run(i / engines, p.observe.wave_s)) for i, p in enumerate(pollers)]
             await asyncio.sleep(spread_s)
             for task in tasks:
                 task.cancel()
@@ -236,7 +244,7 @@ def run_observe_bench(engines: int = 1000, cycles: int = 10, spread_s: float = 4
     rows = "\n".join(f"| {label} | {size_b / 1000:.1f} KB | {old:.0f} | {new:.0f} | {old / new:.1f}x |"
                      for label, size_b, old, new in parse)
     probe_rows = []
-    for arm in ("old", "new"):
+    for arm, _, _ in ARMS:
         f = figures[arm]
         cycle, cpu, lag, spread_lag = f["cycle_s"], f["cpu_ms"], f["lag_ms"], f["spread_lag_ms"]
         probe_rows.append(
@@ -258,7 +266,9 @@ the kept lines; the new one finds the kept lines with one compiled regex and rea
 engines served by one aiohttp farm process on loopback, each answering real-size vLLM 0.11 V1 text (about {size} bytes,
 every bucket; 8 pre-rendered variants), both arms in this same run against the same farm. Cycle: all {engines} probed
 concurrently, {cycles} cycles after a warm-up. Spread: as the control plane runs them (every engine on its own 1 s schedule,
-starts staggered over the interval) for {spread_s:.0f} s.
+starts staggered over the interval) for {spread_s:.0f} s, each probe starting on the next 100 ms probe wave as the probe
+worker runs them (`observe.probe_wave_seconds`), except in the "{NO_WAVES}" arm, which is how probes run on the control
+plane's own loop (`probe_process: off` or a fleet below 64 engines) and how the worker ran them before session 15.
 
 | reader | CPU per probe, median (ms) | max | cycle time, median (s) | max | loop lag during cycles p95 / max (ms) | spread: probes/s | spread: CPU of one core | spread: loop lag p95 / max (ms) |
 |---|---|---|---|---|---|---|---|---|

@@ -1,6 +1,7 @@
-"""Probe waves (observe/poller.py, ``observe.probe_wave_seconds``): probes fall due on each engine's own schedule and
-start together on the next wave, so that at fleet scale they share the event loop's turns (the probe worker's CPU at
-1000 engines went from 31% of a core to 17%), without any engine being probed less often than its interval says."""
+"""Probe waves (observe/poller.py, ``observe.probe_wave_seconds``): in the probe worker, probes fall due on each engine's
+own schedule and start together on the next wave, so that at fleet scale they share the event loop's turns (the probe
+worker's CPU at 1000 engines went from 31% of a core to 17%), without any engine being probed less often than its
+interval says. Probes on the control plane's own loop run without waves."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def test_pollers_of_a_fleet_probe_together_on_the_waves_and_each_as_often_as_its
             async def probe(name: str = engine.name) -> None:  # stands in for the HTTP exchange
                 starts[name].append(time.monotonic())
             setattr(poller, "poll_once", probe)
-            tasks.append(asyncio.create_task(poller.run(interval * i / engines)))
+            tasks.append(asyncio.create_task(poller.run(interval * i / engines, config.observe.wave_s)))
         await asyncio.sleep(run_s)
         for task in tasks:
             task.cancel()
