@@ -308,7 +308,7 @@ class ObserveConfig:
         Why: one timer per engine meant a turn of the event loop (an epoll wait, a timer, a task step) for every step of
         every probe, one at a time. Probes that start together share those turns and the worker's writes to the control
         plane: at 1000 engines (300 probes a second) the probe worker took 31-32% of a core with each probe on its own
-        timer and 14-18% in waves of 100 ms (a harness over ``run_worker`` and the bench farm, bench/results/README.md,
+        timer and 14-20% in waves of 100 ms (a harness over ``run_worker`` and the bench farm, bench/results/README.md,
         session 15). Each engine is still probed once per interval on average (the schedule does not drift; only the
         start waits). The failure mode: a probe starts up to one wave late, and the wave's probes arrive at the engines
         and the control plane together (at 1000 engines polled every second, 100 probes every 100 ms).

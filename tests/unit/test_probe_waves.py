@@ -13,6 +13,7 @@ import pytest
 
 from controlplane.config import ConfigError, parse_config
 from controlplane.observe.poller import EnginePoller, next_due, wave_start
+from controlplane.observe.worker import WorkerSetup, run_worker
 
 
 def test_a_probe_starts_on_the_first_wave_at_or_after_its_due_time() -> None:
@@ -83,3 +84,63 @@ def test_pollers_of_a_fleet_probe_together_on_the_waves_and_each_as_often_as_its
     assert len({round(t / wave) for t in every}) <= run_s / wave + 2
     for name, times in starts.items():
         assert run_s / interval - 2 <= len(times) <= run_s / interval + 1, name  # no engine probed less (or more) often
+
+
+def _probe_starts(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every probe's start time, with the HTTP exchange stood in for (``EnginePoller.poll_once``)."""
+    starts: list[float] = []
+
+    async def probe(self: EnginePoller) -> None:
+        starts.append(time.monotonic())
+    monkeypatch.setattr(EnginePoller, "poll_once", probe)
+    return starts
+
+
+def _on_waves(starts: list[float], wave: float) -> float:
+    return sum(1 for t in starts if (t % wave) < 0.02 or (t % wave) > wave - 1e-6) / len(starts)
+
+
+def test_the_probe_worker_runs_its_probes_in_waves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_worker``, as the worker process runs it, hands its pollers the configured wave."""
+    starts = _probe_starts(monkeypatch)
+    config = parse_config({
+        "observe": {"poll_interval_seconds": 0.2, "poll_timeout_seconds": 0.1, "probe_wave_seconds": 0.05},
+        "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{9 + i}", "models": ["m"]} for i in range(20)],
+    })
+
+    class Out:
+        def write(self, data: bytes) -> None:
+            pass
+
+    async def main() -> None:
+        stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        worker = asyncio.create_task(run_worker(WorkerSetup(config.engines, config.observe), Out(), stop))
+        await asyncio.sleep(1.4)
+        stop.set_result(None)
+        await worker
+
+    asyncio.run(main())
+    periodic = starts[20:]  # after the first round (every engine once, at start-up)
+    assert len(periodic) >= 20 * 3
+    assert _on_waves(periodic, 0.05) >= 0.9
+
+
+def test_pollers_on_the_control_planes_own_loop_run_without_waves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``EnginePoller.run`` as observation.py starts it in the control plane's loop (no wave): a wave's probes would
+    hold the loop that answers Checks, so each engine keeps its own staggered timer."""
+    starts = _probe_starts(monkeypatch)
+    config = parse_config({
+        "observe": {"poll_interval_seconds": 0.2, "poll_timeout_seconds": 0.1, "probe_wave_seconds": 0.05},
+        "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{9 + i}", "models": ["m"]} for i in range(40)],
+    })
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(EnginePoller(e, config.observe, lambda view, rates: None).run(0.2 * i / 40))
+                 for i, e in enumerate(config.engines)]
+        await asyncio.sleep(0.8)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+    assert _on_waves(starts, 0.05) < 0.7  # staggered starts: about 40% fall in any 20 ms of each 50 ms by chance
