@@ -231,7 +231,15 @@ class EnvoyConfig:
     max_request_bytes: int
     """Bodies larger than this get 413 from Envoy before any Check (bytes)."""
     access_log_flush_seconds: float
-    """How often Envoy flushes access-log entries to the control plane (the completion signal's latency)."""
+    """How often Envoy flushes buffered access-log entries to the control plane."""
+    access_log_buffer_bytes: int
+    """Envoy sends its buffered access-log entries as soon as they reach this many bytes, besides every
+    ``access_log_flush_seconds``. 1 (the default): every entry goes out the moment its stream ends, so a ticket is
+    released (and a parked request woken for its slot) without waiting for the flush timer. The completion signal's
+    latency is then Envoy's and the control plane's own. ``bench steady`` thor+spark capped 95% measured the time a
+    freed slot stays empty while requests are parked: median 6.7 ms wall with 16384 bytes and a 5 ms flush, 2.7 ms with
+    1 (a capped Envoy's own pending queue: 0.6-1.0 ms). A larger value batches entries at high request rates, at the
+    cost of that latency: fewer gRPC messages for the control plane to read."""
     stream_idle_timeout_seconds: float
     """Longest silence on a stream (between tokens, or while a Check is pending) before Envoy resets it."""
     connect_timeout_seconds: float
@@ -532,6 +540,7 @@ DEFAULTS: dict[str, Any] = {
         "admin_port": 9901,
         "max_request_bytes": 1048576,
         "access_log_flush_seconds": 0.005,
+        "access_log_buffer_bytes": 1,
         "stream_idle_timeout_seconds": 300.0,
         "connect_timeout_seconds": 1.0,
         "client_headers_kept": list(CLIENT_HEADERS),
@@ -740,6 +749,8 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         access_log_flush_seconds=float(
             c.number("envoy.access_log_flush_seconds", ev["access_log_flush_seconds"], minimum=0.001)
         ),
+        access_log_buffer_bytes=int(c.number("envoy.access_log_buffer_bytes", ev["access_log_buffer_bytes"], minimum=1,
+                                             maximum=16 * 1024 * 1024, integer=True)),
         stream_idle_timeout_seconds=float(
             c.number("envoy.stream_idle_timeout_seconds", ev["stream_idle_timeout_seconds"], minimum=1)
         ),

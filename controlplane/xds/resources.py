@@ -266,7 +266,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
             grpc_service=_controlplane_grpc(),
             transport_api_version=config_source_pb2.V3,
             buffer_flush_interval=_seconds(ev.access_log_flush_seconds),
-            buffer_size_bytes=wrappers_pb2.UInt32Value(value=16384),
+            buffer_size_bytes=wrappers_pb2.UInt32Value(value=ev.access_log_buffer_bytes),
         ),
         additional_request_headers_to_log=[ENGINE_HEADER],
     )

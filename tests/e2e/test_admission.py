@@ -181,3 +181,37 @@ def _metrics(stack: Stack) -> str:
 
     port = stack.controlplane.plane.metrics_port  # type: ignore[union-attr]
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def _refill_gaps(stack: Stack, rounds: int) -> list[float]:
+    """Wall seconds the one-slot engine ``solo`` sat empty between a stream's end and the parked request's arrival, once
+    per round (each round: a holder takes the slot, a second request parks behind it). Measured on the simulator's own
+    clock (``/sim/log``), so the client's scheduling does not enter."""
+    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    gaps = []
+    for _ in range(rounds):
+        before = len(stack.sim_log("solo"))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            holder = pool.submit(post, stack, "/chat/completions", body(max_tokens=600))
+            wait_for(lambda: stack.status().open_tickets == 1, what="the slot taken")
+            parked = pool.submit(post, stack, "/chat/completions", body(max_tokens=5))
+            wait_for(lambda: plane.admission.depth() == 1, what="the second request parked")
+            assert holder.result()[0] == 200 and parked.result()[0] == 200
+        first, second = stack.sim_log("solo")[before:before + 2]
+        gaps.append((second["arrived_at"] - first["finished_at"]) / 10.0)
+        wait_for(lambda: stack.status().open_tickets == 0, what="both released")
+    return gaps
+
+
+def test_a_freed_slot_is_refilled_without_waiting_for_the_log_flush(tmp_path: Path) -> None:
+    # The access log flushes every 5 s and probes come every 5 s: only sending each entry as its stream ends
+    # (envoy.access_log_buffer_bytes, default 1) wakes the parked request at once. Batched, the slot would sit empty
+    # for up to 5 s (a probe's idle reaping or the flush timer): under 0.5 s three rounds running by chance is ~0.1%.
+    stack = start_stack([{"name": "solo", "sim": "spark", "max_num_seqs": 1}], tmp_path, speed=10.0,
+                        envoy={"access_log_flush_seconds": 5.0},
+                        observe={"poll_interval_seconds": 5.0, "poll_timeout_seconds": 1.0})
+    try:
+        gaps = _refill_gaps(stack, rounds=3)
+        assert max(gaps) < 0.5, gaps
+    finally:
+        stack.close()
