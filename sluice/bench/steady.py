@@ -39,7 +39,8 @@ Arms (in the same run, each cell's requests identical across arms):
 
 Figures: TTFT and end-to-end over completed requests (wall seconds at simulator speed x{SPEED}); throughput = completion
 tokens per emulated second until the last completion; goodput = requests completed with TTFT within the SLO per wall
-second of the arrival window (a shed request is not good); share = requests each engine served (its ``/sim/stats``).
+second of the arrival window (a shed request is not good); share = requests each engine served (its ``/sim/stats``);
+refill = how long a freed slot waited for its next request (``refill_gaps``, from each simulator's ``/sim/log``).
 Targets per cell: sluice's TTFT p90 <= the lowest baseline TTFT p90, sluice's goodput >= the highest baseline goodput
 (each "best" taken over all four baseline arms separately), and at 110% sluice's goodput >= 1.3x the best baseline's.
 
@@ -59,6 +60,7 @@ apply. Other engine flavours (vLLM, SGLang) are not supported here.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import math
 import random
@@ -312,6 +314,36 @@ def summarise(results: list[Result], served: list[int], peaks: list[int], preemp
     }
 
 
+REFILL_WITHIN_S = 3.0
+"""Emulated seconds: a stream's end followed by the next arrival on its engine within this is a refill (a request was
+waiting somewhere for that slot); a longer gap is an engine with nothing to do, not a refill's latency."""
+
+
+def refill_gaps(log: list[dict[str, Any]], speed: float) -> list[float]:
+    """Wall seconds from each stream's end on one engine (its ``/sim/log`` entries, emulated time) to the next request's
+    arrival there, for the gaps under ``REFILL_WITHIN_S``. Under load this is how long a freed slot stays empty: the
+    gateway's completion signal, wake and dispatch (sluice: access log, release, the parked Check's answer; a capped
+    Envoy: its pending queue takes the freed connection)."""
+    arrivals = sorted(float(r["arrived_at"]) for r in log)
+    gaps = []
+    for entry in log:
+        finished = entry.get("finished_at")
+        if finished is None:
+            continue
+        later = bisect.bisect_left(arrivals, float(finished))
+        if later < len(arrivals) and arrivals[later] - finished < REFILL_WITHIN_S:
+            gaps.append((arrivals[later] - finished) / speed)
+    return gaps
+
+
+def _sim_logs(urls: list[str]) -> list[list[dict[str, Any]]]:
+    logs = []
+    for url in urls:
+        with urllib.request.urlopen(url + "/sim/log", timeout=10) as response:
+            logs.append(json.load(response))
+    return logs
+
+
 def window_s(fleet: str, level: float) -> float:
     return OVERLOAD_WINDOW_S if level > 1 and not _T.real else WINDOWS_S[fleet]
 
@@ -320,12 +352,15 @@ def run_cell(cell: Cell, jobs: list[Job], arms: dict[str, str], urls: list[str])
     for arm, base in arms.items():
         _wait_idle(urls)
         before = [_engine_stats(u) for u in urls]
+        logged = [] if _T.real else [len(log) for log in _sim_logs(urls)]
         results, peaks = asyncio.run(_drive(base, jobs, cell.mix, arm, urls))
         after = [_engine_stats(u) for u in urls]  # every stream has ended: its engine counted it
+        gaps = [] if _T.real else [g for log, n in zip(_sim_logs(urls), logged) for g in refill_gaps(log[n:], _T.speed)]
         served = [a["served"] - b["served"] for a, b in zip(after, before)]
         pre = sum(a["preemptions"] - b["preemptions"] for a, b in zip(after, before))
         cell.figures[arm] = summarise(results, served, peaks, pre if not _T.real else "-", window_s(cell.fleet, cell.level))
         cell.figures[arm]["loadavg"] = _loadavg()
+        cell.figures[arm]["refill_ms"] = (pct(gaps, 50) * 1000, pct(gaps, 90) * 1000) if gaps else None
         s = cell.figures[arm]
         print(f"  {cell.fleet} {cell.mix} {cell.level:.0%} {cell.arrival} {arm}: n={s['n']} TTFT p50/p90 "
               f"{s['ttft_p50']:.2f}/{s['ttft_p90']:.2f} goodput {s['goodput']:.2f} shed {s['shed']} share {served}",
@@ -375,6 +410,10 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
     loads = [cell.figures[a].get("loadavg", float("nan")) for a in ARMS]
     reasons = ", ".join(f"{k} {n}" for k, n in s["reasons"].most_common())
     reuse = " Baseline rows: the `open` cell's (identical requests)." if cell.mix == "deadline" else ""
+    refills = [cell.figures[a].get("refill_ms") for a in ARMS]
+    refill = "" if all(r is None for r in refills) else (
+        f"\nA freed slot's wait for its next request (`refill_gaps`, wall ms p50 / p90; {', '.join(ARMS)}): "
+        + " · ".join("-" if r is None else f"{r[0]:.1f} / {r[1]:.1f}" for r in refills) + ".")
     return f"""#### {cell.fleet}, {cell.mix}, {cell.level:.0%} ({cell.rate:.2f} req/s wall, {cell.arrival}, {s['n']} requests)
 
 | arm | TTFT p50 / p90 / p99 (s) | e2e p50 / p99 (s) | tok/s | goodput req/s (share) | served{' tokens' if _T.real else ''} {' / '.join(names)} | shed | preempt | peak run+wait (slots {' / '.join(map(str, slots))}) |
@@ -382,7 +421,7 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
 {chr(10).join(rows)}
 
 {line}. sluice: parked p50 {s['parked_p50']} ms, p90 {s['parked_p90']} ms; route reasons: {reasons}.{reuse}
-Machine load average after each arm ({', '.join(ARMS)}): {' / '.join(f'{x:.1f}' for x in loads)}.
+Machine load average after each arm ({', '.join(ARMS)}): {' / '.join(f'{x:.1f}' for x in loads)}.{refill}
 """
 
 
