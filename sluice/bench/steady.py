@@ -78,7 +78,7 @@ import aiohttp
 from enginesim.profiles import PROFILES
 from sluice.bench.common import pct, pyplot, save_figure, write_report
 from sluice.bench.plain import PlainEnvoy, plain_envoy_arm
-from sluice.bench.workload import Result, gateway, sim_stats, stream_chat, unique_prompt
+from sluice.bench.workload import Result, gateway, sim_log, sim_stats, stream_chat, unique_prompt
 
 SPEED = 10.0
 WINDOWS_S = {"thor+spark": 30.0, "mixed6": 15.0}
@@ -336,14 +336,6 @@ def refill_gaps(log: list[dict[str, Any]], speed: float) -> list[float]:
     return gaps
 
 
-def _sim_logs(urls: list[str]) -> list[list[dict[str, Any]]]:
-    logs = []
-    for url in urls:
-        with urllib.request.urlopen(url + "/sim/log", timeout=10) as response:
-            logs.append(json.load(response))
-    return logs
-
-
 def window_s(fleet: str, level: float) -> float:
     return OVERLOAD_WINDOW_S if level > 1 and not _T.real else WINDOWS_S[fleet]
 
@@ -352,10 +344,10 @@ def run_cell(cell: Cell, jobs: list[Job], arms: dict[str, str], urls: list[str])
     for arm, base in arms.items():
         _wait_idle(urls)
         before = [_engine_stats(u) for u in urls]
-        logged = [] if _T.real else [len(log) for log in _sim_logs(urls)]
+        logged = [] if _T.real else [len(sim_log(u)) for u in urls]
         results, peaks = asyncio.run(_drive(base, jobs, cell.mix, arm, urls))
         after = [_engine_stats(u) for u in urls]  # every stream has ended: its engine counted it
-        gaps = [] if _T.real else [g for log, n in zip(_sim_logs(urls), logged) for g in refill_gaps(log[n:], _T.speed)]
+        gaps = [] if _T.real else [g for log, n in zip(map(sim_log, urls), logged) for g in refill_gaps(log[n:], _T.speed)]
         served = [a["served"] - b["served"] for a, b in zip(after, before)]
         pre = sum(a["preemptions"] - b["preemptions"] for a, b in zip(after, before))
         cell.figures[arm] = summarise(results, served, peaks, pre if not _T.real else "-", window_s(cell.fleet, cell.level))

@@ -144,9 +144,19 @@ def unique_prompt(tokens: int) -> str:
 
 
 def sim_stats(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "/sim/stats", timeout=5) as response:
-        stats: dict[str, Any] = json.load(response)
-        return stats
+    stats: dict[str, Any] = _sim_json(url + "/sim/stats")
+    return stats
+
+
+def sim_log(url: str) -> list[dict[str, Any]]:
+    """Every request the simulator has seen, in arrival order (emulated times: ``arrived_at``, ``finished_at``)."""
+    log: list[dict[str, Any]] = _sim_json(url + "/sim/log", timeout=10)
+    return log
+
+
+def _sim_json(url: str, timeout: float = 5) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
 
 
 async def sample_stats(url: str, stop: asyncio.Event, out: list[tuple[float, dict[str, Any]]], t0: float,

@@ -183,6 +183,9 @@ def _metrics(stack: Stack) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
 
 
+SOLO_SPEED = 10.0
+
+
 def _refill_gaps(stack: Stack, rounds: int) -> list[float]:
     """Wall seconds the one-slot engine ``solo`` sat empty between a stream's end and the parked request's arrival, once
     per round (each round: a holder takes the slot, a second request parks behind it). Measured on the simulator's own
@@ -198,7 +201,7 @@ def _refill_gaps(stack: Stack, rounds: int) -> list[float]:
             wait_for(lambda: plane.admission.depth() == 1, what="the second request parked")
             assert holder.result()[0] == 200 and parked.result()[0] == 200
         first, second = stack.sim_log("solo")[before:before + 2]
-        gaps.append((second["arrived_at"] - first["finished_at"]) / 10.0)
+        gaps.append((second["arrived_at"] - first["finished_at"]) / SOLO_SPEED)
         wait_for(lambda: stack.status().open_tickets == 0, what="both released")
     return gaps
 
@@ -207,7 +210,7 @@ def test_a_freed_slot_is_refilled_without_waiting_for_the_log_flush(tmp_path: Pa
     # The access log flushes every 5 s and probes come every 5 s: only sending each entry as its stream ends
     # (envoy.access_log_buffer_bytes, default 1) wakes the parked request at once. Batched, the slot would sit empty
     # for up to 5 s (a probe's idle reaping or the flush timer): under 0.5 s three rounds running by chance is ~0.1%.
-    stack = start_stack([{"name": "solo", "sim": "spark", "max_num_seqs": 1}], tmp_path, speed=10.0,
+    stack = start_stack([{"name": "solo", "sim": "spark", "max_num_seqs": 1}], tmp_path, speed=SOLO_SPEED,
                         envoy={"access_log_flush_seconds": 5.0},
                         observe={"poll_interval_seconds": 5.0, "poll_timeout_seconds": 1.0})
     try:
