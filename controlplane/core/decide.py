@@ -470,15 +470,16 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
             tie = _soonest_row(rows, near[ratio == ratio.min()], finish)
             if tie != best_free:
                 estimates.append(exact(tie, True))
-    bound = estimates[0].finish_s + 1e-6
-    # A busy engine runs the request at its full batch after its slot wait, which is at least until its soonest ticket's
-    # expected finish (or one service when it has none): beyond the bound even so, it cannot win.
-    service = prefill_s + out / rows.d_press
-    first_done = rows.first_done
-    wait = np.where(np.isnan(first_done), service, np.maximum(0.0, np.nan_to_num(first_done) - now))
-    lower = wait + (prefill_s + rows.per_token_press) * rows.ttft_scale + out / rows.d_press
-    estimates += [x for x in (exact(int(i), False) for i in (busy & (lower <= bound)).nonzero()[0])
-                  if deadline_s is None or x.ttft_s <= deadline_s]
+    if busy.any():
+        # A busy engine runs the request at its full batch after its slot wait, which is at least until its soonest
+        # ticket's expected finish (or one service when it has none): beyond the bound even so, it cannot win.
+        bound = estimates[0].finish_s + 1e-6
+        decode_s = out / rows.d_press
+        first_done = rows.first_done
+        wait = np.where(np.isnan(first_done), prefill_s + decode_s, np.maximum(0.0, np.nan_to_num(first_done) - now))
+        lower = wait + (prefill_s + rows.per_token_press) * rows.ttft_scale + decode_s
+        estimates += [x for x in (exact(int(i), False) for i in (busy & (lower <= bound)).nonzero()[0])
+                      if deadline_s is None or x.ttft_s <= deadline_s]
     if at is not None and (free[at] or busy[at]) and all(x.engine.name != affinity for x in estimates):
         sticky = exact(at, bool(free[at]))
         if deadline_s is None or sticky.ttft_s <= deadline_s:
@@ -515,10 +516,15 @@ def _soonest_row(rows: Any, among: Any, finish: Any) -> int:
     """The row of ``among`` (row numbers) first by _soonest's key: finish rounded to 1 us (Python's round, on the few
     distinct values near the minimum), then the lighter load, the more headroom, the name."""
     values = finish[among]
-    near = values <= float(values.min()) + 1e-6
-    rounded = {float(v): round(float(v), 6) for v in np.unique(values[near])}
-    lowest = min(rounded.values())
-    tied = among[near & np.isin(values, [v for v, r in rounded.items() if r == lowest])]
+    near = (values <= float(values.min()) + 1e-6).nonzero()[0]
+    if len(near) == 1:
+        return int(among[near[0]])  # the common case: one row finishes soonest, no tie to break
+    near_values = values[near]
+    lowest = round(float(near_values.min()), 6)  # round is monotonic: the lowest rounded value is the minimum's
+    if round(float(near_values.max()), 6) != lowest:
+        rounded = {float(v): round(float(v), 6) for v in np.unique(near_values)}
+        near = near[np.isin(near_values, [v for v, r in rounded.items() if r == lowest])]
+    tied = among[near]
     load = rows.load[tied]
     cap = rows.cap[tied]
     headroom = np.where(np.isfinite(cap) & (cap > 0), load / np.where(np.isfinite(cap) & (cap > 0), cap, 1.0), load)

@@ -248,3 +248,30 @@ def test_a_class_change_log_answers_what_changed_since_a_table_or_that_it_forgot
     assert log.since(1, 4) == {("m", "b"), ("n", "a"), ("m", "c")}
     assert log.since(1, 3) == {("m", "b"), ("n", "a")}
     assert log.since(0, 4) is None  # table 1's change is forgotten (keep=3)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_soonest_row_breaks_ties_as_the_full_scan_orders_them(seed: int) -> None:
+    """The index's finish-soonest pick (``_soonest_row``) is the full scan's ``_soonest`` order: finish rounded to a
+    microsecond, then the lighter load, the more headroom, the name. Finishes here sit within a microsecond of each
+    other and on both sides of a rounding boundary, where a shortcut could pick differently."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from controlplane.core.decide import _soonest_row
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    base = rng.choice([1.0, 2.5, 7.0000005])
+    finish = np.array([base + rng.choice([0.0, 0.0, 3e-7, 4.9e-7, 5.1e-7, 9e-7, 2e-6, 0.5]) for _ in range(n)])
+    load = np.array([float(rng.choice([0, 1, 2])) for _ in range(n)])
+    cap = np.array([rng.choice([np.inf, 0.0, 2.0, 4.0]) for _ in range(n)])
+    names = [f"e{i:02d}" for i in rng.sample(range(n), n)]
+    rows = SimpleNamespace(load=load, cap=cap, name_rank=np.array([sorted(names).index(x) for x in names]))
+    among = np.array(sorted(rng.sample(range(n), rng.randint(1, n))))
+
+    def key(i: int) -> tuple[float, float, float, str]:
+        headroom = load[i] / cap[i] if np.isfinite(cap[i]) and cap[i] > 0 else load[i]
+        return (round(float(finish[i]), 6), float(load[i]), float(headroom), names[i])
+
+    assert _soonest_row(rows, among, finish) == min((int(i) for i in among), key=key)
