@@ -278,6 +278,11 @@ class ProbeProcess(enum.StrEnum):
     OFF = "off"
 
 
+class WorkerPriority(enum.StrEnum):
+    IDLE = "idle"
+    NICE = "nice"
+
+
 PROBE_PROCESS_MIN_ENGINES = 64
 """``observe.probe_process: auto`` probes in a worker process from this many engines on: below it one event loop does
 both comfortably (bench/results/scale.md: 200 engines held p99 within 1.5x in-loop), and a process costs ~40 MB."""
@@ -308,6 +313,17 @@ class ObserveConfig:
     probe_wave_seconds: float = 0.1
     """In the probe worker, probes fall due on each engine's own schedule and start together on the next multiple of
     this (on the monotonic clock; 0: each on its own). See ``wave_s``."""
+    worker_priority: WorkerPriority = WorkerPriority.IDLE
+    """The probe worker's CPU scheduling (``observe/worker.py``, ``WORKER_NICE``): ``idle`` (Linux ``SCHED_IDLE``, at nice
+    10 elsewhere or when it is refused) runs probes only on CPU nothing else wants; ``nice`` keeps it a normal process at
+    nice 10. Why idle: at nice 10 the worker still held a core for its time slice when a Check arrived, and at 1000
+    engines (300 probes a second) that was the largest part of the gateway's end-to-end p99 growth (``bench scale``,
+    1000 engines, three interleaved rounds each: p99 11.3 ms at nice 10, 10.4 at nice 19, 8.1 at idle; session 17).
+    The failure mode: on a host whose cores are all busy an idle worker gets almost no CPU, so it watches its own
+    lateness and, once ``worker_starved_after_seconds`` late, stops; the control plane restarts it at nice 10 for
+    ``WORKER_IDLE_RETRY_S`` (``sluice_probe_worker_starved_total`` counts it)."""
+    worker_starved_after_seconds: float = 2.0
+    """How late the idle probe worker's own timer may fire before it counts as starved (see ``worker_priority``)."""
 
     @property
     def wave_s(self) -> float:
@@ -568,6 +584,8 @@ DEFAULTS: dict[str, Any] = {
         "probe_process": "auto",
         "max_probes_per_second": 300.0,
         "probe_wave_seconds": 0.1,
+        "worker_priority": "idle",
+        "worker_starved_after_seconds": 2.0,
     },
     "tickets": {"lease_seconds": 900.0, "reap_interval_seconds": 5.0, "idle_reap_grace_seconds": 5.0},
     "store": {f.name: (f.default.value if isinstance(f.default, enum.Enum) else f.default)
@@ -791,6 +809,9 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         probe_process=c.choice("observe.probe_process", ob["probe_process"], ProbeProcess),
         max_probes_per_second=float(c.number("observe.max_probes_per_second", ob["max_probes_per_second"], minimum=0)),
         probe_wave_seconds=float(c.number("observe.probe_wave_seconds", ob["probe_wave_seconds"], minimum=0)),
+        worker_priority=c.choice("observe.worker_priority", ob["worker_priority"], WorkerPriority),
+        worker_starved_after_seconds=float(c.number("observe.worker_starved_after_seconds",
+                                                    ob["worker_starved_after_seconds"], minimum=0.05)),
     )
     if observe.rate_min_samples > observe.rate_ring_size:
         c.problems.append("observe.rate_min_samples: must not exceed observe.rate_ring_size")

@@ -229,6 +229,10 @@ class SluiceMetrics:
         self.access_log_entries = Counter(
             "sluice_access_log_entries", "HTTP access-log entries received from Envoy.", ["outcome"], registry=r
         )
+        self.probe_worker_starved = Counter(
+            "sluice_probe_worker_starved", "Times the idle-priority probe worker got too little CPU and was restarted at "
+            "nice (observe.worker_priority).", registry=r,
+        )
         self.engine_up = Gauge("sluice_engine_up", "1 when the engine's last probe is fresh.", ["engine"], registry=r)
         self.engine_stale = Counter(
             "sluice_engine_state_stale", "Transitions of an engine from fresh to stale.", ["engine"], registry=r

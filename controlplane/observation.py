@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from controlplane.config import Config, EngineConfig
+from controlplane.config import Config, EngineConfig, WorkerPriority
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.model import EngineRates, EngineView, Fleet
 from controlplane.core.output_length import lengths_from_buckets
@@ -35,6 +36,9 @@ INDEX_MIN_ENGINES = 16
 WORKER_START_S = 5.0
 """Beyond the probe timeout, how long start-up waits for the probe worker's first round (a process to start)."""
 WORKER_RESTART_S = 0.5
+WORKER_IDLE_RETRY_S = 600.0
+"""After the idle-priority probe worker reported itself starved (``observe.worker_priority``), its restarts run at nice
+only for this long; then idle is tried again (a restart costs a first probe round, so not every few seconds)."""
 
 FRAMES_PER_TURN = 4
 """Probe reports applied per turn of the event loop (about 0.3 ms of it on the bench machine; 16 a turn measured a
@@ -71,6 +75,9 @@ class Observation:
         """engine -> the last prefill and decode rates an interval measured (``sluice_engine_*_tokens_per_second*``)."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._worker_task: asyncio.Task[None] | None = None
+        self._idle_again_at = -math.inf
+        """Until then the probe worker starts at nice only: it was starved at idle priority (``WORKER_IDLE_RETRY_S``)."""
+        self.worker_starvations = 0
         for engine in config.engines:
             # Each engine's series exist from the start (a scrape lists every configured engine) and are made here, not
             # at the engine's first release or staleness flip: at 1000 engines making them costs 0.1-0.4 ms each, which
@@ -304,10 +311,13 @@ class Observation:
         self._worker_task = asyncio.create_task(self._run_worker(ready), name="probe-worker")
 
     async def _run_worker(self, ready: asyncio.Future[None]) -> None:
-        """Run the worker, apply its frames; restart it (after ``WORKER_RESTART_S``) whenever it exits."""
-        setup = WorkerSetup(tuple(p.config for p in self.pollers), self.observe,
-                            logging.getLogger().getEffectiveLevel())
+        """Run the worker, apply its frames; restart it (after ``WORKER_RESTART_S``) whenever it exits: at idle priority
+        (``observe.worker_priority``) unless it reported itself starved within ``WORKER_IDLE_RETRY_S``."""
         while True:
+            idle = self.observe.worker_priority is WorkerPriority.IDLE and self.clock() >= self._idle_again_at
+            setup = WorkerSetup(tuple(p.config for p in self.pollers), self.observe,
+                                logging.getLogger().getEffectiveLevel(), idle)
+            starvations = self.worker_starvations
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "controlplane.observe.worker", stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE)
@@ -315,7 +325,7 @@ class Observation:
             try:
                 process.stdin.write(encode(setup))
                 await process.stdin.drain()
-                while True:
+                while self.worker_starvations == starvations:
                     batch = await read_frame(process.stdout)
                     for start in range(0, len(batch), FRAMES_PER_TURN):
                         for frame in batch[start:start + FRAMES_PER_TURN]:
@@ -326,7 +336,10 @@ class Observation:
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 log.error("the probe worker exited (%s); restarting it in %.1fs", exc, WORKER_RESTART_S)
             finally:
-                if process.returncode is None:
+                if process.returncode is None and self.worker_starvations != starvations:
+                    process.kill()  # starved, it could take seconds of busy cores to exit by itself
+                    await process.wait()
+                elif process.returncode is None:
                     process.stdin.close()
                     try:
                         await asyncio.wait_for(process.wait(), 2.0)
@@ -340,6 +353,13 @@ class Observation:
         if kind == "ready":
             if not ready.done():
                 ready.set_result(None)
+            return
+        if kind == "starved":
+            self.worker_starvations += 1
+            self._idle_again_at = self.clock() + WORKER_IDLE_RETRY_S
+            self.metrics.probe_worker_starved.inc()
+            log.warning("the probe worker was starved of CPU at idle priority (its timer fired %.1f s late: every core "
+                        "busy); restarting it at nice for %.0f s", frame[1], WORKER_IDLE_RETRY_S)
             return
         view: EngineView = frame[1]
         poller = self._by_name.get(view.name) or self._find(view.name)

@@ -15,7 +15,10 @@ plane's. A batch is a 4-byte big-endian length and a pickle (parent and child ar
 to the pipe). The control plane's ``EnginePoller``s hold the views (``adopt``): drains and request failures stay there. Both
 processes read ``time.monotonic``, one clock on one host, so the worker's times are the control plane's. The worker exits
 when its stdin closes (the control plane went away) and the control plane restarts a worker that dies. It runs at nice
-``WORKER_NICE``: on a busy host the Checks' loop gets the CPU first.
+``WORKER_NICE`` and, with ``observe.worker_priority: idle`` (the default), under Linux's ``SCHED_IDLE``: probes take only
+CPU that nothing else wants, so the Checks' loop and Envoy never wait for a probe's time slice. Idle, it watches its own
+timer (``starved_for``); starved past ``observe.worker_starved_after_seconds`` (every core busy), it reports
+``("starved", seconds_late)`` and stops, and the control plane restarts it at nice only (``Observation._run_worker``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import os
 import pickle
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from controlplane.config import EngineConfig, ObserveConfig
@@ -34,6 +37,7 @@ from controlplane.core.model import EngineRates, EngineView
 from controlplane.observe.poller import EnginePoller, first_round
 
 _LENGTH = struct.Struct(">I")
+log = logging.getLogger("sluice.observe.worker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,8 @@ class WorkerSetup:
     engines: tuple[EngineConfig, ...]
     observe: ObserveConfig
     log_level: int = logging.INFO
+    idle: bool = False
+    """Run under ``SCHED_IDLE`` and stop once starved (``observe.worker_priority``); False: nice only."""
 
 
 def encode(frame: Any) -> bytes:
@@ -80,17 +86,31 @@ async def run_worker(setup: WorkerSetup, out: asyncio.StreamWriter | Any, stdin_
 
     pollers = [EnginePoller(e, setup.observe, probed, on_failure=failed) for e in setup.engines]
     timeout = setup.observe.poll_timeout_seconds
-
-    await first_round(pollers, timeout, lambda poller: failed(poller.view(0.0)))
-    send(("ready",))
-    flush()  # the control plane answers no Check before it: not a moment later than needed
-    interval = setup.observe.poll_interval_seconds
-    wave = setup.observe.wave_s
-    tasks = [asyncio.create_task(p.run(interval * (1 + i / max(1, len(pollers))), wave), name=f"poll-{p.config.name}")
-             for i, p in enumerate(pollers)]
+    starved: asyncio.Future[float] = (asyncio.ensure_future(starved_for(setup.observe.worker_starved_after_seconds))
+                                      if setup.idle else loop.create_future())
+    ends: list[asyncio.Future[Any]] = [stdin_closed, starved]
+    tasks: list[asyncio.Future[Any]] = [
+        asyncio.ensure_future(first_round(pollers, timeout, lambda poller: failed(poller.view(0.0))))]
     try:
-        await stdin_closed
+        await asyncio.wait([tasks[0], *ends], return_when=asyncio.FIRST_COMPLETED)
+        if tasks[0].done():
+            tasks[0].result()
+            send(("ready",))
+            flush()  # the control plane answers no Check before it: not a moment later than needed
+            interval = setup.observe.poll_interval_seconds
+            wave = setup.observe.wave_s
+            tasks += [asyncio.create_task(p.run(interval * (1 + i / max(1, len(pollers))), wave),
+                                          name=f"poll-{p.config.name}") for i, p in enumerate(pollers)]
+            await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        if starved.done():
+            log.warning("starved of CPU at idle priority (a timer fired %.1f s late); stopping for a restart at nice %d",
+                        starved.result(), WORKER_NICE)
+            send(("starved", starved.result()))
+            flush()
+            if isinstance(out, asyncio.StreamWriter):
+                await out.drain()  # the report must reach the control plane before this process ends
     finally:
+        starved.cancel()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -98,10 +118,38 @@ async def run_worker(setup: WorkerSetup, out: asyncio.StreamWriter | Any, stdin_
             poller.close()
 
 
+STARVATION_TICK_S = 0.25
+"""How often the idle worker looks at its own timer (``starved_for``)."""
+
+
+async def starved_for(bound_s: float, tick_s: float = STARVATION_TICK_S) -> float:
+    """Returns once a ``tick_s`` timer fires more than ``bound_s`` late (how late): under ``SCHED_IDLE`` that happens only
+    when other work keeps every core busy, and the worker's probes are then as late."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + tick_s
+        await asyncio.sleep(tick_s)
+        late = loop.time() - due
+        if late > bound_s:
+            return late
+
+
 WORKER_NICE = 10
 """The worker yields the CPU to the control plane when both want it: a probe a few ms late costs nothing, a Check does.
 Not 19: on a host that Envoy or the control plane saturates, a worker with a tenth of their weight still probes (late),
-where at 19 (a seventieth) it could starve until every engine went stale."""
+where at 19 (a seventieth) it could starve until every engine went stale. Under ``SCHED_IDLE`` (``observe.worker_priority:
+idle``, the default) it yields at once instead, and this is the priority it is restarted at when idle starves it."""
+
+
+def go_idle() -> bool:
+    """This process under ``SCHED_IDLE``; False where the platform has no such policy or refuses it (it stays at nice).
+    There is no way back without ``CAP_SYS_NICE`` (the kernel treats it as nice 20), hence a restart when starved."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as exc:
+        log.warning("cannot run at idle priority (%s); probing at nice %d", exc, WORKER_NICE)
+        return False
+    return True
 
 
 async def _main() -> None:
@@ -111,6 +159,8 @@ async def _main() -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     setup: WorkerSetup = await read_frame(reader)
     logging.basicConfig(level=setup.log_level, format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s")
+    if setup.idle and not go_idle():
+        setup = replace(setup, idle=False)
     transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, sys.stdout)
     writer = asyncio.StreamWriter(transport, protocol, None, loop)
     stdin_closed: asyncio.Future[None] = loop.create_future()

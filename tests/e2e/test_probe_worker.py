@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -54,5 +55,43 @@ def test_a_probe_worker_observes_serves_keeps_drains_and_comes_back(tmp_path: Pa
         views = {v.name: v for v in plane.fleet(plane.clock()).engines}
         assert not views["thor"].stale and views["spark"].drained
     finally:
+        stack.close()
+    wait_for(lambda: not [p for p in _worker_pids() if p not in before], timeout=10, what="the worker stopped with it")
+
+
+def _policy(pid: int) -> int:
+    return os.sched_getscheduler(pid)
+
+
+def test_the_probe_worker_runs_idle_and_comes_back_at_nice_when_every_core_is_busy(tmp_path: Path) -> None:
+    """``observe.worker_priority: idle`` (the default): the worker probes under SCHED_IDLE. Every core busy with other work
+    (one spinning process per core), it is starved: it says so and stops, and the control plane restarts it as a normal
+    process at nice 10, whose probes land although the cores stay busy; the starvation is counted."""
+    before = set(_worker_pids())
+    stack = start_stack([("thor", "thor"), ("spark", "spark")], tmp_path, speed=20.0, with_envoy=False,
+                        observe={"probe_process": "on", "poll_interval_seconds": 0.2, "poll_timeout_seconds": 0.2,
+                                 "worker_starved_after_seconds": 0.3})
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        assert stack.controlplane is not None
+        plane = stack.controlplane.plane
+        first = [p for p in _worker_pids() if p not in before]
+        assert len(first) == 1 and _policy(first[0]) == os.SCHED_IDLE
+        assert os.getpriority(os.PRIO_PROCESS, first[0]) == 10
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+        wait_for(lambda: plane.observation.worker_starvations >= 1, timeout=30, what="the idle worker to report starving")
+        wait_for(lambda: [p for p in _worker_pids() if p not in before and p != first[0]], timeout=10,
+                 what="a worker restarted at nice")
+        second = [p for p in _worker_pids() if p not in before and p != first[0]]
+        probes = sum(p.probes for p in plane.pollers)
+        wait_for(lambda: sum(p.probes for p in plane.pollers) > probes + 4, timeout=15,
+                 what="probes from the nice worker while every core is busy")
+        # It probes, so it has read its setup and chosen its scheduling: a normal process at nice 10.
+        assert _policy(second[0]) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, second[0]) == 10
+        assert plane.metrics.registry.get_sample_value("sluice_probe_worker_starved_total") == 1
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
         stack.close()
     wait_for(lambda: not [p for p in _worker_pids() if p not in before], timeout=10, what="the worker stopped with it")

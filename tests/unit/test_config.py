@@ -155,3 +155,19 @@ def test_unreadable_file_is_a_config_error(tmp_path) -> None:  # type: ignore[no
     bad.write_text("engines: [")
     with pytest.raises(ConfigError, match="yaml"):
         load_config(str(bad))
+
+
+def test_the_probe_workers_priority_is_idle_unless_configured_and_checked() -> None:
+    """``observe.worker_priority`` (idle by default, or nice) and ``observe.worker_starved_after_seconds`` reach the
+    observe settings; anything else is a problem with its path."""
+    from controlplane.config import WorkerPriority
+
+    engines = [{"name": "thor", "url": "http://127.0.0.1:9000"}]
+    assert parse_config({"engines": engines}).observe.worker_priority is WorkerPriority.IDLE
+    observe = parse_config({"engines": engines, "observe": {"worker_priority": "nice",
+                                                            "worker_starved_after_seconds": 5}}).observe
+    assert (observe.worker_priority, observe.worker_starved_after_seconds) == (WorkerPriority.NICE, 5.0)
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"engines": engines, "observe": {"worker_priority": "realtime", "worker_starved_after_seconds": 0}})
+    assert {p.split(":")[0] for p in caught.value.problems} == {"observe.worker_priority",
+                                                                  "observe.worker_starved_after_seconds"}

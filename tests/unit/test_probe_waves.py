@@ -144,3 +144,21 @@ def test_pollers_on_the_control_planes_own_loop_run_without_waves(monkeypatch: p
 
     asyncio.run(main())
     assert _on_waves(starts, 0.05) < 0.7  # staggered starts: about 40% fall in any 20 ms of each 50 ms by chance
+
+
+def test_the_idle_workers_watchdog_fires_only_when_its_timer_comes_late() -> None:
+    """``starved_for`` (observe.worker_priority: idle): a timer on time never counts as starved; one held up past the bound
+    returns how late it fired."""
+    from controlplane.observe.worker import starved_for
+
+    async def main() -> tuple[bool, float]:
+        loop = asyncio.get_running_loop()
+        watch = asyncio.ensure_future(starved_for(0.15, tick_s=0.02))
+        await asyncio.sleep(0.3)  # ticks on time
+        on_time = not watch.done()
+        loop.call_soon(time.sleep, 0.4)  # the whole process held up, as a starved SCHED_IDLE process is
+        return on_time, await asyncio.wait_for(watch, 2.0)
+
+    on_time, late = asyncio.run(main())
+    assert on_time
+    assert 0.15 < late < 0.45
