@@ -117,3 +117,40 @@ def test_on_an_indexed_fleet_eligibility_is_recomputed_only_when_an_engine_moves
         assert len(passes) == before + 1 and set(publisher.weights["cortex"]) == {"thor"}
 
     asyncio.run(run())
+
+
+def test_weights_are_computed_a_slice_at_a_time_and_the_newest_fleet_wins() -> None:
+    """At fleet scale the weights are computed ``WEIGHTS_SLICE`` engines a turn of the loop (a Check arriving meanwhile
+    is answered between slices), to the same numbers as ``compute_weights``; two refreshes in flight at once (the
+    staleness tick, and a drain's) finish in the order they started, so the drained fleet's weights are the ones left."""
+    from controlplane.core.weights import compute_weights
+    from controlplane.xds.publisher import WEIGHTS_SLICE
+
+    names = [f"e{i}" for i in range(2 * WEIGHTS_SLICE + 50)]
+    config = parse_config({"engines": [{"name": n, "url": f"http://127.0.0.1:{9000 + i}"} for i, n in enumerate(names)]})
+    # The tick's fleet has two slices more (engines since removed), so unserialized it would finish last.
+    busy = Fleet(tuple(engine(n, i % 4, seqs=4) for i, n in enumerate(names + [f"x{i}" for i in range(2 * WEIGHTS_SLICE)])))
+    drained = Fleet(tuple(engine(n, i % 4, seqs=4, drained=n == "e7") for i, n in enumerate(names)))
+    publisher = XdsPublisher(config, SluiceMetrics())
+    publisher.start(Fleet(tuple(engine(n) for n in names)), {}, (), now=0.0)
+
+    async def run() -> int:
+        turns = 0
+
+        async def count_turns() -> None:
+            nonlocal turns
+            while True:
+                await asyncio.sleep(0)
+                turns += 1
+
+        counter = asyncio.ensure_future(count_turns())
+        tick = asyncio.ensure_future(publisher.refresh_weights(busy, now=20.0))
+        drain = asyncio.ensure_future(publisher.refresh_weights(drained, now=20.1))
+        await asyncio.gather(tick, drain)
+        counter.cancel()
+        return turns
+
+    turns = asyncio.run(run())
+    assert turns >= 3  # the loop ran other work between slices
+    assert publisher.weights == compute_weights(drained, config.policy)
+    assert "e7" not in publisher.weights["cortex"]
