@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import math
 import logging
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
