@@ -58,3 +58,35 @@ def test_an_engine_never_probed_shows_no_probe_gauges() -> None:
     metrics = SluiceMetrics(engine_states=lambda: [EngineState("new", None, None, None, None, None, None)])
     assert metrics.registry.get_sample_value("sluice_engine_requests_running", {"engine": "new"}) is None
     assert metrics.registry.get_sample_value("sluice_observer_degraded", {"engine": "new"}) is None
+
+
+def test_the_probe_gauges_are_built_off_the_event_loop_from_a_snapshot_taken_on_it() -> None:
+    """At 1000 engines building the six per-engine probe families took about 10 ms: the loop only takes the engines'
+    states (a snapshot), and the families are built in the rendering thread from that snapshot."""
+    import threading
+
+    read_on: set[int] = set()
+
+    class Watched:
+        """An engine state that notes the thread reading it."""
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getattr__(self, field: str) -> float:
+            read_on.add(threading.get_ident())
+            return 2.0 if field == "running" else 0.0
+
+    states = [Watched("a"), Watched("b")]
+    metrics = SluiceMetrics(engine_states=lambda: list(states))
+
+    async def scenario() -> tuple[int, str]:
+        scrape = asyncio.create_task(metrics.exposition())
+        await asyncio.sleep(0)  # the scrape's loop-side step has run: its snapshot is taken
+        states.append(Watched("late"))
+        return threading.get_ident(), (await scrape).decode()
+
+    loop_thread, text = asyncio.run(scenario())
+    assert 'sluice_engine_requests_running{engine="b"} 2.0' in text
+    assert 'engine="late"' not in text
+    assert read_on and loop_thread not in read_on
