@@ -77,7 +77,6 @@ class _EngineStates(Collector):
                     family.add_metric([state.name], float(value))
             yield family
 
-
     def as_of_now(self) -> _EngineStates:
         """The same gauges over the engines' states read now (on the loop), to be built and rendered elsewhere: at 1000
         engines building the six families took about 10 ms, which held the loop on every scrape."""
