@@ -89,12 +89,12 @@ async def run_worker(setup: WorkerSetup, out: asyncio.StreamWriter | Any, stdin_
     starved: asyncio.Future[float] = (asyncio.ensure_future(starved_for(setup.observe.worker_starved_after_seconds))
                                       if setup.idle else loop.create_future())
     ends: list[asyncio.Future[Any]] = [stdin_closed, starved]
-    tasks: list[asyncio.Future[Any]] = [
-        asyncio.ensure_future(first_round(pollers, timeout, lambda poller: failed(poller.view(0.0))))]
+    first = asyncio.ensure_future(first_round(pollers, timeout, lambda poller: failed(poller.view(0.0))))
+    tasks: list[asyncio.Future[Any]] = [first]
     try:
-        await asyncio.wait([tasks[0], *ends], return_when=asyncio.FIRST_COMPLETED)
-        if tasks[0].done():
-            tasks[0].result()
+        await asyncio.wait([first, *ends], return_when=asyncio.FIRST_COMPLETED)
+        if first.done():
+            first.result()
             send(("ready",))
             flush()  # the control plane answers no Check before it: not a moment later than needed
             interval = setup.observe.poll_interval_seconds

@@ -18,7 +18,7 @@ from controlplane.config import Config
 from controlplane.core.model import Fleet
 from controlplane.core.policy import Policy
 from controlplane.core.weights import (
-    MIN_PUSH_INTERVAL_S, Weights, compute_weights, eligible_engines, model_weights, served_models, should_push, throughputs,
+    MIN_PUSH_INTERVAL_S, Weights, compute_weights, eligible_engines, should_push, weight_steps,
 )
 from controlplane.metrics import SluiceMetrics
 from controlplane.xds.resources import build_cluster, build_listener, build_load_assignment, build_routes
@@ -117,18 +117,15 @@ class XdsPublisher:
         return eligible
 
     async def _weights_in_slices(self, fleet: Fleet) -> Weights:
-        """``compute_weights``, ``WEIGHTS_SLICE`` engines a turn of the event loop: at 1000 engines the whole pass held
-        it 5 ms every ``MIN_PUSH_INTERVAL_S`` (session 17, every callback over 0.8 ms timed in ``bench scale``), and the
-        Checks that arrived meanwhile waited it out. The fleet is a snapshot, so the slices read one moment's fleet."""
-        policy, out = self.config.policy, {}
-        for model in served_models(fleet):
-            rows = []
-            for start in range(0, len(fleet.engines), WEIGHTS_SLICE):
-                rows += throughputs(fleet.engines[start:start + WEIGHTS_SLICE], model, fleet, policy)
-                await asyncio.sleep(0)
-            if rows:
-                out[model] = model_weights(rows)
-        return out
+        """``compute_weights``, ``WEIGHTS_SLICE`` engines a turn of the event loop (``weight_steps``): at 1000 engines
+        the whole pass held it 5 ms every ``MIN_PUSH_INTERVAL_S`` (session 17, every callback over 0.8 ms timed in
+        ``bench scale``), and the Checks that arrived meanwhile waited it out. The fleet is a snapshot, so the slices
+        read one moment's fleet."""
+        for step in weight_steps(fleet, self.config.policy, WEIGHTS_SLICE):
+            if step is not None:
+                return step
+            await asyncio.sleep(0)
+        raise AssertionError("unreachable: the last step is the weights")
 
     async def refresh_weights(self, fleet: Fleet, now: float) -> bool:
         """Recompute the fallback weights; push a new route table only on a real change.

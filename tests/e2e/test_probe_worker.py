@@ -59,10 +59,6 @@ def test_a_probe_worker_observes_serves_keeps_drains_and_comes_back(tmp_path: Pa
     wait_for(lambda: not [p for p in _worker_pids() if p not in before], timeout=10, what="the worker stopped with it")
 
 
-def _policy(pid: int) -> int:
-    return os.sched_getscheduler(pid)
-
-
 def test_the_probe_worker_runs_idle_and_comes_back_at_nice_when_every_core_is_busy(tmp_path: Path) -> None:
     """``observe.worker_priority: idle`` (the default): the worker probes under SCHED_IDLE. Every core busy with other work
     (one spinning process per core), it is starved: it says so and stops, and the control plane restarts it as a normal
@@ -76,7 +72,7 @@ def test_the_probe_worker_runs_idle_and_comes_back_at_nice_when_every_core_is_bu
         assert stack.controlplane is not None
         plane = stack.controlplane.plane
         first = [p for p in _worker_pids() if p not in before]
-        assert len(first) == 1 and _policy(first[0]) == os.SCHED_IDLE
+        assert len(first) == 1 and os.sched_getscheduler(first[0]) == os.SCHED_IDLE
         assert os.getpriority(os.PRIO_PROCESS, first[0]) == 10
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
         wait_for(lambda: plane.observation.worker_starvations >= 1, timeout=30, what="the idle worker to report starving")
@@ -87,7 +83,7 @@ def test_the_probe_worker_runs_idle_and_comes_back_at_nice_when_every_core_is_bu
         wait_for(lambda: sum(p.probes for p in plane.pollers) > probes + 4, timeout=15,
                  what="probes from the nice worker while every core is busy")
         # It probes, so it has read its setup and chosen its scheduling: a normal process at nice 10.
-        assert _policy(second[0]) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, second[0]) == 10
+        assert os.sched_getscheduler(second[0]) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, second[0]) == 10
         assert plane.metrics.registry.get_sample_value("sluice_probe_worker_starved_total") == 1
     finally:
         for hog in hogs:
