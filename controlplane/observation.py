@@ -24,7 +24,7 @@ from controlplane.core.output_length import lengths_from_buckets
 from controlplane.metrics import EngineState, SluiceMetrics
 from controlplane.observe.poller import EnginePoller, first_round, first_round_bound_s
 from controlplane.observe.rates import RateBook
-from controlplane.observe.worker import WorkerSetup, encode, read_frame
+from controlplane.observe.worker import WorkerSetup, decode_report, encode, read_frame
 
 log = logging.getLogger("sluice.observe")
 
@@ -328,8 +328,8 @@ class Observation:
                 while self.worker_starvations == starvations:
                     batch = await read_frame(process.stdout)
                     for start in range(0, len(batch), FRAMES_PER_TURN):
-                        for frame in batch[start:start + FRAMES_PER_TURN]:
-                            self._apply_frame(frame, ready)
+                        for raw in batch[start:start + FRAMES_PER_TURN]:
+                            self._apply_frame(decode_report(raw), ready)
                         self.refresh_rows(self.clock())
                         # One slice, then the loop: Checks that arrived meanwhile go first (FRAMES_PER_TURN).
                         await asyncio.sleep(0)

@@ -13,7 +13,7 @@ import pytest
 
 from controlplane.config import ConfigError, parse_config
 from controlplane.observe.poller import EnginePoller, next_due, wave_start
-from controlplane.observe.worker import WorkerSetup, run_worker
+from controlplane.observe.worker import WorkerSetup, decode_report, read_frame, run_worker
 
 
 def test_a_probe_starts_on_the_first_wave_at_or_after_its_due_time() -> None:
@@ -123,6 +123,43 @@ def test_the_probe_worker_runs_its_probes_in_waves(monkeypatch: pytest.MonkeyPat
     periodic = starts[20:]  # after the first round (every engine once, at start-up)
     assert len(periodic) >= 20 * 3
     assert _on_waves(periodic, 0.05) >= 0.9
+
+
+def test_a_batch_carries_each_report_pickled_on_its_own() -> None:
+    """The control plane unpickles a report only when it applies it, a few per turn of its loop, so that a wave's batch
+    never holds the loop in one piece: what the worker writes is batches of separately pickled reports, every one of
+    them there (here: each engine's failed first probe, then ``ready``)."""
+    config = parse_config({
+        "observe": {"poll_interval_seconds": 0.2, "poll_timeout_seconds": 0.1},
+        "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{9 + i}", "models": ["m"]} for i in range(5)],
+    })
+    written: list[bytes] = []
+
+    class Out:
+        def write(self, data: bytes) -> None:
+            written.append(data)
+
+    async def main() -> list[list[bytes]]:
+        stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        worker = asyncio.create_task(run_worker(WorkerSetup(config.engines, config.observe), Out(), stop))
+        await asyncio.sleep(0.5)
+        stop.set_result(None)
+        await worker
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"".join(written))
+        reader.feed_eof()
+        batches = []
+        while not reader.at_eof():
+            batches.append(await read_frame(reader))
+        return batches
+
+    batches = asyncio.run(main())
+    assert batches and all(isinstance(raw, bytes) for batch in batches for raw in batch)
+    reports = [decode_report(raw) for batch in batches for raw in batch]
+    kinds = [report[0] for report in reports]
+    assert "ready" in kinds
+    assert {report[1].name for report in reports[:kinds.index("ready")] if report[0] == "failed"} == {
+        f"e{i}" for i in range(5)}
 
 
 def test_pollers_on_the_control_planes_own_loop_run_without_waves(monkeypatch: pytest.MonkeyPatch) -> None:
