@@ -15,7 +15,9 @@ This host is shared and its load drifts by 3-6x within minutes (the same 2-engin
 apart), so sizes measured one after the other compared host load, not fleets; interleaved, every size sees the same
 drift. The p99s are over all of a size's requests; the per-round ratios show how far one round can move.
 Measured: end-to-end latency at the client (p50, p99), the Check's own latency from ``sluice_authz_check_seconds`` (two
-scrapes), and whether every request was decided by a Check: each 200 carries ``x-sluice-engine`` (set only by an admitting
+scrapes), how long one more ``/metrics`` scrape takes after the segment (a Prometheus scraping the control plane holds
+its loop's wake-ups to the GIL's switch interval for that long, so it matters at scale although no scrape falls within
+the measured window), and whether every request was decided by a Check: each 200 carries ``x-sluice-engine`` (set only by an admitting
 Check) equal to the farm's ``x-farm-engine`` (Envoy went where the Check said), and ``sluice_admission_decisions_total``
 grew by exactly the number of requests sent. Client, Envoy, control plane and farm share this machine's 2 cores.
 """
@@ -167,6 +169,9 @@ def run_segment(label: str, seconds: float) -> dict[str, Any]:
             time.sleep(0.5)
             cpu_s, wall_s = (_cpu_s(pid) - cpu_before) if pid else float("nan"), time.monotonic() - wall_before
             after, decided_after = _histogram(metrics_url), _decisions(metrics_url)
+            scrape_started = time.perf_counter()
+            urllib.request.urlopen(metrics_url, timeout=10).read()
+            scrape_ms = (time.perf_counter() - scrape_started) * 1000
     finally:
         farm.terminate()
         farm.wait(10)
@@ -183,6 +188,7 @@ def run_segment(label: str, seconds: float) -> dict[str, Any]:
         "wall_s": wall_s,
         "ready_s": ready_s,
         "load": load_before,
+        "scrape_ms": scrape_ms,
     }
 
 
@@ -220,6 +226,7 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
         "cp_cpu": sum(segment["cpu_s"] for segment in segments) / sum(segment["wall_s"] for segment in segments),
         "ready_s": max(segment["ready_s"] for segment in segments),
         "load": [segment["load"] for segment in segments],
+        "scrape_ms": median([segment["scrape_ms"] for segment in segments]),
     }
 
 
@@ -253,7 +260,7 @@ def run_scale_bench(sizes: tuple[str, ...] = SIZES, seconds: float = SECONDS, ro
         f"| {r['label']} | {r['sent']} | {r['ok']} | {r['pinned']} | {r['matched']} | {r['decisions']:.0f} | "
         f"{r['p50']:.2f} / {r['p99']:.2f} | **{r['p99'] / base['p99']:.2f}x** | {per_round(r)} | "
         f"{r['check_p50']:.3f} / {r['check_p99']:.3f} | {r['distinct']} | {r['top10']:.0%} | {r['cp_cpu']:.0%} | "
-        f"{r['ready_s']:.0f} | {' / '.join(f'{x:.2f}' for x in r['load'])} | "
+        f"{r['ready_s']:.0f} | {r['scrape_ms']:.0f} | {' / '.join(f'{x:.2f}' for x in r['load'])} | "
         f"{', '.join(f'{k}: {v}' for k, v in r['codes'].items()) or '-'} |"
         for r in results
     )
@@ -268,8 +275,8 @@ def run_scale_bench(sizes: tuple[str, ...] = SIZES, seconds: float = SECONDS, ro
                         f"{'yes' if every else 'NO'} (statuses {r['statuses']}, codes {r['codes']})")
     doc = (__doc__ or "").replace("RATE", str(RATE)).replace("SECONDS", f"{seconds:g}").replace("ROUNDS", str(rounds))
     body = f"""{doc}
-| engines | sent | 200 | with x-sluice-engine | Envoy went where the Check said | decisions counted | end-to-end p50 / p99 (ms) | p99 / p99 at 2 engines | the same, round by round | Check p50 / p99 (ms, server) | engines used | busiest 10% take | control plane CPU (of one core) | start-up to serving (s, slowest) | load avg at each start | not 200 (code: count) |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| engines | sent | 200 | with x-sluice-engine | Envoy went where the Check said | decisions counted | end-to-end p50 / p99 (ms) | p99 / p99 at 2 engines | the same, round by round | Check p50 / p99 (ms, server) | engines used | busiest 10% take | control plane CPU (of one core) | start-up to serving (s, slowest) | a /metrics scrape (ms, median segment) | load avg at each start | not 200 (code: count) |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 {rows}
 
 Target (issue 9): end-to-end p99 at 200 and at 1000 engines no more than {TARGET_RATIO}x the p99 at 2 engines, every request

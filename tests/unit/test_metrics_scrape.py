@@ -90,3 +90,38 @@ def test_the_probe_gauges_are_built_off_the_event_loop_from_a_snapshot_taken_on_
     assert 'sluice_engine_requests_running{engine="b"} 2.0' in text
     assert 'engine="late"' not in text
     assert read_on and loop_thread not in read_on
+
+
+def test_the_per_engine_ttft_error_histogram_renders_as_prometheus_client_would() -> None:
+    """``sluice_ttft_estimate_error_ratio`` is rendered from plain counts (``metrics.EngineHistogram``: at 1000 engines
+    prometheus_client's generic path was most of a scrape): its text is byte for byte what prometheus_client renders for
+    the same observations, escaped engine names, bucket edges and huge values included, with no ``_created`` series."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    metrics = SluiceMetrics()
+    registry = CollectorRegistry()
+    reference = Histogram("sluice_ttft_estimate_error_ratio", metrics.ttft_error.documentation, ["engine"],
+                          buckets=metrics.ttft_error.bounds[:-1], registry=registry)
+    names = ["e1", "e2", 'odd"name\\with\nbreaks', "quiet"]
+    rng = random.Random(7)
+    for name in names:
+        metrics.engine(name)
+        reference.labels(name)
+    for _ in range(3000):
+        name = rng.choice(names[:-1])
+        value = rng.choice([rng.uniform(0.0, 12.0), 0.1, 1.0, 10.0, 4.0, 3e7])
+        metrics.engine(name).ttft_error.observe(value)
+        reference.labels(name).observe(value)
+
+    def family(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith(("sluice_ttft_estimate_error_ratio",
+                                                                       "# HELP sluice_ttft_estimate_error_ratio",
+                                                                       "# TYPE sluice_ttft_estimate_error_ratio"))]
+
+    ours = asyncio.run(metrics.exposition()).decode()
+    assert family(ours) == family(generate_latest(registry).decode())
+    assert len(family(ours)) == 2 + len(names) * (len(metrics.ttft_error.bounds) + 2)
+    assert "_created" not in ours
+    assert metrics.registry.get_sample_value("sluice_ttft_estimate_error_ratio_count", {"engine": "quiet"}) == 0
