@@ -92,39 +92,64 @@ def test_the_probe_gauges_are_built_off_the_event_loop_from_a_snapshot_taken_on_
     assert read_on and loop_thread not in read_on
 
 
-def test_the_per_engine_ttft_error_histogram_renders_as_prometheus_client_would() -> None:
-    """``sluice_ttft_estimate_error_ratio`` is rendered from plain counts (``metrics.EngineHistogram``: at 1000 engines
-    prometheus_client's generic path was most of a scrape): its text is byte for byte what prometheus_client renders for
-    the same observations, escaped engine names, bucket edges and huge values included, with no ``_created`` series."""
+def test_the_per_engine_families_render_as_prometheus_client_would() -> None:
+    """The per-engine families are rendered from plain values (``metrics.EngineHistogram``, ``EngineFamily``: at 1000
+    engines prometheus_client's generic path was most of a scrape): their text is byte for byte what prometheus_client
+    renders for the same events, escaped engine names, bucket edges and huge values included, without ``_created``
+    series; and so is the rest of the exposition (``exposition_text``)."""
     import random
 
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-    metrics = SluiceMetrics()
+    metrics = SluiceMetrics(open_tickets=lambda: {"e1": 2, 'odd"name\\with\nbreaks': 1},
+                            engine_states=lambda: [EngineState("e2", 3.0, 0.0, 0.25, 1e7, 41.5, True)])
     registry = CollectorRegistry()
-    reference = Histogram("sluice_ttft_estimate_error_ratio", metrics.ttft_error.documentation, ["engine"],
-                          buckets=metrics.ttft_error.bounds[:-1], registry=registry)
+    error = Histogram("sluice_ttft_estimate_error_ratio", metrics.ttft_error.documentation, ["engine"],
+                      buckets=metrics.ttft_error.bounds[:-1], registry=registry)
+    families = {family.name: family for family in metrics._engine_families}
+    reference = {name: (Counter if family.counter else Gauge)(name, family.documentation, ["engine"], registry=registry)
+                 for name, family in families.items()}
     names = ["e1", "e2", 'odd"name\\with\nbreaks', "quiet"]
-    rng = random.Random(7)
     for name in names:
         metrics.engine(name)
-        reference.labels(name)
+        error.labels(name)
+        for family_name, instrument in reference.items():
+            child = instrument.labels(name)
+            if family_name == "sluice_ttft_correction":
+                child.set(1.0)  # as the control plane starts it (no correction)
+    rng = random.Random(7)
     for _ in range(3000):
         name = rng.choice(names[:-1])
         value = rng.choice([rng.uniform(0.0, 12.0), 0.1, 1.0, 10.0, 4.0, 3e7])
-        metrics.engine(name).ttft_error.observe(value)
-        reference.labels(name).observe(value)
+        series = metrics.engine(name)
+        series.ttft_error.observe(value)
+        error.labels(name).observe(value)
+        series.tickets_released.inc()
+        reference["sluice_tickets_released"].labels(name).inc()
+        series.up.set(value > 1)
+        reference["sluice_engine_up"].labels(name).set(value > 1)
+        series.ttft_correction.set(value / 3)
+        reference["sluice_ttft_correction"].labels(name).set(value / 3)
+    metrics.engine("e2").retries.inc(2)
+    reference["sluice_engine_retries"].labels("e2").inc(2)
 
-    def family(text: str) -> list[str]:
-        """The family's lines, without prometheus_client's ``_created`` series (which the control plane leaves out)."""
-        return [line for line in text.splitlines() if "_created" not in line and line.startswith((
-            "sluice_ttft_estimate_error_ratio", "# HELP sluice_ttft_estimate_error_ratio",
-            "# TYPE sluice_ttft_estimate_error_ratio"))]
+    def lines(text: str) -> list[str]:
+        """The per-engine families' lines, without prometheus_client's ``_created`` series (left out here)."""
+        return sorted(line for line in text.splitlines() if "_created" not in line and any(
+            name in line for name in ("sluice_ttft_estimate_error_ratio", *families)))
 
     ours = asyncio.run(metrics.exposition()).decode()
-    assert family(ours) == family(generate_latest(registry).decode())
-    assert len(family(ours)) == 2 + len(names) * (len(metrics.ttft_error.bounds) + 2)
+    assert lines(ours) == lines(generate_latest(registry).decode())
+    assert len([line for line in lines(ours) if "error_ratio_bucket" in line]) == len(names) * len(
+        metrics.ttft_error.bounds)
     assert "_created" not in ours
-    metrics.engine("e1").tickets_released.inc()
-    assert "_created" not in asyncio.run(metrics.exposition()).decode()  # nor any instrument's
     assert metrics.registry.get_sample_value("sluice_ttft_estimate_error_ratio_count", {"engine": "quiet"}) == 0
+    assert metrics.registry.get_sample_value("sluice_engine_retries_total", {"engine": "e2"}) == 2
+    # The rest, rendered by exposition_text, is generate_latest's text too.
+    from controlplane.metrics import _Fixed, exposition_text
+
+    rest = [family for family in metrics.registry.collect()
+            if family.name not in families and family.name != "sluice_ttft_estimate_error_ratio"]
+    for family in rest:
+        family.samples = [sample for sample in family.samples if not sample.name.endswith("_created")]
+    assert exposition_text(rest) == generate_latest(_Fixed(rest)).decode()
