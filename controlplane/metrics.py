@@ -7,7 +7,10 @@ instruments (counters, gauges, histograms) are thread-safe; the loop-side collec
 
 Every per-engine child is created when the engine is registered (``engine``), at start-up before the control plane
 freezes its start-up objects out of the collector's reach (app.py), not at the engine's first event: created later,
-1000 engines' histogram children were most of what each full collection traversed."""
+1000 engines' histogram children were most of what each full collection traversed. The per-engine families are plain
+values rendered from pre-built line prefixes (``EngineHistogram``, ``EngineFamily``) and the rest with each label set
+formatted once (``exposition_text``), in prometheus_client's exact text: at 1000 engines its generic path made a scrape
+0.25-0.4 s of GIL-holding Python, now 30-50 ms."""
 
 from __future__ import annotations
 
@@ -27,6 +30,16 @@ from prometheus_client.utils import floatToGoString
 _go_float = cast(Callable[[float], str], floatToGoString)
 """prometheus_client's number format (untyped there)."""
 
+
+def _label_value(text: str) -> str:
+    """A label value escaped as prometheus_client's text format escapes it."""
+    return text.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def _head(name: str, documentation: str, kind: str) -> str:
+    """A family's ``# HELP`` and ``# TYPE`` lines, as generate_latest writes them."""
+    documentation = documentation.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {documentation}\n# TYPE {name} {kind}\n"
 
 
 class _OpenTickets(Collector):
@@ -193,9 +206,7 @@ class EngineFamily(Collector):
         return list(self._children.values())
 
     def text(self, snapshot: list[tuple[str, EngineValue]]) -> str:
-        documentation = self.documentation.replace("\\", r"\\").replace("\n", r"\n")
-        kind = "counter" if self.counter else "gauge"
-        head = f"# HELP {self.exposed} {documentation}\n# TYPE {self.exposed} {kind}\n"
+        head = _head(self.exposed, self.documentation, "counter" if self.counter else "gauge")
         return head + "".join([f"{prefix}{_go_float(child.value)}\n" for prefix, child in snapshot])
 
     def collect(self) -> Iterator[Metric]:
@@ -204,10 +215,6 @@ class EngineFamily(Collector):
         for engine, (_, child) in self._children.items():
             family.add_metric([engine], child.value)
         yield family
-
-
-def _label_value(text: str) -> str:
-    return text.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
 
 
 class EngineHistogram(Collector):
@@ -243,8 +250,7 @@ class EngineHistogram(Collector):
         return [(self._prefixes[engine], child.counts[:], child.total) for engine, child in self._children.items()]
 
     def text(self, snapshot: list[tuple[tuple[str, ...], list[int], float]]) -> str:
-        documentation = self.documentation.replace("\\", r"\\").replace("\n", r"\n")
-        lines = [f"# HELP {self.name} {documentation}\n# TYPE {self.name} histogram\n"]
+        lines = [_head(self.name, self.documentation, "histogram")]
         for prefixes, counts, total in snapshot:
             cumulative = 0
             for prefix, count in zip(prefixes, counts):
@@ -280,9 +286,8 @@ def exposition_text(families: Iterable[Metric]) -> str:
         if metric.type not in _PLAIN_TYPES or any(s.timestamp is not None or s.exemplar for s in samples):
             out.append(generate_latest(_Fixed([metric])).decode())
             continue
-        name = metric.name + "_total" if metric.type == "counter" else metric.name
-        documentation = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
-        out.append(f"# HELP {name} {documentation}\n# TYPE {name} {metric.type}\n")
+        out.append(_head(metric.name + "_total" if metric.type == "counter" else metric.name, metric.documentation,
+                         metric.type))
         for sample in samples:
             key = tuple(sample.labels.items())
             text = labels_text.get(key)

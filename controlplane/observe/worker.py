@@ -16,9 +16,9 @@ to the pipe) of a list of reports each pickled on its own (``encode_batch``): th
 it applies it, a few per turn of its loop (``decode_report``). Unpickled whole, a wave's batch (30 reports at 1000
 engines) held the loop that answers Checks for up to 1.6-1.9 ms (p99 of the reader's turns, ``bench scale``, session 18);
 a report at a time, 0.75-0.8 ms, for the same CPU. The control plane's ``EnginePoller``s hold the views (``adopt``):
-drains and request failures stay there. Both
-processes read ``time.monotonic``, one clock on one host, so the worker's times are the control plane's. The worker exits
-when its stdin closes (the control plane went away) and the control plane restarts a worker that dies. It runs at nice
+drains and request failures stay there. Both processes read ``time.monotonic``, one clock on one host, so the worker's
+times are the control plane's. The worker exits when its stdin closes (the control plane went away) and the control
+plane restarts a worker that dies. It runs at nice
 ``WORKER_NICE`` and, with ``observe.worker_priority: idle`` (the default), under Linux's ``SCHED_IDLE``: probes take only
 CPU that nothing else wants, so the Checks' loop and Envoy never wait for a probe's time slice. Idle, it watches its own
 timer (``starved_for``); starved past ``observe.worker_starved_after_seconds`` (every core busy), it reports
