@@ -228,26 +228,25 @@ class EngineHistogram(Collector):
         self.name = name
         self.documentation = documentation
         self.bounds: tuple[float, ...] = (*(float(b) for b in buckets), math.inf)
-        self._children: dict[str, EngineHistogramChild] = {}
-        self._prefixes: dict[str, tuple[str, ...]] = {}
+        self._children: dict[str, tuple[tuple[str, ...], EngineHistogramChild]] = {}
+        """engine -> its line prefixes (each bucket's, then ``_count``'s and ``_sum``'s) and its buckets."""
 
     def labels(self, engine: str) -> EngineHistogramChild:
-        child = self._children.get(engine)
-        if child is None:
-            child = self._children[engine] = EngineHistogramChild(self.bounds)
+        held = self._children.get(engine)
+        if held is None:
             label = f'engine="{_label_value(engine)}"'
-            self._prefixes[engine] = (
-                *(f'{self.name}_bucket{{{label},le="{_go_float(b)}"}} ' for b in self.bounds),
-                f"{self.name}_count{{{label}}} ", f"{self.name}_sum{{{label}}} ")
-        return child
+            prefixes = (*(f'{self.name}_bucket{{{label},le="{_go_float(b)}"}} ' for b in self.bounds),
+                        f"{self.name}_count{{{label}}} ", f"{self.name}_sum{{{label}}} ")
+            held = self._children[engine] = (prefixes, EngineHistogramChild(self.bounds))
+        return held[1]
 
     def remove(self, engine: str) -> None:
         self._children.pop(engine, None)
-        self._prefixes.pop(engine, None)
 
     def snapshot(self) -> list[tuple[tuple[str, ...], list[int], float]]:
-        """Each engine's line prefixes and a copy of its counts, read on the loop (where they are written)."""
-        return [(self._prefixes[engine], child.counts[:], child.total) for engine, child in self._children.items()]
+        """Each engine's line prefixes and a copy of its counts and sum, taken on the loop (where they are written): read
+        from the thread, an observation landing between a bucket's count and the sum would tear them."""
+        return [(prefixes, child.counts[:], child.total) for prefixes, child in self._children.values()]
 
     def text(self, snapshot: list[tuple[tuple[str, ...], list[int], float]]) -> str:
         lines = [_head(self.name, self.documentation, "histogram")]
@@ -261,7 +260,7 @@ class EngineHistogram(Collector):
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=["engine"])
-        for engine, child in self._children.items():
+        for engine, (_, child) in self._children.items():
             cumulative, buckets = 0, []
             for bound, count in zip(self.bounds, child.counts[:]):
                 cumulative += count

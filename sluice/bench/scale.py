@@ -17,9 +17,10 @@ drift. The p99s are over all of a size's requests; the per-round ratios show how
 Measured: end-to-end latency at the client (p50, p99), the Check's own latency from ``sluice_authz_check_seconds`` (two
 scrapes), how long one more ``/metrics`` scrape takes after the segment (a Prometheus scraping the control plane holds
 its loop's wake-ups to the GIL's switch interval for that long, so it matters at scale although no scrape falls within
-the measured window), and whether every request was decided by a Check: each 200 carries ``x-sluice-engine`` (set only by an admitting
-Check) equal to the farm's ``x-farm-engine`` (Envoy went where the Check said), and ``sluice_admission_decisions_total``
-grew by exactly the number of requests sent. Client, Envoy, control plane and farm share this machine's 2 cores.
+the measured window), and whether every request was decided by a Check: each 200 carries ``x-sluice-engine`` (set
+only by an admitting Check) equal to the farm's ``x-farm-engine`` (Envoy went where the Check said), and
+``sluice_admission_decisions_total`` grew by exactly the number of requests sent. Client, Envoy, control plane and farm
+share this machine's 2 cores.
 """
 
 from __future__ import annotations
