@@ -10,14 +10,17 @@ polls them every second, 54 MB/s) and a ``/v1/chat/completions`` that answers a 
 per engine: polling and parsing, the per-Check fleet, the choice, weights and xDS.
 
 Per size: SECONDS s of an open loop of RATE requests/s (fixed intervals), in ROUNDS interleaved segments: each round
-starts every size once (the farm and ``sluice up``, a warm-up, then its segment), in an order rotated by one each round.
+starts every size once (the farm and ``sluice up``, 3 s of warm-up at the same rate from the same client session, then its
+segment), in an order rotated by one each round.
 This host is shared and its load drifts by 3-6x within minutes (the same 2-engine p99 measured 17 and 107 ms an hour
 apart), so sizes measured one after the other compared host load, not fleets; interleaved, every size sees the same
 drift. The p99s are over all of a size's requests; the per-round ratios show how far one round can move.
 Measured: end-to-end latency at the client (p50, p99), the Check's own latency from ``sluice_authz_check_seconds`` (two
 scrapes), how long one more ``/metrics`` scrape takes after the segment (a Prometheus scraping the control plane holds
 its loop's wake-ups to the GIL's switch interval for that long, so it matters at scale although no scrape falls within
-the measured window), and whether every request was decided by a Check: each 200 carries ``x-sluice-engine`` (set
+the measured window), how many connections Envoy opened to engines during the windows (Envoy's ``upstream_cx_total``;
+a request that opens one spent about 0.3 ms more between its Check and the engine in session 19's 1000-engine segments, and
+a gateway in service for hours would have most of those pools warm), and whether every request was decided by a Check: each 200 carries ``x-sluice-engine`` (set
 only by an admitting Check) equal to the farm's ``x-farm-engine`` (Envoy went where the Check said), and
 ``sluice_admission_decisions_total`` grew by exactly the number of requests sent. Client, Envoy, control plane and farm
 share this machine's 2 cores.
@@ -76,6 +79,11 @@ SECONDS = float(os.environ.get("SLUICE_SCALE_SECONDS", "40"))
 10 s periodic event (the fallback-weights drift look) could fall outside the window."""
 ROUNDS = 3
 """Segments per size (``--rounds``): SECONDS is split among them."""
+WARM_SECONDS = 3.0
+"""Each segment's warm-up, at the measured rate and from the window's client session. Longer does not warm Envoy's
+upstream pools for the window: 10, 20 and 40 s of warm-up still left 114, 52 and 131 connections to open in a 1000-engine
+window (session 19), because the engines finish-soonest's near ties pick drift on through the fleet (the least served
+first) as probes move each engine's estimate."""
 TARGET_RATIO = 1.5
 BODY = {"model": "reasoning", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
 
@@ -110,11 +118,11 @@ def _controlplane_pid(grpc_port: int) -> int | None:
     return None
 
 
-async def open_loop(url: str, rate: int, seconds: float) -> list[dict[str, Any]]:
+async def open_loop(session: aiohttp.ClientSession, url: str, rate: int, seconds: float) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     t0 = time.perf_counter()
 
-    async def one(session: aiohttp.ClientSession) -> None:
+    async def one() -> None:
         started = time.perf_counter()
         row: dict[str, Any] = {"status": 0, "engine": "", "farm": ""}
         try:
@@ -134,9 +142,35 @@ async def open_loop(url: str, rate: int, seconds: float) -> list[dict[str, Any]]
         row["at"] = started - t0
         results.append(row)
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await paced(rate, seconds, lambda: one(session))
+    await paced(rate, seconds, one)
     return results
+
+
+def _upstream_connections(admin_url: str) -> int:
+    """Connections Envoy has opened to engines so far (every engine cluster's ``upstream_cx_total``)."""
+    text = urllib.request.urlopen(f"{admin_url}/stats?filter=upstream_cx_total", timeout=10).read().decode()
+    return sum(int(v) for v in re.findall(r"^cluster\.e\d+\.upstream_cx_total: (\d+)$", text, re.M))
+
+
+async def _warm_then_measure(url: str, metrics_url: str, admin_port: int, pid: int | None,
+                             seconds: float) -> dict[str, Any]:
+    """The warm-up, then ``seconds`` of measured traffic, from one client session (its connections to Envoy, and so
+    the Envoy workers whose upstream pools were warmed, carry on into the window, as a client's in steady state do)."""
+    admin_url = f"http://127.0.0.1:{admin_port}"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await open_loop(session, url, RATE, WARM_SECONDS)
+        await asyncio.sleep(1.0)
+        before, decided_before = _histogram(metrics_url), _decisions(metrics_url)
+        connections_before = _upstream_connections(admin_url)
+        cpu_before, wall_before = (_cpu_s(pid) if pid else 0.0), time.monotonic()
+        load_before = os.getloadavg()[0]
+        rows = await open_loop(session, url, RATE, seconds)
+        connections = _upstream_connections(admin_url) - connections_before
+        await asyncio.sleep(0.5)
+        cpu_s = (_cpu_s(pid) - cpu_before) if pid else float("nan")
+        wall_s = time.monotonic() - wall_before
+    return {"rows": rows, "before": before, "decided_before": decided_before, "cpu_s": cpu_s, "wall_s": wall_s,
+            "load": load_before, "new_connections": connections}
 
 
 def run_segment(label: str, seconds: float) -> dict[str, Any]:
@@ -161,14 +195,7 @@ def run_segment(label: str, seconds: float) -> dict[str, Any]:
             url = config["base_url"] + "/v1/chat/completions"
             metrics_url = f"http://127.0.0.1:{config['controlplane']['metrics_port']}/metrics"
             pid = _controlplane_pid(config["controlplane"]["grpc_port"])
-            asyncio.run(open_loop(url, 20, 3.0))  # warm the pools, clusters and the Check path
-            time.sleep(1.0)
-            before, decided_before = _histogram(metrics_url), _decisions(metrics_url)
-            cpu_before, wall_before = (_cpu_s(pid) if pid else 0.0), time.monotonic()
-            load_before = os.getloadavg()[0]
-            rows = asyncio.run(open_loop(url, RATE, seconds))
-            time.sleep(0.5)
-            cpu_s, wall_s = (_cpu_s(pid) - cpu_before) if pid else float("nan"), time.monotonic() - wall_before
+            measured = asyncio.run(_warm_then_measure(url, metrics_url, config["envoy"]["admin_port"], pid, seconds))
             after, decided_after = _histogram(metrics_url), _decisions(metrics_url)
             scrape_started = time.perf_counter()
             urllib.request.urlopen(metrics_url, timeout=10).read()
@@ -180,15 +207,12 @@ def run_segment(label: str, seconds: float) -> dict[str, Any]:
     interval = parse_config({"engines": one, "observe": observe}).observe.for_fleet(size_n).poll_interval_seconds
     why = "probe budget lifted" if poll else "default config"
     return {
+        **measured,
         "engines": size_n,
         "label": f"{size_n}" + (f" (polled every {interval:.3g} s: {why})" if poll or interval > 1 else ""),
-        "rows": rows,
-        "checks": {bound: after[bound] - before.get(bound, 0.0) for bound in after},
-        "decisions": decided_after - decided_before,
-        "cpu_s": cpu_s,
-        "wall_s": wall_s,
+        "checks": {bound: after[bound] - measured["before"].get(bound, 0.0) for bound in after},
+        "decisions": decided_after - measured["decided_before"],
         "ready_s": ready_s,
-        "load": load_before,
         "scrape_ms": scrape_ms,
     }
 
@@ -228,6 +252,7 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
         "ready_s": max(segment["ready_s"] for segment in segments),
         "load": [segment["load"] for segment in segments],
         "scrape_ms": median([segment["scrape_ms"] for segment in segments]),
+        "new_connections": sum(segment["new_connections"] for segment in segments),
     }
 
 
@@ -261,7 +286,8 @@ def run_scale_bench(sizes: tuple[str, ...] = SIZES, seconds: float = SECONDS, ro
         f"| {r['label']} | {r['sent']} | {r['ok']} | {r['pinned']} | {r['matched']} | {r['decisions']:.0f} | "
         f"{r['p50']:.2f} / {r['p99']:.2f} | **{r['p99'] / base['p99']:.2f}x** | {per_round(r)} | "
         f"{r['check_p50']:.3f} / {r['check_p99']:.3f} | {r['distinct']} | {r['top10']:.0%} | {r['cp_cpu']:.0%} | "
-        f"{r['ready_s']:.0f} | {r['scrape_ms']:.0f} | {' / '.join(f'{x:.2f}' for x in r['load'])} | "
+        f"{r['ready_s']:.0f} | {r['scrape_ms']:.0f} | {r['new_connections']} | "
+        f"{' / '.join(f'{x:.2f}' for x in r['load'])} | "
         f"{', '.join(f'{k}: {v}' for k, v in r['codes'].items()) or '-'} |"
         for r in results
     )
@@ -276,8 +302,8 @@ def run_scale_bench(sizes: tuple[str, ...] = SIZES, seconds: float = SECONDS, ro
                         f"{'yes' if every else 'NO'} (statuses {r['statuses']}, codes {r['codes']})")
     doc = (__doc__ or "").replace("RATE", str(RATE)).replace("SECONDS", f"{seconds:g}").replace("ROUNDS", str(rounds))
     body = f"""{doc}
-| engines | sent | 200 | with x-sluice-engine | Envoy went where the Check said | decisions counted | end-to-end p50 / p99 (ms) | p99 / p99 at 2 engines | the same, round by round | Check p50 / p99 (ms, server) | engines used | busiest 10% take | control plane CPU (of one core) | start-up to serving (s, slowest) | a /metrics scrape (ms, median segment) | load avg at each start | not 200 (code: count) |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| engines | sent | 200 | with x-sluice-engine | Envoy went where the Check said | decisions counted | end-to-end p50 / p99 (ms) | p99 / p99 at 2 engines | the same, round by round | Check p50 / p99 (ms, server) | engines used | busiest 10% take | control plane CPU (of one core) | start-up to serving (s, slowest) | a /metrics scrape (ms, median segment) | upstream connections opened in the windows | load avg at each start | not 200 (code: count) |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 {rows}
 
 Target (issue 9): end-to-end p99 at 200 and at 1000 engines no more than {TARGET_RATIO}x the p99 at 2 engines, every request

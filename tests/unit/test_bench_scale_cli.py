@@ -44,7 +44,7 @@ def test_a_size_pools_its_rounds_latencies_and_sums_its_counts() -> None:
         rows = [{"status": 200, "engine": "e0", "farm": "e0", "ms": ms, "at": i / 100} for i, ms in enumerate(latencies)]
         return {"engines": 2, "label": "2", "rows": rows, "checks": {0.001: inf_count, float("inf"): inf_count},
                 "decisions": decisions, "cpu_s": 1.0, "wall_s": 4.0, "ready_s": 3.0, "load": 0.5,
-                "scrape_ms": scrape_ms}
+                "scrape_ms": scrape_ms, "new_connections": 3}
 
     quick, slow = segment([1.0] * 100, 100, 100, 20.0), segment([1.0] * 97 + [50.0, 60.0, 70.0], 100, 100, 40.0)
     result = summarize([quick, slow])
@@ -53,3 +53,4 @@ def test_a_size_pools_its_rounds_latencies_and_sums_its_counts() -> None:
     assert result["p99"] == 50.0  # the slow round's three outliers are 1.5% of the pooled requests
     assert result["cp_cpu"] == 0.25 and result["check_p99"] <= 1.0
     assert result["scrape_ms"] == 30.0  # the median segment's scrape
+    assert result["new_connections"] == 6
