@@ -19,11 +19,11 @@ Measured: end-to-end latency at the client (p50, p99), the Check's own latency f
 scrapes), how long one more ``/metrics`` scrape takes after the segment (a Prometheus scraping the control plane holds
 its loop's wake-ups to the GIL's switch interval for that long, so it matters at scale although no scrape falls within
 the measured window), how many connections Envoy opened to engines during the windows (Envoy's ``upstream_cx_total``;
-a request that opens one spent about 0.3 ms more between its Check and the engine in session 19's 1000-engine segments, and
-a gateway in service for hours would have most of those pools warm), and whether every request was decided by a Check: each 200 carries ``x-sluice-engine`` (set
-only by an admitting Check) equal to the farm's ``x-farm-engine`` (Envoy went where the Check said), and
-``sluice_admission_decisions_total`` grew by exactly the number of requests sent. Client, Envoy, control plane and farm
-share this machine's 2 cores.
+in session 19's 1000-engine segments a request that opened one spent about 0.3 ms more from its body's end to the engine,
+and a gateway in service for hours has most of those pools warm), and whether every request was decided by a Check: each
+200 carries ``x-sluice-engine`` (set only by an admitting Check) equal to the farm's ``x-farm-engine`` (Envoy went where
+the Check said), and ``sluice_admission_decisions_total`` grew by exactly the number of requests sent. Client, Envoy,
+control plane and farm share this machine's 2 cores.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ ROUNDS = 3
 WARM_SECONDS = 3.0
 """Each segment's warm-up, at the measured rate and from the window's client session. Longer does not warm Envoy's
 upstream pools for the window: 10, 20 and 40 s of warm-up still left 114, 52 and 131 connections to open in a 1000-engine
-window (session 19), because the engines finish-soonest's near ties pick drift on through the fleet (the least served
+window (session 19): the engines that finish-soonest's near ties pick drift on through the fleet (the least served
 first) as probes move each engine's estimate."""
 TARGET_RATIO = 1.5
 BODY = {"model": "reasoning", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
@@ -196,6 +196,7 @@ def run_segment(label: str, seconds: float) -> dict[str, Any]:
             metrics_url = f"http://127.0.0.1:{config['controlplane']['metrics_port']}/metrics"
             pid = _controlplane_pid(config["controlplane"]["grpc_port"])
             measured = asyncio.run(_warm_then_measure(url, metrics_url, config["envoy"]["admin_port"], pid, seconds))
+            before, decided_before = measured.pop("before"), measured.pop("decided_before")
             after, decided_after = _histogram(metrics_url), _decisions(metrics_url)
             scrape_started = time.perf_counter()
             urllib.request.urlopen(metrics_url, timeout=10).read()
@@ -210,8 +211,8 @@ def run_segment(label: str, seconds: float) -> dict[str, Any]:
         **measured,
         "engines": size_n,
         "label": f"{size_n}" + (f" (polled every {interval:.3g} s: {why})" if poll or interval > 1 else ""),
-        "checks": {bound: after[bound] - measured["before"].get(bound, 0.0) for bound in after},
-        "decisions": decided_after - measured["decided_before"],
+        "checks": {bound: after[bound] - before.get(bound, 0.0) for bound in after},
+        "decisions": decided_after - decided_before,
         "ready_s": ready_s,
         "scrape_ms": scrape_ms,
     }
