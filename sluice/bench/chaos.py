@@ -45,7 +45,7 @@ import grpc
 import yaml
 
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
-from sluice.bench.common import free_port, median, pct, wait_for, write_report
+from sluice.bench.common import envoy_cluster_total, free_port, median, pct, wait_for, write_report
 from sluice.threaded import ThreadedControlPlane
 from sluice.upprocess import UpProcess
 
@@ -330,15 +330,7 @@ class Stack:
 
     def upstream_requests(self) -> int:
         """Requests Envoy sent to any engine cluster (the control plane's own probes do not pass through Envoy)."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.config.envoy.admin_port}/stats?filter=upstream_rq_total",
-                                      timeout=5).read().decode()
-        clusters = {e.name for e in self.config.engines}
-        total = 0
-        for line in text.splitlines():
-            m = re.match(r"cluster\.(.+)\.upstream_rq_total: (\d+)", line)
-            if m and m.group(1) in clusters:
-                total += int(m.group(2))
-        return total
+        return envoy_cluster_total(self.config.envoy.admin_port, "upstream_rq_total", (e.name for e in self.config.engines))
 
     def reached(self) -> tuple[int, int]:
         return self.upstream_requests(), self.sim_logged()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
+import re
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +27,15 @@ def free_port() -> int:
     from controlplane.store.valkeyserver import free_port as pick
 
     return pick()
+
+
+def envoy_cluster_total(admin_port: int, stat: str, clusters: Iterable[str]) -> int:
+    """One of Envoy's per-cluster counters (``upstream_rq_total``, ``upstream_cx_total``...) summed over ``clusters``
+    (admin ``/stats``): what Envoy sent or opened to the engines, the control plane's own traffic left out."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/stats?filter={stat}", timeout=10).read().decode()
+    names = set(clusters)
+    return sum(int(m.group(2)) for m in re.finditer(rf"^cluster\.(.+)\.{re.escape(stat)}: (\d+)$", text, re.M)
+               if m.group(1) in names)
 
 
 def machine() -> str:

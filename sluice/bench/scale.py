@@ -43,7 +43,7 @@ import aiohttp
 import yaml
 
 from controlplane.config import parse_config
-from sluice.bench.common import median, paced, pct, write_report
+from sluice.bench.common import envoy_cluster_total, median, paced, pct, write_report
 from sluice.bench.common import histogram_quantile
 from sluice.bench.overhead import _histogram
 from sluice.bench.workload import gateway
@@ -146,26 +146,19 @@ async def open_loop(session: aiohttp.ClientSession, url: str, rate: int, seconds
     return results
 
 
-def _upstream_connections(admin_url: str) -> int:
-    """Connections Envoy has opened to engines so far (every engine cluster's ``upstream_cx_total``)."""
-    text = urllib.request.urlopen(f"{admin_url}/stats?filter=upstream_cx_total", timeout=10).read().decode()
-    return sum(int(v) for v in re.findall(r"^cluster\.e\d+\.upstream_cx_total: (\d+)$", text, re.M))
-
-
-async def _warm_then_measure(url: str, metrics_url: str, admin_port: int, pid: int | None,
+async def _warm_then_measure(url: str, metrics_url: str, admin_port: int, engines: list[str], pid: int | None,
                              seconds: float) -> dict[str, Any]:
     """The warm-up, then ``seconds`` of measured traffic, from one client session (its connections to Envoy, and so
     the Envoy workers whose upstream pools were warmed, carry on into the window, as a client's in steady state do)."""
-    admin_url = f"http://127.0.0.1:{admin_port}"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await open_loop(session, url, RATE, WARM_SECONDS)
         await asyncio.sleep(1.0)
         before, decided_before = _histogram(metrics_url), _decisions(metrics_url)
-        connections_before = _upstream_connections(admin_url)
+        connections_before = envoy_cluster_total(admin_port, "upstream_cx_total", engines)
         cpu_before, wall_before = (_cpu_s(pid) if pid else 0.0), time.monotonic()
         load_before = os.getloadavg()[0]
         rows = await open_loop(session, url, RATE, seconds)
-        connections = _upstream_connections(admin_url) - connections_before
+        connections = envoy_cluster_total(admin_port, "upstream_cx_total", engines) - connections_before
         await asyncio.sleep(0.5)
         cpu_s = (_cpu_s(pid) - cpu_before) if pid else float("nan")
         wall_s = time.monotonic() - wall_before
@@ -195,7 +188,8 @@ def run_segment(label: str, seconds: float) -> dict[str, Any]:
             url = config["base_url"] + "/v1/chat/completions"
             metrics_url = f"http://127.0.0.1:{config['controlplane']['metrics_port']}/metrics"
             pid = _controlplane_pid(config["controlplane"]["grpc_port"])
-            measured = asyncio.run(_warm_then_measure(url, metrics_url, config["envoy"]["admin_port"], pid, seconds))
+            measured = asyncio.run(_warm_then_measure(url, metrics_url, config["envoy"]["admin_port"],
+                                                      [str(e["name"]) for e in engines], pid, seconds))
             before, decided_before = measured.pop("before"), measured.pop("decided_before")
             after, decided_after = _histogram(metrics_url), _decisions(metrics_url)
             scrape_started = time.perf_counter()
