@@ -15,11 +15,12 @@ same simulated engine.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from enginesim.batcher import Batcher
@@ -36,6 +37,15 @@ class Dialect(enum.StrEnum):
     @property
     def vllm(self) -> bool:
         return self in (Dialect.VLLM_V1, Dialect.VLLM_V0)
+
+    @property
+    def filters(self) -> bool:
+        """Whether ``/metrics?name[]=...`` answers only those samples, as a real vLLM with one API server does (its
+        ``/metrics`` is prometheus_client's ``make_asgi_app`` over the default registry, where every metric is a named
+        collector). The other dialects answer the whole exposition, as llama.cpp's own server does; a real SGLang
+        answers nothing (its registry's only collector, the multiprocess one, has no names to match), and sluice never
+        sends it the query (``controlplane/observe/parse.py``, ``FILTERING_FLAVORS``)."""
+        return self.vllm
 
     @classmethod
     def of(cls, flavor: str) -> Dialect:
@@ -175,7 +185,24 @@ class SimCollector(Collector):
         yield _gauge("llamacpp:requests_deferred", "Number of requests deferred.", none, len(b.waiting))
 
 
-def render(collector: SimCollector) -> bytes:
-    registry = CollectorRegistry()
+def render(collector: Collector, names: Sequence[str] = ()) -> bytes:
+    """The exposition as prometheus_client writes it; with ``names``, only those samples, by prometheus_client's own
+    ``restricted_registry`` (what a real vLLM or SGLang answers to ``/metrics?name[]=...``)."""
+    # Collectors without names are filtered sample by sample, as a real vLLM's named collectors are.
+    registry = CollectorRegistry(support_collectors_without_names=True)
     registry.register(collector)
-    return generate_latest(registry)
+    return generate_latest(registry.restricted_registry(names) if names else registry)
+
+
+class _Parsed(Collector):
+    def __init__(self, text: str) -> None:
+        self.families = list(text_string_to_metric_families(text))
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def restrict(exposition: bytes, names: Sequence[str]) -> bytes:
+    """An exposition already rendered (``sluice bench``'s pre-rendered vLLM texts), restricted to ``names`` as a real
+    server restricts its own: parsed back into families and rendered through ``render``."""
+    return render(_Parsed(exposition.decode()), names)

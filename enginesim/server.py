@@ -230,7 +230,8 @@ class EngineSimulator:
             await asyncio.Event().wait()  # until the client gives up and the handler is cancelled
         if self.metrics_fault is MetricsFault.ERROR:
             return web.Response(status=500, text="internal error (simulated)")
-        return web.Response(body=render(self.collector), content_type="text/plain", charset="utf-8")
+        names = request.query.getall("name[]", []) if self.collector.flavor.filters else []
+        return web.Response(body=render(self.collector, names), content_type="text/plain", charset="utf-8")
 
     async def sim_fault(self, request: web.Request) -> web.Response:
         body = await request.json()

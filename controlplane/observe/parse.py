@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from urllib.parse import urlencode
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -129,6 +130,37 @@ def _wanted_samples() -> frozenset[str]:
 
 
 _WANTED = _wanted_samples()
+
+FILTERING_FLAVORS = frozenset({Flavor.VLLM})
+"""Flavours asked for only the samples sluice reads. vLLM's API server mounts prometheus_client's ``make_asgi_app`` over
+the default registry, which answers ``/metrics?name[]=a&name[]=b`` with only the samples named (``restricted_registry``:
+the named collectors are collected, every other sample is left out). Not SGLang: it mounts the same app over a registry
+whose only collector is the multiprocess one, which has no names to match, so the filtered answer is empty (so is
+vLLM's when it runs several API servers over ``PROMETHEUS_MULTIPROC_DIR``: the poller then falls back to the whole
+exposition). llama.cpp's and TGI's servers ignore the query."""
+
+METRICS_PATH = "/metrics"
+
+
+def _filtered_path(flavor: Flavor) -> str:
+    prefix = next(p for p, f in _PREFIXES if f is flavor)
+    return METRICS_PATH + "?" + urlencode([("name[]", name) for name in sorted(_WANTED) if name.startswith(prefix)])
+
+
+_FILTERED_PATHS = {flavor: _filtered_path(flavor) for flavor in FILTERING_FLAVORS}
+
+
+def metrics_path(flavor: Flavor | None) -> str:
+    """The probe's path for an engine of ``flavor``: for vLLM, ``/metrics`` asking for only the samples
+    sluice reads (``FILTERING_FLAVORS``); otherwise (and while the flavour is unknown) the whole exposition.
+
+    Why: a real vLLM 0.11 exposition is about 54 KB with every histogram bucket; the samples sluice reads are about 6 KB
+    of it (``sluice bench observe``). The engine renders, sends and the probe worker receives and scans a tenth of the
+    bytes, and prometheus_client collects only the named metrics, so the engine's own API server (the process that
+    also answers its requests) spends less on every probe. The answer is read by the same scanner either way: an
+    engine or proxy that ignores the query costs the full read, nothing else (``poller.EnginePoller`` falls back to the
+    whole exposition for good if a filtered answer lacks a gauge sluice requires)."""
+    return _FILTERED_PATHS.get(flavor, METRICS_PATH) if flavor is not None else METRICS_PATH
 
 
 _Trie = dict[str, "_Trie"]

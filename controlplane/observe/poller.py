@@ -25,7 +25,8 @@ from controlplane.config import EngineConfig, ObserveConfig
 from controlplane.core.model import EngineRates, EngineSample, EngineView, Flavor, ServedModel
 from controlplane.observe.discovery import DISCOVERY_PATHS, parse_discovery, parse_models, slots_kv_usage
 from controlplane.observe.httpget import HttpError, HttpGet
-from controlplane.observe.parse import detect_flavor, missing_gauges, read_series, sample_from_series
+from controlplane.observe.parse import (METRICS_PATH, Series, detect_flavor, metrics_path, missing_gauges, read_series,
+                                        sample_from_series)
 from controlplane.observe.rates import rates_between
 
 log = logging.getLogger("sluice.observe")
@@ -115,6 +116,9 @@ class EnginePoller:
         self._failed_at: float | None = None
         self._failure = ""
         self._self_checked = False
+        self._filter_refused = False
+        """A filtered answer (``parse.metrics_path``, ``observe.filter_metrics``) lacked a required gauge: whole
+        expositions only, from then on."""
         self.failures = 0
         self.probes = 0
 
@@ -231,14 +235,28 @@ class EnginePoller:
         """Closes the engine's kept-alive connection (the poller's task has ended)."""
         self._http.close()
 
-    async def poll_once(self) -> None:
-        sent_at = self._clock()
-        text = await self._get("/metrics", as_json=False)
+    async def _read_metrics(self, path: str) -> tuple[Series, Flavor | None, tuple[str, ...]]:
+        """The probe's series, the engine's flavour (configured, else detected) and the required gauges it lacks."""
+        text = await self._get(path, as_json=False)
         try:
             series = read_series(text)
         except ValueError as exc:
             raise ProbeError(f"GET /metrics: unparseable exposition: {exc}") from None
         flavor = self._configured_flavor or detect_flavor(series)
+        return series, flavor, missing_gauges(series, flavor) if flavor else ("no engine metrics recognised",)
+
+    async def poll_once(self) -> None:
+        sent_at = self._clock()
+        path = metrics_path(self.flavor) if self.observe.filter_metrics and not self._filter_refused else METRICS_PATH
+        series, flavor, missing = await self._read_metrics(path)
+        if missing and path != METRICS_PATH:
+            # The engine (or a proxy before it) answered the filtered probe without a gauge sluice requires: whatever it
+            # did with the query, the whole exposition is the one to read, from now on. An engine whose whole
+            # exposition lacks the gauge too is reported degraded below, as it would have been.
+            log.warning("engine %s: a filtered /metrics probe lacked %s; probing the whole exposition from now on",
+                        self.config.name, ", ".join(missing))
+            self._filter_refused = True
+            series, flavor, missing = await self._read_metrics(METRICS_PATH)
         if flavor is not None and sent_at >= self._next_discovery:
             await self._discover(flavor)
             self._next_discovery = sent_at + self.observe.models_refresh_seconds
@@ -248,7 +266,6 @@ class EnginePoller:
             self._failed_at = None
         if flavor is Flavor.LLAMACPP and sample.kv_usage is None:
             sample = replace(sample, kv_usage=slots_kv_usage(await self._get("/slots", as_json=True, optional=True)))
-        missing = missing_gauges(series, flavor) if flavor else ("no engine metrics recognised",)
         if not self._self_checked or bool(missing) != bool(self._view.degraded):
             self._report_health(flavor, missing)
         previous, self._previous = self._previous, sample

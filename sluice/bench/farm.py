@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections.abc import Callable
 from functools import partial
+from urllib.parse import parse_qs
 
 from aiohttp import web
 
 from enginesim.batcher import Batcher, SimRequest
-from enginesim.exposition import RequestStats, SimCollector, render
+from enginesim.exposition import RequestStats, SimCollector, render, restrict
 from enginesim.profiles import PROFILES
 
 
@@ -39,8 +41,26 @@ def _sim_variants(count: int = 8) -> list[bytes]:
     return out
 
 
+class _Expositions:
+    """The pre-rendered expositions, and each restricted to the samples a probe's ``name[]`` query names, as a real vLLM
+    restricts its own (``enginesim.exposition.restrict``): rendered (and ``wrap``ped) once per distinct query."""
+
+    def __init__(self, variants: list[bytes], wrap: Callable[[bytes], bytes] = bytes) -> None:
+        self.variants = variants
+        self.wrap = wrap
+        self._answers: dict[str, list[bytes]] = {}
+
+    def get(self, turn: int, query: str) -> bytes:
+        answers = self._answers.get(query)
+        if answers is None:
+            names = parse_qs(query).get("name[]", [])
+            answers = [self.wrap(restrict(v, names) if names else v) for v in self.variants]
+            self._answers[query] = answers
+        return answers[turn % len(answers)]
+
+
 def build_app(engines: int, exposition: str = "vllm-v1", data_parallel: int = 1) -> web.Application:
-    variants = _variants(8, exposition, data_parallel)
+    variants = _Expositions(_variants(8, exposition, data_parallel))
     models = json.dumps({"object": "list", "data": [{"id": "reasoning", "object": "model", "max_model_len": 131072}]})
     hits = [0]
 
@@ -49,7 +69,7 @@ def build_app(engines: int, exposition: str = "vllm-v1", data_parallel: int = 1)
         if index >= engines:
             raise web.HTTPNotFound()
         hits[0] += 1
-        return web.Response(body=variants[(index + hits[0]) % len(variants)], content_type="text/plain")
+        return web.Response(body=variants.get(index + hits[0], request.query_string), content_type="text/plain")
 
     async def v1_models(request: web.Request) -> web.Response:
         return web.Response(text=models, content_type="application/json")
@@ -97,8 +117,8 @@ class _Farm:
 
     def __init__(self, exposition: str = "vllm-v1", model: str = "reasoning") -> None:
         self.model = model
-        self.metrics = [_response("200 OK", "text/plain; version=0.0.4; charset=utf-8", v)
-                        for v in _variants(8, exposition)]
+        self.metrics = _Expositions(_variants(8, exposition),
+                                    partial(_response, "200 OK", "text/plain; version=0.0.4; charset=utf-8"))
         models = json.dumps({"object": "list", "data": [{"id": model, "object": "model", "max_model_len": 131072}]})
         self.documents = {
             "/v1/models": _response("200 OK", "application/json", models.encode()),
@@ -106,10 +126,11 @@ class _Farm:
         }
         self.hits = 0
 
-    def answer(self, engine: int, method: str, path: str, body: bytes) -> bytes:
+    def answer(self, engine: int, method: str, target: str, body: bytes) -> bytes:
+        path, _, query = target.partition("?")
         if method == "GET" and path == "/metrics":
             self.hits += 1
-            return self.metrics[(engine + self.hits) % len(self.metrics)]
+            return self.metrics.get(engine + self.hits, query)
         if method == "GET" and path in self.documents:
             return self.documents[path]
         if method == "POST" and path == "/v1/chat/completions":
@@ -167,7 +188,7 @@ class _EngineConnection(asyncio.Protocol):
                 return
             body = bytes(self.buffer[end + 4:end + 4 + length])
             del self.buffer[:end + 4 + length]
-            self.transport.write(self.farm.answer(self.engine, method, target.split("?", 1)[0], body))
+            self.transport.write(self.farm.answer(self.engine, method, target, body))
             if headers.get("connection", "").lower() == "close":
                 self.transport.close()
                 return

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from controlplane.observe.parse import read_series
 from enginesim.batcher import Batcher, SimRequest
@@ -172,7 +172,8 @@ async def test_usage_reports_cached_tokens_and_metrics_count_them(stream: bool) 
             await client.close()
         assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
     assert sim.served[-1]["cached_tokens"] == 256
-    series = read_series((await sim.metrics_endpoint(None)).body.decode())  # type: ignore[arg-type, union-attr]
+    answer = await sim.metrics_endpoint(make_mocked_request("GET", "/metrics"))
+    series = read_series(answer.body.decode())  # type: ignore[union-attr]
     prompt = sim.served[0]["prompt_tokens"] + sim.served[-1]["prompt_tokens"]
     assert series["vllm:prefix_cache_queries_total"][0][1] == prompt
     assert series["vllm:prefix_cache_hits_total"][0][1] == 256

@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
 from controlplane.observe.parse import parse_metrics
 from enginesim.batcher import Batcher, SimRequest
@@ -81,7 +82,8 @@ async def test_sim_metrics_parse_as_vllm_v1() -> None:
     from enginesim.server import EngineSimulator
 
     sim = EngineSimulator(PROFILES["v100pp2"], name="x")
-    text = (await sim.metrics_endpoint(None)).body.decode()  # type: ignore[arg-type, union-attr]
+    answer = await sim.metrics_endpoint(make_mocked_request("GET", "/metrics"))
+    text = answer.body.decode()  # type: ignore[union-attr]
     sample = parse_metrics(text, taken_at=0)
     assert (sample.running, sample.waiting, sample.kv_usage, sample.preemptions_total) == (0, 0, 0, 0)
     assert sample.kv_capacity_tokens == 9527 * 16 == 152_432
