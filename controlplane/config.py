@@ -325,9 +325,9 @@ class ObserveConfig:
     worker_starved_after_seconds: float = 2.0
     """How late the idle probe worker's own timer may fire before it counts as starved (see ``worker_priority``)."""
     filter_metrics: bool = True
-    """Ask vLLM and SGLang engines for only the samples sluice reads (``/metrics?name[]=...``, prometheus_client's own
-    filter; ``observe/parse.py``, ``metrics_path``): about 6 KB a probe instead of 54 KB for vLLM 0.11. Off: every probe
-    fetches the whole exposition (for a proxy in front of the engines that rejects query strings)."""
+    """Ask vLLM engines for only the samples sluice reads (``/metrics?name[]=...``, prometheus_client's own filter;
+    ``observe/parse.py``, ``metrics_path``): about 6 KB a probe instead of 54 KB for vLLM 0.11. Off: every probe fetches
+    the whole exposition (for a proxy in front of the engines that rejects query strings)."""
 
     @property
     def wave_s(self) -> float:

@@ -187,7 +187,7 @@ class SimCollector(Collector):
 
 def render(collector: Collector, names: Sequence[str] = ()) -> bytes:
     """The exposition as prometheus_client writes it; with ``names``, only those samples, by prometheus_client's own
-    ``restricted_registry`` (what a real vLLM or SGLang answers to ``/metrics?name[]=...``)."""
+    ``restricted_registry`` (what a real vLLM with one API server answers to ``/metrics?name[]=...``)."""
     # Collectors without names are filtered sample by sample, as a real vLLM's named collectors are.
     registry = CollectorRegistry(support_collectors_without_names=True)
     registry.register(collector)

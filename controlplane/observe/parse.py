@@ -155,7 +155,7 @@ def metrics_path(flavor: Flavor | None) -> str:
     sluice reads (``FILTERING_FLAVORS``); otherwise (and while the flavour is unknown) the whole exposition.
 
     Why: a real vLLM 0.11 exposition is about 54 KB with every histogram bucket; the samples sluice reads are about 6 KB
-    of it (``sluice bench observe``). The engine renders, sends and the probe worker receives and scans a tenth of the
+    of it (``sluice bench observe``). The engine renders, sends and the probe worker receives and scans a ninth of the
     bytes, and prometheus_client collects only the named metrics, so the engine's own API server (the process that
     also answers its requests) spends less on every probe. The answer is read by the same scanner either way: an
     engine or proxy that ignores the query costs the full read, nothing else (``poller.EnginePoller`` falls back to the
