@@ -2,7 +2,8 @@
 probe costs (parsing alone, and the whole probe through the real poller), the poll-cycle time (all N probed once,
 concurrently), how late the event loop that also answers Checks ran meanwhile, and what ``RateBook.tables()`` costs per
 Check. Old and new parsing are measured in the same run: the previous reader (filter lines in Python, then
-prometheus_client) is kept here as ``old_read_series`` and swapped into the poller for the "old" arm."""
+prometheus_client) is kept here as ``old_read_series`` and swapped into the poller for the "old" arm; the last arm asks
+each engine for only the samples sluice reads (``observe.filter_metrics``), the others read the whole exposition."""
 
 from __future__ import annotations
 
@@ -270,7 +271,7 @@ the kept lines; the new one finds the kept lines with one compiled regex and rea
 
 **Whole probe through the real poller** (`EnginePoller.poll_once`: HTTP GET (`observe/httpget.py`) + read + normalisation + rates), {engines}
 engines served by one aiohttp farm process on loopback, each answering real-size vLLM 0.11 V1 text (about {size} bytes,
-every bucket; 8 pre-rendered variants), both arms in this same run against the same farm. Cycle: all {engines} probed
+every bucket; 8 pre-rendered variants), every arm in this same run against the same farm. Cycle: all {engines} probed
 concurrently, {cycles} cycles after a warm-up. Spread: as the control plane runs them (every engine on its own 1 s schedule,
 starts staggered over the interval) for {spread_s:.0f} s, each probe starting on the next 100 ms probe wave as the probe
 worker runs them (`observe.probe_wave_seconds`), except in the "{NO_WAVES}" arm, which is how probes run on the control
