@@ -326,8 +326,9 @@ class ObserveConfig:
     """How late the idle probe worker's own timer may fire before it counts as starved (see ``worker_priority``)."""
     filter_metrics: bool = True
     """Ask vLLM engines for only the samples sluice reads (``/metrics?name[]=...``, prometheus_client's own filter;
-    ``observe/parse.py``, ``metrics_path``): about 6 KB a probe instead of 54 KB for vLLM 0.11. Off: every probe fetches
-    the whole exposition (for a proxy in front of the engines that rejects query strings)."""
+    ``observe/parse.py``, ``metrics_path``): about 6 KB a probe instead of 54 KB for vLLM 0.11. An engine (or a proxy
+    before it) that refuses the query or answers it without a required gauge is probed whole from then on by itself
+    (``EnginePoller.poll_once``). Off: every probe fetches the whole exposition."""
 
     @property
     def wave_s(self) -> float:

@@ -159,7 +159,7 @@ def metrics_path(flavor: Flavor | None) -> str:
     bytes, and prometheus_client collects only the named metrics, so the engine's own API server (the process that
     also answers its requests) spends less on every probe. The answer is read by the same scanner either way: an
     engine or proxy that ignores the query costs the full read, nothing else (``poller.EnginePoller`` falls back to the
-    whole exposition for good if a filtered answer lacks a gauge sluice requires)."""
+    whole exposition for good if the filtered probe is refused or its answer lacks a gauge sluice requires)."""
     return _FILTERED_PATHS.get(flavor, METRICS_PATH) if flavor is not None else METRICS_PATH
 
 

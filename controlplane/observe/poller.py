@@ -78,6 +78,10 @@ class ProbeError(Exception):
     """A probe that failed for a reason the engine owns (HTTP error, timeout, refused connection, bad payload)."""
 
 
+class AnswerError(ProbeError):
+    """The engine answered, but not with what was asked: an HTTP error status or a body that does not read."""
+
+
 ProbeCallback = Callable[[EngineView, "EngineRates | None"], None]
 
 
@@ -210,6 +214,7 @@ class EnginePoller:
         if view.last_ok_at is not None and view.last_ok_at != self._view.last_ok_at:
             self.probes += 1
         self._view = view if view.drained == self._view.drained else replace(view, drained=self._view.drained)
+
     async def _get(self, path: str, *, as_json: bool, optional: bool = False) -> Any:
         try:
             status, body = await self._http.get(path, self.observe.poll_timeout_seconds)
@@ -220,7 +225,7 @@ class EnginePoller:
         if optional and status in (404, 405, 501):
             return None
         if status != 200:
-            raise ProbeError(f"GET {path}: HTTP {status}")
+            raise AnswerError(f"GET {path}: HTTP {status}")
         text = body.decode("utf-8", errors="replace")
         if not as_json:
             return text
@@ -229,7 +234,7 @@ class EnginePoller:
         except ValueError as exc:
             if optional:
                 return None
-            raise ProbeError(f"GET {path}: not JSON: {exc}") from None
+            raise AnswerError(f"GET {path}: not JSON: {exc}") from None
 
     def close(self) -> None:
         """Closes the engine's kept-alive connection (the poller's task has ended)."""
@@ -241,20 +246,28 @@ class EnginePoller:
         try:
             series = read_series(text)
         except ValueError as exc:
-            raise ProbeError(f"GET /metrics: unparseable exposition: {exc}") from None
+            raise AnswerError(f"GET /metrics: unparseable exposition: {exc}") from None
         flavor = self._configured_flavor or detect_flavor(series)
         return series, flavor, missing_gauges(series, flavor) if flavor else ("no engine metrics recognised",)
 
     async def poll_once(self) -> None:
         sent_at = self._clock()
         path = metrics_path(self.flavor) if self.observe.filter_metrics and not self._filter_refused else METRICS_PATH
-        series, flavor, missing = await self._read_metrics(path)
-        if missing and path != METRICS_PATH:
-            # The engine (or a proxy before it) answered the filtered probe without a gauge sluice requires: whatever it
-            # did with the query, the whole exposition is the one to read, from now on. An engine whose whole
-            # exposition lacks the gauge too is reported degraded below, as it would have been.
-            log.warning("engine %s: a filtered /metrics probe lacked %s; probing the whole exposition from now on",
-                        self.config.name, ", ".join(missing))
+        # The engine (or a proxy before it) may refuse the filtered probe (an HTTP error, a body that does not read) or
+        # answer it without a gauge sluice requires: whatever it did with the query, the whole exposition is the one to
+        # read, in this probe and from now on. An engine whose whole exposition fails or lacks the gauge too is treated
+        # as it would have been (a failed probe; degraded). A timeout or a refused connection is the engine's, not the
+        # query's: it fails the probe as before.
+        try:
+            series, flavor, missing = await self._read_metrics(path)
+            refused = f"lacked {', '.join(missing)}" if missing and path != METRICS_PATH else ""
+        except AnswerError as exc:
+            if path == METRICS_PATH:
+                raise
+            refused = f"failed ({exc})"
+        if refused:
+            log.warning("engine %s: a filtered /metrics probe %s; probing the whole exposition from now on",
+                        self.config.name, refused)
             self._filter_refused = True
             series, flavor, missing = await self._read_metrics(METRICS_PATH)
         if flavor is not None and sent_at >= self._next_discovery:

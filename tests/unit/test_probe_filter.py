@@ -1,6 +1,6 @@
 """Filtered probes (``parse.metrics_path``): a vLLM engine is asked for only the samples sluice reads, and what it answers
-reads to the very sample the whole exposition gives; an engine that answers the filtered query without what sluice needs
-is probed whole from then on, in the same probe; the operator can turn filtering off.
+reads to the very sample the whole exposition gives; an engine that refuses the filtered query, or answers it without
+what sluice needs, is probed whole from then on, in the same probe; the operator can turn filtering off.
 
 The filtered answers here are prometheus_client's own ``restricted_registry`` output (``enginesim.exposition.restrict``),
 the code a real vLLM runs for ``/metrics?name[]=...``."""
@@ -53,9 +53,10 @@ def test_only_vllm_is_asked_to_filter() -> None:
     assert len(metrics_path(Flavor.VLLM)) < 2048  # well within any server's request-line limit
 
 
-def _engine(filtering: bool) -> Server:
-    """A vLLM engine: the real-size exposition, restricted per query when ``filtering`` (else the query is answered with
-    an empty exposition, as a vLLM running several API servers over PROMETHEUS_MULTIPROC_DIR answers it)."""
+def _engine(filtering: bool, refusal: bytes = ok(b"")) -> Server:
+    """A vLLM engine: the real-size exposition, restricted per query when ``filtering``; else a filtered query gets
+    ``refusal`` (by default an empty exposition, as a vLLM running several API servers over PROMETHEUS_MULTIPROC_DIR
+    answers it)."""
     whole = vllm_v1_exposition(level=3)
     documents = {"/v1/models": json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode(),
                  "/version": b'{"version": "0.11.0"}'}
@@ -64,7 +65,9 @@ def _engine(filtering: bool) -> Server:
         path, _, query = line.split(" ")[1].partition("?")
         if path == "/metrics":
             names = parse_qs(query).get("name[]", [])
-            return ok(whole if not names else restrict(whole, names) if filtering else b"")
+            if names and not filtering:
+                return refusal
+            return ok(restrict(whole, names) if names else whole)
         return ok(documents[path])
 
     return Server(answer)
@@ -117,6 +120,25 @@ async def test_an_engine_answering_the_filter_with_nothing_is_probed_whole_from_
     assert [r.getMessage() for r in caplog.records if "filtered" in r.getMessage()] == [
         "engine e: a filtered /metrics probe lacked vllm:num_requests_running, vllm:num_requests_waiting, "
         "vllm:kv_cache_usage_perc; probing the whole exposition from now on"]
+
+
+@pytest.mark.parametrize(("refusal", "warned"), [
+    # a proxy that refuses query strings
+    (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 11\r\n\r\nbad request", "failed (GET /metrics?"),
+    # a front end that answers every unknown URL with a page: it reads as an exposition without a single gauge
+    (ok(b"<html><body>login</body></html>"), "lacked vllm:num_requests_running"),
+], ids=["http-400", "html-page"])
+async def test_an_engine_refusing_the_filter_is_probed_whole_in_the_same_probe(
+        refusal: bytes, warned: str, caplog: pytest.LogCaptureFixture) -> None:
+    server = _engine(filtering=False, refusal=refusal)
+    with caplog.at_level(logging.WARNING, logger="controlplane.observe.poller"):
+        async with server as url:
+            view, poller = await _probe(url, 3, flavor="vllm")
+    assert _metrics_requests(server) == [metrics_path(Flavor.VLLM), "/metrics", "/metrics", "/metrics"]
+    assert poller.failures == 0 and view.last_error == "" and view.degraded == ()
+    assert view.sample is not None and view.sample.kv_usage is not None
+    warnings = [r.getMessage() for r in caplog.records if "filtered" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith(f"engine e: a filtered /metrics probe {warned}")
 
 
 async def test_filtering_can_be_turned_off() -> None:
