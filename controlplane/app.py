@@ -40,6 +40,7 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Ticket
 from controlplane.core.policy import Policy, version_key
 from controlplane.core.weights import Weights
+from controlplane.giveway import give_way
 from controlplane.httpendpoint import HttpEndpoint
 from controlplane.metrics import SluiceMetrics
 from controlplane.observation import Observation
@@ -306,12 +307,12 @@ class ControlPlane:
 
     async def _watch_staleness(self) -> None:
         while True:
-            # In slices, yielding between them: at 1000 engines the whole pass held the event loop for a millisecond or
-            # two, twice a poll interval, and the Checks that arrived meanwhile waited it out.
+            # In slices, giving way between them (giveway.py): at 1000 engines the whole pass held the event loop for a
+            # millisecond or two, twice a poll interval, and the Checks that arrived meanwhile waited it out.
             pollers = self.observation.pollers
             for start in range(0, len(pollers), STALENESS_SLICE):
                 self.observation.check_staleness(self.clock(), pollers[start:start + STALENESS_SLICE])
-                await asyncio.sleep(0)
+                await give_way()
             self.service.decay_corrections()
             await self.refresh_weights()
             await asyncio.sleep(self.observation.observe.poll_interval_seconds / 2)

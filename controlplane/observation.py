@@ -21,6 +21,7 @@ from controlplane.config import Config, EngineConfig, WorkerPriority
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.model import EngineRates, EngineView, Fleet
 from controlplane.core.output_length import lengths_from_buckets
+from controlplane.giveway import give_way
 from controlplane.metrics import EngineState, SluiceMetrics
 from controlplane.observe.poller import EnginePoller, first_round, first_round_bound_s
 from controlplane.observe.rates import RateBook
@@ -45,7 +46,8 @@ FRAMES_PER_TURN = 4
 1000-engine p99 of 18-38 ms against 18-19 ms with 4, two runs each, bench scale, session 10). The
 worker sends a batch every 10 ms, but on a busy host it is starved (it runs at nice 10) and then sends hundreds at once:
 applied in one turn, batches of 200-900 reports held every Check for 20-100 ms (``bench scale``, 1000 engines, session
-10: p99 about 100 ms against 14 ms with 2 engines)."""
+10: p99 about 100 ms against 14 ms with 2 engines). Slices are separated by ``giveway.give_way``'s pause, not a bare
+turn of the loop."""
 
 OUTPUT_SAMPLES_PER_PROBE = 32
 """At most this many output-length samples per probe, so one busy engine cannot flush the whole ring at once."""
@@ -331,8 +333,8 @@ class Observation:
                         for raw in batch[start:start + FRAMES_PER_TURN]:
                             self._apply_frame(decode_report(raw), ready)
                         self.refresh_rows(self.clock())
-                        # One slice, then the loop: Checks that arrived meanwhile go first (FRAMES_PER_TURN).
-                        await asyncio.sleep(0)
+                        # One slice, then a pause: Checks that arrived meanwhile go first (FRAMES_PER_TURN, giveway.py).
+                        await give_way()
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 log.error("the probe worker exited (%s); restarting it in %.1fs", exc, WORKER_RESTART_S)
             finally:

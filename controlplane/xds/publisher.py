@@ -20,6 +20,7 @@ from controlplane.core.policy import Policy
 from controlplane.core.weights import (
     MIN_PUSH_INTERVAL_S, Weights, compute_weights, eligible_engines, should_push, weight_steps,
 )
+from controlplane.giveway import give_way
 from controlplane.metrics import SluiceMetrics
 from controlplane.xds.resources import build_cluster, build_listener, build_load_assignment, build_routes
 from controlplane.xds.server import AdsServicer
@@ -124,7 +125,7 @@ class XdsPublisher:
         for step in weight_steps(fleet, self.config.policy, WEIGHTS_SLICE):
             if step is not None:
                 return step
-            await asyncio.sleep(0)
+            await give_way()
         raise AssertionError("unreachable: the last step is the weights")
 
     async def refresh_weights(self, fleet: Fleet, now: float) -> bool:
