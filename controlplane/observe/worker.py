@@ -20,7 +20,9 @@ drains and request failures stay there. Both processes read ``time.monotonic``, 
 times are the control plane's. The worker exits when its stdin closes (the control plane went away) and the control
 plane restarts a worker that dies. It runs at nice
 ``WORKER_NICE`` and, with ``observe.worker_priority: idle`` (the default), under Linux's ``SCHED_IDLE``: probes take only
-CPU that nothing else wants, so the Checks' loop and Envoy never wait for a probe's time slice. Idle, it watches its own
+CPU that nothing else wants, so the Checks' loop and Envoy never wait for a probe's time slice (among processes Linux
+schedules in the same group: ``sluice up`` keeps its children in its own session for that, see its Scheduling note;
+Envoy in another container or session competes with the control plane's whole group). Idle, it watches its own
 timer (``starved_for``); starved past ``observe.worker_starved_after_seconds`` (every core busy), it reports
 ``("starved", seconds_late)`` and stops, and the control plane restarts it at nice only (``Observation._run_worker``).
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -295,3 +296,32 @@ def test_a_killed_simulator_is_restarted_and_a_dead_envoy_stops_everything(tmp_p
     finally:
         up.close()
 
+
+
+def test_children_share_the_session_so_the_idle_probe_worker_yields_to_envoy(tmp_path: Path) -> None:
+    """Each child has a process group of its own (a terminal's Ctrl-C reaches only ``sluice up``, which stops them in
+    order) and ``sluice up``'s session: with autogroup scheduling a session is one scheduling group, and the probe
+    worker's ``SCHED_IDLE`` gives way only inside its group. In a session of its own the control plane's worker competed
+    with Envoy as an equal (``sluice/up.py``, Scheduling)."""
+    up = Up(tmp_path, [{"name": "thor", "sim": "thor", "speed": 20.0}], sections={"observe": {"probe_process": "on"}})
+    try:
+        children = up.children()
+        session = os.getsid(up.process.pid)
+        for name, pid in children.items():
+            assert os.getpgid(pid) == pid, name
+            assert os.getsid(pid) == session, name
+
+        def worker() -> int | None:
+            out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(children["controlplane"])], capture_output=True,
+                                 text=True).stdout
+            for pid in map(int, out.split()):
+                if b"controlplane.observe.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+            return None
+
+        probe_worker = wait_for(worker, timeout=10, what="the control plane's probe worker")
+        assert os.getsid(probe_worker) == session
+        assert os.sched_getscheduler(probe_worker) == os.SCHED_IDLE
+        assert up.complete("cortex").headers["x-sluice-engine"] == "thor"
+    finally:
+        up.close()
