@@ -9,7 +9,8 @@ writes a byte to a socket pair the loop watches: the call arrives, its request m
 answer is sent), and each step is a turn of the loop. ``sleep(0)`` puts the next slice on the ready queue, and every turn
 runs what is ready before the events that arrived meanwhile, so each of a Check's four or five steps waited behind a
 slice. At 1000 engines (a slice of reports 0.2-0.4 ms) a Check that arrived during a batch spent 1-2 ms more before its
-handler ran, 1.5-3% of Checks (issue 9's end-to-end p99 at 1000 engines; ``bench/results/README.md``, session 21). Behind
+handler ran; about half of the 1.4-5.9% of requests that waited 1.5 ms or more for their handler in seven 1000-engine
+segments had the loop busy so (issue 9's end-to-end p99 at 1000 engines; ``bench/results/README.md``, session 21). Behind
 a timer the loop waits in epoll between slices, so a Check's steps run back to back, and the control plane's thread
 leaves the CPU to Envoy instead of holding it for a whole batch.
 
