@@ -37,7 +37,7 @@ def slices_during_a_check(pause: Callable[[], Awaitable[None]]) -> int:
         ours, theirs = socket.socketpair()
         ours.setblocking(False)
         theirs.setblocking(False)
-        done = loop.create_future()
+        done: asyncio.Future[int] = loop.create_future()
         steps = 0
 
         def step() -> None:  # one step of the Check: a turn of the loop started by a byte, answered with a byte
