@@ -320,6 +320,7 @@ def test_children_share_the_session_so_the_idle_probe_worker_yields_to_envoy(tmp
             return None
 
         probe_worker = wait_for(worker, timeout=10, what="the control plane's probe worker")
+        assert probe_worker is not None  # wait_for raises rather than return a falsy value
         assert os.getsid(probe_worker) == session
         assert os.sched_getscheduler(probe_worker) == os.SCHED_IDLE
         assert up.complete("cortex").headers["x-sluice-engine"] == "thor"
