@@ -261,6 +261,10 @@ class EnvoyConfig:
     """The per-engine circuit breaker for an engine whose cap is neither configured nor reported."""
     request_headers_timeout_seconds: float
     """A client must finish sending its request headers within this long (slow-header connections are closed, 408)."""
+    concurrency: int
+    """Envoy's worker threads (its ``--concurrency``). Each worker keeps its own connection pool per engine, so more
+    workers open more connections to each engine; 2 suits the 2-core hosts sluice is benchmarked on. Set it to the
+    cores Envoy may use on a larger host."""
     delayed_close_timeout_seconds: float
     """How long Envoy waits for a client to close a connection Envoy is closing (Envoy's default is 1 s: a stream cut by
     a dying engine then ends for the client a second late)."""
@@ -574,6 +578,7 @@ DEFAULTS: dict[str, Any] = {
         "request_headers_timeout_seconds": 10.0,
         "retry_on_engine_failure": True,
         "delayed_close_timeout_seconds": 0.1,
+        "concurrency": 2,
         "controlplane_tls": None,
     },
     "observe": {
@@ -795,6 +800,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
                                                        ev["request_headers_timeout_seconds"], minimum=0.1)),
         delayed_close_timeout_seconds=float(c.number("envoy.delayed_close_timeout_seconds",
                                                      ev["delayed_close_timeout_seconds"], minimum=0)),
+        concurrency=int(c.number("envoy.concurrency", ev["concurrency"], minimum=1, integer=True)),
         retry_on_engine_failure=c.flag("envoy.retry_on_engine_failure", ev["retry_on_engine_failure"]),
         controlplane_tls=_client_tls(c, "envoy.controlplane_tls", ev["controlplane_tls"]),
     )

@@ -92,7 +92,7 @@ def envoy_command(config: Config, bootstrap_path: Path, log_level: str = "warnin
         "--log-level", log_level,
         # Several Envoys on one machine (tests, a second gateway) must not share hot-restart shared memory.
         "--use-dynamic-base-id",
-        "--concurrency", "2",
+        "--concurrency", str(config.envoy.concurrency),
         *(["--admin-address-path", str(admin_address_path)] if admin_address_path is not None else []),
     ]
 

@@ -171,3 +171,26 @@ def test_the_probe_workers_priority_is_idle_unless_configured_and_checked() -> N
         parse_config({"engines": engines, "observe": {"worker_priority": "realtime", "worker_starved_after_seconds": 0}})
     assert {p.split(":")[0] for p in caught.value.problems} == {"observe.worker_priority",
                                                                   "observe.worker_starved_after_seconds"}
+
+
+def test_envoys_worker_threads_are_configurable_and_reach_its_command_line_and_the_deployment() -> None:
+    """``envoy.concurrency`` (2 by default) is Envoy's ``--concurrency`` wherever sluice starts or deploys it; anything but
+    a whole number from 1 is a problem with its path."""
+    from pathlib import Path
+
+    from sluice import deploy
+    from sluice.envoyrun import envoy_command
+
+    def threads(command: list[str]) -> str:
+        return command[command.index("--concurrency") + 1]
+
+    assert parse_config(ONE).envoy.concurrency == 2
+    config = parse_config({**ONE, "envoy": {"concurrency": 8}})
+    assert threads(envoy_command(config, Path("bootstrap.yaml"))) == "8"
+    envoy = next(o for o in deploy.base_manifests({**ONE, "envoy": {"concurrency": 8}}, config)["envoy.yaml"]
+                 if o["kind"] == "Deployment")
+    assert threads(envoy["spec"]["template"]["spec"]["containers"][0]["args"]) == "8"
+    for bad in (0, 1.5, "two"):
+        with pytest.raises(ConfigError) as caught:
+            parse_config({**ONE, "envoy": {"concurrency": bad}})
+        assert [p.split(":")[0] for p in caught.value.problems] == ["envoy.concurrency"]
