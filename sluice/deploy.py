@@ -239,7 +239,8 @@ def base_manifests(raw: dict[str, Any], config: Config) -> dict[str, list[Manife
                          "name": "envoy", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
                          "command": ["envoy"],
                          "args": ["-c", f"{BOOTSTRAP_DIR}/bootstrap.yaml", "--log-level", "warning",
-                                  "--concurrency", str(ev.concurrency), "--use-dynamic-base-id", "--service-node", "$(POD_NAME)"],
+                                  "--concurrency", str(ev.concurrency), "--use-dynamic-base-id",
+                                  "--service-node", "$(POD_NAME)"],
                          "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
                          "ports": [{"name": "http", "containerPort": ev.listen_port, "protocol": "TCP"}],
                          # Ready once the listener from LDS is bound: it serves even with the control plane down.
