@@ -15,7 +15,6 @@ first time the access log shows its upstream local port). The warm-up's requests
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys

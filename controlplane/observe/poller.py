@@ -121,8 +121,8 @@ class EnginePoller:
         self._failure = ""
         self._self_checked = False
         self._filter_refused = False
-        """A filtered answer (``parse.metrics_path``, ``observe.filter_metrics``) lacked a required gauge: whole
-        expositions only, from then on."""
+        """A filtered probe (``parse.metrics_path``, ``observe.filter_metrics``) was refused (an HTTP error status, a body
+        that does not read) or lacked a required gauge: whole expositions only, from then on (``poll_once``)."""
         self.failures = 0
         self.probes = 0
 
