@@ -153,7 +153,7 @@ class AdmissionCore:
         engines = tuple(self._corrected(e) for e in engines)
         return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
                      rates or RateTables(), self._serves_at(now), self.output_lengths.snapshot(),
-                     self.output_lengths.tails())
+                     self.output_lengths.tails(now))
 
     def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
         """Prompt tokens of ``request`` each engine is expected to hold in its prefix cache (engines holding none left
@@ -230,7 +230,7 @@ class AdmissionCore:
             self.ledger.view, self.ledger.changed, self.serves.values(), self.policy, self.admit_stale,
             rates or RateTables(), now, self.serves.half_life_s)
         return Fleet(engines, ledger, self.admit_stale, rates or RateTables(), self._serves_at(now),
-                     self.output_lengths.snapshot(), self.output_lengths.tails(), index)
+                     self.output_lengths.snapshot(), self.output_lengths.tails(now), index)
 
     def _serves_at(self, now: float) -> DecayedServes:
         return DecayedServes(self.serves.values().snapshot(), now, self.serves.half_life_s)
@@ -441,7 +441,7 @@ class AdmissionCore:
             return self.indexed_fleet(now, fleet.rates)
         return replace(fleet, ledger=MappingProxyType({e.name: self.ledger.view(e.name) for e in fleet.engines}),
                        recent_serves=self._serves_at(now), expected_output=self.output_lengths.snapshot(),
-                       output_tails=self.output_lengths.tails())
+                       output_tails=self.output_lengths.tails(now))
 
     def wake(self, fleet: Fleet, now: float, models: Iterable[str] | None = None) -> list[Outcome]:
         """Admit parked heads that fit ``fleet`` now, in order (the core refreshes the fleet after each admission)."""

@@ -35,6 +35,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class OutputTail:
@@ -47,18 +49,16 @@ class OutputTail:
 
     @classmethod
     def of(cls, lengths: Iterable[int]) -> OutputTail | None:
-        values = sorted(lengths)
-        total = sum(values)
-        if not values or total <= 0:
+        # numpy, not a Python loop over the ring: at 1000 engines every probe reports finished requests, so a model's
+        # tail is rebuilt about once per Check (TAIL_REBUILD_FRACTION), and the loop was half of a Check's cost there.
+        # The suffix sums run from the end backward as the loop did, so the figures are the loop's.
+        values = np.sort(np.fromiter(lengths, dtype=float))
+        total = float(values.sum())
+        if not len(values) or total <= 0:
             return None
-        mean = total / len(values)
-        ratios = tuple(v / mean for v in values)
-        means: list[float] = [0.0] * len(ratios)
-        running = 0.0
-        for i in range(len(ratios) - 1, -1, -1):
-            running += ratios[i]
-            means[i] = running / (len(ratios) - i)
-        return cls(ratios, tuple(means))
+        ratios = values / (total / len(values))
+        means = np.cumsum(ratios[::-1])[::-1] / np.arange(len(ratios), 0, -1)
+        return cls(tuple(ratios.tolist()), tuple(means.tolist()))
 
     def remaining(self, done: float) -> float:
         """Expected rest, in multiples of the mean length, of a request that has produced ``done`` times the mean:
@@ -97,7 +97,11 @@ def lengths_from_buckets(by_length: Iterable[tuple[float, float, int]], mean: fl
 
 
 TAIL_REBUILD_FRACTION = 16
-"""A model's ``OutputTail`` is rebuilt once this fraction of its window (16 lengths of 256) is new."""
+"""A model's ``OutputTail`` is rebuilt once this fraction of its window (16 lengths of 256) is new ..."""
+
+TAIL_REBUILD_MIN_INTERVAL_S = 1.0
+"""... and at most once a second: at 1000 engines every probe brings up to 32 lengths (300 probes a second under the
+default probe budget), so the fraction alone rebuilt the tail at nearly every Check."""
 
 MEMORYLESS = OutputTail((), ())
 """The tail of a model with too few recorded lengths: the rest is one expected answer, however far along."""
@@ -118,6 +122,7 @@ class OutputLengthBook:
         self._stale_tails: set[str] = set()
         self._untailed: dict[str, int] = {}
         """model -> lengths recorded since its tail was last built."""
+        self._tail_built_at: dict[str, float] = {}
         self._tail_every = max(1, window // TAIL_REBUILD_FRACTION)
         self._tails_view: Mapping[str, OutputTail] = MappingProxyType({})
 
@@ -147,21 +152,25 @@ class OutputLengthBook:
     def samples(self, model: str) -> int:
         return len(self._rings.get(model, ()))
 
-    def tails(self) -> Mapping[str, OutputTail]:
+    def tails(self, now: float) -> Mapping[str, OutputTail]:
         """Each trusted model's ``OutputTail`` (read-only). Rebuilt (one sort of the ring) when a model is first trusted,
-        then once a ``1 / TAIL_REBUILD_FRACTION`` of its window is new: the shape of hundreds of lengths moves slowly,
-        and rebuilding it at every Check after any new length was a sort of the ring per Check at fleet scale (at 1000
-        engines every probe reports finished requests)."""
+        then once a ``1 / TAIL_REBUILD_FRACTION`` of its window is new, at most every ``TAIL_REBUILD_MIN_INTERVAL_S``:
+        the shape of hundreds of lengths moves slowly, and rebuilding it at every Check after any new length was a sort
+        of the ring per Check at fleet scale (at 1000 engines every probe reports finished requests)."""
         if self._stale_tails:
-            for model in self._stale_tails:
+            due = [model for model in self._stale_tails if model not in self._tails
+                   or now - self._tail_built_at.get(model, -math.inf) >= TAIL_REBUILD_MIN_INTERVAL_S]
+            for model in due:
+                self._stale_tails.discard(model)
                 self._untailed[model] = 0
+                self._tail_built_at[model] = now
                 tail = OutputTail.of(self._rings[model])
                 if tail is None:
                     self._tails.pop(model, None)
                 else:
                     self._tails[model] = tail
-            self._stale_tails.clear()
-            self._tails_view = MappingProxyType(dict(self._tails))
+            if due:
+                self._tails_view = MappingProxyType(dict(self._tails))
         return self._tails_view
 
     def snapshot(self) -> Mapping[str, float]:

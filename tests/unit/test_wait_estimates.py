@@ -89,15 +89,30 @@ def test_the_tail_is_rebuilt_when_a_sixteenth_of_the_window_is_new() -> None:
     some): the shape is rebuilt when a model is first trusted, then every window / 16 new lengths."""
     book = OutputLengthBook(window=64, min_samples=8)
     book.record_many("m", [10] * 7)
-    assert "m" not in book.tails()
+    assert "m" not in book.tails(0.0)
     book.record("m", 10)
-    first = book.tails()["m"]                      # trusted: built at once
+    first = book.tails(0.0)["m"]                   # trusted: built at once
     book.record_many("m", [1000] * 3)
-    assert book.tails()["m"] is first              # 3 of 64 new: the shape stands
+    assert book.tails(5.0)["m"] is first           # 3 of 64 new: the shape stands
     assert book.expected("m") == pytest.approx((8 * 10 + 3 * 1000) / 11)  # the mean follows every length
     book.record("m", 1000)
-    rebuilt = book.tails()["m"]                    # 4 = 64 / 16 new
+    rebuilt = book.tails(5.0)["m"]                 # 4 = 64 / 16 new
     assert rebuilt is not first and rebuilt.remaining(0.5) > first.remaining(0.5)
+
+
+def test_the_tail_is_rebuilt_at_most_once_a_second_however_fast_lengths_come() -> None:
+    """At 1000 engines a probe lands every few milliseconds with up to 32 lengths, so a sixteenth of the window is new
+    before nearly every Check: the shape waits out ``TAIL_REBUILD_MIN_INTERVAL_S`` (then takes every length since)."""
+    book = OutputLengthBook(window=64, min_samples=8)
+    book.record_many("m", [10] * 8)
+    first = book.tails(100.0)["m"]
+    for step in range(1, 10):                      # 32 new lengths every 0.1 s: half the window each time
+        book.record_many("m", [1000] * 32)
+        assert book.tails(100.0 + step * 0.1)["m"] is first
+    rebuilt = book.tails(101.0)["m"]
+    assert rebuilt is not first and rebuilt == OutputTail.of([1000] * 64)
+    book.record_many("m", [10] * 32)
+    assert book.tails(101.5)["m"] is rebuilt and book.tails(102.0)["m"] is not rebuilt
 
 
 def test_the_ledger_expects_finishes_from_the_learned_length() -> None:
