@@ -82,6 +82,15 @@ class AnswerError(ProbeError):
     """The engine answered, but not with what was asked: an HTTP error status or a body that does not read."""
 
 
+def shown_path(path: str) -> str:
+    """A probe's path as errors and logs name it: the filtered probe's query (``parse.metrics_path``: about 1.2 KB of
+    ``name[]=`` pairs) is summarised, since it would otherwise fill every stale warning and ``last_error``."""
+    base, sep, query = path.partition("?")
+    if not sep or len(path) <= 120:
+        return path
+    return f"{base}?<{query.count('&') + 1} filter parameters>"
+
+
 ProbeCallback = Callable[[EngineView, "EngineRates | None"], None]
 
 
@@ -216,16 +225,17 @@ class EnginePoller:
         self._view = view if view.drained == self._view.drained else replace(view, drained=self._view.drained)
 
     async def _get(self, path: str, *, as_json: bool, optional: bool = False) -> Any:
+        shown = shown_path(path)
         try:
             status, body = await self._http.get(path, self.observe.poll_timeout_seconds)
         except (HttpError, TimeoutError) as exc:
             if optional and not isinstance(exc, TimeoutError):
                 return None
-            raise ProbeError(f"GET {path}: {type(exc).__name__} {exc}".rstrip()) from None
+            raise ProbeError(f"GET {shown}: {type(exc).__name__} {exc}".rstrip()) from None
         if optional and status in (404, 405, 501):
             return None
         if status != 200:
-            raise AnswerError(f"GET {path}: HTTP {status}")
+            raise AnswerError(f"GET {shown}: HTTP {status}")
         text = body.decode("utf-8", errors="replace")
         if not as_json:
             return text
@@ -234,7 +244,7 @@ class EnginePoller:
         except ValueError as exc:
             if optional:
                 return None
-            raise AnswerError(f"GET {path}: not JSON: {exc}") from None
+            raise AnswerError(f"GET {shown}: not JSON: {exc}") from None
 
     def close(self) -> None:
         """Closes the engine's kept-alive connection (the poller's task has ended)."""

@@ -139,6 +139,7 @@ async def test_an_engine_refusing_the_filter_is_probed_whole_in_the_same_probe(
     assert view.sample is not None and view.sample.kv_usage is not None
     warnings = [r.getMessage() for r in caplog.records if "filtered" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith(f"engine e: a filtered /metrics probe {warned}")
+    assert len(warnings[0]) < 240  # the 1.2 KB query is summarised, not quoted (poller.shown_path)
 
 
 async def test_filtering_can_be_turned_off() -> None:
