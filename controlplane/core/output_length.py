@@ -158,8 +158,9 @@ class OutputLengthBook:
         the shape of hundreds of lengths moves slowly, and rebuilding it at every Check after any new length was a sort
         of the ring per Check at fleet scale (at 1000 engines every probe reports finished requests)."""
         if self._stale_tails:
+            # A clock read earlier than the last build (callers that pass times of their own) counts as due too.
             due = [model for model in self._stale_tails if model not in self._tails
-                   or now - self._tail_built_at.get(model, -math.inf) >= TAIL_REBUILD_MIN_INTERVAL_S]
+                   or not 0 <= now - self._tail_built_at.get(model, -math.inf) < TAIL_REBUILD_MIN_INTERVAL_S]
             for model in due:
                 self._stale_tails.discard(model)
                 self._untailed[model] = 0

@@ -113,6 +113,9 @@ def test_the_tail_is_rebuilt_at_most_once_a_second_however_fast_lengths_come() -
     assert rebuilt is not first and rebuilt == OutputTail.of([1000] * 64)
     book.record_many("m", [10] * 32)
     assert book.tails(101.5)["m"] is rebuilt and book.tails(102.0)["m"] is not rebuilt
+    latest = book.tails(102.0)["m"]
+    book.record_many("m", [10] * 32)
+    assert book.tails(50.0)["m"] is not latest     # a clock behind the last build is not taken for "just built"
 
 
 def test_the_ledger_expects_finishes_from_the_learned_length() -> None:
