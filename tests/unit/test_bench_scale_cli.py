@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sluice.bench.scale import parse_sizes, round_orders, summarize
+from sluice.bench.scale import cpu_times, parse_sizes, round_orders, stolen_share, summarize
 
 
 def test_sizes_are_counts_or_counts_polled_at_an_interval() -> None:
@@ -44,7 +44,7 @@ def test_a_size_pools_its_rounds_latencies_and_sums_its_counts() -> None:
         rows = [{"status": 200, "engine": "e0", "farm": "e0", "ms": ms, "at": i / 100} for i, ms in enumerate(latencies)]
         return {"engines": 2, "label": "2", "rows": rows, "checks": {0.001: inf_count, float("inf"): inf_count},
                 "decisions": decisions, "cpu_s": 1.0, "wall_s": 4.0, "ready_s": 3.0, "load": 0.5,
-                "scrape_ms": scrape_ms, "new_connections": 3}
+                "scrape_ms": scrape_ms, "new_connections": 3, "stolen": scrape_ms / 1000}
 
     quick, slow = segment([1.0] * 100, 100, 100, 20.0), segment([1.0] * 97 + [50.0, 60.0, 70.0], 100, 100, 40.0)
     result = summarize([quick, slow])
@@ -54,3 +54,13 @@ def test_a_size_pools_its_rounds_latencies_and_sums_its_counts() -> None:
     assert result["cp_cpu"] == 0.25 and result["check_p99"] <= 1.0
     assert result["scrape_ms"] == 30.0  # the median segment's scrape
     assert result["new_connections"] == 6
+    assert result["stolen"] == [0.02, 0.04]  # each window's, in round order
+
+
+def test_the_hypervisor_s_share_is_the_steal_column_over_all_cpu_time() -> None:
+    before = cpu_times("cpu  1000 0 500 8000 10 0 5 100 0 0")
+    after = cpu_times("cpu  1300 0 600 8500 10 0 5 200 0 0")  # 1000 ticks in all, 100 of them stolen
+    assert stolen_share(before, after) == 0.1
+    assert stolen_share(before, before) == 0.0
+    assert stolen_share((1, 2, 3, 4), (2, 3, 4, 5)) == 0.0  # a kernel without the steal column
+    assert len(cpu_times()) >= 8  # this machine's own /proc/stat
