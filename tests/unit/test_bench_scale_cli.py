@@ -3,12 +3,13 @@ value is refused before anything starts."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from sluice.bench.scale import cpu_times, parse_sizes, round_orders, stolen_share, summarize
+from sluice.bench.scale import _cpu_s, cpu_times, parse_sizes, round_orders, stolen_share, summarize
 
 
 def test_sizes_are_counts_or_counts_polled_at_an_interval() -> None:
@@ -64,3 +65,19 @@ def test_the_hypervisor_s_share_is_the_steal_column_over_all_cpu_time() -> None:
     assert stolen_share(before, before) == 0.0
     assert stolen_share((1, 2, 3, 4), (2, 3, 4, 5)) == 0.0  # a kernel without the steal column
     assert len(cpu_times()) >= 8  # this machine's own /proc/stat
+
+
+def test_the_control_plane_s_cpu_includes_a_running_child() -> None:
+    """The probe worker is a running child of the control plane: its CPU counts (it is the probing at 1000 engines)."""
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.6\n"
+                              "while time.process_time() < end: pass\ntime.sleep(30)"])
+    try:
+        before = _cpu_s(os.getpid())
+        time.sleep(1.5)  # the child spins 0.6 s of CPU, then sleeps: alive, not reaped
+        assert child.poll() is None
+        assert _cpu_s(os.getpid()) - before >= 0.4
+    finally:
+        child.kill()
+        child.wait()
