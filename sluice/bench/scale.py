@@ -27,7 +27,7 @@ and a gateway in service for hours has most of those pools warm), and whether ev
 the Check said), and ``sluice_admission_decisions_total`` grew by exactly the number of requests sent. Client, Envoy,
 control plane and farm share this machine's 2 cores. The machine is a virtual machine on a shared host: each window's
 share of CPU time the hypervisor gave to other guests (``/proc/stat``'s steal) is reported beside the load average,
-since a window with several percent stolen measured the neighbours (session 22 saw 0-22% in one window).
+since a window with several percent stolen measured the neighbours (session 22 saw up to 22% in a window).
 """
 
 from __future__ import annotations
