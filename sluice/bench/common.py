@@ -38,6 +38,27 @@ def envoy_cluster_total(admin_port: int, stat: str, clusters: Iterable[str]) -> 
                if m.group(1) in names)
 
 
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """utime + stime of one process from /proc, 0 when it is gone; with ``children``, also its children's: the reaped
+    ones (the kernel adds them to the parent's counters) and the running ones (a control plane's probe worker)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    if not children:
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    running = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == pid]
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK") + sum(
+        cpu_seconds(child, children=True) for child in running)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
 

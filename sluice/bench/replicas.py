@@ -72,7 +72,7 @@ from google.protobuf import duration_pb2, struct_pb2, text_format
 from controlplane.config import parse_config
 from sluice.up import REPLICA_PORT_STRIDE as STRIDE, free_controlplane_ports
 from controlplane.xds.resources import AUTHZ_NAMESPACE
-from sluice.bench.common import free_port, histogram_quantile, median, paced, pct, wait_for, write_report
+from sluice.bench.common import cpu_seconds, free_port, histogram_quantile, median, paced, pct, wait_for, write_report
 from sluice.upprocess import UpProcess
 
 ENGINES = 8
@@ -239,15 +239,6 @@ def longest_gap(times: Sequence[float], start: float, end: float) -> float:
 
 
 # -- processes ----------------------------------------------------------------------------------------------------------
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (its own, not its reaped children's), 0 when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         return str(response.read().decode())

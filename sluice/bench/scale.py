@@ -47,7 +47,7 @@ import aiohttp
 import yaml
 
 from controlplane.config import parse_config
-from sluice.bench.common import envoy_cluster_total, median, paced, pct, write_report
+from sluice.bench.common import cpu_seconds, envoy_cluster_total, median, paced, pct, write_report
 from sluice.bench.common import histogram_quantile
 from sluice.bench.overhead import _histogram
 from sluice.bench.workload import gateway
@@ -116,24 +116,6 @@ def _decisions(metrics_url: str) -> float:
     return sum(float(v) for v in re.findall(r"^sluice_admission_decisions_total\{[^}]*\} (\S+)", text, re.M))
 
 
-def _cpu_s(pid: int) -> float:
-    """utime + stime of a process and of its children, reaped or running (from /proc), in seconds: the control
-    plane's probe worker is a running child, and until session 22 its CPU (the probing of 1000 engines) was left out
-    of this column while a 2-engine control plane's in-process probes were in it."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    ticks = sum(int(x) for x in fields[11:15])
-    for child in os.listdir("/proc"):
-        if not child.isdigit():
-            continue
-        try:
-            theirs = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(theirs[1]) == pid:  # the parent's pid is the stat line's fourth field
-            ticks += sum(int(x) for x in theirs[11:15])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _controlplane_pid(grpc_port: int) -> int | None:
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -190,13 +172,13 @@ async def _warm_then_measure(url: str, metrics_url: str, admin_port: int, engine
         await asyncio.sleep(1.0)
         before, decided_before = _histogram(metrics_url), _decisions(metrics_url)
         connections_before = envoy_cluster_total(admin_port, "upstream_cx_total", engines)
-        cpu_before, wall_before = (_cpu_s(pid) if pid else 0.0), time.monotonic()
+        cpu_before, wall_before = (cpu_seconds(pid, children=True) if pid else 0.0), time.monotonic()
         load_before, times_before = os.getloadavg()[0], cpu_times()
         rows = await open_loop(session, url, RATE, seconds)
         stolen = stolen_share(times_before, cpu_times())
         connections = envoy_cluster_total(admin_port, "upstream_cx_total", engines) - connections_before
         await asyncio.sleep(0.5)
-        cpu_s = (_cpu_s(pid) - cpu_before) if pid else float("nan")
+        cpu_s = (cpu_seconds(pid, children=True) - cpu_before) if pid else float("nan")
         wall_s = time.monotonic() - wall_before
     return {"rows": rows, "before": before, "decided_before": decided_before, "cpu_s": cpu_s, "wall_s": wall_s,
             "load": load_before, "stolen": stolen, "new_connections": connections}
@@ -282,7 +264,7 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
         "cp_cpu": sum(segment["cpu_s"] for segment in segments) / sum(segment["wall_s"] for segment in segments),
         "ready_s": max(segment["ready_s"] for segment in segments),
         "load": [segment["load"] for segment in segments],
-        "stolen": [segment.get("stolen", 0.0) for segment in segments],
+        "stolen": [segment["stolen"] for segment in segments],
         "scrape_ms": median([segment["scrape_ms"] for segment in segments]),
         "new_connections": sum(segment["new_connections"] for segment in segments),
     }

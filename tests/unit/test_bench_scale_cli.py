@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from sluice.bench.scale import _cpu_s, cpu_times, parse_sizes, round_orders, stolen_share, summarize
+from sluice.bench.common import cpu_seconds
+from sluice.bench.scale import cpu_times, parse_sizes, round_orders, stolen_share, summarize
 
 
 def test_sizes_are_counts_or_counts_polled_at_an_interval() -> None:
@@ -74,10 +75,10 @@ def test_the_control_plane_s_cpu_includes_a_running_child() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.6\n"
                               "while time.process_time() < end: pass\ntime.sleep(30)"])
     try:
-        before = _cpu_s(os.getpid())
+        before = cpu_seconds(os.getpid(), children=True)
         time.sleep(1.5)  # the child spins 0.6 s of CPU, then sleeps: alive, not reaped
         assert child.poll() is None
-        assert _cpu_s(os.getpid()) - before >= 0.4
+        assert cpu_seconds(os.getpid(), children=True) - before >= 0.4
     finally:
         child.kill()
         child.wait()
