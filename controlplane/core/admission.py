@@ -65,7 +65,7 @@ from types import MappingProxyType
 
 from controlplane.core.decide import decide, earliest_fit, retry_after, shed
 from controlplane.core.feedback import TtftCorrections
-from controlplane.core.fleetindex import DecayedServes, FleetIndex
+from controlplane.core.fleetindex import DecayedServes, FleetIndex, LastServed
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import (
     Decision, EngineSample, EngineView, Fleet, InferenceRequest, Priority, QueueRule, RateTables, Reason, Ticket, Verdict,
@@ -153,7 +153,7 @@ class AdmissionCore:
         engines = tuple(self._corrected(e) for e in engines)
         return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
                      rates or RateTables(), self._serves_at(now), self.output_lengths.snapshot(),
-                     self.output_lengths.tails(now))
+                     self.output_lengths.tails(now), last_served=LastServed(self.serves.values().snapshot()))
 
     def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
         """Prompt tokens of ``request`` each engine is expected to hold in its prefix cache (engines holding none left
@@ -230,7 +230,8 @@ class AdmissionCore:
             self.ledger.view, self.ledger.changed, self.serves.values(), self.policy, self.admit_stale,
             rates or RateTables(), now, self.serves.half_life_s)
         return Fleet(engines, ledger, self.admit_stale, rates or RateTables(), self._serves_at(now),
-                     self.output_lengths.snapshot(), self.output_lengths.tails(now), index)
+                     self.output_lengths.snapshot(), self.output_lengths.tails(now), index,
+                     LastServed(self.serves.values().snapshot()))
 
     def _serves_at(self, now: float) -> DecayedServes:
         return DecayedServes(self.serves.values().snapshot(), now, self.serves.half_life_s)

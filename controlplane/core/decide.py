@@ -288,24 +288,33 @@ def _spread(estimates: list[Estimate], candidates: list[EngineView], fleet: Flee
     return kept, min((x.finish_s for x, o in zip(estimates, over) if o and x.can_start), default=math.inf)
 
 
-def _near_tie(soonest: Estimate, pool: list[Estimate], fleet: Fleet, policy: Policy) -> Estimate:
+def _near_tie(soonest: Estimate, pool: list[Estimate], fleet: Fleet, policy: Policy, now: float) -> Estimate:
     """Near ties (route.py): among ``pool``'s free slots finishing within ``near_tie_fraction`` of ``soonest`` (the
-    soonest of them), the one expected to hold the most of the prompt (a hit also spares the fleet a prefill), then the
-    fewest recent admissions per unit of capacity, then ``_soonest``'s order."""
+    soonest of them), the ones expected to hold the most of the prompt (a hit also spares the fleet a prefill); of more
+    than ``near_tie_max_engines`` of them, the warm ones (admitted to within ``near_tie_warm_seconds``), or, none being,
+    the first ``near_tie_max_engines`` by name; then the fewest recent admissions per unit of capacity, then
+    ``_soonest``'s order."""
     if policy.near_tie_fraction <= 0:
         return soonest
     limit = soonest.finish_s * (1 + policy.near_tie_fraction)
     tied = [x for x in pool if x.can_start and x.finish_s <= limit]
     if len(tied) < 2:
         return soonest
+    longest = max(x.cached_tokens for x in tied)
+    tied = [x for x in tied if x.cached_tokens == longest]
+    if policy.near_tie_max_engines and len(tied) > policy.near_tie_max_engines:
+        since = now - policy.near_tie_warm_seconds
+        warm = [x for x in tied if fleet.last_served.get(x.engine.name, -math.inf) >= since]
+        tied = warm or sorted(tied, key=lambda x: x.engine.name)[:policy.near_tie_max_engines]
     serves = fleet.recent_serves
-    return min(tied, key=lambda x: (-x.cached_tokens, serves.get(x.engine.name, 0.0)
-                                    / max(capacity_throughput(x.engine, fleet, policy), _TINY), _soonest(x, fleet)))
+    return min(tied, key=lambda x: (serves.get(x.engine.name, 0.0) / max(capacity_throughput(x.engine, fleet, policy),
+                                                                          _TINY), _soonest(x, fleet)))
 
 
 def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: list[Estimate], fleet: Fleet,
                     policy: Policy, now: float, affinity: str | None, admitted_reason: Reason,
-                    arriving: bool = False, set_aside: float = math.inf) -> Decision | None:
+                    arriving: bool = False, set_aside: float = math.inf,
+                    near_tie: str | None = None) -> Decision | None:
     """Without a deadline: the engine where the request finishes soonest (route.py), or None when that means waiting.
 
     Waiting for a busy faster engine while a slot is free needs: it finishes sooner (by the margin), the wait is bounded
@@ -313,7 +322,8 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
     first token sooner: an arrival that finds a free slot is its own user's latency, and starting now beats finishing
     first. A request already parked (a burst's backlog) keeps pure finish-soonest, which is what splits seed 000's bursts
     the way the best assignment does. ``set_aside``: the soonest finish of a free slot the fair-share spread set aside
-    (``_spread``); a choice finishing later than that is reported ``fair_share``."""
+    (``_spread``); a choice finishing later than that is reported ``fair_share``. ``near_tie``: the engine the fleet
+    index chose among every free slot's near ties (``_soonest_indexed``); None: ``_near_tie`` chooses among ``free``."""
     def soonest(x: Estimate) -> tuple[float, float, float, str]:
         return _soonest(x, fleet)
 
@@ -334,7 +344,9 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
         acceptable = free  # a sheddable request takes any free slot rather than being shed for want of a faster one
     if best.can_start or acceptable:
         # The soonest free slot either way (acceptable holds the free slots soonest first, up to a bound), or a near tie.
-        chosen = _near_tie(best if best.can_start else min(acceptable, key=soonest), free, fleet, policy)
+        chosen = next((x for x in free if x.engine.name == near_tie), None) if near_tie is not None else None
+        if chosen is None:
+            chosen = _near_tie(best if best.can_start else min(acceptable, key=soonest), free, fleet, policy, now)
         if admitted_reason is Reason.FINISH_SOONEST and chosen.finish_s > set_aside + 1e-6:
             admitted_reason = Reason.FAIR_SHARE
         return _admit(request, chosen, admitted_reason, policy, now, fleet)
@@ -457,19 +469,26 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     free_rows = free.nonzero()[0]
     best_free = _soonest_row(rows, free_rows, finish)
     estimates = [exact(best_free, True)]
+    near_tie = rows.names[best_free] if policy.near_tie_fraction > 0 else None
     if policy.near_tie_fraction > 0 and len(free_rows) > 1:
         # Near ties (as _near_tie): the free rows finishing within the fraction of the soonest, the longest expected hit
-        # first, then the fewest serves per unit of capacity, then _soonest's order. Only the winner is estimated;
-        # _finish_soonest then finds it again.
+        # first, of more than near_tie_max_engines the warm ones (else that many by name), then the fewest serves per
+        # unit of capacity, then _soonest's order. Only the winner is estimated, and handed to _finish_soonest as the
+        # near tie (its _near_tie would see only the few free slots estimated here, not every one the full scan weighs).
         near = free_rows[finish[free_rows] <= estimates[0].finish_s * (1 + policy.near_tie_fraction)]
         if len(near) > 1:
             if hit is not None:
                 near = near[hit[near] == hit[near].max()]
+            most = policy.near_tie_max_engines
+            if most and len(near) > most:
+                warm = near[rows.served_at[near] >= now - policy.near_tie_warm_seconds]
+                near = warm if len(warm) else near[np.argpartition(rows.name_rank[near], most - 1)[:most]]
             assert fleet.index is not None
             ratio = _recent_serves(rows, fleet.index, near) / np.maximum(rows.full[near], _TINY)
             tie = _soonest_row(rows, near[ratio == ratio.min()], finish)
             if tie != best_free:
                 estimates.append(exact(tie, True))
+                near_tie = rows.names[tie]
     if busy.any():
         # A busy engine runs the request at its full batch after its slot wait, which is at least until its soonest
         # ticket's expected finish (or one service when it has none): beyond the bound even so, it cannot win.
@@ -485,7 +504,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
         if deadline_s is None or sticky.ttft_s <= deadline_s:
             estimates.append(sticky)
     admitted = _finish_soonest(request, estimates, [x for x in estimates if x.can_start], fleet, policy, now, affinity,
-                               Reason.FINISH_SOONEST, arriving, set_aside)
+                               Reason.FINISH_SOONEST, arriving, set_aside, near_tie)
     if admitted is not None:
         return admitted
     best = min(estimates, key=lambda x: _soonest(x, fleet))

@@ -70,6 +70,25 @@ class DecayedServes(Mapping[str, float]):
         return len(self._values)
 
 
+class LastServed(Mapping[str, float]):
+    """When each engine was last admitted to, read from the serve counts (``ServeCounter.values``) without a copy."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, tuple[float, float]]) -> None:
+        self._values = values
+
+    def __getitem__(self, engine: str) -> float:
+        value, at = self._values[engine]
+        return at if value > 0 else -math.inf  # an admission taken back (ServeCounter.remove) left none
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelArrays:
     """One model's candidates, one row per engine serving it (in fleet order). Never changed after it is handed out.
@@ -114,6 +133,8 @@ class ModelArrays:
     """log2 of the engine's recent serves, brought to time 0: ``log2(count) + at / half_life`` (-inf: none), so that the
     serves at ``now`` are ``2 ** (serve_log2 - now / half_life)``, as ``DecayedServes`` reads them one at a time (the
     control plane's clock is monotonic, so a serve is never noted after a later snapshot's ``now``)."""
+    served_at: np.ndarray
+    """When the engine was last admitted to (-inf: never), as ``LastServed`` reads it."""
     first_done: np.ndarray
     """The soonest expected finish of the engine's open tickets (nan: none): a busy engine's slot wait is at least that."""
     name_rank: np.ndarray
@@ -149,7 +170,7 @@ class _ChipTables:
 
 
 _COLUMNS = ("model_len", "kv_limit", "cap", "load", "held", "open_model", "p_fallback", "prefill", "d_press", "d_free",
-            "per_token_press", "per_token_free", "full", "ttft_scale", "serve_log2", "first_done")
+            "per_token_press", "per_token_free", "full", "ttft_scale", "serve_log2", "served_at", "first_done")
 """The float columns of a model's rows, in the order ``_fill`` writes them (one row of the matrix each)."""
 _P_FALLBACK, _PREFILL = _COLUMNS.index("p_fallback"), _COLUMNS.index("prefill")
 _FLAGS = ("ok", "hot", "cap_block")
@@ -396,6 +417,7 @@ class FleetIndex:
             cap * d_press if cap else capacity_throughput(view, one, policy),  # (the same: cap x the rate at cap)
             view.ttft_correction,
             math.log2(served) + served_at / policy.serve_half_life_s if served > 0 else -_INF,
+            served_at if served > 0 else -_INF,
             ledger.expected_done[0] if ledger.expected_done else _NAN,
         )
         rows.flags[:, i] = (  # in _FLAGS' order
@@ -455,7 +477,7 @@ class FleetIndex:
             rows.values[_PREFILL] = np.where(chip_trusted > 0, chip_trusted, rows.values[_P_FALLBACK])
             rows.prefill_from = trusted
         (model_len, kv_limit, cap, load, held, open_model, _, prefill, d_press, d_free, per_token_press, per_token_free,
-         full, ttft_scale, serve_log2, first_done) = rows.values  # views of the matrix's rows, in _COLUMNS' order
+         full, ttft_scale, serve_log2, served_at, first_done) = rows.values  # views of the matrix's rows, in _COLUMNS' order
         ok, hot, cap_block = rows.flags
         if policy.model(model).decode_floor_tokens_per_s:
             quality_block = open_model >= qcap[rows.chip]
@@ -467,7 +489,8 @@ class FleetIndex:
             rows.views_tuple = cast("tuple[EngineView, ...]", tuple(rows.views))  # _fill has filled every slot
         arrays = ModelArrays(
             rows.names, rows.views_tuple, ok, model_len, kv_limit, cap, load, held, cap_block, blocked, prefill,
-            quality_block, d_press, d_free, per_token_press, per_token_free, full, ttft_scale, serve_log2, first_done,
+            quality_block, d_press, d_free, per_token_press, per_token_free, full, ttft_scale, serve_log2, served_at,
+            first_done,
             rows.name_rank, rows.position,
         )
         rows.frozen = (arrays, trusted, qcap)

@@ -503,6 +503,8 @@ class Fleet:
     index: Any = None
     """A ``fleetindex.IndexSnapshot`` describing exactly these engines and ledger views per model (the control plane's
     fleets carry one; ``decide`` then chooses among hundreds of candidates without estimating each). None: full scan."""
+    last_served: Mapping[str, float] = field(default_factory=_empty)
+    """engine -> when it was last admitted to (warm near ties, ``Policy.near_tie_max_engines``); missing: never."""
 
     def __post_init__(self) -> None:
         # Two type checks when the caller handed over proxies (every Fleet the control plane builds per Check does).

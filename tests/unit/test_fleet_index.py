@@ -47,6 +47,8 @@ def random_policy(rng: random.Random) -> Policy:
         prefix_max_replicas=rng.choice([0, 0, 1, 3]),
         max_share_over_capacity=rng.choice([0.0, 1.0, 1.4]),
         near_tie_fraction=rng.choice([0.0, 0.05, 0.5]),
+        near_tie_max_engines=rng.choice([0, 1, 3, 8]),
+        near_tie_warm_seconds=rng.choice([0.0, 4.0, 1000.0]),
         band_ttft_grain_fraction=rng.choice([0.0, 0.01, 0.05]),
     )
 

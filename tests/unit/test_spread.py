@@ -56,6 +56,27 @@ def test_near_ties_share_light_load_between_engines_of_one_kind() -> None:
     assert shared["thor-a"] + shared["thor-b"] == 0
 
 
+def test_light_load_on_a_large_fleet_stays_on_the_warm_engines() -> None:
+    """Twenty idle engines of one kind are all near ties. A request a second (each runs about 2.3 s): the engines admitted
+    to within the last 4 s take them (their connections and prompt caches stay warm), so a few engines serve all and
+    share it; without the limit the load goes round all twenty. One every 5 s: nothing is warm when a request comes,
+    and the first eight by name share it."""
+    sparks = tuple(engine(f"spark-{i:02d}", decode=49.0 + i / 100) for i in range(20))
+    warm = light_load(Policy(), fleet=sparks, every_s=1.0)
+    assert 2 <= len(warm) <= 4, warm
+    assert max(warm.values()) - min(warm.values()) <= 2, warm
+    assert len(light_load(Policy(near_tie_max_engines=0), fleet=sparks, every_s=1.0)) == 20
+    cold = light_load(Policy(), fleet=sparks, every_s=5.0)
+    assert set(cold) == {f"spark-{i:02d}" for i in range(8)}, cold
+    assert max(cold.values()) - min(cold.values()) <= 2, cold
+    # The full scan (no fleet index) decides the same: the warm engine however served, else the first eight by name.
+    served = {f"spark-{i:02d}": 5.0 for i in range(8)}
+    fleet = Fleet(sparks, recent_serves=served, last_served={"spark-03": 7.0, "spark-12": -1.0})
+    assert decide(chat(), fleet, Policy(), now=10.0).engine == "spark-03"
+    assert decide(chat(), fleet, Policy(), now=12.0).engine in {f"spark-{i:02d}" for i in range(8)}
+    assert decide(chat(), fleet, Policy(near_tie_max_engines=0), now=10.0).engine not in served
+
+
 def test_a_near_tie_goes_to_the_least_served_per_unit_of_capacity() -> None:
     """Equal per-request speed, but big has 4 slots (twice the capacity): at 30 serves against small's 20 it has served
     less per unit of capacity and takes the request; at 50 it has not."""
