@@ -477,7 +477,7 @@ class FleetIndex:
             rows.values[_PREFILL] = np.where(chip_trusted > 0, chip_trusted, rows.values[_P_FALLBACK])
             rows.prefill_from = trusted
         (model_len, kv_limit, cap, load, held, open_model, _, prefill, d_press, d_free, per_token_press, per_token_free,
-         full, ttft_scale, serve_log2, served_at, first_done) = rows.values  # views of the matrix's rows, in _COLUMNS' order
+         full, ttft_scale, serve_log2, served_at, first_done) = rows.values  # the matrix's rows, in _COLUMNS' order
         ok, hot, cap_block = rows.flags
         if policy.model(model).decode_floor_tokens_per_s:
             quality_block = open_model >= qcap[rows.chip]

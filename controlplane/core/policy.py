@@ -69,11 +69,11 @@ class Policy:
     whichever measured faster (``bench prefix`` at 50% load: spark-a 59 requests, spark-b 37). 0: the soonest always."""
     near_tie_max_engines: int = 8
     """Warm near ties on a large fleet (route.py): when more free slots than this are near ties (after the prompt-cache
-    preference), the engines admitted to within ``near_tie_warm_seconds`` take the request, or, none being, the first this
-    many by name. Without it a large idle fleet took light load in turns, each engine once in a long while, so nearly
-    every request opened a new connection: engines close a kept-alive connection after 5 s idle (uvicorn's default, which
-    vLLM and SGLang keep) and Envoy keeps a pool per worker. The same engines also keep the shared prompts in their caches.
-    0: near ties always go round every tied engine."""
+    preference), the engines admitted to within ``near_tie_warm_seconds`` take the request, or, none being, the first
+    this many by name. Without it a large idle fleet took light load in turns, each engine once in a long while, so
+    nearly every request opened a new connection: engines close a kept-alive connection after 5 s idle (uvicorn's
+    default, which vLLM and SGLang keep) and Envoy keeps a pool per worker. The same engines also keep the shared
+    prompts in their caches. 0: near ties always go round every tied engine."""
     near_tie_warm_seconds: float = 4.0
     """An engine admitted to this recently is warm for ``near_tie_max_engines`` (under the engines' 5 s keep-alive)."""
     band_ttft_grain_fraction: float = 0.01

@@ -62,13 +62,13 @@ request may finish up to that fraction later than on the soonest slot.
 **Warm near ties** (``near_tie_max_engines``, default 8; ``near_tie_warm_seconds``, 4). When more free slots than that
 are near ties (after the prompt-cache preference: a large, mostly idle fleet), the engines admitted to within the warm
 time take the request, or, none being warm, the first ``near_tie_max_engines`` by name; the fewest serves per unit of
-capacity then chooses among them. Taking turns round hundreds of idle engines gave each a request once in a long while, so
-nearly every request opened a connection (engines close a kept-alive connection after 5 s idle, uvicorn's default that
-vLLM and SGLang keep, and each Envoy worker keeps its own pool) and found a cold prompt cache: ``bench scale`` at 1000
-engines opened a connection for about one request in ten, and those were half of its slowest 2%. A fleet of at most that
-many engines of a kind is unchanged. Failure mode: at light load the rest of a large fleet idles while a few engines take
-every request (each within the near-tie fraction of the soonest, so no request finishes later than that for it); 0 turns
-it off.
+capacity then chooses among them. Taking turns round hundreds of idle engines gave each a request once in a long
+while, so nearly every request opened a connection (engines close a kept-alive connection after 5 s idle, uvicorn's
+default that vLLM and SGLang keep, and each Envoy worker keeps its own pool) and found a cold prompt cache: ``bench
+scale`` at 1000 engines opened a connection for about one request in ten, and those were half of its slowest 2%. A
+fleet of at most that many engines of a kind is unchanged. Failure mode: at light load the rest of a large fleet idles
+while a few engines take every request (each within the near-tie fraction of the soonest, so no request finishes later
+than that for it); 0 turns it off.
 
 **Fair-share spread** (``max_share_over_capacity``, off by default, decide._spread). Without a deadline, an engine whose
 recent admissions are ``over_share`` (at least ``1 + ratio x total x its part of the candidates' capacity_throughput``)

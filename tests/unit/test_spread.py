@@ -57,10 +57,10 @@ def test_near_ties_share_light_load_between_engines_of_one_kind() -> None:
 
 
 def test_light_load_on_a_large_fleet_stays_on_the_warm_engines() -> None:
-    """Twenty idle engines of one kind are all near ties. A request a second (each runs about 2.3 s): the engines admitted
-    to within the last 4 s take them (their connections and prompt caches stay warm), so a few engines serve all and
-    share it; without the limit the load goes round all twenty. One every 5 s: nothing is warm when a request comes,
-    and the first eight by name share it."""
+    """Twenty idle engines of one kind are all near ties. A request a second (each runs about 2.3 s): the engines
+    admitted to within the last 4 s take them (their connections and prompt caches stay warm), so a few engines serve
+    all and share it; without the limit the load goes round all twenty. One every 5 s: nothing is warm when a request
+    comes, and the first eight by name share it."""
     sparks = tuple(engine(f"spark-{i:02d}", decode=49.0 + i / 100) for i in range(20))
     warm = light_load(Policy(), fleet=sparks, every_s=1.0)
     assert 2 <= len(warm) <= 4, warm
