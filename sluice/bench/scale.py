@@ -21,8 +21,9 @@ Measured: end-to-end latency at the client (p50, p99), the Check's own latency f
 scrapes), how long one more ``/metrics`` scrape takes after the segment (a Prometheus scraping the control plane holds
 its loop's wake-ups to the GIL's switch interval for that long, so it matters at scale although no scrape falls within
 the measured window), how many connections Envoy opened to engines during the windows (Envoy's ``upstream_cx_total``;
-in session 19's 1000-engine segments a request that opened one spent about 0.3 ms more from its body's end to the engine,
-and a gateway in service for hours has most of those pools warm), and whether every request was decided by a Check: each
+in session 19's 1000-engine segments a request that opened one spent about 0.3 ms more from its body's end to the engine;
+real engines close a connection after 5 s idle, so light load kept on the engines admitted to in the last 4 s, the warm
+near ties of session 23, is what keeps them open), and whether every request was decided by a Check: each
 200 carries ``x-sluice-engine`` (set only by an admitting Check) equal to the farm's ``x-farm-engine`` (Envoy went where
 the Check said), and ``sluice_admission_decisions_total`` grew by exactly the number of requests sent. Client, Envoy,
 control plane and farm share this machine's 2 cores. The machine is a virtual machine on a shared host: each window's
