@@ -151,9 +151,10 @@ class AdmissionCore:
     def fleet(self, engines: Iterable[EngineView], now: float, rates: RateTables | None = None) -> Fleet:
         """A fleet of exactly ``engines`` (no index: ``decide`` scans every candidate). For tests and tools."""
         engines = tuple(self._corrected(e) for e in engines)
+        recent, last = self._serves_at(now)
         return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
-                     rates or RateTables(), self._serves_at(now), self.output_lengths.snapshot(),
-                     self.output_lengths.tails(now), last_served=LastServed(self.serves.values().snapshot()))
+                     rates or RateTables(), recent, self.output_lengths.snapshot(), self.output_lengths.tails(now),
+                     last_served=last)
 
     def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
         """Prompt tokens of ``request`` each engine is expected to hold in its prefix cache (engines holding none left
@@ -229,12 +230,15 @@ class AdmissionCore:
         engines, ledger, index = self.index.snapshot(
             self.ledger.view, self.ledger.changed, self.serves.values(), self.policy, self.admit_stale,
             rates or RateTables(), now, self.serves.half_life_s)
-        return Fleet(engines, ledger, self.admit_stale, rates or RateTables(), self._serves_at(now),
-                     self.output_lengths.snapshot(), self.output_lengths.tails(now), index,
-                     LastServed(self.serves.values().snapshot()))
+        recent, last = self._serves_at(now)
+        return Fleet(engines, ledger, self.admit_stale, rates or RateTables(), recent, self.output_lengths.snapshot(),
+                     self.output_lengths.tails(now), index, last)
 
-    def _serves_at(self, now: float) -> DecayedServes:
-        return DecayedServes(self.serves.values().snapshot(), now, self.serves.half_life_s)
+    def _serves_at(self, now: float) -> tuple[DecayedServes, LastServed]:
+        """The serve counts as a fleet reads them, from one snapshot: decayed to ``now``, and when each engine was last
+        admitted to."""
+        values = self.serves.values().snapshot()
+        return DecayedServes(values, now, self.serves.half_life_s), LastServed(values)
 
     def depth(self, model: str | None = None) -> int:
         if model is None:
@@ -440,8 +444,9 @@ class AdmissionCore:
         next decision must see it. An indexed fleet is re-snapshotted; a plain one gets fresh ledger views."""
         if fleet.index is not None:
             return self.indexed_fleet(now, fleet.rates)
+        recent, last = self._serves_at(now)
         return replace(fleet, ledger=MappingProxyType({e.name: self.ledger.view(e.name) for e in fleet.engines}),
-                       recent_serves=self._serves_at(now), expected_output=self.output_lengths.snapshot(),
+                       recent_serves=recent, last_served=last, expected_output=self.output_lengths.snapshot(),
                        output_tails=self.output_lengths.tails(now))
 
     def wake(self, fleet: Fleet, now: float, models: Iterable[str] | None = None) -> list[Outcome]:

@@ -49,13 +49,29 @@ _INF = math.inf
 _NAN = math.nan
 
 
-class DecayedServes(Mapping[str, float]):
+class _ServeCountView(Mapping[str, float]):
+    """A read-only view of the serve counts (``ServeCounter.values``: engine -> (count, when last added)), without a
+    copy: each subclass reads one figure from an engine's pair."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, tuple[float, float]]) -> None:
+        self._values = values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+class DecayedServes(_ServeCountView):
     """Recent serves per engine, decayed to ``now`` only when read (a Check reads one or a few, not every engine's)."""
 
-    __slots__ = ("_values", "_now", "_half_life")
+    __slots__ = ("_now", "_half_life")
 
     def __init__(self, values: Mapping[str, tuple[float, float]], now: float, half_life_s: float) -> None:
-        self._values = values
+        super().__init__(values)
         self._now = now
         self._half_life = half_life_s
 
@@ -63,30 +79,15 @@ class DecayedServes(Mapping[str, float]):
         value, at = self._values[engine]
         return value * math.pow(0.5, max(0.0, self._now - at) / self._half_life)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
 
-    def __len__(self) -> int:
-        return len(self._values)
+class LastServed(_ServeCountView):
+    """When each engine was last admitted to (warm near ties)."""
 
-
-class LastServed(Mapping[str, float]):
-    """When each engine was last admitted to, read from the serve counts (``ServeCounter.values``) without a copy."""
-
-    __slots__ = ("_values",)
-
-    def __init__(self, values: Mapping[str, tuple[float, float]]) -> None:
-        self._values = values
+    __slots__ = ()
 
     def __getitem__(self, engine: str) -> float:
         value, at = self._values[engine]
         return at if value > 0 else -math.inf  # an admission taken back (ServeCounter.remove) left none
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,6 +77,18 @@ def test_light_load_on_a_large_fleet_stays_on_the_warm_engines() -> None:
     assert decide(chat(), fleet, Policy(near_tie_max_engines=0), now=10.0).engine not in served
 
 
+def test_a_fleet_refreshed_after_an_admission_knows_the_engine_is_warm() -> None:
+    """Parked heads are admitted one after another on a fleet refreshed after each admission: without an index too, the
+    next one must see the engine just admitted to as warm, as a fresh fleet would."""
+    sparks = tuple(engine(f"spark-{i:02d}", decode=49.0) for i in range(20))
+    core = AdmissionCore(Policy(), Ledger(lease_seconds=600))
+    fleet = core.fleet(sparks, 0.0)
+    outcome = core.check("r1", chat(), fleet, 3.0)
+    assert outcome.ticket is not None
+    assert core.refreshed(fleet, 3.0).last_served[outcome.ticket.engine] == 3.0
+    assert core.fleet(sparks, 3.0).last_served[outcome.ticket.engine] == 3.0
+
+
 def test_a_near_tie_goes_to_the_least_served_per_unit_of_capacity() -> None:
     """Equal per-request speed, but big has 4 slots (twice the capacity): at 30 serves against small's 20 it has served
     less per unit of capacity and takes the request; at 50 it has not."""
