@@ -1,5 +1,9 @@
 """Wiring only: the control plane's parts, the Envoy-facing gRPC server (ADS, ext_authz, access log), the admin API's own
-gRPC listener, the HTTP endpoint, and the process entry point (signals: SIGTERM stops, SIGHUP reloads)."""
+gRPC listener, the HTTP endpoint, and the process entry point (signals: SIGTERM stops, SIGHUP reloads).
+
+How a config file is read is the caller's (``ConfigReader``): ``load_config`` for ``sluice controlplane --config F``;
+under ``sluice up``, F with what ``sluice up`` adds to it (``sluice/up.py``, ``Additions``). Start-up and every reload
+read through the same reader, so a reload never loses what was added at start."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from controlplane.admission_service import AdmissionService
 from controlplane.authz import AuthorizationServicer
 from controlplane.config import (
     RELOADABLE, Config, ConfigError, OnStale, ServerTls, StoreBackend, changed_sections, is_loopback, load_config,
-    load_resolved_config, resolve_engines,
+    resolve_engines,
 )
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
@@ -61,6 +65,12 @@ from sluice.admin.v1 import admin_pb2_grpc
 
 log = logging.getLogger("sluice.controlplane")
 
+ConfigReader = Callable[[str | None], Config]
+"""Reads and validates a config file (None: the bundled default) into an unresolved ``Config``; raises ``ConfigError``.
+Runs in a worker thread."""
+ReloadListener = Callable[[ReloadResult], None]
+"""Told the result of every reload asked for through the admin API (not of a SIGHUP's)."""
+
 STALENESS_SLICE = 200
 """Engines looked at by the staleness tick between two yields to the event loop (``ControlPlane._watch_staleness``)."""
 
@@ -85,9 +95,14 @@ class ControlPlane:
     the retry redirector) and one gRPC server whose servicers each get only their port. It also answers the admin port
     (``AdminPort``) and applies reloads."""
 
-    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic,
+                 read_config: ConfigReader = load_config, on_reload: ReloadListener | None = None) -> None:
         self.config = config
         self.clock = clock
+        self.read_config = read_config
+        """How a reload reads its file: the reader ``config`` itself was read with."""
+        self.on_reload = on_reload
+        """Told each admin-API reload's result (``sluice up`` passes an applied one on to the other replicas)."""
         self.version = _version()
         self.started_at = clock()
         self.ledger = Ledger(config.tickets.lease_seconds)
@@ -247,13 +262,17 @@ class ControlPlane:
         root = self.config.admin.reload_dir
         return root is not None and wanted.is_relative_to(Path(root).resolve())
 
-    async def reload(self, path: str | None = None) -> ReloadResult:
-        """Apply a config file's policy, all or nothing. Every attempt is counted in ``sluice_config_reloads_total``."""
+    async def reload(self, path: str | None = None, *, announce: bool = True) -> ReloadResult:
+        """Apply a config file's policy (``path``, or the running file), read through ``read_config``, all or nothing.
+        Every attempt is counted in ``sluice_config_reloads_total``. ``announce``: tell ``on_reload`` the result (an
+        admin-API reload does; a SIGHUP's does not, as SIGHUP is how ``sluice up`` passes a reload on)."""
         result = await self._reload(path)
         self.metrics.config_reloads.labels("applied" if result.applied else "refused").inc()
         if not result.applied:
             log.error("reload of %s refused; the running policy stays:\n  %s", result.source,
                       "\n  ".join(result.problems))
+        if announce and self.on_reload is not None:
+            self.on_reload(result)
         return result
 
     async def _reload(self, path: str | None) -> ReloadResult:
@@ -266,7 +285,8 @@ class ControlPlane:
             return ReloadResult(False, ("(file): this control plane was not started from a file; name one",), (),
                                 source)
         try:
-            fresh = await load_resolved_config(source)  # the file read in a thread, hostnames resolved asynchronously
+            # the file read in a thread, hostnames resolved asynchronously
+            fresh = await resolve_engines(await asyncio.to_thread(self.read_config, source))
         except ConfigError as exc:
             return ReloadResult(False, tuple(exc.problems), (), str(source))
         restart = self.config.restart_needed(fresh)
@@ -440,8 +460,12 @@ def grpc_options(config: Config) -> list[tuple[str, int]]:
 
 
 
-async def serve_until_signalled(config: Config) -> None:
-    plane = ControlPlane(config)
+async def serve_until_signalled(config: Config, read_config: ConfigReader = load_config,
+                                on_reload: ReloadListener | None = None,
+                                hangups: Callable[[], bool] = lambda: False) -> None:
+    """Run a control plane on ``config`` until SIGINT/SIGTERM; SIGHUP reloads its file. ``hangups``: whether a SIGHUP
+    came before this loop's handler was installed (then one reload follows start-up)."""
+    plane = ControlPlane(config, read_config=read_config, on_reload=on_reload)
     await plane.start()
     # Everything built at start-up (config, pollers, xDS resources, index) lives for the process: move it out of the
     # collector's reach, so full passes scan only what requests create (they stalled Checks by 100-400 ms at 200
@@ -453,20 +477,28 @@ async def serve_until_signalled(config: Config) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(plane.reload()))
+    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(plane.reload(announce=False)))
+    if hangups():
+        await plane.reload(announce=False)
     await stop.wait()
     log.info("stopping control plane")
     await plane.stop()
 
 
-def run_controlplane(config_path: str | None) -> int:
+def run_controlplane(config_path: str | None, read_config: ConfigReader = load_config,
+                     on_reload: ReloadListener | None = None) -> int:
+    """The process: read ``config_path`` with ``read_config``, serve until SIGINT/SIGTERM. SIGHUP is caught from before
+    the file is read: one arriving during start-up is a reload once started, never the end of the process (a supervisor
+    passing a reload on cannot tell how far a control plane it just restarted has come)."""
+    hangups: list[int] = []
+    signal.signal(signal.SIGHUP, lambda signum, frame: hangups.append(signum))
     try:
-        config = load_config(config_path)
+        config = read_config(config_path)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
     try:
-        asyncio.run(serve_until_signalled(config))
+        asyncio.run(serve_until_signalled(config, read_config, on_reload, lambda: bool(hangups)))
     except ConfigError as exc:  # an engine hostname that does not resolve
         log.error("%s", exc)
         return 2

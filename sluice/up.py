@@ -23,11 +23,25 @@ The restart policy is pure (``RestartPolicy``, ``RestartHistory``, ``next_restar
 history and the time alone; ``Supervisor`` is the process loop around it.
 
 Configuration. The config is validated whole before anything starts, every simulated engine's ``sim:`` profile checked
-(an unknown one is refused with its dotted path) and its profile defaults written in (``sluice/simulated.py``: a
-vLLM-flavoured simulator's ``max_num_seqs``). When that added anything, the control plane is handed that completed copy
-(``config.yaml`` in the log directory, so reload that copy, or a file of your own that states the caps); otherwise it
-reads your file itself. Engine hostnames are resolved once here, before anything is rendered. Every port must be fixed:
-``sluice up`` cannot learn a port 0 bound by one child to tell another.
+(an unknown one is refused with its dotted path). Engine hostnames are resolved once here, before anything is rendered.
+Every port must be fixed: ``sluice up`` cannot learn a port 0 bound by one child to tell another.
+
+What ``sluice up`` adds to the config (``Additions``: simulator profile defaults, the run's admin token, each replica's
+ports and the store it started) is a rule, not a copy: every control plane reads the user's file F itself (``sluice
+controlplane --config F --additions A``, A a small JSON file in the log directory) and applies the rule to what it read,
+at start-up and on every reload. So F stays the running file: a control plane restarted after a crash starts from F as
+it is now, and ``controlplane-<i>.yaml`` in the log directory is only a snapshot of what replica i started on.
+
+Reloading. Edit F, then either:
+
+- ``sluice admin reload [F]`` to any control plane: it re-reads F and applies it with the additions (all or nothing;
+  its answer says what changed or why not). With ``--replicas N`` a replica that applied it sends ``sluice up`` SIGHUP,
+  which passes it on to every replica (the one asked reloads again, finding nothing changed), so all N run the same
+  policy; naming a file other than F is then refused (replicas on different files would split the Checks between
+  policies).
+- SIGHUP to ``sluice up``: every running control plane gets SIGHUP and re-reads F (the outcome is in its log). A
+  control plane waiting out a restart backoff reads F when it starts; one still starting (not yet catching SIGHUP,
+  which it does from before it reads F) is skipped, so passing a reload on never kills a control plane.
 
 Scheduling. Every child runs in a process group of its own (Ctrl-C at the terminal reaches ``sluice up`` alone) but in
 ``sluice up``'s session: on Linux with autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, on by default
@@ -61,7 +75,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -69,6 +83,7 @@ import yaml
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from controlplane.config import Config, ConfigError, parse_config, read_raw, resolve_engines_blocking
+from controlplane.ports import ReloadResult
 from sluice.envoyrun import envoy_command, write_bootstrap
 from sluice.simulated import with_profile_defaults
 
@@ -153,6 +168,8 @@ class Child:
     log_path: Path
     restart: bool = True
     """False: its exit ends ``sluice up`` (Envoy)."""
+    reloads: bool = False
+    """It takes SIGHUP as "re-read your config" (a control plane); SIGHUP to ``sluice up`` is passed on to it."""
     process: subprocess.Popen[bytes] | None = None
     """None while waiting out a restart backoff."""
     started_at: float = 0.0
@@ -242,15 +259,44 @@ class Supervisor:
                  f"{decision.delay_s:g} s (log: {child.log_path})")
         return None
 
-    def run(self, stopping: Callable[[], bool], tick: float = SUPERVISE_TICK_S) -> int:
-        """Supervise until ``stopping()`` (0) or a fatal exit (1, said). Stopping the children is the caller's job."""
+    def run(self, stopping: Callable[[], bool], tick: float = SUPERVISE_TICK_S,
+            reloading: Callable[[], bool] = lambda: False) -> int:
+        """Supervise until ``stopping()`` (0) or a fatal exit (1, said). Stopping the children is the caller's job.
+        ``reloading()`` true (it resets itself): pass a reload on to the children (``pass_on_reload``)."""
         while not stopping():
             fatal = self.check()
             if fatal:
                 self.say(fatal)
                 return 1
+            if reloading():
+                self.pass_on_reload()
             time.sleep(tick)
         return 0
+
+    def pass_on_reload(self) -> list[str]:
+        """SIGHUP to every running child that ``reloads`` and already catches SIGHUP (one that does not yet has not read
+        its config yet either: it will read the file as it is now); returns their names, and says so."""
+        told = []
+        for child in self.children:
+            if child.reloads and child.process is not None and child.process.poll() is None \
+                    and catches_sighup(child.process.pid):
+                child.process.send_signal(signal.SIGHUP)
+                told.append(child.name)
+        self.say(f"reload: SIGHUP passed to {', '.join(told)}" if told else "reload: no control plane running to pass "
+                 "it to (a control plane starting reads the file as it is)")
+        return told
+
+
+def catches_sighup(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGHUP (bit 0 of ``SigCgt`` in Linux's ``/proc/<pid>/status``). True
+    when that cannot be read: the signal is sent, and a process it ends is restarted."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signal.SIGHUP - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return True
 
 
 def _lock_path(config: Config) -> Path:
@@ -301,8 +347,8 @@ def check_ports(config: Config) -> None:
         raise AlreadyRunning("ports already in use: " + "; ".join(busy))
 
 
-def _spawn(name: str, command: list[str], log_dir: Path, *, restart: bool = True) -> Child:
-    child = Child(name, command, log_dir / f"{name}.log", restart=restart)
+def _spawn(name: str, command: list[str], log_dir: Path, *, restart: bool = True, reloads: bool = False) -> Child:
+    child = Child(name, command, log_dir / f"{name}.log", restart=restart, reloads=reloads)
     child.start()
     return child
 
@@ -382,12 +428,11 @@ def stop_children(children: list[Child]) -> None:
             child.process.wait()
 
 
-def prepare_config(config_path: str | None) -> tuple[Config, Any, bool]:
-    """The config ``sluice up`` runs: (validated and resolved config, its raw mapping with the simulators' profile defaults
-    written in, whether that added anything). Raises ``ConfigError``."""
+def prepare_config(config_path: str | None) -> Config:
+    """The config ``sluice up`` runs, validated (simulator profiles checked, their defaults written in) and resolved,
+    every port it needs fixed. Raises ``ConfigError``."""
     raw, source = read_raw(config_path)
-    completed = with_profile_defaults(raw, source)
-    config = resolve_engines_blocking(parse_config(completed, source))
+    config = resolve_engines_blocking(parse_config(with_profile_defaults(raw, source), source))
     fixed = [("controlplane.grpc_port", config.controlplane.grpc_port),
              ("controlplane.metrics_port", config.controlplane.metrics_port),
              ("controlplane.admin_port", config.controlplane.admin_port),
@@ -396,14 +441,15 @@ def prepare_config(config_path: str | None) -> tuple[Config, Any, bool]:
             for path, port in fixed if port == 0]
     if zero:
         raise ConfigError(zero)
-    return config, completed, completed is not raw
+    return config
 
 
-def start_stack(config: Config, config_path: str | None, work_dir: Path, log_format: str = "text",
-                replica_paths: list[str] | None = None, store_port: int | None = None) -> list[Child]:
+def start_stack(config: Config, config_path: str | None, additions: list[Path], work_dir: Path,
+                log_format: str = "text", store_port: int | None = None) -> list[Child]:
     """Start the store (``store_port``: a valkey-server ``sluice up`` runs), sims, control plane(s), Envoy; returned in
-    the order they should be stopped (Envoy first). ``config_path`` is the file the control plane reads (None: the
-    bundled default); ``replica_paths``: one file per replica instead; ``log_format``: the control plane's."""
+    the order they should be stopped (Envoy first). ``config_path`` is the file every control plane reads (None: the
+    bundled default), ``additions`` one ``Additions`` file per control plane (``controlplane``, or ``controlplane-<i>``
+    with several); ``log_format``: the control planes'."""
     py = sys.executable
     children: list[Child] = []
     try:
@@ -420,11 +466,10 @@ def start_stack(config: Config, config_path: str | None, work_dir: Path, log_for
                     py, "-m", "sluice", "sim", "--profile", engine.sim, "--host", engine.host, "--port", str(engine.port),
                     "--name", engine.name, "--speed", str(engine.sim_speed), "--flavor", engine.sim_flavor, *cap,
                 ], work_dir))
-        paths: list[str | None] = list(replica_paths) if replica_paths else [config_path]
-        for i, path in enumerate(paths):
-            cp_args = [py, "-m", "sluice", "controlplane", "--log-format", log_format] + (
-                ["--config", path] if path else [])
-            children.append(_spawn("controlplane" if len(paths) == 1 else f"controlplane-{i}", cp_args, work_dir))
+        for i, added in enumerate(additions):
+            cp_args = [py, "-m", "sluice", "controlplane", "--log-format", log_format, "--additions", str(added)] + (
+                ["--config", config_path] if config_path else [])
+            children.append(_spawn(controlplane_name(i, len(additions)), cp_args, work_dir, reloads=True))
         bootstrap = write_bootstrap(config, work_dir)
         children.append(_spawn("envoy", envoy_command(config, bootstrap), work_dir, restart=False))
     except BaseException:
@@ -450,12 +495,19 @@ def replicas_in(args: tuple[str, ...] | list[str]) -> int:
     return int(args[args.index("--replicas") + 1]) if "--replicas" in args else 1
 
 
+def controlplane_name(i: int, replicas: int) -> str:
+    """Control plane ``i``'s child name (its log file, its ``Additions`` file): ``controlplane`` alone, else
+    ``controlplane-<i>``."""
+    return "controlplane" if replicas == 1 else f"controlplane-{i}"
+
+
 def replica_configs(completed: dict[str, Any], config: Config, replicas: int, store: str | None,
                     store_url: str | None) -> list[dict[str, Any]]:
-    """One control-plane config per replica (``--replicas``, ``--store``): its own ports, every replica's address (Envoy
-    lists them all), and the shared store. With one replica and no ``--store``, the config as it is."""
+    """One control-plane config per replica (``--replicas``, ``--store``, the URL of a store ``sluice up`` started): its
+    own ports, every replica's address (Envoy lists them all), and the shared store. With one replica, no ``--store``
+    and no ``store_url``, the config as it is."""
     cp = config.controlplane
-    if replicas <= 1 and store is None:
+    if replicas <= 1 and store is None and store_url is None:
         return [completed]
     addresses = [{"host": cp.host, "grpc_port": cp.grpc_port + i * REPLICA_PORT_STRIDE,
                   "metrics_port": cp.metrics_port + i * REPLICA_PORT_STRIDE} for i in range(replicas)]
@@ -473,6 +525,75 @@ def replica_configs(completed: dict[str, Any], config: Config, replicas: int, st
             plane["replicas"] = addresses
         out.append({**completed, "controlplane": plane, "store": section})
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Additions:
+    """What ``sluice up`` adds to the config file for one control plane, as a rule applied to the file as it is each
+    time it is read (module docstring, Configuration and Reloading). ``apply``, in order:
+
+    - each simulated engine's profile defaults (``sluice/simulated.py``) for the engines the file lists then;
+    - ``admin.token_file``: ``token_file`` (the run's admin token) while the file names no token source of its own;
+    - replica ``replica`` of ``replicas`` (with several, or a ``store``, or a ``store_url``): its ports, every replica's
+      address, the store backend ``store`` (``--store``) and, while the file names no ``store.url``, ``store_url`` (the
+      valkey-server ``sluice up`` started) (``replica_configs``).
+
+    Each addition is derived from the file as read, so editing what one is derived from (a port, the store, a token
+    source) is a change needing a restart, refused by a reload as it would be without ``sluice up``, never masked."""
+
+    source: str | None
+    """The file every control plane of the run reads (absolute); None: the bundled default."""
+    token_file: str | None = None
+    replica: int = 0
+    replicas: int = 1
+    store: str | None = None
+    store_url: str | None = None
+    supervisor_pid: int | None = None
+    """With several replicas: ``sluice up``'s pid, sent SIGHUP when this replica applied an admin-API reload
+    (``pass_on``)."""
+
+    def apply(self, raw: Any, source: str) -> dict[str, Any]:
+        """The config mapping this control plane runs: ``raw`` (read from ``source``) with the additions. Raises
+        ``ConfigError`` with every problem of ``raw``."""
+        completed = with_profile_defaults(raw, source)
+        config = parse_config(completed, source)
+        if self.token_file is not None and not config.admin.has_token_source:
+            completed = {**completed, "admin": {**(completed.get("admin") or {}), "token_file": self.token_file}}
+        store_url = self.store_url if config.store.url is None else None
+        return replica_configs(completed, config, self.replicas, self.store, store_url)[self.replica]
+
+    def read(self, path: str | None) -> Config:
+        """A ``ConfigReader`` (``controlplane/app.py``): the file at ``path`` (None: the bundled default) with the
+        additions, validated. With several replicas only the run's own file may be read."""
+        if self.replicas > 1 and path is not None and (
+                self.source is None or Path(path).resolve() != Path(self.source).resolve()):
+            raise ConfigError([f"(file): every one of sluice up's {self.replicas} replicas runs "
+                               f"{self.source or 'the bundled config'}; edit that and reload it, not {path}"])
+        raw, source = read_raw(path)
+        return parse_config(self.apply(raw, source), source)
+
+    def pass_on(self, result: ReloadResult) -> None:
+        """A ``ReloadListener``: after an applied admin-API reload, SIGHUP to ``sluice up`` (still this process's
+        parent) so every replica applies it too."""
+        if result.applied and self.supervisor_pid is not None and os.getppid() == self.supervisor_pid:
+            os.kill(self.supervisor_pid, signal.SIGHUP)
+
+    def write(self, path: Path) -> Path:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> Additions:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def run_controlplane_with_additions(config_path: str | None, additions_path: str) -> int:
+    """``sluice controlplane --config F --additions A``: a control plane of ``sluice up``'s run, reading F through the
+    additions at start-up and on every reload."""
+    from controlplane.app import run_controlplane
+
+    additions = Additions.load(additions_path)
+    return run_controlplane(config_path, read_config=additions.read, on_reload=additions.pass_on)
 
 
 def wait_for_port(host: str, port: int, child: Child, timeout: float = 10.0) -> None:
@@ -497,8 +618,10 @@ def write_run_token(work_dir: Path) -> Path:
 
 
 def run_up(config_path: str | None, log_format: str = "text", replicas: int = 1, store: str | None = None) -> int:
+    if config_path is not None:  # the control planes and `sluice admin reload F` name it from wherever they run
+        config_path = str(Path(config_path).absolute())
     try:
-        config, completed, added = prepare_config(config_path)
+        config = prepare_config(config_path)
         if replicas < 1:
             raise ConfigError(["--replicas: must be at least 1"])
         if replicas > 1 and (store or config.store.backend.value) == "memory":
@@ -514,26 +637,31 @@ def run_up(config_path: str | None, log_format: str = "text", replicas: int = 1,
         return 1
 
     stopping = False
+    reload_asked = False
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
 
+    def on_hangup(signum: int, frame: object) -> None:
+        nonlocal reload_asked
+        reload_asked = True
+
+    def reloading() -> bool:
+        nonlocal reload_asked
+        asked, reload_asked = reload_asked, False
+        return asked
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)  # before any child: a replica may pass a reload on as soon as it serves
     work_dir = Path(tempfile.mkdtemp(prefix="sluice-up-"))
     token_file = config.admin.token_file
+    run_token = None
     if not config.admin.has_token_source:
         # Changes through the admin API need a token; a config that names none gets one made for this run, readable by
         # this user only, so `sluice admin drain|reload|floor` work on `make run` without ever being open to anyone.
-        token_file = str(write_run_token(work_dir))
-        completed = {**completed, "admin": {**(completed.get("admin") or {}), "token_file": token_file}}
-        added = True
-    plane_path = config_path
-    if added:  # the control plane reads the copy with what sluice up wrote in (profile defaults, the run's token)
-        plane_path = str(work_dir / "config.yaml")
-        Path(plane_path).write_text(yaml.safe_dump(completed, sort_keys=False))
-        log.info("simulator profile defaults written into %s for the control plane", plane_path)
+        token_file = run_token = str(write_run_token(work_dir))
     store_port: int | None = None
     store_url = None
     if (store or config.store.backend.value) == "valkey" and config.store.url is None:
@@ -541,29 +669,37 @@ def run_up(config_path: str | None, log_format: str = "text", replicas: int = 1,
 
         store_port = free_port()
         store_url = f"redis://127.0.0.1:{store_port}/0"
-    replica_paths = None
-    if replicas > 1 or store is not None:
-        replica_paths = []
-        for i, raw in enumerate(replica_configs(completed, config, replicas, store, store_url)):
-            path = work_dir / f"controlplane-{i}.yaml"
-            path.write_text(yaml.safe_dump(raw, sort_keys=False))
-            replica_paths.append(str(path))
-        # Envoy's bootstrap names every replica.
-        config = resolve_engines_blocking(parse_config(yaml.safe_load(Path(replica_paths[0]).read_text()),
-                                                       config.source))
-    children = start_stack(config, plane_path, work_dir, log_format, replica_paths, store_port)
+    additions = [Additions(config_path, token_file=run_token, replica=i, replicas=replicas, store=store,
+                           store_url=store_url, supervisor_pid=os.getpid() if replicas > 1 else None)
+                 for i in range(replicas)]
+    additions_paths = []
+    try:
+        raw, source = read_raw(config_path)
+        for i, added in enumerate(additions):
+            additions_paths.append(added.write(work_dir / f"{controlplane_name(i, replicas)}.additions.json"))
+            # a snapshot for reading (what replica i started on: its ports, the store's URL); the control planes read F
+            (work_dir / f"controlplane-{i}.yaml").write_text(yaml.safe_dump(added.apply(raw, source), sort_keys=False))
+        if replicas > 1:  # Envoy's bootstrap names every replica
+            config = resolve_engines_blocking(parse_config(additions[0].apply(raw, source), source))
+    except ConfigError as exc:  # the file changed since it was validated above
+        print(f"sluice up: {exc}", file=sys.stderr)
+        lock.close()
+        return 2
+    children = start_stack(config, config_path, additions_paths, work_dir, log_format, store_port)
     base = f"http://{config.envoy.listen_host}:{config.envoy.listen_port}/v1"
     code = 0
     try:
         cp = config.controlplane
         models = wait_ready(base, children, metrics_url=f"http://{cp.host}:{cp.metrics_port}/metrics")
+        admin = f"--target {cp.admin_host}:{cp.admin_port}" + (f" --token-file {token_file}" if token_file else "")
         print(f"sluice is up.\n  base URL: {base}\n  model:    {', '.join(models)}\n"
-              f"  admin:    sluice admin engines --target {config.controlplane.admin_host}:"
-              f"{config.controlplane.admin_port}" + (f" --token-file {token_file}" if token_file else "") + "\n"
+              f"  admin:    sluice admin engines {admin}\n"
+              + (f"  reload:   edit {config_path}, then sluice admin reload {admin} (or kill -HUP {os.getpid()})\n"
+                 if config_path else "") +
               f"  logs:     {work_dir}\n"
               "The control plane and simulators are restarted if they exit; Envoy keeps serving meanwhile.\n"
               "Ctrl-C stops everything.", flush=True)
-        code = Supervisor(children).run(lambda: stopping)
+        code = Supervisor(children).run(lambda: stopping, reloading=reloading)
     except (NotReady, RuntimeError) as exc:
         print(f"sluice up: {exc} (logs: {work_dir})", file=sys.stderr)
         code = 1

@@ -76,10 +76,9 @@ class UpProcess:
             if not alive(pid):
                 continue
             if "controlplane" in argv:
-                config = argv[argv.index("--config") + 1] if "--config" in argv else ""
-                # one replica: "controlplane"; several: "controlplane-<i>", from its config file's name (sluice/up.py)
-                stem = Path(config).stem
-                found[stem if stem.startswith("controlplane-") else "controlplane"] = pid
+                # one replica: "controlplane"; several: "controlplane-<i>": its additions file's name (sluice/up.py)
+                added = argv[argv.index("--additions") + 1] if "--additions" in argv else ""
+                found[Path(added).name.partition(".")[0] or "controlplane"] = pid
             elif "valkey-server" in argv[0]:  # `sluice store` execs it (and Valkey retitles itself "... host:port")
                 found["store"] = pid
             elif "sim" in argv and "--name" in argv:
