@@ -1,9 +1,9 @@
 """Automatic prefix caching the way vLLM V1 does it, sans I/O: the simulator's KV blocks remember which prompt block they
 hold, so a later request that starts with the same tokens skips their prefill.
 
-**Tokens and blocks.** The simulator has no tokenizer; it counts a prompt as ``ceil(characters / 4)`` tokens
-(``CHARS_PER_TOKEN``), so token ``i`` is characters ``[4i, 4i + 4)`` of the prompt text and KV block ``k`` (``block_size``
-16 tokens, the profiles' value) is characters ``[64k, 64k + 64)``. Only full blocks are cached, as in vLLM. A block's hash
+**Tokens and blocks.** The simulator has no tokenizer; it counts a prompt as ``ceil(characters / c)`` tokens, ``c`` its
+profile's ``chars_per_token`` (``CHARS_PER_TOKEN`` 4 by default), so KV block ``k`` (``block_size`` 16 tokens, the
+profiles' value) is characters ``[span k, span (k + 1))`` of the prompt text, ``span = round(16 c)`` (64 at 4). Only full blocks are cached, as in vLLM. A block's hash
 is chained: ``h_k = blake2b(h_{k-1} || the block's characters)``, so a block matches only when everything before it matches
 too (vLLM: ``hash(parent_hash, token_ids)``).
 
@@ -32,14 +32,15 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-CHARS_PER_TOKEN = 4
-"""The simulator's token estimate (``ceil(characters / 4)``), the mapping blocks are cut by."""
+CHARS_PER_TOKEN = 4.0
+"""The simulator's default token estimate (``ceil(characters / 4)``), the mapping blocks are cut by."""
 
 
-def block_hashes(text: str, prompt_tokens: int, block_size: int) -> tuple[int, ...]:
+def block_hashes(text: str, prompt_tokens: int, block_size: int,
+                 chars_per_token: float = CHARS_PER_TOKEN) -> tuple[int, ...]:
     """The chained hashes of ``text``'s full blocks, at most ``prompt_tokens // block_size`` of them (a prompt whose token
     count is forced by ``sim_prompt_tokens`` is only as cacheable as the text it carries)."""
-    span = block_size * CHARS_PER_TOKEN
+    span = max(1, round(block_size * chars_per_token))
     count = min(len(text) // span, prompt_tokens // block_size)
     out = []
     parent = b""

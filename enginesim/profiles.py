@@ -45,10 +45,15 @@ class Profile:
     """Spread of the lognormal output length (the standard deviation of its log)."""
     output_model: str = "eos"
     """``eos``: requests stop at a drawn natural length (capped by max_tokens); ``max_tokens``: exactly max_tokens."""
+    chars_per_token: float = 4.0
+    """The tokenizer's ratio: a prompt of ``n`` characters is ``ceil(n / chars_per_token)`` tokens (about 4 for English
+    prose, 3 for code, 1.3 for CJK text)."""
 
     def __post_init__(self) -> None:
         if self.output_model not in OUTPUT_MODELS:
             raise ValueError(f"output_model must be one of {', '.join(OUTPUT_MODELS)}, not {self.output_model!r}")
+        if not self.chars_per_token > 0:
+            raise ValueError(f"chars_per_token must be > 0, not {self.chars_per_token!r}")
 
     def draw_output_tokens(self, rng: random.Random) -> int:
         """A natural output length (before any max_tokens cap): lognormal around ``output_median_tokens``."""

@@ -8,8 +8,13 @@ so a duplicated header shows), which is what a real engine's tracing would conti
 
 Request extensions (ignored by real engines, honoured here):
 - ``sim_prompt_tokens``: the prompt's token count, so a 65k-token prompt fits in a small body.
-  Without it the prompt is counted as ``ceil(characters / 4)``, a common rule of thumb for English text (the prompt text is
-  the messages' contents one after another, or the completion prompt).
+  Without it the prompt is counted as ``ceil(characters / chars_per_token)`` (the profile's, 4 by default, a common rule
+  of thumb for English text; ``chars_per_token`` overrides it); the prompt text is the messages' contents one after
+  another, or the completion prompt.
+
+Streams send their headers first, as vLLM's OpenAI server does (a Starlette ``StreamingResponse`` sends the response start
+before it iterates the body): the first byte comes before the prefill has produced a token. ``headers_at_first_token``
+holds them until the first token instead, as some servers do.
 
 Automatic prefix caching, like vLLM V1 with ``--enable-prefix-caching`` (prefixcache.py): the prompt text's 64-character
 spans are its 16-token blocks; cached ones skip prefill. A response's ``usage.prompt_tokens_details.cached_tokens`` says how
@@ -49,7 +54,7 @@ from typing import Any
 from aiohttp import web
 from enginesim.batcher import Batcher, SimRequest
 from enginesim.exposition import Dialect, RequestStats, SimCollector, render
-from enginesim.prefixcache import CHARS_PER_TOKEN, block_hashes
+from enginesim.prefixcache import block_hashes
 from enginesim.profiles import OUTPUT_MODELS, Profile
 
 log = logging.getLogger("sluice.sim")
@@ -75,7 +80,8 @@ class MetricsFault(enum.StrEnum):
 class EngineSimulator:
     def __init__(
         self, profile: Profile, *, name: str, speed: float = 1.0, model: str | None = None, flavor: str = "vllm-v1",
-        output_model: str | None = None, seed: int | None = None,
+        output_model: str | None = None, seed: int | None = None, headers_at_first_token: bool = False,
+        chars_per_token: float | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
@@ -86,12 +92,17 @@ class EngineSimulator:
             profile = replace(profile, model=model)
         if output_model:
             profile = replace(profile, output_model=output_model)
+        if chars_per_token is not None:
+            profile = replace(profile, chars_per_token=chars_per_token)
         self.rng = random.Random(zlib.crc32(name.encode()) if seed is None else seed)
         """Natural output lengths; seeded by the engine's name unless told, so two engines of one profile differ but a
         rerun replays."""
         self.profile = profile
         self.name = name
         self.speed = speed
+        self.headers_at_first_token = headers_at_first_token
+        """False (the default, as vLLM's ``StreamingResponse``): a stream's headers go out as soon as the request is
+        accepted, before its prefill; True: they wait for the first token (time to first byte is then the TTFT)."""
         self.flavor = dialect
         self.batcher = Batcher(profile, metrics_time_scale=1.0 / speed)
         self.stats = RequestStats()
@@ -271,9 +282,9 @@ class EngineSimulator:
         if isinstance(body, web.Response):
             return body
         chat = "messages" in body
-        text, prompt_tokens = _prompt(body, chat=chat)
+        text, prompt_tokens = _prompt(body, chat=chat, chars_per_token=self.profile.chars_per_token)
         b = self.batcher
-        cached = b.cached_tokens_for(block_hashes(text, prompt_tokens, self.profile.block_size), prompt_tokens)
+        cached = b.cached_tokens_for(self._blocks(text, prompt_tokens), prompt_tokens)
         return web.json_response({"cached_tokens": cached, "prompt_tokens": prompt_tokens, "running": len(b.running),
                                   "waiting": len(b.waiting), "max_num_seqs": self.profile.max_num_seqs})
 
@@ -289,14 +300,14 @@ class EngineSimulator:
             return body
         if body.get("model") != self.profile.model:
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model_not_found")
-        text, prompt_tokens = _prompt(body, chat=chat)
+        text, prompt_tokens = _prompt(body, chat=chat, chars_per_token=self.profile.chars_per_token)
         planned = self.plan_output(body, prompt_tokens)
         if isinstance(planned, web.Response):
             return planned
         max_tokens, output_tokens = planned
         sim_request = SimRequest(uuid.uuid4().hex, prompt_tokens, max_tokens, arrived_at=self.now(),
                                  output_tokens=output_tokens,
-                                 block_hashes=block_hashes(text, prompt_tokens, self.profile.block_size))
+                                 block_hashes=self._blocks(text, prompt_tokens))
         entry: dict[str, Any] = {
             "id": sim_request.request_id,
             "engine": self.name,
@@ -327,10 +338,13 @@ class EngineSimulator:
         try:
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                # Headers go out with the first token, so time-to-first-byte is the TTFT (the access log measures it).
-                first = await queue.get()
                 response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
-                await response.prepare(request)
+                if self.headers_at_first_token:
+                    first = await queue.get()
+                    await response.prepare(request)
+                else:
+                    await response.prepare(request)
+                    first = await queue.get()
                 async for chunk in self._sse_chunks(sim_request, queue, chat, completion_id, created, include_usage,
                                                     first):
                     await response.write(chunk)
@@ -355,6 +369,9 @@ class EngineSimulator:
             )
             self._record_finish(sim_request)
             self._streams.pop(sim_request, None)
+
+    def _blocks(self, text: str, prompt_tokens: int) -> tuple[int, ...]:
+        return block_hashes(text, prompt_tokens, self.profile.block_size, self.profile.chars_per_token)
 
     def plan_output(self, body: dict[str, Any], prompt_tokens: int) -> tuple[int, int | None] | web.Response:
         """``(max_tokens, natural output length or None to run to max_tokens)`` for a request body, or its 400."""
@@ -477,9 +494,9 @@ async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
     return body
 
 
-def _prompt(body: dict[str, Any], *, chat: bool) -> tuple[str, int]:
+def _prompt(body: dict[str, Any], *, chat: bool, chars_per_token: float) -> tuple[str, int]:
     """The prompt text (the messages' contents one after another, or the completion prompt) and its token count:
-    ``ceil(characters / 4)``, or ``sim_prompt_tokens`` when the body forces one."""
+    ``ceil(characters / chars_per_token)``, or ``sim_prompt_tokens`` when the body forces one."""
     if chat:
         text = "".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
     else:
@@ -488,7 +505,7 @@ def _prompt(body: dict[str, Any], *, chat: bool) -> tuple[str, int]:
     forced = body.get("sim_prompt_tokens")
     if isinstance(forced, int) and forced > 0:
         return text, forced
-    return text, max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+    return text, max(1, math.ceil(len(text) / chars_per_token))
 
 
 LISTENING = "listening on http://{host}:{port}"
@@ -497,11 +514,12 @@ LISTENING = "listening on http://{host}:{port}"
 
 def serve(
     profile: Profile, *, name: str, host: str, port: int, speed: float, model: str | None = None, flavor: str = "vllm-v1",
-    output_model: str | None = None, seed: int | None = None,
+    output_model: str | None = None, seed: int | None = None, headers_at_first_token: bool = False,
+    chars_per_token: float | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. ``port`` 0 binds any free port; either way the bound one is printed (``LISTENING``)."""
     sim = EngineSimulator(profile, name=name, speed=speed, model=model, flavor=flavor, output_model=output_model,
-                          seed=seed)
+                          seed=seed, headers_at_first_token=headers_at_first_token, chars_per_token=chars_per_token)
     asyncio.run(_serve(sim, host, port))
 
 

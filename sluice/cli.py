@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="eos (default): each request ends at a drawn natural length capped by max_tokens; max_tokens: "
                         "every request generates exactly its max_tokens (the old behaviour)")
     p.add_argument("--seed", type=int, help="seed of the output-length draws (default: derived from the name)")
+    p.add_argument("--chars-per-token", type=float,
+                   help="the tokenizer's characters per token (default: the profile's, 4)")
+    p.add_argument("--headers-at-first-token", action="store_true",
+                   help="hold a stream's headers until its first token (default: send them at once, as vLLM does)")
 
     p = sub.add_parser("ratelimit", help="Envoy's rate-limit service (envoy.service.ratelimit.v3) over sluice's limiter")
     p.add_argument("--config", required=True, help="descriptor file: domain + descriptors (see ratelimit/README.md)")
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                    "windows, no two-replica arm")
     p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable (a run "
                    "narrowed by --fleet, --mix, --level or --admission reports to steady-partial.md)")
+    p.add_argument("--stream", action="store_true", help="overhead: streamed 32-token answers instead of one-token "
+                   "ones (what the response path costs per chunk; report overhead-stream.md)")
     p.add_argument("--mix", action="append", help="steady: only this client mix (open, capped, deadline); repeatable")
     p.add_argument("--level", action="append", type=float, help="steady, prefix: only this load level (e.g. 1.1); "
                    "repeatable")
@@ -165,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
             profile = replace(profile, max_num_seqs=args.max_num_seqs)
         serve(profile, name=args.name or args.profile, host=args.host, port=args.port,
-              speed=args.speed, model=args.model, flavor=args.flavor, output_model=args.output_model, seed=args.seed)
+              speed=args.speed, model=args.model, flavor=args.flavor, output_model=args.output_model, seed=args.seed,
+              headers_at_first_token=args.headers_at_first_token, chars_per_token=args.chars_per_token)
         return 0
     if args.command == "controlplane":
         if args.additions:
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.scenario == "overhead":
             from sluice.bench.overhead import run_overhead_bench
 
-            return run_overhead_bench(args.engines)
+            return run_overhead_bench(args.engines, stream=args.stream)
         if args.scenario == "t10":
             from sluice.bench.t10 import run_t10_bench
 

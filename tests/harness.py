@@ -238,7 +238,8 @@ def start_stack(
     api_key: str | None = None, **sections: Any,
 ) -> Stack:
     """``engines``: (name, profile) pairs or engine config dicts with a ``sim`` profile, each started as a simulator on port 0
-    (``sim_flavor``, ``sim_model`` and ``max_num_seqs`` reach the simulator too; its bound port becomes the entry's ``url``).
+    (``sim_flavor``, ``sim_model`` and ``max_num_seqs`` reach the simulator too, and ``sim_args``, a list of further
+    ``sluice sim`` arguments, only it; its bound port becomes the entry's ``url``).
     The simulators' profile defaults are written into the config as ``sluice up`` does (``sluice/simulated.py``).
     ``with_envoy=False``: no Envoy (service tests). ``api_key``: a tenant's key (with ``tenants=``), to see it serve."""
     entries = [e if isinstance(e, dict) else {"name": e[0], "sim": e[1]} for e in engines]
@@ -249,7 +250,8 @@ def start_stack(
             entry.setdefault("speed", speed)
             extra = [*(["--flavor", entry["sim_flavor"]] if "sim_flavor" in entry else []),
                      *(["--model", entry["sim_model"]] if "sim_model" in entry else []),
-                     *(["--max-num-seqs", str(entry["max_num_seqs"])] if "max_num_seqs" in entry else [])]
+                     *(["--max-num-seqs", str(entry["max_num_seqs"])] if "max_num_seqs" in entry else []),
+                     *entry.pop("sim_args", ())]
             wanted = urlsplit(entry["url"]).port or 0 if "url" in entry else 0
             sims[entry["name"]], port = launch_sim(entry["sim"], entry["name"], entry["speed"], work_dir, *extra,
                                                    port=wanted)

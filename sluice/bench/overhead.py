@@ -22,6 +22,8 @@ import json
 import os
 import re
 import statistics
+import subprocess
+import sys
 import time
 import urllib.request
 from collections import Counter
@@ -38,6 +40,10 @@ from sluice.bench.workload import gateway
 RATES = (50, 200, 500)
 SECONDS = 8.0
 BODY = {"model": "cortex", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+STREAM_TOKENS = 32
+STREAM_BODY = {**BODY, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True}
+"""``--stream``: a streamed answer of 32 tokens, each its own SSE chunk: what the response-side Lua filter costs per chunk
+shows in the whole stream's time."""
 
 
 async def open_loop(url: str, rate: int, seconds: float, body: dict[str, Any] | None = None,
@@ -163,10 +169,10 @@ def _row(rate: int, plain_ms: list[float], plain_failed: int, sluice_ms: list[fl
             f"{plain_failed} / {sluice_failed} |")
 
 
-def run_overhead_bench(engines_file: str | None = None) -> int:
+def run_overhead_bench(engines_file: str | None = None, stream: bool = False) -> int:
     if engines_file is not None:
         return _run_on_engines(engines_file)
-    return _run_on_simulator()
+    return _run_on_simulator(stream)
 
 
 def _run_on_engines(engines_file: str) -> int:
@@ -253,8 +259,11 @@ Where sluice sent them (successes by `x-sluice-engine`), and the failures by sta
     return 0
 
 
-def _run_on_simulator() -> int:
+def _run_on_simulator(stream: bool = False) -> int:
     engine = {"name": "fast", "sim": "spark", "speed": 1000, "max_num_seqs": 64}
+    body = STREAM_BODY if stream else BODY
+    name = "overhead-stream" if stream else "overhead"
+    what = f"a streamed {STREAM_TOKENS}-token request" if stream else "a one-token request"
     rows, checks = [], []
     series: dict[str, list[tuple[int, float, float]]] = {"plain Envoy": [], "Envoy + sluice": []}
     with gateway([engine], observe={"poll_interval_seconds": 1.0}) as config:
@@ -264,9 +273,9 @@ def _run_on_simulator() -> int:
             sluice_url = config["base_url"] + "/v1/chat/completions"
             metrics_url = f"http://127.0.0.1:{config['controlplane']['metrics_port']}/metrics"
             for rate in RATES:
-                plain_ms, plain_failed = asyncio.run(open_loop(plain_url, rate, SECONDS))
+                plain_ms, plain_failed = asyncio.run(open_loop(plain_url, rate, SECONDS, body))
                 before = _histogram(metrics_url)
-                sluice_ms, sluice_failed = asyncio.run(open_loop(sluice_url, rate, SECONDS))
+                sluice_ms, sluice_failed = asyncio.run(open_loop(sluice_url, rate, SECONDS, body))
                 after = _histogram(metrics_url)
                 check = (histogram_quantile(before, after, 0.5), histogram_quantile(before, after, 0.99))
                 checks.append((rate, check))
@@ -274,8 +283,10 @@ def _run_on_simulator() -> int:
                 series["Envoy + sluice"].append((rate, median(sluice_ms), pct(sluice_ms, 99)))
                 rows.append(_row(rate, plain_ms, plain_failed, sluice_ms, sluice_failed, check))
     at200 = dict(checks)[200]
-    plot = latency_plot(series, "overhead", "what sluice adds to a one-token request")
-    body = f"""Open loop, {SECONDS:g} s per rate and path, non-streaming chat completions answered with one token.
+    plot = latency_plot(series, name, f"what sluice adds to {what}")
+    shape = (f"streamed chat completions of {STREAM_TOKENS} tokens (one SSE chunk each; the latency is the whole "
+             "stream's)" if stream else "non-streaming chat completions answered with one token")
+    report = f"""Open loop, {SECONDS:g} s per rate and path, {shape}. `{" ".join(sys.argv)}` at commit {_commit()}.
 
 | requests/s | plain Envoy p50 / p99 (ms) | Envoy + sluice p50 / p99 (ms) | added p50 (ms) | Check p50 / p99 (ms, server) | failures plain / sluice |
 |---|---|---|---|---|---|
@@ -286,7 +297,18 @@ For scale, llm-d's endpoint picker reports P50 0.69 ms / P95 ~4.5 ms with a rand
 
 ![latency by rate]({plot})
 """
-    path = write_report("overhead", "sluice bench overhead: what the gateway adds", body)
-    print(body)
+    path = write_report(name, "sluice bench overhead: what the gateway adds", report)
+    print(report)
     print(f"report: {path}")
     return 0
+
+
+def _commit() -> str:
+    """The checkout's commit, with ``+dirty`` when the tree has changes."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        except OSError:
+            return ""
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain") else "")
