@@ -4,9 +4,12 @@ The ticket id travels from ``Check`` to here in ext_authz dynamic metadata (name
 Envoy copies into every entry's ``common_properties.metadata``. Entries without a ticket (denied or locally answered requests)
 are counted and otherwise ignored. Envoy never gets a reply on this stream.
 
+Every admitted request's first token is timed here (``first_token``): the engine's TTFT as clients saw it, which the
+estimate's error and the TTFT feedback learn from (``CompletionPort.note_first_token``).
+
 A tenant's request (its entry's ext_authz metadata names the tenant) is also settled here: what it really used
 (``core/tenants.py``'s ``settled_usage``: the engine's ``usage`` object, else the prompt estimate plus the content
-deltas) comes from the ``sluice.usage`` metadata Envoy's Lua usage filter wrote while the body streamed by
+deltas) comes from the ``sluice.usage`` metadata Envoy's Lua response filter wrote while the body streamed by
 (``xds/resources.py``), and replaces the pre-charge (``quota.py``).
 """
 
@@ -18,11 +21,42 @@ from typing import Any
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
+from controlplane.core.feedback import FirstToken
 from controlplane.core.tenants import ObservedResponse, settled_usage
+from controlplane.names import CONTENT_TYPE_HEADER
 from controlplane.ports import CompletionPort, QuotaPort
-from controlplane.xds.resources import AUTHZ_NAMESPACE, USAGE_NAMESPACE
+from controlplane.xds.resources import AUTHZ_NAMESPACE, FIRST_TOKEN_KEY, USAGE_NAMESPACE
 
 log = logging.getLogger("sluice.accesslog")
+
+
+def first_token(entry: Any) -> FirstToken | None:
+    """When an admitted request's first token reached Envoy, from its access-log entry; None when it had none (not a
+    200, the client left before it, the engine sent no token).
+
+    A stream's time is the Lua response filter's ``first_token_us`` (the first event carrying a token passed Envoy);
+    a non-streaming response's is its last upstream byte (the whole body is the first token the client sees). Both are
+    measured from the moment the request was fully sent to the engine (after the Check and any park), which is also
+    what the gateway's own part is measured to: Envoy's ``start_time`` and the Lua filter's clock are the same system
+    clock."""
+    props = entry.common_properties
+    if entry.response.response_code.value != 200 or not props.HasField("time_to_last_upstream_tx_byte"):
+        return None
+    sent_s = props.time_to_last_upstream_tx_byte.ToTimedelta().total_seconds()
+    content_type = entry.response.response_headers.get(CONTENT_TYPE_HEADER, "")
+    if "text/event-stream" in content_type:
+        if USAGE_NAMESPACE not in props.metadata.filter_metadata:
+            return None
+        usage = props.metadata.filter_metadata[USAGE_NAMESPACE]
+        if FIRST_TOKEN_KEY not in usage.fields:
+            return None
+        start = props.start_time
+        first_s = usage.fields[FIRST_TOKEN_KEY].number_value / 1e6 - (start.seconds + start.nanos / 1e9)
+        return FirstToken(engine_s=max(0.0, first_s - sent_s), gateway_s=sent_s, streamed=True)
+    if not props.HasField("time_to_last_upstream_rx_byte"):
+        return None
+    last_s = props.time_to_last_upstream_rx_byte.ToTimedelta().total_seconds()
+    return FirstToken(engine_s=max(0.0, last_s - sent_s), gateway_s=sent_s, streamed=False)
 
 
 class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
@@ -49,17 +83,12 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
         ticket_id = authz["ticket"].string_value
         ticket = plane.release_ticket(ticket_id)
         plane.metrics.access_log_entries.labels("released" if ticket else "unknown_ticket").inc()
-        props = entry.common_properties
         if "tenant" in authz and self.quota is not None:
             self._settle(entry, ticket_id, authz)
-        if ticket is not None and ticket.expected_ttft_s > 0 and props.HasField("time_to_first_upstream_rx_byte") \
-                and entry.response.response_code.value == 200:
-            # TTFT as the engine delivered it: first upstream byte minus the moment the request was fully sent to it
-            # (after any park). Engines that flush headers before the first token make this a lower bound.
-            sent = props.time_to_last_upstream_tx_byte.ToTimedelta().total_seconds()
-            actual = props.time_to_first_upstream_rx_byte.ToTimedelta().total_seconds() - sent
-            if actual > 0:
-                plane.note_ttft(ticket.engine, actual / ticket.expected_ttft_s)
+        if ticket is not None:
+            timing = first_token(entry)
+            if timing is not None:
+                plane.note_first_token(ticket, timing)
 
     def _settle(self, entry: Any, ticket_id: str, authz: Any) -> None:
         """A tenant's finished request: its usage from the Lua filter's metadata (or the prompt estimate and the deltas

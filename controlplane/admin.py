@@ -130,4 +130,4 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def _engine(self, e: EngineView, fleet: Fleet, now: float) -> admin_pb2.Engine:
         model = e.models[0].model_id if e.models else None
         medians = self.plane.medians(model, e.chip_class) if model else (None, None)
-        return engine_proto(e, fleet, now, self.plane.open_tickets(e.name), medians)
+        return engine_proto(e, fleet, now, self.plane.open_tickets(e.name), medians, self.plane.ttft_summary(e.name))

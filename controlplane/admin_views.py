@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 
 from controlplane.core.explain import EngineExplanation
+from controlplane.core.feedback import TtftSummary
 from controlplane.core.fit import effective_load
 from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Priority, Reason
 from controlplane.core.policy import Policy
@@ -51,7 +52,7 @@ def status_proto(facts: StatusFacts, fleet: Fleet) -> admin_pb2.GetStatusRespons
 
 
 def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
-                 medians: tuple[float | None, float | None]) -> admin_pb2.Engine:
+                 medians: tuple[float | None, float | None], ttfts: TtftSummary) -> admin_pb2.Engine:
     s = e.sample
     return admin_pb2.Engine(
         name=e.name,
@@ -80,6 +81,11 @@ def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
         kv_used_tokens=int(_or_unknown(s.kv_used_tokens if s else None)),
         preemptions_total=_or_unknown(s.preemptions_total if s else None),
         drained=e.drained,
+        ttft_p50_seconds=_or_unknown(ttfts.p50_s),
+        ttft_p90_seconds=_or_unknown(ttfts.p90_s),
+        ttft_samples=ttfts.samples,
+        ttft_estimate_error_median=_or_unknown(ttfts.error_median),
+        ttft_correction=ttfts.correction,
     )
 
 

@@ -33,11 +33,13 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from controlplane.config import Config, StoreOnFailure
 from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.decide import shed
+from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary
 from controlplane.core.model import EngineView, Fleet, InferenceRequest, QueueRule, Reason, Ticket, Verdict
 from controlplane.metrics import SluiceMetrics
 from controlplane.observation import Observation
@@ -72,6 +74,8 @@ class AdmissionService:
         self._parked: dict[str, asyncio.Future[Outcome]] = {}
         self.feed = DecisionFeed(metrics)
         """Every final answer, for the admin API's ``WatchDecisions`` (bounded per watcher)."""
+        self.recent_ttfts = RecentTtfts()
+        """Each engine's last served requests' first tokens (``sluice admin engines``)."""
         self.trace_outcome: Callable[[str | None, Outcome, InferenceRequest | None], None] | None = None
         """Set when tracing is on (``CheckTracing.record``): every final answer also goes on its Check's span."""
         self._tasks: list[asyncio.Task[None]] = []
@@ -329,12 +333,24 @@ class AdmissionService:
     def knows_engine(self, engine: str) -> bool:
         return self.observation.knows(engine)
 
-    def note_ttft(self, engine: str, ratio: float) -> None:
-        """A served request's measured TTFT over its estimate (the access log): reported, and fed back (feedback.py)."""
-        series = self.metrics.engine(engine)
+    def note_first_token(self, ticket: Ticket, timing: FirstToken) -> None:
+        """A served request's first token (the access log): the engine's TTFT as clients saw it and the gateway's part
+        are reported; a stream's TTFT over the decision's estimate is reported and fed back (feedback.py)."""
+        series = self.metrics.engine(ticket.engine)
+        series.ttft_seconds.observe(timing.engine_s)
+        self.metrics.gateway_seconds.observe(timing.gateway_s)
+        measured = timing.streamed and ticket.expected_ttft_s > 0 and timing.engine_s > 0
+        ratio = timing.engine_s / ticket.expected_ttft_s if measured else None
+        self.recent_ttfts.record(ticket.engine, timing.engine_s, ratio)
+        if ratio is None:
+            return
         series.ttft_error.observe(ratio)
-        self.core.observe_ttft(engine, ratio, self.clock())
-        series.ttft_correction.set(self.core.ttft.factor(engine))
+        self.core.observe_ttft(ticket.engine, ratio, self.clock())
+        series.ttft_correction.set(self.core.ttft.factor(ticket.engine))
+
+    def ttft_summary(self, engine: str) -> TtftSummary:
+        """What ``engine``'s recent requests' first tokens took (``sluice admin engines``)."""
+        return replace(self.recent_ttfts.summary(engine), correction=self.core.ttft.factor(engine))
 
     def decay_corrections(self) -> None:
         """TTFT corrections held past their half-life without a request decay (feedback.py); the gauges follow, and a

@@ -40,6 +40,7 @@ from controlplane.config import (
 )
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
+from controlplane.core.feedback import TtftSummary
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Ticket
 from controlplane.core.policy import Policy, version_key
@@ -199,6 +200,9 @@ class ControlPlane:
 
     def medians(self, model: str, chip_class: str) -> tuple[float | None, float | None]:
         return self.rates.prefill_median(model, chip_class), self.rates.solo_decode_median(model, chip_class)
+
+    def ttft_summary(self, engine: str) -> TtftSummary:
+        return self.service.ttft_summary(engine)
 
     async def set_drained(self, name: str, drained: bool) -> bool:
         if not self.observation.set_drained(name, drained):

@@ -1042,6 +1042,8 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
         ttft_correction_gain=float(c.number("admission.ttft_correction_gain", ad["ttft_correction_gain"], minimum=0,
                                             maximum=1)),
         ttft_correction_max=float(c.number("admission.ttft_correction_max", ad["ttft_correction_max"], minimum=1)),
+        ttft_correction_min=float(c.number("admission.ttft_correction_min", ad["ttft_correction_min"], minimum=0.05,
+                                           maximum=1)),
         ttft_correction_half_life_s=float(c.number("admission.ttft_correction_half_life_seconds",
                                                    ad["ttft_correction_half_life_seconds"], minimum=0)),
         band_margin_ms=float(c.number("admission.band_margin_ms", ad["band_margin_ms"], minimum=0)),

@@ -323,6 +323,7 @@ class EngineSeries:
     up: EngineValue
     stale: EngineValue
     ttft_error: EngineHistogramChild
+    ttft_seconds: EngineHistogramChild
     ttft_correction: EngineValue
     tickets_released: EngineValue
     tickets_expired: EngineValue
@@ -362,10 +363,23 @@ class SluiceMetrics:
         self.parked_now = Gauge("sluice_parked_requests", "Requests parked right now.", registry=r)
         self.ttft_error = EngineHistogram(
             "sluice_ttft_estimate_error_ratio",
-            "Access-log TTFT (engine's first byte after the request reached it) over the TTFT the decision estimated.",
+            "A served stream's TTFT (its first token passing Envoy, from the request fully sent to its engine) over the "
+            "TTFT the decision estimated.",
             buckets=(0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10),
         )
         self.registry.register(self.ttft_error)
+        self.engine_ttft = EngineHistogram(
+            "sluice_engine_ttft_seconds",
+            "Time from a served request fully sent to its engine to its first token passing Envoy (a non-streaming "
+            "response's whole body): the TTFT clients saw, less the gateway's part (sluice_gateway_seconds).",
+            buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60),
+        )
+        self.registry.register(self.engine_ttft)
+        self.gateway_seconds = Histogram(
+            "sluice_gateway_seconds", "Time from a served request's arrival at Envoy to its being fully sent to its "
+            "engine: the Check, any park and the body.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r,
+        )
         self.ttft_correction = EngineFamily(
             "sluice_ttft_correction",
             "What the engine's TTFT estimates (prefill and first token) are multiplied by, from the measured TTFTs "
@@ -485,7 +499,7 @@ class SluiceMetrics:
         if series is None:
             series = self._engines[name] = EngineSeries(
                 self.engine_up.labels(name), self.engine_stale.labels(name), self.ttft_error.labels(name),
-                self.ttft_correction.labels(name), self.tickets_released.labels(name), self.tickets_expired.labels(name),
+                self.engine_ttft.labels(name), self.ttft_correction.labels(name), self.tickets_released.labels(name), self.tickets_expired.labels(name),
                 self.engine_retries.labels(name))
         return series
 
@@ -493,6 +507,7 @@ class SluiceMetrics:
         """An engine left the config: its series leave the exposition (a later engine of that name starts afresh)."""
         self._engines.pop(name, None)
         self.ttft_error.remove(name)
+        self.engine_ttft.remove(name)
         for family in self._engine_families:
             family.remove(name)
 
@@ -500,10 +515,11 @@ class SluiceMetrics:
         """The Prometheus text of everything: the loop-side state read here (the engines' states as a snapshot), the
         families built and rendered in a thread."""
         read = [c.as_of_now() if isinstance(c, _EngineStates) else _Fixed(list(c.collect())) for c in self._on_loop]
-        errors = self.ttft_error.snapshot()
+        histograms = [(histogram, histogram.snapshot()) for histogram in (self.ttft_error, self.engine_ttft)]
         values = [(family, family.snapshot()) for family in self._engine_families]
 
         def render() -> bytes:
-            return (exposition_text(_Read(self._instruments, read).collect()) + self.ttft_error.text(errors)
+            return (exposition_text(_Read(self._instruments, read).collect())
+                    + "".join(histogram.text(snapshot) for histogram, snapshot in histograms)
                     + "".join(family.text(snapshot) for family, snapshot in values)).encode()
         return await asyncio.to_thread(render)

@@ -129,7 +129,7 @@ class AdmissionCore:
         self.prefixes = PrefixIndex(policy.prefix_index_blocks)
         """Which engine probably holds which prompt prefix (prefix.py)."""
         self.ttft = TtftCorrections(policy.ttft_correction_gain, policy.ttft_correction_max,
-                                    policy.ttft_correction_half_life_s)
+                                    policy.ttft_correction_half_life_s, policy.ttft_correction_min)
         """Each engine's TTFT correction from the access log (feedback.py): set on the views the core decides on."""
         self._last_sample: dict[str, EngineSample] = {}
         self._lot: dict[str, dict[Priority, deque[Parked]]] = {}
@@ -194,7 +194,7 @@ class AdmissionCore:
         return view if view.ttft_correction == factor else replace(view, ttft_correction=factor)
 
     def observe_ttft(self, engine: str, ratio: float, now: float) -> None:
-        """A served request's TTFT as the engine delivered it over the decision's estimate (the access log): the engine's
+        """A served stream's measured TTFT (its first token, from the access log) over the decision's estimate: the engine's
         correction moves (feedback.py), and once it changed, the index's rows of that engine and every parked request's
         last decision are stale."""
         if self.ttft.observe(engine, ratio, now):
@@ -427,7 +427,7 @@ class AdmissionCore:
         self.admit_stale = admit_stale
         self.serves.half_life_s = policy.serve_half_life_s
         self._refresh_corrected(self.ttft.configure(policy.ttft_correction_gain, policy.ttft_correction_max,
-                                                    policy.ttft_correction_half_life_s))
+                                                    policy.ttft_correction_half_life_s, policy.ttft_correction_min))
         self._frees += 1  # what a parked request would take may have changed: decide it again before passing it
 
     def record_output(self, model: str, completion_tokens: int) -> None:

@@ -1,29 +1,25 @@
-"""TTFT feedback (issue 9): each engine's measured TTFT against the estimate corrects its later estimates.
+"""TTFT feedback: each engine's measured TTFT against the estimate corrects its later estimates.
 
-The access log gives every served request's TTFT as the engine delivered it (its first byte after the request reached it,
-after any park) and the ticket carries the TTFT the decision estimated. Their ratio is the estimate's error on that engine:
-prefill slower than its measured rate says, a first step costlier than a decode step, queueing inside the engine that the
-ledger does not see. ``TtftCorrections`` keeps one factor per engine that multiplies the engine's own part of the TTFT
-estimate (prefill plus the first token, not a slot wait the ledger computes; route.estimate), so deadlines, the band and
-finish-soonest judge that engine by what it has been delivering.
+The access log gives every served request's first token as clients saw it pass Envoy (``FirstToken``: the Lua response
+filter's time of a stream's first token event, measured from the moment the request was fully sent to the engine, after
+any park), and the ticket carries the TTFT the decision estimated. Their ratio is the estimate's error on that engine.
+``TtftCorrections`` keeps one factor per engine that multiplies the engine's own part of the TTFT estimate (prefill plus
+the first token, not a slot wait the ledger computes; route.estimate), so deadlines, the band and finish-soonest judge
+that engine by what it has been delivering.
 
-The factor moves like an integral controller: each observation multiplies it by ``ratio ** gain`` (the ratio is taken
-against an estimate that already carried the factor, so the factor settles where measured and estimated agree). It only
-ever corrects upward (never below 1) and never above ``maximum``:
+Contract:
 
-- The first upstream byte is a lower bound on the first token (an engine that flushes its headers before it has a token
-  makes the measured TTFT near zero): a ratio below 1 is no proof that the engine is faster than estimated, while a ratio
-  above 1 is proof that it is slower. Estimates below 1 would also make deadline traffic trust an engine more than its
-  measured rates do.
-- The cap bounds what a burst of outliers (a stalled request, a restart) can do; the factor decays back once requests come
-  in on time again.
-
-A factor only learns from requests the engine serves, and a high one is what keeps requests away: an engine that was slow
-for a while (a noisy neighbour, a stall) could stay out of deadline traffic for good, idle while requests park. So a
-factor **holds for ``half_life_s`` after the engine's last measured request, then decays toward 1**, halving in log space
-every ``half_life_s`` (``decay``, from the shell's periodic tick). Failure mode: an engine really that slow gets a few
-requests back every few half-lives, estimated too fast, until their TTFTs raise its factor again (about ten requests at
-gain 0.1). An engine in steady use never decays: each request restarts its hold.
+- Each observation multiplies the factor by ``ratio ** gain``; the ratio is taken against an estimate that already
+  carried the factor, so the factor settles where measured and estimated agree.
+- The factor stays within ``[minimum, maximum]``: it corrects downward too (a first token is a measurement, not a
+  bound), but never below ``minimum``, so one lucky run of prefix-cache hits cannot make deadline traffic trust an
+  engine far beyond its measured rates; ``maximum`` bounds what a burst of outliers can do.
+- Only streamed responses are observed: a non-streaming response's first token is its whole body, which measures the
+  answer's length, not the part the factor scales.
+- A factor holds for ``half_life_s`` after the engine's last measured request, then decays toward 1, halving in log space
+  every ``half_life_s`` (``decay``, from the shell's periodic tick): a factor only learns from requests the engine
+  serves, and a high one keeps requests away.
+- A factor within 2% of 1 is published as 1; a published factor changes only by more than 2% (relative).
 
 Pure: no clock, no I/O (time is passed in). Each control-plane replica derives its own from the access-log entries it
 receives.
@@ -32,15 +28,31 @@ receives.
 from __future__ import annotations
 
 import math
+from collections import deque
+from dataclasses import dataclass
 
 _CHANGE = 0.02
 """A factor is reported as changed (the index refreshes the engine's rows) once it moved this far (relative)."""
 
 
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """When a served request's first token passed Envoy, from its access-log entry."""
+
+    engine_s: float
+    """From the request fully sent to the engine to its first token (a non-streaming response's whole body)."""
+    gateway_s: float
+    """From the request's arrival at Envoy to its being fully sent to the engine: the Check, any park, the body."""
+    streamed: bool
+    """A stream's first token event; False: a non-streaming response, whose first token is its whole body."""
+
+
 class TtftCorrections:
-    def __init__(self, gain: float, maximum: float, half_life_s: float = 0.0) -> None:
+    def __init__(self, gain: float, maximum: float, half_life_s: float = 0.0, minimum: float = 1.0) -> None:
         self.gain = gain
         self.maximum = maximum
+        self.minimum = minimum
+        """The smallest factor (1: correct upward only)."""
         self.half_life_s = half_life_s
         """0: a factor never decays."""
         self._factors: dict[str, tuple[float, float]] = {}
@@ -56,7 +68,7 @@ class TtftCorrections:
         caller refreshes what holds it)."""
         if self.gain <= 0 or not ratio > 0 or math.isinf(ratio):
             return False
-        moved = min(self.maximum, max(1.0, self._decayed(engine, now) * ratio ** self.gain))
+        moved = min(self.maximum, max(self.minimum, self._decayed(engine, now) * ratio ** self.gain))
         self._factors[engine] = (moved, now)
         return self._publish(engine, moved)
 
@@ -74,7 +86,7 @@ class TtftCorrections:
         return float(factor ** (2.0 ** (-idle / self.half_life_s)))
 
     def _publish(self, engine: str, value: float) -> bool:
-        if value < 1.0 + _CHANGE:
+        if 1.0 / (1.0 + _CHANGE) < value < 1.0 + _CHANGE:
             value = 1.0
         published = self._published.get(engine, 1.0)
         if value == published or (value != 1.0 and abs(value - published) <= _CHANGE * published):
@@ -90,19 +102,60 @@ class TtftCorrections:
         self._factors.pop(engine, None)
         return self._published.pop(engine, None) is not None
 
-    def configure(self, gain: float, maximum: float, half_life_s: float) -> list[str]:
-        """A policy reload; returns the engines whose published factor changed (a lower maximum clamps them)."""
-        self.gain, self.maximum, self.half_life_s = gain, maximum, half_life_s
+    def configure(self, gain: float, maximum: float, half_life_s: float, minimum: float = 1.0) -> list[str]:
+        """A policy reload; returns the engines whose published factor changed (new bounds clamp them)."""
+        self.gain, self.maximum, self.half_life_s, self.minimum = gain, maximum, half_life_s, minimum
         changed = []
         for engine, value in list(self._published.items()):
-            clamped = min(maximum, value)
-            if gain <= 0 or clamped <= 1.0:
+            clamped = min(maximum, max(minimum, value))
+            if gain <= 0 or clamped == 1.0:
                 self._published.pop(engine)
                 self._factors.pop(engine, None)
                 changed.append(engine)
             elif clamped != value:
                 factor, at = self._factors[engine]
                 self._published[engine] = clamped
-                self._factors[engine] = (min(maximum, factor), at)
+                self._factors[engine] = (min(maximum, max(minimum, factor)), at)
                 changed.append(engine)
         return changed
+
+
+@dataclass(frozen=True, slots=True)
+class TtftSummary:
+    """An engine's last ``RecentTtfts.size`` served requests' first tokens (``sluice admin engines``)."""
+
+    samples: int
+    p50_s: float | None
+    p90_s: float | None
+    error_median: float | None
+    """The median of the streamed ones' measured TTFT over the estimate; None without one."""
+    correction: float = 1.0
+    """The engine's TTFT correction now (``TtftCorrections.factor``)."""
+
+
+class RecentTtfts:
+    """A ring of each engine's last ``size`` first tokens (``FirstToken.engine_s``) and, for streams with an estimate,
+    the estimate's error ratio: what clients saw lately, engine by engine. An engine's rings live as long as the process
+    (``size`` floats each), so an engine that left and came back shows its earlier requests too."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._ttfts: dict[str, deque[float]] = {}
+        self._errors: dict[str, deque[float]] = {}
+
+    def record(self, engine: str, ttft_s: float, error_ratio: float | None) -> None:
+        self._ttfts.setdefault(engine, deque(maxlen=self.size)).append(ttft_s)
+        if error_ratio is not None:
+            self._errors.setdefault(engine, deque(maxlen=self.size)).append(error_ratio)
+
+    def summary(self, engine: str) -> TtftSummary:
+        ttfts = sorted(self._ttfts.get(engine, ()))
+        errors = sorted(self._errors.get(engine, ()))
+        return TtftSummary(len(ttfts), _quantile(ttfts, 0.5), _quantile(ttfts, 0.9), _quantile(errors, 0.5))
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile of an ascending list; None when it is empty."""
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]

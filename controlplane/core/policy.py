@@ -96,6 +96,9 @@ class Policy:
     estimate to this power (0.1: about ten requests to follow a lasting change). 0: no correction."""
     ttft_correction_max: float = 4.0
     """The largest TTFT correction (an engine's estimates are never multiplied by more; 1: no correction)."""
+    ttft_correction_min: float = 0.5
+    """The smallest TTFT correction: an engine whose first tokens come sooner than estimated is judged faster, but never
+    by more than this factor of what its measured rates say (1: correct upward only)."""
     ttft_correction_half_life_s: float = 60.0
     """A TTFT correction holds this long after its engine's last measured request, then decays toward 1, halving (in log
     space) every this long (core/feedback.py): an engine once slow is tried again instead of idling for good. 0: never."""

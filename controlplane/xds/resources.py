@@ -1,8 +1,8 @@
 """Build the Envoy resources sluice serves over ADS: one stable listener, one route table, a cluster and CLA per engine.
 
 The listener carries the whole request path (DESIGN.md): strip client ``x-sluice-*`` headers (Lua, first filter) ->
-the body's model as a header (for the fail-open routes) -> the usage counter (Lua, response side only: a tenant's
-streamed deltas and usage, for the access log to settle) -> ext_authz (body up to ``max_request_bytes`` as raw bytes;
+the body's model as a header (for the fail-open routes) -> the response reader (Lua, response side only: when an
+admitted stream's first token passed, and a tenant's streamed deltas and usage, for the access log) -> ext_authz (body up to ``max_request_bytes`` as raw bytes;
 larger bodies get 413 from Envoy before any Check) -> router. Its
 access log goes to the control plane over gRPC ALS; that entry is the completion signal that releases a ticket.
 
@@ -50,8 +50,10 @@ INFERENCE_PATH_REGEX = "^/v1/(chat/completions|completions|embeddings)$"
 """The OpenAI paths that carry a model and are routed to an engine (the same set ``parse_request`` accepts)."""
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 USAGE_NAMESPACE = "sluice.usage"
-"""Dynamic metadata the Lua usage filter writes on a tenant's response (``deltas``, and the engine's ``prompt_tokens``,
-``completion_tokens``, ``total_tokens`` when its body carries a ``usage`` object); the access log settles with it."""
+"""Dynamic metadata the Lua response filter writes: on an admitted stream ``first_token_us`` (when its first token passed
+Envoy, microseconds since the epoch); on a tenant's response ``deltas``, and the engine's ``prompt_tokens``,
+``completion_tokens``, ``total_tokens`` when its body carries a ``usage`` object. The access log reads both."""
+FIRST_TOKEN_KEY = "first_token_us"
 USAGE_PENDING_MAX_BYTES = 65536
 """The Lua usage filter keeps the text after the last complete SSE event (a whole non-streaming body) up to this much;
 past it only the last 4 KiB stay (a body's ``usage`` object comes last)."""
@@ -123,20 +125,41 @@ end
 """
 
 
-# The response side of a tenant's request (ext_authz metadata names the tenant; every other response returns at once and
-# is never read). It reads body chunks as they pass (bodyChunks: Envoy does not buffer the stream for it) and keeps in
-# dynamic metadata what the access log settles with: the content deltas streamed so far (written after each chunk that
-# added some, so a client that leaves mid-stream is charged what it was sent) and the engine's usage object when one
-# passes (the non-streaming body's, or the last SSE chunk's with stream_options.include_usage). An event is the text
-# between blank lines; a non-streaming body is one event, read when the body ends.
+# The response side of an admitted request (its ext_authz metadata holds a ticket; every other response returns at once
+# and is never read). It reads body chunks as they pass (bodyChunks: Envoy does not buffer the stream for it). An event is
+# the text between blank lines; a non-streaming body is one event, read when the body ends.
+# - A stream (content-type text/event-stream): the moment the first event carrying a token passes (content, text,
+#   reasoning or a tool call), in microseconds since the epoch, is kept as ``first_token_us``; a request without a tenant
+#   stops reading there, so only the chunks up to its first token pass through Lua. A non-streaming response is left to
+#   the access log (its whole body is the first token: the last upstream byte's time).
+# - A tenant's request: what the access log settles with, the content deltas streamed so far (written after each chunk
+#   that added some, so a client that leaves mid-stream is charged what it was sent) and the engine's usage object when
+#   one passes (the non-streaming body's, or the last SSE chunk's with stream_options.include_usage).
 _USAGE_LUA = f"""
 local NS = "{USAGE_NAMESPACE}"
 local MAX_PENDING = {USAGE_PENDING_MAX_BYTES}
 local FIELDS = {{"prompt_tokens", "completion_tokens", "total_tokens"}}
+local TOKEN_PATTERNS = {{'"content"%s*:%s*"[^"]', '"text"%s*:%s*"[^"]', '"reasoning_content"%s*:%s*"[^"]',
+                        '"reasoning"%s*:%s*"[^"]', '"tool_calls"%s*:%s*%[%s*{{'}}
+
+local function has_token(text)
+  for _, pattern in ipairs(TOKEN_PATTERNS) do
+    if string.find(text, pattern) then
+      return true
+    end
+  end
+  return false
+end
 
 function envoy_on_response(handle)
   local authz = handle:streamInfo():dynamicMetadata():get("{AUTHZ_NAMESPACE}")
-  if authz == nil or authz["tenant"] == nil then
+  if authz == nil or authz["ticket"] == nil then
+    return
+  end
+  local tenant = authz["tenant"] ~= nil
+  local content_type = handle:headers():get("content-type")
+  local waiting_first = content_type ~= nil and string.find(content_type, "text/event-stream", 1, true) ~= nil
+  if not tenant and not waiting_first then
     return
   end
   -- Envoy's objects are valid only until the script yields (each chunk): fetch the metadata object afresh every time.
@@ -146,6 +169,13 @@ function envoy_on_response(handle)
   local deltas = 0
   local pending = ""
   local function event(text)
+    if waiting_first and has_token(text) then
+      put("{FIRST_TOKEN_KEY}", tonumber(handle:timestampString(EnvoyTimestampResolution.MICROSECOND)))
+      waiting_first = false
+    end
+    if not tenant then
+      return
+    end
     if string.find(text, '"content"%s*:%s*"[^"]') or string.find(text, '"text"%s*:%s*"[^"]') then
       deltas = deltas + 1
     end
@@ -180,6 +210,9 @@ function envoy_on_response(handle)
       end
       if deltas ~= before then
         put("deltas", deltas)
+      end
+      if not tenant and not waiting_first then
+        return
       end
     end
   end
@@ -269,6 +302,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
             buffer_size_bytes=wrappers_pb2.UInt32Value(value=ev.access_log_buffer_bytes),
         ),
         additional_request_headers_to_log=[ENGINE_HEADER],
+        additional_response_headers_to_log=[CONTENT_TYPE_HEADER],
     )
     hcm = hcm_pb2.HttpConnectionManager(
         stat_prefix="sluice",

@@ -411,3 +411,44 @@ def test_admin_drain_keeps_requests_off_a_real_engine(stack: Stack) -> None:
         assert served == {"llama-b"}
     finally:
         admin.DrainEngine(admin_pb2.DrainEngineRequest(name="llama-a", drained=False), timeout=5)
+
+
+def test_first_token_through_sluice_next_to_the_clients(stack: Stack, engines: list[Engine]) -> None:
+    """llama-server streams its headers before its first token: sluice times the token itself. Over a few streamed
+    requests one at a time, each engine's TTFT as sluice reports it (``sluice admin engines``, the access log's first
+    token) lies between llama.cpp's own prompt time (its ``timings.prompt_ms``) and the client's TTFT, which adds the
+    gateway's part; the three are printed side by side."""
+    idle(stack, engines)
+    client_ttfts: dict[str, list[float]] = {}
+    prompt_ms: dict[str, list[float]] = {}
+    for i in range(8):
+        body = {"model": MODEL_ID, "messages": [{"role": "user", "content": f"{i} tell me about rivers " * 20}],
+                "max_tokens": 4, "stream": True}
+        request = urllib.request.Request(stack.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+        started = time.perf_counter()
+        first: float | None = None
+        with urllib.request.urlopen(request, timeout=60) as response:
+            engine = response.headers["x-sluice-engine"]
+            for line in response:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None and chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                    first = time.perf_counter() - started
+                if "timings" in chunk:
+                    prompt_ms.setdefault(engine, []).append(float(chunk["timings"]["prompt_ms"]))
+        assert first is not None
+        client_ttfts.setdefault(engine, []).append(first)
+        idle(stack, engines)
+    wait_for(lambda: sum(e.ttft_samples for e in stack.engines().values()) >= 8, timeout=10,
+             what="every first token timed by the access log")
+    seen = stack.engines()
+    for engine, ttfts in client_ttfts.items():
+        reported = seen[engine].ttft_p50_seconds
+        own = sorted(prompt_ms.get(engine, [0.0]))[len(prompt_ms.get(engine, [0.0])) // 2] / 1000
+        client = sorted(ttfts)[len(ttfts) // 2]
+        print(f"{engine}: llama.cpp prompt {own * 1000:.1f} ms, sluice first token {reported * 1000:.1f} ms, "
+              f"client first token {client * 1000:.1f} ms ({len(ttfts)} requests)")
+        assert seen[engine].ttft_samples >= len(ttfts)
+        assert 0.8 * own <= reported <= client + 0.005, (own, reported, client)

@@ -15,7 +15,8 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
-from controlplane.accesslog import AccessLogServicer
+from controlplane.accesslog import AccessLogServicer, first_token
+from controlplane.core.feedback import FirstToken, TtftSummary
 from controlplane.admin import AdminServicer
 from controlplane.adminauth import AdminGuard, Token
 from controlplane.core.model import (
@@ -37,7 +38,7 @@ class FakeCompletions:
     open: dict[str, Ticket] = field(default_factory=lambda: {"t1": Ticket("t1", "thor", "cortex", 0.0, 0.0)})
     released: list[str] = field(default_factory=list)
     failures: list[tuple[str, str]] = field(default_factory=list)
-    ttfts: list[tuple[str, float]] = field(default_factory=list)
+    first_tokens: list[tuple[str, FirstToken]] = field(default_factory=list)
 
     def release_ticket(self, ticket_id: str) -> Ticket | None:
         self.released.append(ticket_id)
@@ -49,8 +50,8 @@ class FakeCompletions:
     def knows_engine(self, engine: str) -> bool:
         return engine == "thor"
 
-    def note_ttft(self, engine: str, ratio: float) -> None:
-        self.ttfts.append((engine, ratio))
+    def note_first_token(self, ticket: Ticket, timing: FirstToken) -> None:
+        self.first_tokens.append((ticket.ticket_id, timing))
 
 
 def entry(*, ticket: str | None, code: int, first_byte: bool, connect_failure: bool = False) -> Any:
@@ -84,6 +85,46 @@ async def test_access_log_releases_the_ticket_it_names_and_marks_failed_engines(
     assert port.metrics.registry.get_sample_value("sluice_access_log_entries_total", {"outcome": "no_ticket"}) == 1
     assert port.metrics.registry.get_sample_value("sluice_access_log_entries_total",
                                                   {"outcome": "unknown_ticket"}) == 1
+
+
+def timed_entry(*, code: int = 200, content_type: str = "text/event-stream", first_token_after_s: float | None = 0.75,
+                sent_s: float = 0.25, last_byte_s: float = 3.0) -> Any:
+    """An entry of a request that arrived at t=1000.5 s, was fully sent to its engine ``sent_s`` later, got its first
+    byte 10 ms after that (headers first) and its first token ``first_token_after_s`` after arrival."""
+    e = entry(ticket="t1", code=code, first_byte=True)
+    props = e.common_properties
+    props.start_time.FromNanoseconds(1_000_500_000_000)
+    props.time_to_last_upstream_tx_byte.FromNanoseconds(int(sent_s * 1e9))
+    props.time_to_first_upstream_rx_byte.FromNanoseconds(int((sent_s + 0.01) * 1e9))
+    props.time_to_last_upstream_rx_byte.FromNanoseconds(int(last_byte_s * 1e9))
+    e.response.response_headers["content-type"] = content_type
+    if first_token_after_s is not None:
+        props.metadata.filter_metadata["sluice.usage"].CopyFrom(struct_pb2.Struct(fields={
+            "first_token_us": struct_pb2.Value(number_value=1_000_500_000 + first_token_after_s * 1e6)}))
+    return e
+
+
+def test_first_token_is_timed_at_the_streams_first_token_not_its_first_byte() -> None:
+    timing = first_token(timed_entry())
+    assert timing is not None and timing.streamed
+    assert timing.engine_s == pytest.approx(0.5) and timing.gateway_s == pytest.approx(0.25)
+
+
+def test_a_non_streaming_responses_first_token_is_its_whole_body() -> None:
+    timing = first_token(timed_entry(content_type="application/json", first_token_after_s=None))
+    assert timing == FirstToken(engine_s=pytest.approx(2.75), gateway_s=pytest.approx(0.25), streamed=False)
+
+
+@pytest.mark.parametrize("kwargs", [{"first_token_after_s": None}, {"code": 500}],
+                         ids=["stream-without-a-token", "not-served"])
+def test_no_first_token_without_a_token_or_a_200(kwargs: dict[str, Any]) -> None:
+    assert first_token(timed_entry(**kwargs)) is None
+
+
+async def test_access_log_hands_each_served_requests_first_token_to_the_plane() -> None:
+    port = FakeCompletions(open={"t1": Ticket("t1", "thor", "cortex", 0.0, 900.0, expected_ttft_s=0.4)})
+    await AccessLogServicer(port).StreamAccessLogs(stream(timed_entry()), None)  # type: ignore[arg-type]
+    assert [(ticket, round(t.engine_s, 3)) for ticket, t in port.first_tokens] == [("t1", 0.5)]
 
 
 async def test_redirector_retries_only_a_genuine_attempt() -> None:
@@ -133,6 +174,9 @@ class FakeAdmin:
 
     def medians(self, model: str, chip_class: str) -> tuple[float | None, float | None]:
         return 900.0, None
+
+    def ttft_summary(self, engine: str) -> TtftSummary:
+        return TtftSummary(samples=12, p50_s=0.2, p90_s=0.9, error_median=None, correction=1.5)
 
     async def set_drained(self, name: str, drained: bool) -> bool:
         if name != "thor":
@@ -194,6 +238,8 @@ async def test_admin_reports_what_its_port_says() -> None:
     engines = (await admin.ListEngines(admin_pb2.ListEnginesRequest(), FakeContext())).engines  # type: ignore[arg-type]
     assert engines[0].open_tickets == 3 and engines[0].prefill_median_tokens_per_s == 900.0
     assert engines[0].solo_decode_median_tokens_per_s == -1.0  # unknown, never 0
+    assert (engines[0].ttft_samples, engines[0].ttft_p50_seconds, engines[0].ttft_p90_seconds) == (12, 0.2, 0.9)
+    assert (engines[0].ttft_estimate_error_median, engines[0].ttft_correction) == (-1.0, 1.5)
     drained = await admin.DrainEngine(admin_pb2.DrainEngineRequest(name="thor", drained=True), FakeContext())  # type: ignore[arg-type]
     assert drained.drained
     with pytest.raises(AbortedError, match="no engine named 'nope'"):

@@ -214,7 +214,7 @@ class Completions:
     def knows_engine(self, engine: str) -> bool:
         return True
 
-    def note_ttft(self, engine: str, ratio: float) -> None:
+    def note_first_token(self, ticket: Ticket, timing: FirstToken) -> None:
         pass
 
 

@@ -1,10 +1,10 @@
-"""TTFT feedback (issue 9): an engine whose TTFTs come in slower than estimated is judged by what it delivers."""
+"""TTFT feedback: an engine whose first tokens come slower (or sooner) than estimated is judged by what it delivers."""
 
 from __future__ import annotations
 
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
-from controlplane.core.feedback import TtftCorrections
+from controlplane.core.feedback import RecentTtfts, TtftCorrections, TtftSummary
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineSample, EngineView, InferenceRequest, Reason, ServedModel, Verdict
 from controlplane.core.policy import Policy
@@ -26,13 +26,30 @@ def test_the_correction_settles_at_the_measured_error() -> None:
     assert c.factor("spark") < 1.05
 
 
-def test_the_correction_only_corrects_upward_and_is_capped() -> None:
-    c = TtftCorrections(gain=0.5, maximum=3.0)
-    served(c, "early-headers", 0.01, 50)  # first byte before the first token: no proof the engine is faster
-    assert c.factor("early-headers") == 1.0
+def test_the_correction_is_bounded_both_ways() -> None:
+    c = TtftCorrections(gain=0.5, maximum=3.0, minimum=0.5)
+    served(c, "lucky", 0.01, 50)  # first tokens far sooner than estimated: trusted only down to the minimum
+    assert c.factor("lucky") == 0.5
     served(c, "stalled", 100.0, 50)
     assert c.factor("stalled") == 3.0
     assert c.forget("stalled") and c.factor("stalled") == 1.0
+
+
+def test_a_faster_engine_settles_below_one_and_upward_only_stays_at_one() -> None:
+    c = TtftCorrections(gain=0.1, maximum=4.0, minimum=0.5)
+    served(c, "fast", 0.7, 80)
+    assert abs(c.factor("fast") - 0.7) < 0.05 * 0.7
+    upward_only = TtftCorrections(gain=0.1, maximum=4.0)
+    served(upward_only, "fast", 0.7, 80)
+    assert upward_only.factor("fast") == 1.0
+
+
+def test_a_factor_below_one_decays_back_toward_one() -> None:
+    c = TtftCorrections(gain=0.5, maximum=4.0, half_life_s=60.0, minimum=0.5)
+    served(c, "fast", 0.6, 30)
+    assert c.factor("fast") < 0.65
+    assert c.decay(60.0) == []  # held for a half-life after its last request
+    assert c.decay(600.0) == ["fast"] and c.factor("fast") == 1.0
 
 
 def test_a_lower_maximum_on_reload_clamps_and_gain_zero_turns_it_off() -> None:
@@ -41,6 +58,9 @@ def test_a_lower_maximum_on_reload_clamps_and_gain_zero_turns_it_off() -> None:
     assert c.configure(0.5, 2.0, 0.0) == ["a"] and c.factor("a") == 2.0
     assert c.configure(0.0, 2.0, 0.0) == ["a"] and c.factor("a") == 1.0
     assert not c.observe("a", 5.0, 0.0) and c.factor("a") == 1.0
+    below = TtftCorrections(gain=0.5, maximum=4.0, minimum=0.25)
+    served(below, "b", 0.3, 40)
+    assert below.configure(0.5, 4.0, 0.0, minimum=0.5) == ["b"] and below.factor("b") == 0.5
 
 
 def view(name: str) -> EngineView:
@@ -103,3 +123,14 @@ def test_an_engine_kept_out_by_its_correction_is_tried_again_once_it_decays() ->
     assert core.decay_corrections(60.0) == [] and chosen(60.0) == {"ok"}
     assert core.decay_corrections(400.0) == ["slow"] and core.ttft.factor("slow") < 1.1
     assert chosen(400.0) == {"slow", "ok"}
+
+
+def test_recent_first_tokens_keep_the_last_requests_of_each_engine() -> None:
+    recent = RecentTtfts(size=4)
+    for ttft in (9.0, 0.1, 0.2, 0.3, 0.4):  # the oldest (9 s) has left the ring
+        recent.record("a", ttft, None)
+    recent.record("b", 2.0, 1.6)
+    a, b = recent.summary("a"), recent.summary("b")
+    assert (a.samples, a.p50_s, a.p90_s, a.error_median) == (4, 0.2, 0.4, None)
+    assert (b.samples, b.p50_s, b.error_median) == (1, 2.0, 1.6)
+    assert recent.summary("c") == TtftSummary(0, None, None, None)
