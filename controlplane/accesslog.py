@@ -22,6 +22,8 @@ import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from controlplane.core.feedback import FirstToken
+from controlplane.core.model import Ticket
+from controlplane.core.prompt_tokens import PromptShape
 from controlplane.core.tenants import ObservedResponse, settled_usage
 from controlplane.names import CONTENT_TYPE_HEADER
 from controlplane.ports import CompletionPort, QuotaPort
@@ -89,6 +91,21 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
             timing = first_token(entry)
             if timing is not None:
                 plane.note_first_token(ticket, timing)
+            self._learn_prompt_tokens(entry, ticket, authz)
+
+    def _learn_prompt_tokens(self, entry: Any, ticket: Ticket, authz: Any) -> None:
+        """The engine's count of a served request's prompt (its usage object, read by the Lua response filter) against
+        what the Check counted and estimated (its ext_authz metadata)."""
+        filter_metadata = entry.common_properties.metadata.filter_metadata
+        if entry.response.response_code.value != 200 or USAGE_NAMESPACE not in filter_metadata \
+                or "prompt_chars" not in authz:
+            return
+        usage = filter_metadata[USAGE_NAMESPACE].fields
+        if "prompt_tokens" not in usage:
+            return
+        shape = PromptShape(int(authz["prompt_chars"].number_value), int(authz["prompt_messages"].number_value))
+        self.plane.note_prompt_tokens(ticket, shape, int(authz["prompt_tokens"].number_value),
+                                      int(usage["prompt_tokens"].number_value))
 
     def _settle(self, entry: Any, ticket_id: str, authz: Any) -> None:
         """A tenant's finished request: its usage from the Lua filter's metadata (or the prompt estimate and the deltas

@@ -66,7 +66,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"need a model and a priority in {names}")
         now = self.plane.now()
         try:
-            inference = explain_request(request, Priority(request.priority or Priority.STANDARD), self.plane.policy)
+            inference = explain_request(request, Priority(request.priority or Priority.STANDARD), self.plane.policy,
+                                        self.plane.prompt_rules)
         except RequestError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"body_json: {error}")
         decision, ahead = self.plane.decide_for(inference, now)
@@ -130,4 +131,5 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def _engine(self, e: EngineView, fleet: Fleet, now: float) -> admin_pb2.Engine:
         model = e.models[0].model_id if e.models else None
         medians = self.plane.medians(model, e.chip_class) if model else (None, None)
-        return engine_proto(e, fleet, now, self.plane.open_tickets(e.name), medians, self.plane.ttft_summary(e.name))
+        return engine_proto(e, fleet, now, self.plane.open_tickets(e.name), medians, self.plane.ttft_summary(e.name),
+                            self.plane.prompt_summary(model, e.name) if model else None)

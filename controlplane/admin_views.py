@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from controlplane.core.explain import EngineExplanation
 from controlplane.core.feedback import TtftSummary
+from controlplane.core.prompt_tokens import PromptTokenRules, PromptTokenSummary
 from controlplane.core.fit import effective_load
 from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Priority, Reason
 from controlplane.core.policy import Policy
@@ -52,7 +53,8 @@ def status_proto(facts: StatusFacts, fleet: Fleet) -> admin_pb2.GetStatusRespons
 
 
 def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
-                 medians: tuple[float | None, float | None], ttfts: TtftSummary) -> admin_pb2.Engine:
+                 medians: tuple[float | None, float | None], ttfts: TtftSummary,
+                 prompts: PromptTokenSummary | None) -> admin_pb2.Engine:
     s = e.sample
     return admin_pb2.Engine(
         name=e.name,
@@ -86,10 +88,15 @@ def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
         ttft_samples=ttfts.samples,
         ttft_estimate_error_median=_or_unknown(ttfts.error_median),
         ttft_correction=ttfts.correction,
+        prompt_chars_per_token=prompts.rule.chars_per_token if prompts else -1.0,
+        prompt_template_tokens_per_message=prompts.rule.per_message if prompts else -1.0,
+        prompt_token_samples=prompts.samples if prompts else 0,
+        prompt_tokens_error_median=_or_unknown(prompts.error_median if prompts else None),
     )
 
 
-def explain_request(request: admin_pb2.ExplainDecisionRequest, priority: Priority, policy: Policy) -> InferenceRequest:
+def explain_request(request: admin_pb2.ExplainDecisionRequest, priority: Priority, policy: Policy,
+                    tokens: PromptTokenRules | None = None) -> InferenceRequest:
     """The request to explain. With ``body_json`` its prompt is read as a Check reads it (``parse_request``: its blocks
     for the prefix index, and its prompt tokens unless ``prompt_tokens`` is set); a malformed body raises
     ``RequestError``."""
@@ -104,7 +111,7 @@ def explain_request(request: admin_pb2.ExplainDecisionRequest, priority: Priorit
             raise RequestError(Reason.INVALID_JSON, "must be a JSON object")
         route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         body.setdefault("model", request.model)  # the model is the request's own field; the body may leave it out
-        parsed = parse_request("POST", route, json.dumps(body).encode(), {}, policy)
+        parsed = parse_request("POST", route, json.dumps(body).encode(), {}, policy, tokens)
         prompt_tokens, blocks = prompt_tokens or parsed.prompt_tokens, parsed.prefix_blocks
     max_ttft_ms, headroom_ms = ttft_deadline(request.max_ttft_ms or None, request.model, policy)
     return InferenceRequest(

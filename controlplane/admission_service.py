@@ -40,6 +40,7 @@ from controlplane.config import Config, StoreOnFailure
 from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.decide import shed
 from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary
+from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules
 from controlplane.core.model import EngineView, Fleet, InferenceRequest, QueueRule, Reason, Ticket, Verdict
 from controlplane.metrics import SluiceMetrics
 from controlplane.observation import Observation
@@ -347,6 +348,18 @@ class AdmissionService:
         series.ttft_error.observe(ratio)
         self.core.observe_ttft(ticket.engine, ratio, self.clock())
         series.ttft_correction.set(self.core.ttft.factor(ticket.engine))
+
+    @property
+    def prompt_rules(self) -> PromptTokenRules:
+        """How the Check estimates a prompt's tokens now (learned from the engines: core/prompt_tokens.py)."""
+        return self.core.prompt_tokens.rules
+
+    def note_prompt_tokens(self, ticket: Ticket, shape: PromptShape, estimated: int, counted: int) -> None:
+        """A served request's prompt as its engine counted it (the access log): the estimate's error is reported and
+        the model's rule learns."""
+        if estimated > 0 and counted > 0:
+            self.metrics.prompt_tokens_error.labels(ticket.model).observe(counted / estimated)
+        self.core.observe_prompt_tokens(ticket.model, ticket.engine, shape, counted, estimated)
 
     def ttft_summary(self, engine: str) -> TtftSummary:
         """What ``engine``'s recent requests' first tokens took (``sluice admin engines``)."""

@@ -41,6 +41,7 @@ from controlplane.config import (
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.feedback import TtftSummary
+from controlplane.core.prompt_tokens import PromptTokenRules, PromptTokenSummary
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Ticket
 from controlplane.core.policy import Policy, version_key
@@ -203,6 +204,13 @@ class ControlPlane:
 
     def ttft_summary(self, engine: str) -> TtftSummary:
         return self.service.ttft_summary(engine)
+
+    def prompt_summary(self, model: str, engine: str) -> PromptTokenSummary:
+        return self.service.core.prompt_tokens.summary(model, engine)
+
+    @property
+    def prompt_rules(self) -> PromptTokenRules:
+        return self.service.prompt_rules
 
     async def set_drained(self, name: str, drained: bool) -> bool:
         if not self.observation.set_drained(name, drained):

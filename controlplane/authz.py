@@ -141,7 +141,8 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
                         detail="Incorrect API key provided (send it as Authorization: Bearer <key>)"))
                 else:
                     try:
-                        parsed = parse_request(http.method, http.path, http.raw_body, http.headers, settings.policy)
+                        parsed = parse_request(http.method, http.path, http.raw_body, http.headers, settings.policy,
+                                               port.prompt_rules)
                     except RequestError as error:
                         outcome = Outcome(request_id, refuse(error))
                     else:
@@ -158,7 +159,7 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
                 if tenant is not None and outcome.decision.verdict is Verdict.ANSWER:
                     outcome = _models_for(tenant, outcome)
                 port.record_outcome(model, outcome, parsed, tenant.name if tenant is not None else "")
-                response = self._answer(outcome, avoided_engine(http.path), charge, extra)
+                response = self._answer(outcome, avoided_engine(http.path), charge, extra, parsed)
                 admitted = response.HasField("ok_response")
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("Check %s: %s %s on %s", request_id, outcome.decision.verdict.value, model or "?",
@@ -216,14 +217,14 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
         return request_id
 
     def _answer(self, outcome: Outcome, avoided: str | None, charge: TenantCharge | None,
-                extra: tuple[tuple[str, str], ...]) -> external_auth_pb2.CheckResponse:
+                extra: tuple[tuple[str, str], ...], request: InferenceRequest | None) -> external_auth_pb2.CheckResponse:
         if outcome.ticket is None:
             return _deny(outcome, extra)
         if outcome.decision.engine == avoided:  # a retry of a request this engine just failed: never the same twice
             self.admission.release_ticket(outcome.ticket.ticket_id)
             return _error(Failure.UPSTREAM_UNAVAILABLE, f"Engine {avoided} failed this request and no other engine "
                           "could take it; retry later", 1)
-        return _admit(outcome, charge)
+        return _admit(outcome, charge, request)
 
     def _overloaded(self, queued: float, settings: CheckSettings) -> external_auth_pb2.CheckResponse:
         """Shed before any work: under overload the cheapest answer is the one that lets the backlog drain."""

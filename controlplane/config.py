@@ -1015,6 +1015,8 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
         default_expected_output_tokens=int(c.number("admission.default_expected_output_tokens",
                                                     ad["default_expected_output_tokens"], minimum=1, integer=True)),
         chars_per_token=float(c.number("admission.chars_per_token", ad["chars_per_token"], minimum=0.5)),
+        prompt_tokens_min_samples=int(c.number("admission.prompt_tokens_min_samples",
+                                               ad["prompt_tokens_min_samples"], minimum=0, integer=True)),
         max_park_s=float(c.number("admission.max_park_seconds", ad["max_park_seconds"], minimum=0)),
         max_queue_depth=int(c.number("admission.max_queue_depth", ad["max_queue_depth"], minimum=0, integer=True)),
         retry_after_min_s=int(c.number("admission.retry_after_min_seconds", ad["retry_after_min_seconds"], minimum=0,

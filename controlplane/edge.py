@@ -25,7 +25,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
-from controlplane.core.model import Decision, Reason, ServedModel, Verdict
+from controlplane.core.model import Decision, InferenceRequest, Reason, ServedModel, Verdict
 from controlplane.names import (
     CONTENT_TYPE_HEADER, ENGINE_HEADER, PARKED_MS_HEADER, RETRY_AFTER_HEADER, ROUTE_REASON_HEADER, TICKET_HEADER,
 )
@@ -209,12 +209,17 @@ class TenantCharge:
     """``x-ratelimit-*`` for the client's response."""
 
 
-def authz_metadata(ticket_id: str, engine: str, charge: TenantCharge | None = None) -> struct_pb2.Struct:
-    """The admission's dynamic metadata: the access log reads the ticket back from it to release it, and a tenant's
-    name, prompt estimate and whether it was charged to settle it (Envoy's Lua usage filter counts only when ``tenant``
-    is there)."""
+def authz_metadata(ticket_id: str, engine: str, charge: TenantCharge | None = None,
+                   request: InferenceRequest | None = None) -> struct_pb2.Struct:
+    """The admission's dynamic metadata: the access log reads the ticket back from it to release it, the prompt the
+    Check counted (``prompt_chars``, ``prompt_messages``) and estimated (``prompt_tokens``) to learn from the engine's
+    count, and a tenant's name and whether it was charged to settle it (Envoy's Lua usage filter counts deltas only when
+    ``tenant`` is there)."""
     s = struct_pb2.Struct()
     s.update({"ticket": ticket_id, "engine": engine})
+    if request is not None:
+        s.update({"prompt_chars": request.prompt_chars, "prompt_messages": request.prompt_messages,
+                  "prompt_tokens": request.prompt_tokens})
     if charge is not None:
         s.update({"tenant": charge.tenant, "prompt_tokens": charge.prompt_tokens, "charged": charge.charged})
     return s
@@ -224,7 +229,8 @@ def _parked(outcome: Outcome) -> list[base_pb2.HeaderValueOption]:
     return [header(PARKED_MS_HEADER, str(round(outcome.parked_for * 1000)))] if outcome.parked_for > 0 else []
 
 
-def check_admit(outcome: Outcome, charge: TenantCharge | None = None) -> external_auth_pb2.CheckResponse:
+def check_admit(outcome: Outcome, charge: TenantCharge | None = None,
+                request: InferenceRequest | None = None) -> external_auth_pb2.CheckResponse:
     """An admission: the engine pinned for the route, the ticket for the retry redirector, the reason (and a tenant's
     ``x-ratelimit-*``) for the client."""
     decision, ticket = outcome.decision, outcome.ticket
@@ -241,7 +247,7 @@ def check_admit(outcome: Outcome, charge: TenantCharge | None = None) -> externa
             # tenants the client's Authorization passes through untouched (an engine's own --api-key keeps working).
             headers_to_remove=["authorization"] if charge is not None else [],
         ),
-        dynamic_metadata=authz_metadata(ticket.ticket_id, decision.engine, charge),
+        dynamic_metadata=authz_metadata(ticket.ticket_id, decision.engine, charge, request),
     )
 
 

@@ -375,6 +375,11 @@ class SluiceMetrics:
             buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60),
         )
         self.registry.register(self.engine_ttft)
+        self.prompt_tokens_error = Histogram(
+            "sluice_prompt_tokens_estimate_error_ratio", "A served request's prompt tokens as its engine counted them "
+            "(usage.prompt_tokens) over the Check's estimate.", ["model"],
+            buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2, 4), registry=r,
+        )
         self.gateway_seconds = Histogram(
             "sluice_gateway_seconds", "Time from a served request's arrival at Envoy to its being fully sent to its "
             "engine: the Check, any park and the body.",

@@ -48,12 +48,16 @@ class Profile:
     chars_per_token: float = 4.0
     """The tokenizer's ratio: a prompt of ``n`` characters is ``ceil(n / chars_per_token)`` tokens (about 4 for English
     prose, 3 for code, 1.3 for CJK text)."""
+    template_tokens_per_message: int = 0
+    """The chat template's tokens around each message (role markers, separators), counted in a chat prompt's tokens."""
 
     def __post_init__(self) -> None:
         if self.output_model not in OUTPUT_MODELS:
             raise ValueError(f"output_model must be one of {', '.join(OUTPUT_MODELS)}, not {self.output_model!r}")
         if not self.chars_per_token > 0:
             raise ValueError(f"chars_per_token must be > 0, not {self.chars_per_token!r}")
+        if self.template_tokens_per_message < 0:
+            raise ValueError(f"template_tokens_per_message must be >= 0, not {self.template_tokens_per_message!r}")
 
     def draw_output_tokens(self, rng: random.Random) -> int:
         """A natural output length (before any max_tokens cap): lognormal around ``output_median_tokens``."""

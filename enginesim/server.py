@@ -9,8 +9,9 @@ so a duplicated header shows), which is what a real engine's tracing would conti
 Request extensions (ignored by real engines, honoured here):
 - ``sim_prompt_tokens``: the prompt's token count, so a 65k-token prompt fits in a small body.
   Without it the prompt is counted as ``ceil(characters / chars_per_token)`` (the profile's, 4 by default, a common rule
-  of thumb for English text; ``chars_per_token`` overrides it); the prompt text is the messages' contents one after
-  another, or the completion prompt.
+  of thumb for English text; ``chars_per_token`` overrides it) plus, for a chat, the profile's
+  ``template_tokens_per_message`` for each message (0 by default; the chat template's tokens); the prompt text is the
+  messages' contents one after another, or the completion prompt.
 
 Streams send their headers first, as vLLM's OpenAI server does (a Starlette ``StreamingResponse`` sends the response start
 before it iterates the body): the first byte comes before the prefill has produced a token. ``headers_at_first_token``
@@ -81,7 +82,7 @@ class EngineSimulator:
     def __init__(
         self, profile: Profile, *, name: str, speed: float = 1.0, model: str | None = None, flavor: str = "vllm-v1",
         output_model: str | None = None, seed: int | None = None, headers_at_first_token: bool = False,
-        chars_per_token: float | None = None,
+        chars_per_token: float | None = None, template_tokens_per_message: int | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
@@ -94,6 +95,8 @@ class EngineSimulator:
             profile = replace(profile, output_model=output_model)
         if chars_per_token is not None:
             profile = replace(profile, chars_per_token=chars_per_token)
+        if template_tokens_per_message is not None:
+            profile = replace(profile, template_tokens_per_message=template_tokens_per_message)
         self.rng = random.Random(zlib.crc32(name.encode()) if seed is None else seed)
         """Natural output lengths; seeded by the engine's name unless told, so two engines of one profile differ but a
         rerun replays."""
@@ -282,7 +285,7 @@ class EngineSimulator:
         if isinstance(body, web.Response):
             return body
         chat = "messages" in body
-        text, prompt_tokens = _prompt(body, chat=chat, chars_per_token=self.profile.chars_per_token)
+        text, prompt_tokens = _prompt(body, chat=chat, profile=self.profile)
         b = self.batcher
         cached = b.cached_tokens_for(self._blocks(text, prompt_tokens), prompt_tokens)
         return web.json_response({"cached_tokens": cached, "prompt_tokens": prompt_tokens, "running": len(b.running),
@@ -300,7 +303,7 @@ class EngineSimulator:
             return body
         if body.get("model") != self.profile.model:
             return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model_not_found")
-        text, prompt_tokens = _prompt(body, chat=chat, chars_per_token=self.profile.chars_per_token)
+        text, prompt_tokens = _prompt(body, chat=chat, profile=self.profile)
         planned = self.plan_output(body, prompt_tokens)
         if isinstance(planned, web.Response):
             return planned
@@ -494,18 +497,22 @@ async def _json_object(request: web.Request) -> dict[str, Any] | web.Response:
     return body
 
 
-def _prompt(body: dict[str, Any], *, chat: bool, chars_per_token: float) -> tuple[str, int]:
+def _prompt(body: dict[str, Any], *, chat: bool, profile: Profile) -> tuple[str, int]:
     """The prompt text (the messages' contents one after another, or the completion prompt) and its token count:
-    ``ceil(characters / chars_per_token)``, or ``sim_prompt_tokens`` when the body forces one."""
+    ``ceil(characters / chars_per_token)`` plus, for a chat, ``template_tokens_per_message`` for each message (the
+    profile's), or ``sim_prompt_tokens`` when the body forces one."""
+    template = 0
     if chat:
-        text = "".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
+        messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+        text = "".join(str(m.get("content", "")) for m in messages)
+        template = profile.template_tokens_per_message * len(messages)
     else:
         prompt = body.get("prompt", "")
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
     forced = body.get("sim_prompt_tokens")
     if isinstance(forced, int) and forced > 0:
         return text, forced
-    return text, max(1, math.ceil(len(text) / chars_per_token))
+    return text, max(1, math.ceil(len(text) / profile.chars_per_token) + template)
 
 
 LISTENING = "listening on http://{host}:{port}"
@@ -515,11 +522,12 @@ LISTENING = "listening on http://{host}:{port}"
 def serve(
     profile: Profile, *, name: str, host: str, port: int, speed: float, model: str | None = None, flavor: str = "vllm-v1",
     output_model: str | None = None, seed: int | None = None, headers_at_first_token: bool = False,
-    chars_per_token: float | None = None,
+    chars_per_token: float | None = None, template_tokens_per_message: int | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. ``port`` 0 binds any free port; either way the bound one is printed (``LISTENING``)."""
     sim = EngineSimulator(profile, name=name, speed=speed, model=model, flavor=flavor, output_model=output_model,
-                          seed=seed, headers_at_first_token=headers_at_first_token, chars_per_token=chars_per_token)
+                          seed=seed, headers_at_first_token=headers_at_first_token, chars_per_token=chars_per_token,
+                          template_tokens_per_message=template_tokens_per_message)
     asyncio.run(_serve(sim, host, port))
 
 

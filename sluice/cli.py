@@ -82,12 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flavor", default="vllm-v1", choices=["vllm-v1", "vllm-v0", "sglang", "llamacpp"],
                    help="which engine's metric names and endpoints to speak (default vllm-v1)")
     p.add_argument("--max-num-seqs", type=int, help="override the profile's concurrency cap")
+    p.add_argument("--num-gpu-blocks", type=int, help="override the profile's KV blocks (of 16 tokens)")
     p.add_argument("--output-model", choices=["eos", "max_tokens"],
                    help="eos (default): each request ends at a drawn natural length capped by max_tokens; max_tokens: "
                         "every request generates exactly its max_tokens (the old behaviour)")
     p.add_argument("--seed", type=int, help="seed of the output-length draws (default: derived from the name)")
     p.add_argument("--chars-per-token", type=float,
                    help="the tokenizer's characters per token (default: the profile's, 4)")
+    p.add_argument("--template-tokens", type=int,
+                   help="chat template tokens counted for each message (default: the profile's, 0)")
     p.add_argument("--headers-at-first-token", action="store_true",
                    help="hold a stream's headers until its first token (default: send them at once, as vLLM does)")
 
@@ -166,13 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile not in PROFILES:
             parser.error(f"unknown profile {args.profile!r}; known: {', '.join(sorted(PROFILES))}")
         profile = PROFILES[args.profile]
-        if args.max_num_seqs:
+        if args.max_num_seqs or args.num_gpu_blocks:
             from dataclasses import replace
 
-            profile = replace(profile, max_num_seqs=args.max_num_seqs)
+            profile = replace(profile, max_num_seqs=args.max_num_seqs or profile.max_num_seqs,
+                              num_gpu_blocks=args.num_gpu_blocks or profile.num_gpu_blocks)
         serve(profile, name=args.name or args.profile, host=args.host, port=args.port,
               speed=args.speed, model=args.model, flavor=args.flavor, output_model=args.output_model, seed=args.seed,
-              headers_at_first_token=args.headers_at_first_token, chars_per_token=args.chars_per_token)
+              headers_at_first_token=args.headers_at_first_token, chars_per_token=args.chars_per_token,
+              template_tokens_per_message=args.template_tokens)
         return 0
     if args.command == "controlplane":
         if args.additions:

@@ -73,6 +73,7 @@ from controlplane.core.model import (
 from controlplane.core.output_length import OutputLengthBook
 from controlplane.core.policy import Policy
 from controlplane.core.prefix import PrefixIndex, restarted
+from controlplane.core.prompt_tokens import PromptShape, PromptTokenBook
 from controlplane.core.route import ServeCounter, SessionMap
 
 
@@ -131,6 +132,9 @@ class AdmissionCore:
         self.ttft = TtftCorrections(policy.ttft_correction_gain, policy.ttft_correction_max,
                                     policy.ttft_correction_half_life_s, policy.ttft_correction_min)
         """Each engine's TTFT correction from the access log (feedback.py): set on the views the core decides on."""
+        self.prompt_tokens = PromptTokenBook(policy.chars_per_token, policy.prompt_tokens_min_samples)
+        """Prompt tokens per character and chat message, learned from the engines' counts (prompt_tokens.py); the Check
+        estimates with ``prompt_tokens.rules``."""
         self._last_sample: dict[str, EngineSample] = {}
         self._lot: dict[str, dict[Priority, deque[Parked]]] = {}
         self._where: dict[str, tuple[str, Priority]] = {}
@@ -158,10 +162,10 @@ class AdmissionCore:
 
     def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
         """Prompt tokens of ``request`` each engine is expected to hold in its prefix cache (engines holding none left
-        out): matched blocks x block characters / characters per token."""
+        out): matched blocks x block characters / the model's characters per token (learned, prompt_tokens.py)."""
         if not request.prefix_blocks or not self.policy.prefix_routing:
             return {}
-        per_block = self.policy.prefix_block_chars / self.policy.chars_per_token
+        per_block = self.policy.prefix_block_chars / self.prompt_tokens.rules.rule(request.model).chars_per_token
         return {engine: int(blocks * per_block) for engine, blocks in self.prefixes.match(request.prefix_blocks).items()}
 
     def note_cache_view(self, view: EngineView) -> str | None:
@@ -169,8 +173,11 @@ class AdmissionCore:
         index; if it restarted (a cumulative counter went backwards) or is drained, it holds nothing any more. Returns
         why its blocks were forgotten (``restart``, ``drained``), or None."""
         capacity = view.kv_capacity_tokens
+        model = view.models[0].model_id if view.models else None
+        chars_per_token = self.prompt_tokens.engine_rule(model, view.name).chars_per_token if model else \
+            self.policy.chars_per_token
         self.prefixes.set_capacity(view.name, None if capacity is None else int(
-            capacity * self.policy.chars_per_token // self.policy.prefix_block_chars))
+            capacity * chars_per_token // self.policy.prefix_block_chars))
         why = None
         sample, before = view.sample, self._last_sample.get(view.name)
         if sample is not None:
@@ -179,6 +186,8 @@ class AdmissionCore:
             self._last_sample[view.name] = sample
         if why == "restart" and self.ttft.forget(view.name):  # its history says nothing of the new process
             self._refresh_corrected([view.name])
+        if why == "restart":
+            self.prompt_tokens.forget(view.name)
         if view.drained:
             why = "drained"
         if why is not None and self.prefixes.forget(view.name):
@@ -192,6 +201,11 @@ class AdmissionCore:
     def _corrected(self, view: EngineView) -> EngineView:
         factor = self.ttft.factor(view.name)
         return view if view.ttft_correction == factor else replace(view, ttft_correction=factor)
+
+    def observe_prompt_tokens(self, model: str, engine: str, shape: PromptShape, counted: int, estimated: int) -> None:
+        """A served request's prompt as its engine counted it (``usage.prompt_tokens``) and as the Check estimated it:
+        the model's token rule learns (prompt_tokens.py); later Checks estimate with it."""
+        self.prompt_tokens.observe(model, engine, shape, counted, estimated)
 
     def observe_ttft(self, engine: str, ratio: float, now: float) -> None:
         """A served stream's measured TTFT (its first token, from the access log) over the decision's estimate: the engine's
@@ -428,6 +442,7 @@ class AdmissionCore:
         self.serves.half_life_s = policy.serve_half_life_s
         self._refresh_corrected(self.ttft.configure(policy.ttft_correction_gain, policy.ttft_correction_max,
                                                     policy.ttft_correction_half_life_s, policy.ttft_correction_min))
+        self.prompt_tokens.configure(policy.chars_per_token, policy.prompt_tokens_min_samples)
         self._frees += 1  # what a parked request would take may have changed: decide it again before passing it
 
     def record_output(self, model: str, completion_tokens: int) -> None:

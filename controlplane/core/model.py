@@ -315,7 +315,12 @@ class InferenceRequest:
     model: str | None
     stream: bool = False
     prompt_tokens: int = 0
-    """Estimated from the prompt's characters (policy ``chars_per_token``)."""
+    """Estimated from the prompt's characters and messages (core/prompt_tokens.py: learned from the engines' counts,
+    the policy's ``chars_per_token`` before)."""
+    prompt_chars: int = 0
+    """Characters of prompt text the Check counted."""
+    prompt_messages: int = 0
+    """Chat messages (0 for a completion's prompt)."""
     max_tokens: int | None = None
     """As the client asked; None = the policy default is reserved."""
     priority: Priority = Priority.STANDARD

@@ -44,7 +44,11 @@ class Policy:
     """Tokens a request is expected to generate until its model has learned a length from completed requests (never
     more than the request's ``max_tokens``). Time estimates only: slot waits, finish-soonest, expected finish times."""
     chars_per_token: float = 4.0
-    """Prompt tokens are estimated as characters / this."""
+    """Prompt tokens are estimated as characters / this until the engines' own counts replace it
+    (``prompt_tokens_min_samples``; core/prompt_tokens.py)."""
+    prompt_tokens_min_samples: int = 20
+    """Served requests whose engine reported ``usage.prompt_tokens`` a (model, engine) needs before its learned
+    characters per token and template tokens per message replace the prior (core/prompt_tokens.py). 0: never learn."""
     max_park_s: float = 120.0
     """Longest a request waits parked (``admission.max_park_seconds``)."""
     max_queue_depth: int = 64

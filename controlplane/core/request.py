@@ -11,14 +11,14 @@ raises ``RequestError``, never anything else, within these bounds:
 - ``x-sluice-session`` is at most ``MAX_SESSION_KEY`` (256) characters (else ``invalid_session``).
 
 A refusal carries only its ``Reason`` and a message: which status and error code a client sees is the edge's business
-(``controlplane/edge.py``), one reason per code. Prompt tokens are estimated as characters / ``chars_per_token``; with
+(``controlplane/edge.py``), one reason per code. Prompt tokens are estimated from the prompt's characters and chat
+messages by the rules learned from the engines (core/prompt_tokens.py), else as characters / ``chars_per_token``; with
 ``prefix_routing`` the prompt is also rendered and cut into hashed blocks for the prefix index (core/prefix.py).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from array import array
 from collections.abc import Mapping
 from itertools import accumulate
@@ -27,6 +27,7 @@ from typing import Any
 from controlplane.core.model import InferenceRequest, Priority, Reason
 from controlplane.core.policy import Policy
 from controlplane.core.prefix import prompt_blocks, render_prompt
+from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules, TokenRule
 from controlplane.names import PRIORITY_HEADER, SESSION_HEADER, TTFT_HEADER
 
 _PRIORITIES = {p.value: p for p in Priority}
@@ -122,9 +123,11 @@ def _malformed(detail: str) -> RequestError:
 
 
 def parse_request(
-    method: str, path: str, raw_body: bytes, headers: Mapping[str, str] | None = None, policy: Policy | None = None
+    method: str, path: str, raw_body: bytes, headers: Mapping[str, str] | None = None, policy: Policy | None = None,
+    tokens: PromptTokenRules | None = None,
 ) -> InferenceRequest:
-    """Read what the decision needs from an HTTP request; raise ``RequestError`` for anything malformed.
+    """Read what the decision needs from an HTTP request; raise ``RequestError`` for anything malformed. ``tokens``: the
+    prompt-token rules learned from the engines (None: the policy's ``chars_per_token`` for every model).
 
     Total: for any method, path, headers and body this returns or raises ``RequestError``, never anything else (a Check
     that raises is an ext_authz error, which Envoy fails open). The bounds are in the module docstring."""
@@ -173,13 +176,15 @@ def parse_request(
     completion_limit, legacy_limit = _token_limit(body, "max_completion_tokens"), _token_limit(body, "max_tokens")
     max_tokens = completion_limit if completion_limit is not None else legacy_limit
     prompt = body.get("messages") if route == "/v1/chat/completions" else body.get("prompt", body.get("input", ""))
-    prompt_tokens = math.ceil(_text_length(prompt) / policy.chars_per_token)
+    shape = PromptShape(_text_length(prompt), len(prompt) if route == "/v1/chat/completions" and
+                        isinstance(prompt, list) else 0)
+    prompt_tokens = (tokens or PromptTokenRules(TokenRule(1.0 / policy.chars_per_token))).tokens(model, shape)
     blocks: tuple[int, ...] = ()
     if policy.prefix_routing:
         blocks = prompt_blocks(render_prompt(route, body), policy.prefix_block_chars, policy.prefix_max_blocks)
     max_ttft_ms, headroom_ms = ttft_deadline(max_ttft_ms, model, policy)
     return InferenceRequest(method, route, model=model, stream=bool(body.get("stream")), prompt_tokens=prompt_tokens,
-                            max_tokens=max_tokens, priority=priority, max_ttft_ms=max_ttft_ms,
+                            prompt_chars=shape.chars, prompt_messages=shape.messages, max_tokens=max_tokens, priority=priority, max_ttft_ms=max_ttft_ms,
                             ttft_headroom_ms=headroom_ms, session=session, prefix_blocks=blocks)
 
 

@@ -68,8 +68,8 @@ class Observed:
     statuses: dict[int, int]
 
 
-def _post_chat(stack: Stack, max_tokens: int, key: str = TENANT_KEY) -> int:
-    body = json.dumps({"model": "cortex", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+def _post_chat(stack: Stack, max_tokens: int, key: str = TENANT_KEY, stream: bool = True) -> int:
+    body = json.dumps({"model": "cortex", "max_tokens": max_tokens, "stream": stream, "ignore_eos": True,
                        "messages": [{"role": "user", "content": "tell me a story"}]}).encode()
     request = urllib.request.Request(stack.base_url + "/chat/completions", data=body,
                                      headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
@@ -118,6 +118,10 @@ def _drive_traffic(stack: Stack) -> dict[int, int]:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         for status in pool.map(lambda _: _post_chat(stack, 4), range(8)):
             statuses[status] = statuses.get(status, 0) + 1
+    # Non-streaming answers carry the engine's usage: the prompt-token estimate's error.
+    for _ in range(2):
+        status = _post_chat(stack, 4, stream=False)
+        statuses[status] = statuses.get(status, 0) + 1
     # A key no tenant holds: 401 (the tenants' refusal counter).
     status = _post_chat(stack, 4, key="sk-nobody")
     statuses[status] = statuses.get(status, 0) + 1

@@ -17,6 +17,7 @@ from google.protobuf import duration_pb2, struct_pb2
 
 from controlplane.accesslog import AccessLogServicer, first_token
 from controlplane.core.feedback import FirstToken, TtftSummary
+from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules, PromptTokenSummary, TokenRule
 from controlplane.admin import AdminServicer
 from controlplane.adminauth import AdminGuard, Token
 from controlplane.core.model import (
@@ -39,6 +40,7 @@ class FakeCompletions:
     released: list[str] = field(default_factory=list)
     failures: list[tuple[str, str]] = field(default_factory=list)
     first_tokens: list[tuple[str, FirstToken]] = field(default_factory=list)
+    prompts: list[tuple[PromptShape, int, int]] = field(default_factory=list)
 
     def release_ticket(self, ticket_id: str) -> Ticket | None:
         self.released.append(ticket_id)
@@ -52,6 +54,9 @@ class FakeCompletions:
 
     def note_first_token(self, ticket: Ticket, timing: FirstToken) -> None:
         self.first_tokens.append((ticket.ticket_id, timing))
+
+    def note_prompt_tokens(self, ticket: Ticket, shape: PromptShape, estimated: int, counted: int) -> None:
+        self.prompts.append((shape, estimated, counted))
 
 
 def entry(*, ticket: str | None, code: int, first_byte: bool, connect_failure: bool = False) -> Any:
@@ -178,6 +183,13 @@ class FakeAdmin:
     def ttft_summary(self, engine: str) -> TtftSummary:
         return TtftSummary(samples=12, p50_s=0.2, p90_s=0.9, error_median=None, correction=1.5)
 
+    def prompt_summary(self, model: str, engine: str) -> PromptTokenSummary:
+        return PromptTokenSummary(TokenRule(1 / 1.3, 7.0, 40), 40, 1.02)
+
+    @property
+    def prompt_rules(self) -> PromptTokenRules:
+        return PromptTokenRules(TokenRule(0.25))
+
     async def set_drained(self, name: str, drained: bool) -> bool:
         if name != "thor":
             return False
@@ -240,6 +252,8 @@ async def test_admin_reports_what_its_port_says() -> None:
     assert engines[0].solo_decode_median_tokens_per_s == -1.0  # unknown, never 0
     assert (engines[0].ttft_samples, engines[0].ttft_p50_seconds, engines[0].ttft_p90_seconds) == (12, 0.2, 0.9)
     assert (engines[0].ttft_estimate_error_median, engines[0].ttft_correction) == (-1.0, 1.5)
+    assert (round(engines[0].prompt_chars_per_token, 2), engines[0].prompt_template_tokens_per_message) == (1.3, 7.0)
+    assert (engines[0].prompt_token_samples, engines[0].prompt_tokens_error_median) == (40, 1.02)
     drained = await admin.DrainEngine(admin_pb2.DrainEngineRequest(name="thor", drained=True), FakeContext())  # type: ignore[arg-type]
     assert drained.drained
     with pytest.raises(AbortedError, match="no engine named 'nope'"):
@@ -341,3 +355,13 @@ def test_no_servicer_imports_the_wiring() -> None:
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "controlplane.app" not in imported, name
 
+
+
+async def test_access_log_hands_the_engines_prompt_count_to_the_plane() -> None:
+    port = FakeCompletions()
+    e = timed_entry(content_type="application/json", first_token_after_s=None)
+    e.common_properties.metadata.filter_metadata["envoy.filters.http.ext_authz"].update(
+        {"prompt_chars": 1300, "prompt_messages": 2, "prompt_tokens": 325})
+    e.common_properties.metadata.filter_metadata["sluice.usage"].update({"prompt_tokens": 1010})
+    await AccessLogServicer(port).StreamAccessLogs(stream(e), None)  # type: ignore[arg-type]
+    assert port.prompts == [(PromptShape(1300, 2), 325, 1010)]

@@ -15,8 +15,10 @@ from google.protobuf import duration_pb2, struct_pb2
 
 from controlplane.accesslog import AccessLogServicer
 from controlplane.config import ConfigError, RateLimitOnFailure, parse_config
+from controlplane.core.feedback import FirstToken
 from controlplane.core.model import InferenceRequest, Priority, Reason, Ticket, Verdict
 from controlplane.core.policy import Policy
+from controlplane.core.prompt_tokens import PromptShape
 from controlplane.core.tenants import (
     ObservedResponse, Tenant, Tenants, Usage, every_scope, key_digest, limiter_scopes, precharge_tokens,
     settled_usage, tenant_priority,
@@ -215,6 +217,9 @@ class Completions:
         return True
 
     def note_first_token(self, ticket: Ticket, timing: FirstToken) -> None:
+        pass
+
+    def note_prompt_tokens(self, ticket: Ticket, shape: PromptShape, estimated: int, counted: int) -> None:
         pass
 
 

@@ -1,0 +1,84 @@
+"""Prompt tokens learned from the engines, through the real Envoy: an engine whose tokenizer counts 1.3 characters a token
+and 5 template tokens a chat message (where sluice's prior is 4 characters a token and none), after a warm-up, keeps a
+tenant's tokens-per-minute burst within one request of its budget, and a mix of long prompts that would fill its KV by
+the prior's estimate causes no preemption."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from controlplane.core.tenants import key_digest
+from tests.harness import Stack, http_json, start_stack, wait_for
+
+BUDGET = 3000
+MAX_TOKENS = 40
+PROMPT = "y" * 136
+TENANTS: dict[str, Any] = {
+    "warm": {"keys": [key_digest("sk-warm")]},
+    "burst": {"keys": [key_digest("sk-burst")], "limits": {"tokens_per_minute": BUDGET}},
+}
+
+
+def post(stack: Stack, body: dict[str, Any], key: str) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(stack.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def chat(content: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    return {"model": "cortex", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "ignore_eos": True}
+
+
+def test_learned_prompt_tokens_hold_a_token_budget_and_the_kv(tmp_path: Path) -> None:
+    tokenizer = ["--chars-per-token", "1.3", "--template-tokens", "5"]
+    engines = [{"name": "thor", "sim": "thor", "max_num_seqs": 24, "sim_args": tokenizer},
+               {"name": "small", "sim": "spark", "sim_model": "small", "max_num_seqs": 8,
+                "sim_args": [*tokenizer, "--num-gpu-blocks", "2500"]}]
+    stack = start_stack(engines, tmp_path, speed=40.0, api_key="sk-warm", tenants=TENANTS,
+                        admission={"prompt_tokens_min_samples": 10})
+    try:
+        # Warm-up: prompts of varied length, one and two messages, as a tenant without limits, on each model.
+        for model in ("cortex", "small"):
+            for i in range(16):
+                messages = [{"role": "user", "content": "w" * (50 + 97 * i)}]
+                if i % 2:
+                    messages.insert(0, {"role": "system", "content": "s" * (30 + 11 * i)})
+                status, _ = post(stack, {"model": model, "messages": messages, "max_tokens": 2}, "sk-warm")
+                assert status == 200
+        wait_for(lambda: all(e.prompt_token_samples >= 16 for e in stack.engines().values()), timeout=10,
+                 what="16 prompts counted on each engine")
+        thor = stack.engines()["thor"]
+        assert abs(thor.prompt_chars_per_token - 1.3) < 0.05 and abs(thor.prompt_template_tokens_per_message - 5) < 1
+
+        # The burst: each request really uses ceil(136 / 1.3) + 5 + 40 = 150 tokens; the prior would pre-charge 74.
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=80) as pool:
+            answers = list(pool.map(lambda _: post(stack, chat(PROMPT), "sk-burst"), range(80)))
+        refilled = (time.monotonic() - started) * BUDGET / 60
+        used = sum(body["usage"]["total_tokens"] for status, body in answers if status == 200)
+        assert {status for status, _ in answers} <= {200, 429}, answers
+        assert used <= BUDGET + refilled + 150, (used, refilled)
+        assert used >= 0.9 * BUDGET, used
+
+        # Long prompts with long answers on "small" (40,000 tokens of KV): 8 of 12,000 characters and 1,000 tokens
+        # (10,241 tokens each). By the prior (4,000 each) all 8 would fit at once; as learned, 3 do, and the rest wait in
+        # the control plane until one finishes.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            long = list(pool.map(lambda i: post(stack, {**chat(f"{i:02d}" + "z" * 11_998, max_tokens=1000),
+                                                        "model": "small"}, "sk-warm"), range(8)))
+        assert all(status == 200 for status, _ in long), long
+        stats = http_json(stack.sim_url("small") + "/sim/stats")
+        assert stats["preemptions"] == 0, stats
+    finally:
+        stack.close()
