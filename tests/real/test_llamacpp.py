@@ -452,3 +452,27 @@ def test_first_token_through_sluice_next_to_the_clients(stack: Stack, engines: l
               f"client first token {client * 1000:.1f} ms ({len(ttfts)} requests)")
         assert seen[engine].ttft_samples >= len(ttfts)
         assert 0.8 * own <= reported <= client + 0.005, (own, reported, client)
+
+
+def test_prompt_tokens_against_llamacpps_own_counts(stack: Stack, engines: list[Engine]) -> None:
+    """Non-streaming answers carry llama.cpp's ``usage.prompt_tokens``: sluice compares each with its Check's estimate
+    and learns from it. The error before any learning (the prior, 4 characters a token) and the samples counted are
+    printed; every counted sample is one the engine reported."""
+    idle(stack, engines)
+    before = {name: e.prompt_token_samples for name, e in stack.engines().items()}
+    counts = []
+    for i in range(6):
+        body = {"model": MODEL_ID, "max_tokens": 2,
+                "messages": [{"role": "system", "content": "You answer briefly."},
+                             {"role": "user", "content": f"{i}: " + "describe a river delta " * (5 + 10 * i)}]}
+        status, _, payload = post(stack.base_url, "/chat/completions", body)
+        assert status == 200
+        counts.append(json.loads(payload)["usage"]["prompt_tokens"])
+    wait_for(lambda: sum(e.prompt_token_samples - before[n] for n, e in stack.engines().items()) >= 6, timeout=10,
+             what="every prompt count received")
+    for name, e in stack.engines().items():
+        print(f"{name}: {e.prompt_token_samples} prompt counts, median count / estimate "
+              f"{e.prompt_tokens_error_median:.2f}, {e.prompt_chars_per_token:.2f} characters a token, "
+              f"{e.prompt_template_tokens_per_message:.1f} template tokens a message (llama.cpp counted {counts})")
+    counted = [e for n, e in stack.engines().items() if e.prompt_token_samples > before[n]]
+    assert counted and all(e.prompt_tokens_error_median > 0 for e in counted)
