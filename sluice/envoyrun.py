@@ -45,7 +45,8 @@ def render_bootstrap(config: Config, node_id: str = "sluice-envoy") -> str:
     (cluster,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == CONTROLPLANE_CLUSTER]
     if replicas:
         # Every replica: ext_authz Checks spread over them (round robin), ADS and the access log stream to one and move
-        # to another when it dies. Each is health-checked by the connection itself (a refused connect ejects it).
+        # to another when it dies. No health check ejects a dead replica: a Check that finds it gone (refused, reset) is
+        # asked again of another replica (the listener's ext_authz retry policy, resources._check_retry).
         cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": r.host, "port_value": r.grpc_port}}}}
             for r in replicas]}]

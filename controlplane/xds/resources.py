@@ -16,7 +16,9 @@ from collections.abc import Sequence
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2
-from envoy.config.core.v3 import address_pb2, base_pb2, config_source_pb2, grpc_service_pb2, substitution_format_string_pb2
+from envoy.config.core.v3 import (
+    address_pb2, backoff_pb2, base_pb2, config_source_pb2, grpc_service_pb2, substitution_format_string_pb2,
+)
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
@@ -26,6 +28,7 @@ from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_p
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
 from envoy.type.matcher.v3 import regex_pb2
 from envoy.type.matcher.v3 import string_pb2
@@ -51,13 +54,24 @@ INFERENCE_PATH_REGEX = "^/v1/(chat/completions|completions|embeddings)$"
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 USAGE_NAMESPACE = "sluice.usage"
 """Dynamic metadata the Lua response filter writes: on an admitted stream ``first_token_us`` (when its first token passed
-Envoy, microseconds since the epoch); the engine's ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` when a
-usage object passes (a non-streaming body's, a tenant's stream's); on a tenant's response ``deltas``. The access log
-reads them."""
+Envoy, microseconds since the epoch); on a tenant's response ``deltas``, and the engine's ``prompt_tokens``,
+``completion_tokens``, ``total_tokens`` when its body carries a ``usage`` object. The access log reads both."""
 FIRST_TOKEN_KEY = "first_token_us"
 USAGE_PENDING_MAX_BYTES = 65536
 """The Lua usage filter keeps the text after the last complete SSE event (a whole non-streaming body) up to this much;
 past it only the last 4 KiB stay (a body's ``usage`` object comes last)."""
+
+CHECK_RETRY_ON = "connect-failure,refused-stream,reset,unavailable"
+"""When Envoy asks a Check again: its replica refused the connection or the stream, reset the stream (it died with the
+Check sent, parked or not), or answered gRPC UNAVAILABLE (a server shutting down). A Check's every answer is a gRPC OK
+(denials included), so none of these is a decision being repeated."""
+CHECK_RETRIES = 3
+"""Retries of one Check: with ``previous_hosts`` each goes to a replica not asked yet while one is left (a fleet of
+up to four replicas is asked in full)."""
+CHECK_RETRY_BASE_S = 0.025
+"""Back-off base: retry k waits a random time below (2^k - 1) x this, so all three together wait under 0.275 s."""
+CHECK_HOST_SELECTION_ATTEMPTS = 5
+"""How often Envoy picks again when the host it picked was asked already (then it takes the last pick)."""
 
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
@@ -83,12 +97,42 @@ def _ads() -> config_source_pb2.ConfigSource:
     )
 
 
-def _controlplane_grpc(timeout_s: float | None = None) -> grpc_service_pb2.GrpcService:
+def _check_retry(timeout_s: float) -> base_pb2.RetryPolicy:
+    """A Check whose replica went away is asked again, of a replica not asked before, within the Check's timeout.
+
+    Contract, as Envoy 1.40 applies a ``GrpcService.retry_policy`` to ext_authz (measured with the real binary; the
+    ``EnvoyGrpc.retry_policy`` field is not read by ext_authz): ``retry_on`` covers a refused connection or stream, a
+    reset after the Check was sent (a parked Check whose replica died) and gRPC UNAVAILABLE; the retried CheckRequest
+    is the same message (same ``x-request-id``) and carries the original ``grpc-timeout``; the Check's ``timeout``
+    bounds all attempts together; ``previous_hosts`` sends each retry to a replica not tried before while one is left.
+    Envoy turns ``retry_back_off.max_interval`` into the per-try timeout (a parked Check is reset when it passes), so
+    max_interval is twice the Check's timeout: no attempt is cut before the Check's own timeout, and the back-off (a
+    random wait below (2^k - 1) x base before retry k) never comes near max_interval. When every retry fails (no
+    replica reachable) the Check fails and ``envoy.on_controlplane_failure`` applies. Each retry in flight holds one of
+    the control-plane cluster's ``max_retries`` (bootstrap), which is set out of reach."""
+    return base_pb2.RetryPolicy(
+        retry_on=CHECK_RETRY_ON,
+        num_retries=wrappers_pb2.UInt32Value(value=CHECK_RETRIES),
+        retry_back_off=backoff_pb2.BackoffStrategy(base_interval=_seconds(CHECK_RETRY_BASE_S),
+                                                   max_interval=_seconds(2 * timeout_s)),
+        retry_host_predicate=[base_pb2.RetryPolicy.RetryHostPredicate(
+            name="envoy.retry_host_predicates.previous_hosts",
+            typed_config=_any(previous_hosts_pb2.PreviousHostsPredicate()))],
+        host_selection_retry_max_attempts=CHECK_HOST_SELECTION_ATTEMPTS,
+    )
+
+
+def _controlplane_grpc(timeout_s: float | None = None, *, retry: bool = False) -> grpc_service_pb2.GrpcService:
+    """The control-plane cluster as a gRPC service; ``retry`` (with ``timeout_s``): a unary call retried on another
+    replica when its replica goes away (``_check_retry``). A stream (the access log) is not retried: Envoy reopens
+    it."""
     service = grpc_service_pb2.GrpcService(
         envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=CONTROLPLANE_CLUSTER)
     )
     if timeout_s is not None:
         service.timeout.CopyFrom(_seconds(timeout_s))
+        if retry:
+            service.retry_policy.CopyFrom(_check_retry(timeout_s))
     return service
 
 
@@ -131,12 +175,11 @@ end
 # the text between blank lines; a non-streaming body is one event, read when the body ends.
 # - A stream (content-type text/event-stream): the moment the first event carrying a token passes (content, text,
 #   reasoning or a tool call), in microseconds since the epoch, is kept as ``first_token_us``; a request without a tenant
-#   stops reading there, so only the chunks up to its first token pass through Lua. A non-streaming response's first
-#   token is left to the access log (its whole body: the last upstream byte's time).
-# - The engine's usage object when one passes (a non-streaming body's; a tenant's last SSE chunk with
-#   stream_options.include_usage): the access log learns prompt tokens from it and settles a tenant's request with it.
-# - A tenant's request: the content deltas streamed so far too (written after each chunk that added some, so a client
-#   that leaves mid-stream is charged what it was sent).
+#   stops reading there, so only the chunks up to its first token pass through Lua. A non-streaming response is left to
+#   the access log (its whole body is the first token: the last upstream byte's time).
+# - A tenant's request: what the access log settles with, the content deltas streamed so far (written after each chunk
+#   that added some, so a client that leaves mid-stream is charged what it was sent) and the engine's usage object when
+#   one passes (the non-streaming body's, or the last SSE chunk's with stream_options.include_usage).
 _USAGE_LUA = f"""
 local NS = "{USAGE_NAMESPACE}"
 local MAX_PENDING = {USAGE_PENDING_MAX_BYTES}
@@ -160,8 +203,10 @@ function envoy_on_response(handle)
   end
   local tenant = authz["tenant"] ~= nil
   local content_type = handle:headers():get("content-type")
-  local streamed = content_type ~= nil and string.find(content_type, "text/event-stream", 1, true) ~= nil
-  local waiting_first = streamed
+  local waiting_first = content_type ~= nil and string.find(content_type, "text/event-stream", 1, true) ~= nil
+  if not tenant and not waiting_first then
+    return
+  end
   -- Envoy's objects are valid only until the script yields (each chunk): fetch the metadata object afresh every time.
   local function put(key, value)
     handle:streamInfo():dynamicMetadata():set(NS, key, value)
@@ -173,10 +218,10 @@ function envoy_on_response(handle)
       put("{FIRST_TOKEN_KEY}", tonumber(handle:timestampString(EnvoyTimestampResolution.MICROSECOND)))
       waiting_first = false
     end
-    if not tenant and streamed then
+    if not tenant then
       return
     end
-    if tenant and (string.find(text, '"content"%s*:%s*"[^"]') or string.find(text, '"text"%s*:%s*"[^"]')) then
+    if string.find(text, '"content"%s*:%s*"[^"]') or string.find(text, '"text"%s*:%s*"[^"]') then
       deltas = deltas + 1
     end
     local at = string.find(text, '"usage"%s*:%s*{{')
@@ -211,7 +256,7 @@ function envoy_on_response(handle)
       if deltas ~= before then
         put("deltas", deltas)
       end
-      if not tenant and streamed and not waiting_first then
+      if not tenant and not waiting_first then
         return
       end
     end
@@ -284,7 +329,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
                                clear_route_cache=wrappers_pb2.BoolValue(value=True))
     usage = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=_USAGE_LUA), stat_prefix="usage")
     authz = ext_authz_pb2.ExtAuthz(
-        grpc_service=_controlplane_grpc(config.authz_timeout_s),
+        grpc_service=_controlplane_grpc(config.authz_timeout_s, retry=True),
         transport_api_version=config_source_pb2.V3,
         failure_mode_allow=fail_open,
         with_request_body=ext_authz_pb2.BufferSettings(
