@@ -54,8 +54,9 @@ INFERENCE_PATH_REGEX = "^/v1/(chat/completions|completions|embeddings)$"
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 USAGE_NAMESPACE = "sluice.usage"
 """Dynamic metadata the Lua response filter writes: on an admitted stream ``first_token_us`` (when its first token passed
-Envoy, microseconds since the epoch); on a tenant's response ``deltas``, and the engine's ``prompt_tokens``,
-``completion_tokens``, ``total_tokens`` when its body carries a ``usage`` object. The access log reads both."""
+Envoy, microseconds since the epoch); the engine's ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` when a
+usage object passes (a non-streaming body's, a tenant's stream's); on a tenant's response ``deltas``. The access log
+reads them."""
 FIRST_TOKEN_KEY = "first_token_us"
 USAGE_PENDING_MAX_BYTES = 65536
 """The Lua usage filter keeps the text after the last complete SSE event (a whole non-streaming body) up to this much;
@@ -175,11 +176,12 @@ end
 # the text between blank lines; a non-streaming body is one event, read when the body ends.
 # - A stream (content-type text/event-stream): the moment the first event carrying a token passes (content, text,
 #   reasoning or a tool call), in microseconds since the epoch, is kept as ``first_token_us``; a request without a tenant
-#   stops reading there, so only the chunks up to its first token pass through Lua. A non-streaming response is left to
-#   the access log (its whole body is the first token: the last upstream byte's time).
-# - A tenant's request: what the access log settles with, the content deltas streamed so far (written after each chunk
-#   that added some, so a client that leaves mid-stream is charged what it was sent) and the engine's usage object when
-#   one passes (the non-streaming body's, or the last SSE chunk's with stream_options.include_usage).
+#   stops reading there, so only the chunks up to its first token pass through Lua. A non-streaming response's first
+#   token is left to the access log (its whole body: the last upstream byte's time).
+# - The engine's usage object when one passes (a non-streaming body's; a tenant's last SSE chunk with
+#   stream_options.include_usage): the access log learns prompt tokens from it and settles a tenant's request with it.
+# - A tenant's request: the content deltas streamed so far too (written after each chunk that added some, so a client
+#   that leaves mid-stream is charged what it was sent).
 _USAGE_LUA = f"""
 local NS = "{USAGE_NAMESPACE}"
 local MAX_PENDING = {USAGE_PENDING_MAX_BYTES}
@@ -203,10 +205,8 @@ function envoy_on_response(handle)
   end
   local tenant = authz["tenant"] ~= nil
   local content_type = handle:headers():get("content-type")
-  local waiting_first = content_type ~= nil and string.find(content_type, "text/event-stream", 1, true) ~= nil
-  if not tenant and not waiting_first then
-    return
-  end
+  local streamed = content_type ~= nil and string.find(content_type, "text/event-stream", 1, true) ~= nil
+  local waiting_first = streamed
   -- Envoy's objects are valid only until the script yields (each chunk): fetch the metadata object afresh every time.
   local function put(key, value)
     handle:streamInfo():dynamicMetadata():set(NS, key, value)
@@ -218,10 +218,10 @@ function envoy_on_response(handle)
       put("{FIRST_TOKEN_KEY}", tonumber(handle:timestampString(EnvoyTimestampResolution.MICROSECOND)))
       waiting_first = false
     end
-    if not tenant then
+    if not tenant and streamed then
       return
     end
-    if string.find(text, '"content"%s*:%s*"[^"]') or string.find(text, '"text"%s*:%s*"[^"]') then
+    if tenant and (string.find(text, '"content"%s*:%s*"[^"]') or string.find(text, '"text"%s*:%s*"[^"]')) then
       deltas = deltas + 1
     end
     local at = string.find(text, '"usage"%s*:%s*{{')
@@ -256,7 +256,7 @@ function envoy_on_response(handle)
       if deltas ~= before then
         put("deltas", deltas)
       end
-      if not tenant and not waiting_first then
+      if not tenant and streamed and not waiting_first then
         return
       end
     end
