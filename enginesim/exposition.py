@@ -67,6 +67,10 @@ class RequestStats:
     """Prompt tokens each request computed (not found in the prefix cache)."""
     generation_tokens: Hist = field(default_factory=lambda: Hist(TOKEN_BUCKETS))
     success: int = 0
+    """Requests that ran to their end (``finished``'s stop and length)."""
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    """Requests by how they ended, as vLLM V1 counts them (``vllm:request_success_total{finished_reason}``): ``stop``
+    (end of sequence), ``length`` (``max_tokens``) or ``abort`` (the client went away: the engine stopped it)."""
 
 
 def _hist(name: str, doc: str, labels: dict[str, str], h: Hist) -> HistogramMetricFamily:
@@ -122,7 +126,8 @@ class SimCollector(Collector):
                            b.prefix.hits)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=[*lab, "finished_reason"])
-        success.add_metric([*lab.values(), "length"], st.success)
+        for reason, count in st.finished.items():
+            success.add_metric([*lab.values(), reason], count)
         yield success
         yield _hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", lab, st.ttft)
         yield _hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", lab,

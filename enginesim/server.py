@@ -362,6 +362,8 @@ class EngineSimulator:
         except (asyncio.CancelledError, ConnectionResetError):
             entry["status"] = "aborted"
             self.batcher.abort(sim_request)
+            if sim_request.finished_at is None:  # it was still queued or generating: the engine stopped it
+                self.stats.finished["abort"] += 1
             raise
         finally:
             entry["completion_tokens"] = sim_request.generated
@@ -411,6 +413,7 @@ class EngineSimulator:
         st = self.stats
         wall = 1.0 / self.speed
         st.success += 1
+        st.finished[r.finish_reason] = st.finished.get(r.finish_reason, 0) + 1
         st.prompt_tokens.observe(r.prompt_tokens)
         st.prefill_computed.observe(r.prompt_tokens - (r.cached_tokens or 0))
         st.generation_tokens.observe(r.generated)
