@@ -196,13 +196,22 @@ class AdmissionService:
     async def _enter_line(self, request_id: str, request: InferenceRequest) -> None:
         """Write a request the core just parked into the shared line. Until that write lands, a wake does not admit it
         (``_settle``): the store's line would not know it, and its late ``park`` would leave a member nobody removes at
-        the line's head. A client gone meanwhile takes the request out of the lot and, after its park, out of the line."""
+        the line's head. A client gone meanwhile takes the request out of the lot and, after its park, out of the line.
+        A request the store says parked earlier on another replica keeps that time (``_keep_first_park``)."""
         model = request.model
         assert model is not None
         klass = self.core.class_index(request)
+        at = self.shared.offset + self.clock()
+        first = at
+
+        async def park() -> None:
+            nonlocal first
+            first = await self.store.park(model, klass, request_id, at)
         self._parking.add(request_id)
         try:
-            await self._in_line("park", lambda: self.store.park(model, klass, request_id))
+            await self._in_line("park", park)
+            if first < at:
+                self._keep_first_park(request_id, first - self.shared.offset)
         except asyncio.CancelledError:
             self._early.pop(request_id, None)
             where = self.core.where(request_id)
@@ -216,6 +225,22 @@ class AdmissionService:
             if model in self._parks_awaited:
                 self._parks_awaited.discard(model)
                 self.wake([model])
+
+    def _keep_first_park(self, request_id: str, parked_at: float) -> None:
+        """A request parked here whose Check Envoy asked again after the replica holding it went away (resources.py
+        ``_check_retry``; the store took that replica's member out of the line) keeps the time it first parked
+        (``parked_at``, this service's clock): its park deadline, a TTFT deadline's remainder and its
+        ``x-sluice-parked-ms`` count from then, so a retried Check is answered before Envoy's Check timeout as any other
+        is. Its place stays the back of its class, in the lot and in the shared line alike: a wake admits the lot's
+        head only if it heads the line too, and the lot's order is its own parking order, which has no place for an
+        earlier arrival; the line's order follows the lot's."""
+        entry = next((p for p in self.core.parked() if p.request_id == request_id), None)
+        if entry is None or parked_at >= entry.parked_at:  # answered meanwhile, or parked here first after all
+            return
+        self.core.cancel(request_id)
+        self.core.restore(replace(entry, parked_at=parked_at, deadline=entry.deadline - (entry.parked_at - parked_at)))
+        log.debug("request %s parked again here after its replica went away; it first parked %.1f s ago", request_id,
+                  self.clock() - parked_at)
 
     async def _in_line(self, op: str, call: Callable[[], Awaitable[object]]) -> None:
         """A park or unpark, made one at a time in the order they were asked for: concurrent calls would travel on

@@ -5,7 +5,8 @@ What it holds:
 - **tickets**, with their engine, model, reserved KV tokens, expected finish, lease and owner (the replica that admitted
   them), and for each engine its open tickets and the KV they reserve;
 - the **parking order** per model and class, across replicas (a member is ``<replica>|<request id>``; the parked Check
-  itself can only be answered by the replica holding it, so only its place in line is shared);
+  itself can only be answered by the replica holding it, so only its place in line is shared), and when each parked
+  request first parked (a Check Envoy asks again of another replica after its replica went away keeps that time);
 - **sessions** (``x-sluice-session`` -> the engine that served it last), with a TTL.
 
 Recent-serve counts are not stored: every replica derives them from the admissions it hears about (``StoreEvent``), which
@@ -111,7 +112,8 @@ class StoreState:
 
 
 class Store(Protocol):
-    """The shared ledger. Every method may raise ``StoreUnavailable``."""
+    """The shared ledger. Every method may raise ``StoreUnavailable``. A ``reserve`` that admits a request takes it out
+    of its line, whichever replica's member it is (one that parked it before its Check was asked again elsewhere)."""
 
     replica_id: str
 
@@ -124,7 +126,12 @@ class Store(Protocol):
         """Close tickets whose lease ended by ``now`` (shared time), at most ``limit`` per call; each goes to one caller."""
     async def restore(self, tickets: list[Ticket]) -> int:
         """Write back tickets this replica owns that the store lacks (after a store outage), without checks; how many."""
-    async def park(self, model: str, klass: int, request_id: str) -> None: ...
+    async def park(self, model: str, klass: int, request_id: str, at: float) -> float:
+        """Put ``request_id`` at the back of the line ``(model, klass)`` as this replica's member; ``at``: now, in
+        shared time. Returns when the request first parked: ``at``, or, when another replica's member of the same
+        request id is in that line (Envoy asked the request's Check again of this replica after that one went away:
+        resources.py ``_check_retry``), the time that member parked; that member leaves the line (an UNPARKED event),
+        so the request is in line once, at the back."""
     async def unpark(self, model: str, klass: int, request_id: str) -> bool:
         """Take a request out of the line; False if it was not there (admitted, or unparked before)."""
     async def members(self, model: str, klass: int) -> list[str]:

@@ -30,6 +30,9 @@ class MemoryState:
     kv: dict[str, int] = field(default_factory=dict)
     lines: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
     """(model, class) -> member -> sequence number, in line order (insertion order is sequence order)."""
+    firsts: dict[tuple[str, int], dict[str, tuple[str, float]]] = field(default_factory=dict)
+    """(model, class) -> request id -> (the replica whose member it is, when the request first parked): one entry per
+    member of ``lines``."""
     seq: int = 0
     sessions: dict[str, tuple[str, float]] = field(default_factory=dict)
     replicas: dict[str, float] = field(default_factory=dict)
@@ -49,10 +52,20 @@ class MemoryState:
         line = self.lines.get((model, klass))
         while line:
             candidate = next(reversed(line)) if newest else next(iter(line))
-            if self.alive(candidate.partition("|")[0]):
+            replica, _, request_id = candidate.partition("|")
+            if self.alive(replica):
                 return candidate
-            del line[candidate]
+            self.leave(model, klass, replica, request_id)
         return None
+
+    def leave(self, model: str, klass: int, replica: str, request_id: str) -> bool:
+        """Take ``replica``'s member of ``request_id`` out of the line; False if it was not there."""
+        if self.lines.get((model, klass), {}).pop(member(replica, request_id), None) is None:
+            return False
+        firsts = self.firsts.get((model, klass), {})
+        if firsts.get(request_id, ("", 0.0))[0] == replica:
+            del firsts[request_id]
+        return True
 
 
 class MemoryStore:
@@ -85,7 +98,10 @@ class MemoryStore:
         if claim.kv_limit is not None and s.kv.get(ticket.engine, 0) + ticket.reserved_tokens > claim.kv_limit:
             return Reserved(Refusal.KV, self._engine_tickets(ticket.engine))
         self._write(ticket, self.replica_id)
-        s.lines.get((ticket.model, claim.klass), {}).pop(mine, None)
+        if not s.leave(ticket.model, claim.klass, self.replica_id, ticket.ticket_id):
+            held = s.firsts.get((ticket.model, claim.klass), {}).get(ticket.ticket_id)
+            if held is not None:  # parked by a replica it left when its Check was asked again elsewhere
+                s.leave(ticket.model, claim.klass, held[0], ticket.ticket_id)
         if claim.session:
             s.sessions[claim.session] = (ticket.engine, s.wall() + SESSION_TTL_S)
         s.publish(StoreEvent(EventKind.ADMITTED, self.replica_id, ticket.ticket_id, ticket, claim.session,
@@ -125,13 +141,20 @@ class MemoryStore:
             self._write(ticket, self.replica_id)
         return len(fresh)
 
-    async def park(self, model: str, klass: int, request_id: str) -> None:
+    async def park(self, model: str, klass: int, request_id: str, at: float) -> float:
         s = self.state
+        first = at
+        held = s.firsts.get((model, klass), {}).get(request_id)
+        if held is not None and held[0] != self.replica_id and s.leave(model, klass, held[0], request_id):
+            first = held[1]
+            s.publish(StoreEvent(EventKind.UNPARKED, self.replica_id, request_id, model=model))
         s.seq += 1
         s.lines.setdefault((model, klass), {})[member(self.replica_id, request_id)] = s.seq
+        s.firsts.setdefault((model, klass), {})[request_id] = (self.replica_id, first)
+        return first
 
     async def unpark(self, model: str, klass: int, request_id: str) -> bool:
-        if self.state.lines.get((model, klass), {}).pop(member(self.replica_id, request_id), None) is None:
+        if not self.state.leave(model, klass, self.replica_id, request_id):
             return False
         self.state.publish(StoreEvent(EventKind.UNPARKED, self.replica_id, request_id, model=model))
         return True

@@ -12,6 +12,7 @@ Keys (``<p>`` = ``store.prefix``, default ``sluice``)::
     <p>:kv                  hash   engine -> KV tokens its open tickets reserve
     <p>:leases              zset   ticket id by lease deadline (any replica's sweep closes the lapsed ones)
     <p>:q:<model>:<class>   zset   "<replica>|<request id>" by arrival sequence (<p>:seq)
+    <p>:qa:<model>:<class>  hash   request id -> "<replica>|<when it first parked>", one per member of the line above
     <p>:s:<session>         string the session's engine (EX store.session_ttl_seconds)
     <p>:r:<replica>         string a replica's heartbeat (PX store.heartbeat_ttl_seconds); absent = dead
 
@@ -40,7 +41,8 @@ log = logging.getLogger("sluice.store")
 TICKET_KEY_GRACE_S = 3600.0
 RECONNECT_S = 0.5
 
-# Shared by the scripts: a ticket as a JSON array, closing one (publishing it), and a line's first live member.
+# Shared by the scripts: a ticket as a JSON array, closing one (publishing it), a member leaving a line, and a line's
+# first live member.
 _LIB = r"""
 local p = ARGV[1]
 local FIELDS = {'engine', 'model', 'admitted_at', 'lease', 'reserved', 'done', 'ttft', 'owner'}
@@ -70,15 +72,22 @@ local function write(r, grace)
   redis.call('HINCRBY', p .. ':kv', engine, tonumber(r[6]))
   redis.call('ZADD', p .. ':leases', r[5], id)
 end
+local function leave(q, replica, rid)
+  if redis.call('ZREM', p .. ':q:' .. q, replica .. '|' .. rid) == 0 then return false end
+  local held = redis.call('HGET', p .. ':qa:' .. q, rid)
+  if held and string.match(held, '^(.-)|') == replica then redis.call('HDEL', p .. ':qa:' .. q, rid) end
+  return true
+end
 local function first(model, k, newest)
-  local qkey = p .. ':q:' .. model .. ':' .. k
+  local q = model .. ':' .. k
+  local qkey = p .. ':q:' .. q
   for _ = 1, 1000 do
     local m
     if newest then m = redis.call('ZRANGE', qkey, -1, -1) else m = redis.call('ZRANGE', qkey, 0, 0) end
     if #m == 0 then return nil end
-    local replica = string.match(m[1], '^(.-)|')
+    local replica, rid = string.match(m[1], '^(.-)|(.*)$')
     if replica and redis.call('EXISTS', p .. ':r:' .. replica) == 1 then return m[1] end
-    redis.call('ZREM', qkey, m[1])
+    if replica then leave(q, replica, rid) else redis.call('ZREM', qkey, m[1]) end
   end
   return nil
 end
@@ -115,7 +124,11 @@ if cap >= 0 and redis.call('SCARD', ekey) >= cap then return refuse('cap') end
 local held = tonumber(redis.call('HGET', p .. ':kv', engine) or '0')
 if kvlimit >= 0 and held + tonumber(r[6]) > kvlimit then return refuse('kv') end
 write(r, tonumber(ARGV[9]))
-redis.call('ZREM', p .. ':q:' .. model .. ':' .. klass, mine)
+local q = model .. ':' .. klass
+if not leave(q, owner, id) then
+  local parked = redis.call('HGET', p .. ':qa:' .. q, id)
+  if parked then leave(q, string.match(parked, '^(.-)|'), id) end  -- parked by a replica its Check was retried after
+end
 if session ~= '' then redis.call('SET', p .. ':s:' .. session, engine, 'EX', ARGV[8]) end
 redis.call('PUBLISH', p .. ':events', cjson.encode({'admitted', owner, ARGV[2], session, ARGV[10]}))
 return {'ok'}
@@ -149,17 +162,26 @@ end
 return n
 """
 
-# ARGV: prefix, queue key suffix, member
-_PARK = r"""
-local seq = redis.call('INCR', ARGV[1] .. ':seq')
-redis.call('ZADD', ARGV[1] .. ':q:' .. ARGV[2], seq, ARGV[3])
-return seq
+# ARGV: prefix, queue key suffix, replica, request id, now (shared time), model. Returns when the request first parked.
+_PARK = _LIB + r"""
+local q, me, rid, since = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local held = redis.call('HGET', p .. ':qa:' .. q, rid)
+if held then
+  local replica, at = string.match(held, '^(.-)|(.*)$')
+  if replica ~= me and leave(q, replica, rid) then  -- its Check was asked again here: it keeps its first park time
+    since = at
+    redis.call('PUBLISH', p .. ':events', cjson.encode({'unparked', me, rid, ARGV[6]}))
+  end
+end
+redis.call('ZADD', p .. ':q:' .. q, redis.call('INCR', p .. ':seq'), me .. '|' .. rid)
+redis.call('HSET', p .. ':qa:' .. q, rid, me .. '|' .. since)
+return since
 """
 
-# ARGV: prefix, queue key suffix, member, by, request id, model
-_UNPARK = r"""
-if redis.call('ZREM', ARGV[1] .. ':q:' .. ARGV[2], ARGV[3]) == 1 then
-  redis.call('PUBLISH', ARGV[1] .. ':events', cjson.encode({'unparked', ARGV[4], ARGV[5], ARGV[6]}))
+# ARGV: prefix, queue key suffix, replica, request id, model
+_UNPARK = _LIB + r"""
+if leave(ARGV[2], ARGV[3], ARGV[4]) then
+  redis.call('PUBLISH', p .. ':events', cjson.encode({'unparked', ARGV[3], ARGV[4], ARGV[5]}))
   return 1
 end
 return 0
@@ -245,12 +267,11 @@ class ValkeyStore:
         return int(await self._run("restore", json.dumps([_record(t, self.replica_id) for t in tickets]),
                                    TICKET_KEY_GRACE_S, self.replica_id))
 
-    async def park(self, model: str, klass: int, request_id: str) -> None:
-        await self._run("park", f"{model}:{klass}", member(self.replica_id, request_id))
+    async def park(self, model: str, klass: int, request_id: str, at: float) -> float:
+        return float(_text(await self._run("park", f"{model}:{klass}", self.replica_id, request_id, repr(at), model)))
 
     async def unpark(self, model: str, klass: int, request_id: str) -> bool:
-        return bool(await self._run("unpark", f"{model}:{klass}", member(self.replica_id, request_id), self.replica_id,
-                                    request_id, model))
+        return bool(await self._run("unpark", f"{model}:{klass}", self.replica_id, request_id, model))
 
     async def members(self, model: str, klass: int) -> list[str]:
         mine = member(self.replica_id, "")

@@ -79,9 +79,9 @@ class Replicas:
         store = MemoryStore(self.state, replica)
         park = store.park
 
-        async def recorded_park(model: str, klass: int, request_id: str) -> None:
+        async def recorded_park(model: str, klass: int, request_id: str, at: float) -> float:
             self.park_order.append(request_id)
-            await park(model, klass, request_id)
+            return await park(model, klass, request_id, at)
         store.park = recorded_park  # type: ignore[method-assign]
         service = AdmissionService(self.config, core, cast(Any, FakeObservation(core)), SluiceMetrics(),
                                    lambda: self.now, store)

@@ -121,7 +121,7 @@ async def test_load_returns_tickets_owners_and_sessions(stores: Factory) -> None
 
 async def test_arrivals_queue_behind_any_replicas_parked_request(stores: Factory) -> None:
     a, b = stores("a"), stores("b")
-    await a.park("m", 1, "waiting")
+    await a.park("m", 1, "waiting", BASE)
     arrival = await b.reserve(Claim(ticket("new"), cap=None, kv_limit=None, queue=QueueRule.ARRIVAL, klass=1))
     assert arrival.refusal is Refusal.QUEUED
     critical = await b.reserve(Claim(ticket("vip"), cap=None, kv_limit=None, queue=QueueRule.ARRIVAL, klass=0))
@@ -133,8 +133,8 @@ async def test_arrivals_queue_behind_any_replicas_parked_request(stores: Factory
 
 async def test_woken_heads_go_in_line_order_across_replicas(stores: Factory) -> None:
     a, b = stores("a"), stores("b")
-    await a.park("m", 1, "first")
-    await b.park("m", 1, "second")
+    await a.park("m", 1, "first", BASE)
+    await b.park("m", 1, "second", BASE)
     early = await b.reserve(Claim(ticket("second"), cap=None, kv_limit=None, queue=QueueRule.OLDEST, klass=1))
     assert early.refusal is Refusal.QUEUED, "b's head is not the oldest while a's is parked"
     assert (await a.reserve(Claim(ticket("first"), cap=None, kv_limit=None, queue=QueueRule.OLDEST, klass=1))).ok
@@ -143,8 +143,8 @@ async def test_woken_heads_go_in_line_order_across_replicas(stores: Factory) -> 
 
 async def test_newest_rule_serves_the_line_from_its_tail(stores: Factory) -> None:
     a, b = stores("a"), stores("b")
-    await a.park("m", 1, "old")
-    await b.park("m", 1, "new")
+    await a.park("m", 1, "old", BASE)
+    await b.park("m", 1, "new", BASE)
     assert (await a.reserve(Claim(ticket("old"), cap=None, kv_limit=None, queue=QueueRule.NEWEST, klass=1))).refusal \
         is Refusal.QUEUED
     assert (await b.reserve(Claim(ticket("new"), cap=None, kv_limit=None, queue=QueueRule.NEWEST, klass=1))).ok
@@ -153,8 +153,8 @@ async def test_newest_rule_serves_the_line_from_its_tail(stores: Factory) -> Non
 async def test_a_dead_replicas_parked_requests_stop_holding_the_line(stores: Factory) -> None:
     a, b = stores("a"), stores("b")
     await a.heartbeat(0.2)
-    await a.park("m", 1, "orphan")
-    await b.park("m", 1, "alive")
+    await a.park("m", 1, "orphan", BASE)
+    await b.park("m", 1, "alive", BASE)
     assert (await b.reserve(Claim(ticket("alive"), cap=None, kv_limit=None, queue=QueueRule.OLDEST,
                                   klass=1))).refusal is Refusal.QUEUED
     await asyncio.sleep(0.4)  # a's heartbeat lapses: a is dead
@@ -163,17 +163,17 @@ async def test_a_dead_replicas_parked_requests_stop_holding_the_line(stores: Fac
 
 async def test_unpark_leaves_the_line(stores: Factory) -> None:
     a, b = stores("a"), stores("b")
-    await a.park("m", 1, "gone")
+    await a.park("m", 1, "gone", BASE)
     await a.unpark("m", 1, "gone")
     assert (await b.reserve(Claim(ticket("next"), cap=None, kv_limit=None, queue=QueueRule.ARRIVAL, klass=1))).ok
 
 
 async def test_members_are_a_replicas_own_requests_in_line_order(stores: Factory) -> None:
     a, b = stores("a"), stores("b")
-    await a.park("m", 1, "first")
-    await b.park("m", 1, "theirs")
-    await a.park("m", 1, "second|with a bar")
-    await a.park("m", 0, "critical")
+    await a.park("m", 1, "first", BASE)
+    await b.park("m", 1, "theirs", BASE)
+    await a.park("m", 1, "second|with a bar", BASE)
+    await a.park("m", 0, "critical", BASE)
     assert await a.members("m", 1) == ["first", "second|with a bar"]
     assert await b.members("m", 1) == ["theirs"]
     assert await a.unpark("m", 1, "first") is True
@@ -182,6 +182,45 @@ async def test_members_are_a_replicas_own_requests_in_line_order(stores: Factory
     assert await a.members("m", 1) == ["second|with a bar"]
     assert await a.members("m", 0) == ["critical"]
     assert await a.members("other", 1) == []
+
+
+async def test_a_request_parked_again_elsewhere_keeps_its_first_park_time_not_its_place(stores: Factory) -> None:
+    """Envoy asks a parked request's Check again of b after a went away (resources.py ``_check_retry``): the request
+    is in line once, b's member, at the back; it keeps the time it first parked; the others hear a's member left."""
+    a, b, c = stores("a"), stores("b"), stores("c")
+    heard: list[StoreEvent] = []
+    connected = asyncio.Event()
+    listener = asyncio.create_task(c.listen(heard.append, connected.set))
+    await asyncio.wait_for(connected.wait(), 5)
+    assert await a.park("m", 1, "x", BASE + 1.0) == BASE + 1.0
+    assert await a.park("m", 1, "y", BASE + 2.0) == BASE + 2.0
+    assert await b.park("m", 1, "x", BASE + 5.0) == BASE + 1.0
+    assert await a.members("m", 1) == ["y"] and await b.members("m", 1) == ["x"]
+    behind = await b.reserve(Claim(ticket("x"), cap=None, kv_limit=None, queue=QueueRule.OLDEST, klass=1))
+    assert behind.refusal is Refusal.QUEUED, "x parked again behind y, which parked after it"
+    assert await a.unpark("m", 1, "x") is False, "a's member is gone: a's late cancel finds nothing"
+    for _ in range(200):
+        if heard:
+            break
+        await asyncio.sleep(0.01)
+    listener.cancel()
+    await asyncio.gather(listener, return_exceptions=True)
+    assert [(e.kind, e.replica, e.ticket_id, e.model) for e in heard] == [(EventKind.UNPARKED, "b", "x", "m")]
+    # Parked again by the same replica, or after it left the line: a park of its own.
+    assert await b.unpark("m", 1, "x") is True
+    assert await a.park("m", 1, "x", BASE + 7.0) == BASE + 7.0
+    assert await a.park("m", 0, "y", BASE + 8.0) == BASE + 8.0, "another line (class) is another place"
+
+
+async def test_an_admission_takes_its_request_out_of_the_line_whoever_parked_it(stores: Factory) -> None:
+    """b admits x (a backfill, no line rule) while a's member of x is still in line (a died with x parked): the
+    member does not stay behind to hold the line."""
+    a, b = stores("a"), stores("b")
+    await a.park("m", 1, "x", BASE)
+    assert (await b.reserve(Claim(ticket("x"), cap=None, kv_limit=None, queue=QueueRule.NONE, klass=1))).ok
+    assert await a.members("m", 1) == []
+    assert (await b.reserve(Claim(ticket("next"), cap=None, kv_limit=None, queue=QueueRule.ARRIVAL, klass=1))).ok
+    assert await b.park("m", 1, "x", BASE + 3.0) == BASE + 3.0, "its first park time left with it"
 
 
 async def test_restore_writes_back_only_what_is_missing(stores: Factory) -> None:
@@ -202,7 +241,7 @@ async def test_other_replicas_hear_admissions_releases_and_unparks(stores: Facto
     blocks = (1, 2**64 - 1, 0xDEADBEEF)  # a prompt's block hashes: 64-bit, passed on in the event exactly
     assert (await a.reserve(Claim(ticket("e1"), cap=None, kv_limit=None, session="s", prefix_blocks=blocks))).ok
     await b.reserve(Claim(ticket("own"), cap=None, kv_limit=None))  # b's own events are not echoed back to b
-    await a.park("m", 1, "w")
+    await a.park("m", 1, "w", BASE)
     await a.unpark("m", 1, "w")
     await a.release("e1")
     for _ in range(200):

@@ -62,9 +62,9 @@ class SlowParks(MemoryStore):
         super().__init__(state, "r0")
         self.delays = delays
 
-    async def park(self, model: str, klass: int, request_id: str) -> None:
+    async def park(self, model: str, klass: int, request_id: str, at: float) -> float:
         await asyncio.sleep(self.delays.get(request_id, 0.0))
-        await super().park(model, klass, request_id)
+        return await super().park(model, klass, request_id, at)
 
 
 async def answer(svc: AdmissionService, request_id: str) -> Outcome:
@@ -165,7 +165,7 @@ async def test_a_stray_member_of_this_replica_is_taken_out_of_the_line(monkeypat
         svc.release_ticket(a.ticket.ticket_id)
         first = await asyncio.wait_for(b, 1.0)
         assert first.ticket is not None, first.decision
-        await store.park("m", 1, "ghost")  # what a lost unpark leaves behind
+        await store.park("m", 1, "ghost", time.time())  # what a lost unpark leaves behind
         svc.release_ticket(first.ticket.ticket_id)
         started = time.monotonic()
         c = await asyncio.wait_for(answer(svc, "c"), 5.0)  # without the audit: parked behind the ghost until max_park_s
@@ -180,9 +180,9 @@ class RecordedParks(ValkeyStore):
 
     parks: list[str]
 
-    async def park(self, model: str, klass: int, request_id: str) -> None:
+    async def park(self, model: str, klass: int, request_id: str, at: float) -> float:
         self.parks.append(request_id)
-        await super().park(model, klass, request_id)
+        return await super().park(model, klass, request_id, at)
 
 
 @pytest.fixture(scope="module")
