@@ -577,7 +577,7 @@ DEFAULTS: dict[str, Any] = {
         "engine_max_requests_unknown_cap": 256,
         "request_headers_timeout_seconds": 10.0,
         "retry_on_engine_failure": True,
-        "delayed_close_timeout_seconds": 0.1,
+        "delayed_close_timeout_seconds": 0.0,
         "concurrency": 2,
         "controlplane_tls": None,
     },

@@ -368,8 +368,8 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         request_headers_timeout=_seconds(ev.request_headers_timeout_seconds),
         request_timeout=_seconds(ev.stream_idle_timeout_seconds),
         # When Envoy closes a client connection (an engine died mid-stream, a local reply with connection: close) it
-        # waits this long for the client to close first, so the client reads what was written before the RST. Envoy's
-        # 1 s default made a client learn of a dead engine a full second late.
+        # waits this long for the client to close first; the timer runs while the response waits to be flushed, so a
+        # short one closes busy connections with their answer unwritten. 0 (the default): close once flushed.
         delayed_close_timeout=_seconds(ev.delayed_close_timeout_seconds),
         local_reply_config=hcm_pb2.LocalReplyConfig(
             mappers=[
