@@ -374,6 +374,10 @@ class AdmissionService:
         self.core.observe_ttft(ticket.engine, ratio, self.clock())
         series.ttft_correction.set(self.core.ttft.factor(ticket.engine))
 
+    def ticket_open(self, ticket_id: str) -> bool:
+        """Whether this replica's ledger (which mirrors the store's) holds an open ticket of that id."""
+        return self.core.ledger.get(ticket_id) is not None
+
     @property
     def prompt_rules(self) -> PromptTokenRules:
         """How the Check estimates a prompt's tokens now (learned from the engines: core/prompt_tokens.py)."""

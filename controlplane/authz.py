@@ -211,7 +211,10 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
         return self._unique(f"{request_id}.{uuid.uuid4().hex[:8]}")
 
     def _unique(self, request_id: str) -> str:
-        while request_id in self._in_flight:
+        """``request_id``, or it with a suffix when a Check in flight or an open ticket already has it: a client's own
+        id reused while its first request streams, or a Check Envoy asks again after the replica that admitted it died
+        before answering (that admission's ticket is left to the reaper)."""
+        while request_id in self._in_flight or self.admission.ticket_open(request_id):
             request_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         self._in_flight.add(request_id)
         return request_id

@@ -234,6 +234,17 @@ async def test_check_admits_in_the_fixture(plane: ControlPlane) -> None:
     assert response.HasField("ok_response") and plane.ledger.open_tickets() == 1
 
 
+async def test_a_request_id_that_names_an_open_ticket_is_admitted_under_another(plane: ControlPlane) -> None:
+    """A client's own x-request-id reused while its first request streams, or a Check Envoy asks again after the
+    replica that admitted it died unanswered: a ticket of that id is open, and the Check is answered, not failed."""
+    servicer = AuthorizationServicer(plane.service)
+    first = await servicer.Check(check_request(chat_body(max_tokens=5), {"x-request-id": "r1"}), FakeContext(290.0))
+    again = await servicer.Check(check_request(chat_body(max_tokens=5), {"x-request-id": "r1"}), FakeContext(290.0))
+    assert first.HasField("ok_response") and again.HasField("ok_response")
+    tickets = sorted(t.ticket_id for t in plane.ledger.tickets())
+    assert len(tickets) == 2 and tickets[0] == "r1" and tickets[1].startswith("r1.")
+
+
 async def test_defect_in_decide_is_a_500_never_an_rpc_error(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ZeroDivisionError("injected defect")
