@@ -2,7 +2,10 @@
 
 Per step the batch is the running set (at most ``max_num_seqs``). Requests still in prefill share ``prefill_tokens_per_s``
 FIFO; requests decoding each emit one token. A step lasts ``1 / per_request_decode_rate(decoding)`` emulated seconds when
-anything decodes, else just long enough to finish the current prefills (capped at ``MAX_PREFILL_STEP_S``).
+anything decodes (times ``1 + decode_slowdown_per_1k_tokens x mean context / 1000``), else just long enough to finish the
+current prefills (capped at ``MAX_PREFILL_STEP_S``). Without chunked prefill (``prefill_chunk_tokens`` 0) prefill runs
+beside a decode step at its full rate; with it, a decode step also prefills up to that many tokens and lasts their
+prefill time longer, as vLLM V1's scheduler mixes them in one batch.
 
 KV is allocated in blocks as tokens are computed, like vLLM V1, so admission only needs a free slot and one free block. When a
 running request needs a block and none is free, the most recently admitted running request is preempted (recompute mode): its
@@ -141,21 +144,34 @@ class Batcher:
         self.max_running_seen = max(self.max_running_seen, len(self.running))
 
     def plan_step(self) -> float:
-        """Emulated seconds the next step takes (0 when there is nothing to run)."""
-        decoding = sum(1 for r in self.running if r.prefill_left == 0)
-        if decoding:
-            return 1.0 / self.profile.per_request_decode_rate(decoding)
+        """Emulated seconds the next step takes (0 when there is nothing to run). With chunked prefill a step that
+        decodes also prefills up to ``prefill_chunk_tokens`` and lasts that much longer."""
+        decoding = [r for r in self.running if r.prefill_left == 0]
         prefill = sum(r.prefill_left for r in self.running)
+        if decoding:
+            step = self._decode_step(decoding)
+            if self.profile.prefill_chunk_tokens:
+                step += min(prefill, self.profile.prefill_chunk_tokens) / self.profile.prefill_tokens_per_s
+            return step
         if not prefill:
             return 0.0
         return min(MAX_PREFILL_STEP_S, prefill / self.profile.prefill_tokens_per_s)
+
+    def _decode_step(self, decoding: list[SimRequest]) -> float:
+        """One decode step of ``decoding``: the profile's per-request rate, slowed by their mean context."""
+        step = 1.0 / self.profile.per_request_decode_rate(len(decoding))
+        slowdown = self.profile.decode_slowdown_per_1k_tokens
+        if slowdown:
+            step *= 1.0 + slowdown * sum(r.computed_tokens for r in decoding) / len(decoding) / 1000.0
+        return step
 
     def apply_step(self, duration: float, now: float) -> None:
         """Advance every running request by one step of ``duration`` emulated seconds ending at ``now``."""
         for request in self.running:
             request.emitted.clear()
         decoding = [r for r in self.running if r.prefill_left == 0]
-        budget = self.profile.prefill_tokens_per_s * duration
+        prefill_s = duration - self._decode_step(decoding) if decoding and self.profile.prefill_chunk_tokens else duration
+        budget = self.profile.prefill_tokens_per_s * max(0.0, prefill_s)
         for request in [r for r in self.running if r.prefill_left > 0]:
             if budget <= 0:
                 break

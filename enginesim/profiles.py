@@ -50,12 +50,21 @@ class Profile:
     prose, 3 for code, 1.3 for CJK text)."""
     template_tokens_per_message: int = 0
     """The chat template's tokens around each message (role markers, separators), counted in a chat prompt's tokens."""
+    prefill_chunk_tokens: int = 0
+    """Chunked prefill (vLLM V1's default): a step that decodes also prefills up to this many prompt tokens, and lasts
+    the decode step plus that chunk's prefill time, so decoding slows while prompts are prefilled. 0: prefill and decode
+    progress side by side without slowing each other (the estimator's own model)."""
+    decode_slowdown_per_1k_tokens: float = 0.0
+    """Decode slows as contexts grow (attention reads the whole KV): a decode step lasts ``1 + this x mean context /
+    1000`` times the profile's table (the mean over the requests decoding, prompt and generated tokens). 0: context-free."""
 
     def __post_init__(self) -> None:
         if self.output_model not in OUTPUT_MODELS:
             raise ValueError(f"output_model must be one of {', '.join(OUTPUT_MODELS)}, not {self.output_model!r}")
         if not self.chars_per_token > 0:
             raise ValueError(f"chars_per_token must be > 0, not {self.chars_per_token!r}")
+        if self.prefill_chunk_tokens < 0 or self.decode_slowdown_per_1k_tokens < 0:
+            raise ValueError("prefill_chunk_tokens and decode_slowdown_per_1k_tokens must be >= 0")
         if self.template_tokens_per_message < 0:
             raise ValueError(f"template_tokens_per_message must be >= 0, not {self.template_tokens_per_message!r}")
 

@@ -89,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, help="seed of the output-length draws (default: derived from the name)")
     p.add_argument("--chars-per-token", type=float,
                    help="the tokenizer's characters per token (default: the profile's, 4)")
+    p.add_argument("--prefill-chunk-tokens", type=int,
+                   help="chunked prefill: a decode step also prefills up to this many tokens and lasts that much "
+                        "longer (default: the profile's, 0: prefill does not slow decode)")
+    p.add_argument("--decode-slowdown", type=float, metavar="PER_1K_TOKENS",
+                   help="a decode step lasts 1 + this x mean context / 1000 times the profile's (default: the "
+                        "profile's, 0)")
     p.add_argument("--template-tokens", type=int,
                    help="chat template tokens counted for each message (default: the profile's, 0)")
     p.add_argument("--headers-at-first-token", action="store_true",
@@ -168,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.profile not in PROFILES:
             parser.error(f"unknown profile {args.profile!r}; known: {', '.join(sorted(PROFILES))}")
-        profile = PROFILES[args.profile]
-        if args.max_num_seqs or args.num_gpu_blocks:
-            from dataclasses import replace
+        from dataclasses import replace
 
-            profile = replace(profile, max_num_seqs=args.max_num_seqs or profile.max_num_seqs,
-                              num_gpu_blocks=args.num_gpu_blocks or profile.num_gpu_blocks)
+        overrides = {field: value for field, value in (
+            ("max_num_seqs", args.max_num_seqs), ("num_gpu_blocks", args.num_gpu_blocks),
+            ("prefill_chunk_tokens", args.prefill_chunk_tokens),
+            ("decode_slowdown_per_1k_tokens", args.decode_slowdown)) if value is not None}
+        profile = replace(PROFILES[args.profile], **overrides)
         serve(profile, name=args.name or args.profile, host=args.host, port=args.port,
               speed=args.speed, model=args.model, flavor=args.flavor, output_model=args.output_model, seed=args.seed,
               headers_at_first_token=args.headers_at_first_token, chars_per_token=args.chars_per_token,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from aiohttp.test_utils import make_mocked_request
@@ -43,6 +44,45 @@ def test_decode_rates_match_seed_000(profile: str, streams: int, aggregate: floa
     elapsed = run_to_completion(b)
     prefill = 1 / PROFILES[profile].prefill_tokens_per_s
     assert streams * 200 / (elapsed - prefill) == pytest.approx(aggregate, rel=0.02)
+
+
+def decode_time_with_a_prefill_alongside(profile: Profile) -> float:
+    """Seconds one request takes to decode 100 tokens while another's 30,000-token prompt is prefilled beside it."""
+    b = Batcher(profile)
+    decoding = SimRequest("decoding", prompt_tokens=1, max_tokens=100, arrived_at=0)
+    b.submit(decoding)
+    b.schedule(0.0)
+    now = b.plan_step()
+    b.apply_step(now, now)  # its prefill is done: it decodes from here on
+    b.submit(SimRequest("prefilling", prompt_tokens=30_000, max_tokens=1, arrived_at=now))
+    started = now
+    while decoding.finished_at is None:
+        b.schedule(now)
+        step = b.plan_step()
+        now += step
+        b.apply_step(step, now)
+    return now - started
+
+
+def test_chunked_prefill_slows_decode_and_a_plain_step_does_not() -> None:
+    """Without chunked prefill a decode step runs at the table's rate whatever prefills beside it (thor, one request
+    decoding: 18.18 tokens/s); with 512-token chunks each of its steps also prefills 512 of the other's prompt, so its
+    100 tokens take their decode steps plus the whole 30,000-token prefill (20 s at 1500 tokens/s)."""
+    plain = PROFILES["thor"]
+    assert decode_time_with_a_prefill_alongside(plain) == pytest.approx(100 / 18.18, rel=0.02)
+    chunked = decode_time_with_a_prefill_alongside(replace(plain, prefill_chunk_tokens=512))
+    assert chunked == pytest.approx(100 / 18.18 + 30_000 / 1500, rel=0.03)
+
+
+def test_decode_slows_as_contexts_grow() -> None:
+    profile = replace(PROFILES["spark"], decode_slowdown_per_1k_tokens=0.1)
+    short, long = Batcher(profile), Batcher(profile)
+    short.submit(SimRequest("s", prompt_tokens=100, max_tokens=100, arrived_at=0))
+    long.submit(SimRequest("l", prompt_tokens=20_000, max_tokens=100, arrived_at=0))
+    short_s, long_s = run_to_completion(short), run_to_completion(long)
+    prefill = 19_900 / profile.prefill_tokens_per_s
+    # 150 and 20,050 tokens of context on average while they decode
+    assert (long_s - prefill) / short_s == pytest.approx((1 + 0.1 * 20.05) / (1 + 0.1 * 0.15), rel=0.05)
 
 
 def test_kv_exhaustion_preempts_and_recomputes() -> None:
