@@ -78,9 +78,17 @@ def test_mixed_fleet_serves_through_envoy_and_measures_rates(mixed: Stack) -> No
 
 
 def test_llamacpp_kv_usage_comes_from_slots(mixed: Stack) -> None:
-    """Mainline llama.cpp exposes no KV gauge; /slots gives it, so the engine's KV usage is known (not unknown, not 0)."""
-    engines = mixed.engines()
-    assert engines["llama-box"].kv_usage >= 0
+    """Mainline llama.cpp exposes no KV gauge; /slots gives it, so the engine's KV usage is known (not the unknown -1)
+    and follows the requests running: above 0 while one runs, back to 0 after."""
+    # Straight to the engine (what runs there is what its /slots must show, whoever routed it).
+    direct = openai.OpenAI(base_url=mixed.sim_url("llama-box") + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(direct.chat.completions.create, model="cortex", max_tokens=400,
+                              messages=[{"role": "user", "content": "x" * 4000}], extra_body={"ignore_eos": True})
+        wait_for(lambda: mixed.engines()["llama-box"].kv_usage > 0 or None, timeout=15,
+                 what="llama-box's KV usage while it runs a request")
+        running.result()
+    wait_for(lambda: mixed.engines()["llama-box"].kv_usage == 0 or None, timeout=15, what="llama-box's KV freed")
 
 
 @pytest.mark.parametrize("fault", ["hang", "error"])

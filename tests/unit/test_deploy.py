@@ -79,7 +79,9 @@ def validate(obj: dict[str, Any]) -> None:
 def test_committed_manifests_are_a_fresh_render(rendered: Path) -> None:
     """deploy/kubernetes is what `sluice deploy render --config deploy/kubernetes/config.yaml` writes (re-run it after
     changing the renderer)."""
-    for path in sorted(p for p in rendered.rglob("*") if p.is_file()):
+    written = sorted(p for p in rendered.rglob("*") if p.is_file())
+    assert len(written) >= 5, f"the render wrote {len(written)} files"
+    for path in written:
         relative = path.relative_to(rendered)
         assert filecmp.cmp(path, COMMITTED / relative, shallow=False), f"deploy/kubernetes/{relative} is stale"
 
@@ -93,10 +95,13 @@ def test_every_rendered_object_validates_against_the_pinned_kubernetes_schemas(o
 
 
 def test_base_objects_validate_too(rendered: Path) -> None:
+    validated = 0
     for path in (rendered / "base").glob("*.yaml"):
         if path.name != "kustomization.yaml":
             for obj in yaml.safe_load_all(path.read_text()):
                 validate(obj)
+                validated += 1
+    assert validated >= 5, f"only {validated} objects under base/: the render wrote less than the example"
 
 
 @pytest.mark.parametrize("kind,breakage", [

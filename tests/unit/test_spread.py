@@ -16,7 +16,6 @@ from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineLedger, Fleet, Reason, Verdict
 from controlplane.core.policy import Policy
-from controlplane.core.route import capacity_throughput
 from tests.unit.test_route import chat, engine
 
 # Two fast engines and two slow ones, 2 slots each (seed 000's per-request decode rates at one stream); the two sparks
@@ -127,7 +126,8 @@ def test_light_load_without_the_spread_leaves_the_slow_engines_idle() -> None:
 @pytest.mark.parametrize("ratio", [1.2, 1.4, 2.0])
 def test_the_spread_keeps_every_engine_within_its_bound(ratio: float) -> None:
     served = light_load(Policy(max_share_over_capacity=ratio, near_tie_fraction=0.0))
-    throughput = {e.name: capacity_throughput(e, Fleet(FLEET), Policy()) for e in FLEET}
+    # Each engine's part of the capacity: its 2 slots at its per-request decode rate (the anchors; no batch table).
+    throughput = {"spark-a": 2 * 49.5, "spark-b": 2 * 49.0, "thor-a": 2 * 18.0, "thor-b": 2 * 18.0}
     fair = {name: value / sum(throughput.values()) for name, value in throughput.items()}
     total = sum(served.values())
     shares = {name: served[name] / total / fair[name] for name in fair}
