@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
@@ -63,6 +64,54 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
 
 
+def cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``), or "unknown"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def commit() -> str:
+    """The checkout's commit, with ``+dirty`` when its tracked files have uncommitted changes ("unknown" outside git)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                  cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            return ""
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def cpu_times(stat: str | None = None) -> tuple[int, ...]:
+    """The machine's CPU time counters (``/proc/stat``'s first line: user, nice, system, idle, iowait, irq, softirq,
+    steal, ...), in clock ticks."""
+    if stat is None:
+        with open("/proc/stat") as f:
+            stat = f.readline()
+    return tuple(int(x) for x in stat.split()[1:])
+
+
+def stolen_share(before: tuple[int, ...], after: tuple[int, ...]) -> float:
+    """The share of the machine's CPU time between two ``cpu_times`` readings that the hypervisor gave to other guests
+    (the steal column, the eighth): this bench's host is a shared virtual machine, and a window with several percent
+    stolen measures the neighbours as much as the gateway."""
+    elapsed = sum(after) - sum(before)
+    if len(after) < 8 or len(before) < 8 or elapsed <= 0:
+        return 0.0
+    return (after[7] - before[7]) / elapsed
+
+
+
+_STARTED = (os.getloadavg(), cpu_times() if Path("/proc/stat").exists() else ())
+"""The host's load average and CPU time counters when the bench process started (``write_report``'s "before")."""
+
+
 def pct(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
@@ -97,7 +146,14 @@ def write_report(name: str, title: str, body: str) -> Path:
     path = RESULTS / f"{name}.md"
     command = "sluice " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("sluice") else " ".join(sys.argv)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    path.write_text(f"# {title}\n\n- command: `{command}`\n- when: {stamp}\n- machine: {machine()}\n\n{body}\n")
+    (load_before, times_before), load_after = _STARTED, os.getloadavg()
+    stolen = stolen_share(times_before, cpu_times()) if times_before else 0.0
+
+    def loads(values: tuple[float, float, float]) -> str:
+        return " / ".join(f"{v:.2f}" for v in values)
+    path.write_text(f"# {title}\n\n- command: `{command}`\n- when: {stamp}\n- commit: {commit()}\n"
+                    f"- machine: {machine()}, {cpu_model()}\n- load (1 / 5 / 15 min): {loads(load_before)} at start, "
+                    f"{loads(load_after)} at the end; CPU stolen by other guests meanwhile: {stolen:.1%}\n\n{body}\n")
     return path
 
 

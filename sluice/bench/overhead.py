@@ -22,8 +22,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -286,7 +284,7 @@ def _run_on_simulator(stream: bool = False) -> int:
     plot = latency_plot(series, name, f"what sluice adds to {what}")
     shape = (f"streamed chat completions of {STREAM_TOKENS} tokens (one SSE chunk each; the latency is the whole "
              "stream's)" if stream else "non-streaming chat completions answered with one token")
-    report = f"""Open loop, {SECONDS:g} s per rate and path, {shape}. `{" ".join(sys.argv)}` at commit {_commit()}.
+    report = f"""Open loop, {SECONDS:g} s per rate and path, {shape}.
 
 | requests/s | plain Envoy p50 / p99 (ms) | Envoy + sluice p50 / p99 (ms) | added p50 (ms) | Check p50 / p99 (ms, server) | failures plain / sluice |
 |---|---|---|---|---|---|
@@ -302,13 +300,3 @@ For scale, llm-d's endpoint picker reports P50 0.69 ms / P95 ~4.5 ms with a rand
     print(f"report: {path}")
     return 0
 
-
-def _commit() -> str:
-    """The checkout's commit, with ``+dirty`` when the tree has changes."""
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip()
-        except OSError:
-            return ""
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain") else "")

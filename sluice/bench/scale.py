@@ -48,7 +48,9 @@ import aiohttp
 import yaml
 
 from controlplane.config import parse_config
-from sluice.bench.common import cpu_seconds, envoy_cluster_total, median, paced, pct, write_report
+from sluice.bench.common import (
+    cpu_seconds, cpu_times, envoy_cluster_total, median, paced, pct, stolen_share, write_report,
+)
 from sluice.bench.common import histogram_quantile
 from sluice.bench.overhead import _histogram
 from sluice.bench.workload import gateway
@@ -91,25 +93,6 @@ window (session 19): the engines that finish-soonest's near ties pick drift on t
 first) as probes move each engine's estimate."""
 TARGET_RATIO = 1.5
 BODY = {"model": "reasoning", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-
-
-def cpu_times(stat: str | None = None) -> tuple[int, ...]:
-    """The machine's CPU time counters (``/proc/stat``'s first line: user, nice, system, idle, iowait, irq, softirq,
-    steal, ...), in clock ticks."""
-    if stat is None:
-        with open("/proc/stat") as f:
-            stat = f.readline()
-    return tuple(int(x) for x in stat.split()[1:])
-
-
-def stolen_share(before: tuple[int, ...], after: tuple[int, ...]) -> float:
-    """The share of the machine's CPU time between two ``cpu_times`` readings that the hypervisor gave to other guests
-    (the steal column, the eighth): this bench's host is a shared virtual machine, and a window with several percent
-    stolen measures the neighbours as much as the gateway."""
-    elapsed = sum(after) - sum(before)
-    if len(after) < 8 or len(before) < 8 or elapsed <= 0:
-        return 0.0
-    return (after[7] - before[7]) / elapsed
 
 
 def _decisions(metrics_url: str) -> float:

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from sluice.bench.common import cpu_seconds
-from sluice.bench.scale import cpu_times, parse_sizes, round_orders, stolen_share, summarize
+from sluice.bench.common import cpu_times, stolen_share
+from sluice.bench.scale import parse_sizes, round_orders, summarize
 
 
 def test_sizes_are_counts_or_counts_polled_at_an_interval() -> None:
