@@ -39,7 +39,9 @@ Arms (in the same run, each cell's requests identical across arms):
 
 Figures: TTFT and end-to-end over completed requests (wall seconds at simulator speed x{SPEED}); throughput = completion
 tokens per emulated second until the last completion; goodput = requests completed with TTFT within the SLO per wall
-second of the arrival window (a shed request is not good); share = requests each engine served (its ``/sim/stats``);
+second of the arrival window (a shed request is not good); shed = requests answered 429 or 503, with how many 503s
+came after the client had waited more than ``LATE_SHED_S`` ("late": a refusal after a long wait is the worst answer)
+and the longest wait for a 503 ("max"); share = requests each engine served (its ``/sim/stats``);
 refill = how long a freed slot waited for its next request (``refill_gaps``, from each simulator's ``/sim/log``).
 Targets per cell: sluice's TTFT p90 <= the lowest baseline TTFT p90, sluice's goodput >= the highest baseline goodput
 (each "best" taken over all four baseline arms separately), and at 110% sluice's goodput >= 1.3x the best baseline's.
@@ -95,6 +97,8 @@ there: the best baseline already served 92% of the capacity within the SLO)."""
 CAL_S = 10.0
 CAL_WARM_S = 3.0
 SLO_MS = 2000
+LATE_SHED_S = 1.0
+"""Wall seconds: a 503 answered after the client waited longer than this counts as late."""
 SEED = 20261130
 LEVELS = (0.5, 0.8, 0.95, 1.1)
 MODEL = "cortex"
@@ -307,6 +311,8 @@ def summarise(results: list[Result], served: list[int], peaks: list[int], preemp
         "throughput": sum(r.completion_tokens for r in ok) / end / _T.speed,
         "goodput": len(good) / window, "good_share": len(good) / max(1, len(results)),
         "shed": sum(1 for r in results if r.status in (429, 503)),
+        "late_shed": sum(1 for r in results if r.status == 503 and r.total_s > LATE_SHED_S),
+        "shed_wait_max": max((r.total_s for r in results if r.status == 503), default=0.0),
         "errors": sum(1 for r in results if r.status not in (200, 429, 503)),
         "served": served, "peaks": peaks, "preemptions": preemptions,
         "parked_p50": pct(parked, 50) if parked else 0, "parked_p90": pct(parked, 90) if parked else 0,
@@ -355,7 +361,8 @@ def run_cell(cell: Cell, jobs: list[Job], arms: dict[str, str], urls: list[str])
         cell.figures[arm]["refill_ms"] = (pct(gaps, 50) * 1000, pct(gaps, 90) * 1000) if gaps else None
         s = cell.figures[arm]
         print(f"  {cell.fleet} {cell.mix} {cell.level:.0%} {cell.arrival} {arm}: n={s['n']} TTFT p50/p90 "
-              f"{s['ttft_p50']:.2f}/{s['ttft_p90']:.2f} goodput {s['goodput']:.2f} shed {s['shed']} share {served}",
+              f"{s['ttft_p50']:.2f}/{s['ttft_p90']:.2f} goodput {s['goodput']:.2f} shed {s['shed']} "
+              f"({s['late_shed']} late, longest {s['shed_wait_max']:.1f} s) share {served}",
               flush=True)
 
 
@@ -390,7 +397,8 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
         peak = " / ".join(str(p) for p in s["peaks"])
         rows.append(f"| {label} | {s['ttft_p50']:.2f} / {s['ttft_p90']:.2f} / {s['ttft_p99']:.2f} | "
                     f"{s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} | {s['throughput']:.0f} | {s['goodput']:.2f} "
-                    f"({s['good_share']:.0%}) | {share} | {s['shed']}{'+' + str(s['errors']) + ' err' if s['errors'] else ''} "
+                    f"({s['good_share']:.0%}) | {share} | {_shed_text(s)}"
+                    f"{'+' + str(s['errors']) + ' err' if s['errors'] else ''} "
                     f"| {s['preemptions']} | {peak} |")
     def pf(ok: bool) -> str:
         return "PASS" if ok else "**MISS**"
@@ -415,6 +423,13 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
 {line}. sluice: parked p50 {s['parked_p50']} ms, p90 {s['parked_p90']} ms; route reasons: {reasons}.{reuse}
 Machine load average after each arm ({', '.join(ARMS)}): {' / '.join(f'{x:.1f}' for x in loads)}.{refill}
 """
+
+
+def _shed_text(s: dict[str, Any]) -> str:
+    """A cell's shed count, with how many of those 503s came late and the longest wait for one (``LATE_SHED_S``)."""
+    if not s["shed"]:
+        return "0"
+    return f"{s['shed']} ({s.get('late_shed', 0)} late, max {s.get('shed_wait_max', 0.0):.1f} s)"
 
 
 def _plot(cells: list[Cell], name: str = "steady") -> str:
@@ -564,8 +579,8 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
         peak_load = max(c.figures[a].get("loadavg", 0.0) for a in ARMS)
         summary.append(f"| {c.fleet} | {c.mix} | {c.level:.0%} | {c.arrival} | {s['ttft_p90']:.2f} | "
                        f"{b90['ttft_p90']:.2f} ({v['best_p90_arm']}) | {s['goodput']:.2f} | {bg['goodput']:.2f} "
-                       f"({v['best_good_arm']}) | {v['good_ratio']:.2f}x | {'PASS' if ok else '**MISS**'} | "
-                       f"{peak_load:.1f} |")
+                       f"({v['best_good_arm']}) | {v['good_ratio']:.2f}x | {s['n'] - s['shed'] - s['errors']} / "
+                       f"{_shed_text(s)} | {'PASS' if ok else '**MISS**'} | {peak_load:.1f} |")
         if not ok:
             failed = [k for k, key in (("TTFT p90", "p90_pass"), ("goodput", "good_pass"), ("1.3x", "overload_pass"))
                       if v[key] is False]
@@ -607,8 +622,8 @@ changed{'' if not admission else ' except admission ' + ', '.join(f'`{k}: {v}`' 
 
 ## Headline (every cell against the best baseline of that cell, measured in the same run)
 
-| fleet | mix | load | arrival | sluice TTFT p90 (s) | best baseline p90 (arm) | sluice goodput | best baseline goodput (arm) | goodput ratio | targets | max load avg |
-|---|---|---|---|---|---|---|---|---|---|---|
+| fleet | mix | load | arrival | sluice TTFT p90 (s) | best baseline p90 (arm) | sluice goodput | best baseline goodput (arm) | goodput ratio | sluice served / shed | targets | max load avg |
+|---|---|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(summary)}
 
 {len(cells) - len(misses)} of {len(cells)} cells meet every target.{' Missed: ' + '; '.join(misses) + '.' if misses else ''}
