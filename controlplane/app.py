@@ -16,7 +16,7 @@ import uuid
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -24,7 +24,6 @@ from pathlib import Path
 from importlib.metadata import PackageNotFoundError, version
 
 import grpc
-from envoy.config.cluster.v3 import cluster_pb2
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
@@ -170,8 +169,8 @@ class ControlPlane:
     def wake(self, models: list[str] | None = None) -> None:
         self.service.wake(models)
 
-    async def publish(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
-        return await self.xds.publish(extra_clusters)
+    async def publish(self) -> Snapshot:
+        return await self.xds.publish()
 
     async def refresh_weights(self) -> bool:
         now = self.clock()

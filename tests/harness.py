@@ -271,3 +271,23 @@ def start_stack(
                 stop(process)
         raise
     return stack
+
+
+
+def push_broken_cluster(stack: Stack) -> None:
+    """Set a snapshot Envoy must NACK on the stack's control plane: what it publishes plus a cluster with a negative
+    connect timeout. The control plane's next publish (``plane.publish()``, or any refresh) replaces it."""
+    from envoy.config.cluster.v3 import cluster_pb2
+    from google.protobuf import any_pb2, duration_pb2
+
+    from controlplane.xds.resources import CLUSTER_TYPE
+    from controlplane.xds.snapshot import Snapshot, TypeResources
+
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
+    good = plane.xds.build()
+    bad = any_pb2.Any()
+    bad.Pack(cluster_pb2.Cluster(name="broken", type=cluster_pb2.Cluster.STATIC,
+                                 connect_timeout=duration_pb2.Duration(seconds=-1)))
+    clusters = TypeResources(good.version(CLUSTER_TYPE) + "-broken", {**good.resources(CLUSTER_TYPE), "broken": bad})
+    stack.controlplane.call(plane.xds.cache.set_snapshot(Snapshot({**good.types, CLUSTER_TYPE: clusters})))

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from envoy.config.cluster.v3 import cluster_pb2
 
 from controlplane.config import Config
 from controlplane.core.model import Fleet
@@ -33,14 +32,14 @@ WEIGHTS_SLICE = 100
 
 
 def build_snapshot(config: Config, weights: Weights, caps: Mapping[str, int | None],
-                   redirectors: Sequence[tuple[str, int]], extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
+                   redirectors: Sequence[tuple[str, int]]) -> Snapshot:
     """Everything Envoy gets, from data alone: the listener, the routes with the fallback ``weights``, a cluster per
-    engine (its circuit breaker from the configured or reported cap) and its endpoints (every replica's retry ``redirectors`` at
-    priority 1 when retries are on)."""
+    engine (its circuit breaker from the configured or reported cap) and its endpoints (every replica's retry
+    ``redirectors`` at priority 1 when retries are on)."""
     return make_snapshot(
         listeners=[build_listener(config)],
         routes=[build_routes(config, weights)],
-        clusters=[*(build_cluster(e, config, caps.get(e.name)) for e in config.engines), *extra_clusters],
+        clusters=[build_cluster(e, config, caps.get(e.name)) for e in config.engines],
         endpoints=[build_load_assignment(e, redirectors) for e in config.engines],
     )
 
@@ -58,9 +57,9 @@ class XdsPublisher:
         self._drift_checked_at: float | None = None
         self._eligible_seen: tuple[int, bool, Policy, dict[str, frozenset[str]]] | None = None
         """(index eligibility number, fail-open, policy, the eligible engines then): ``_eligible_now``'s memo."""
-        self._built_from: tuple[Config, dict[str, int | None], tuple[tuple[str, int], ...]] | None = None
-        """(config, caps, redirectors) the current snapshot's non-route types were built from; None after a publish
-        with extra clusters."""
+        self._built: tuple[Snapshot, Config, dict[str, int | None], tuple[tuple[str, int], ...]] | None = None
+        """The snapshot this publisher last built and set, and the (config, caps, redirectors) it was built from: a
+        weights push rebuilds only the routes while the cache still holds it and they have not changed."""
         self.weight_pushes = 0
         """Route tables pushed because fallback weights changed (benchmarks count them)."""
         self._refreshing = asyncio.Lock()
@@ -76,25 +75,26 @@ class XdsPublisher:
         # first refresh looks.
         del now
 
-    def build(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
-        return build_snapshot(self.config, self.weights, self.caps, self.redirectors, extra_clusters)
+    def build(self) -> Snapshot:
+        return build_snapshot(self.config, self.weights, self.caps, self.redirectors)
 
-    async def publish(self, extra_clusters: Iterable[cluster_pb2.Cluster] = ()) -> Snapshot:
-        extra = tuple(extra_clusters)
-        snapshot = self.build(extra)
+    async def publish(self) -> Snapshot:
+        snapshot = self.build()
         await self.cache.set_snapshot(snapshot)
-        self._built_from = None if extra else (self.config, dict(self.caps), self.redirectors)
+        self._built = (snapshot, self.config, dict(self.caps), self.redirectors)
         return snapshot
 
     async def _publish_weights(self) -> None:
-        """Push new fallback weights: only the routes are rebuilt when the current snapshot was built from this config,
-        these caps and redirectors and nothing extra (else everything is, as ``publish``)."""
-        current, built = self.cache.snapshot, self._built_from
-        if (current is None or built is None or built[0] is not self.config or built[1] != self.caps
-                or built[2] != self.redirectors):
+        """Push new fallback weights: only the routes are rebuilt when the cache holds the snapshot this publisher last
+        built, from this config, these caps and redirectors (else everything is, as ``publish``)."""
+        current, built = self.cache.snapshot, self._built
+        if (current is None or built is None or built[0] is not current or built[1] is not self.config
+                or built[2] != self.caps or built[3] != self.redirectors):
             await self.publish()
             return
-        await self.cache.set_snapshot(with_routes(current, [build_routes(self.config, self.weights)]))
+        snapshot = with_routes(current, [build_routes(self.config, self.weights)])
+        await self.cache.set_snapshot(snapshot)
+        self._built = (snapshot, *built[1:])
 
     def caps_changed(self, engine: str, cap: int | None) -> bool:
         """Record an engine's reported cap; True when it moved (its circuit breaker must be republished)."""

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from envoy.config.cluster.v3 import cluster_pb2
-from google.protobuf import duration_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.core.tenants import key_digest
-from tests.harness import Stack, free_port, http_json, set_metrics_fault, start_stack, stop, wait_for
+from tests.harness import (
+    Stack, free_port, http_json, push_broken_cluster, set_metrics_fault, start_stack, stop, wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "sluice.json"
@@ -134,9 +134,7 @@ def _drive_traffic(stack: Stack) -> dict[int, int]:
     # One NACK: an invalid cluster pushed once, then the good config again.
     assert stack.controlplane is not None
     plane = stack.controlplane.plane
-    bad = cluster_pb2.Cluster(name="broken", type=cluster_pb2.Cluster.STATIC,
-                              connect_timeout=duration_pb2.Duration(seconds=-1))
-    stack.controlplane.call(plane.publish(extra_clusters=[bad]))
+    push_broken_cluster(stack)
     wait_for(lambda: plane.ads.nacks_total >= 1, what="Envoy's NACK")
     stack.controlplane.call(plane.publish())
     return statuses

@@ -14,10 +14,8 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from envoy.config.cluster.v3 import cluster_pb2
-from google.protobuf import duration_pb2
 
-from tests.harness import Stack, http_json, start_stack, wait_for
+from tests.harness import Stack, http_json, push_broken_cluster, start_stack, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +161,7 @@ def test_invalid_resource_is_nacked_and_traffic_keeps_flowing(stack: Stack, clie
     assert stack.controlplane is not None
     plane = stack.controlplane.plane
     before = stack.status().xds_nacks_total
-    bad = cluster_pb2.Cluster(
-        name="broken", type=cluster_pb2.Cluster.STATIC, connect_timeout=duration_pb2.Duration(seconds=-1)
-    )
-    stack.controlplane.call(plane.publish(extra_clusters=[bad]))
+    push_broken_cluster(stack)
     wait_for(lambda: stack.status().xds_nacks_total == before + 1, what="Envoy's NACK")
     dump = http_json(stack.admin_url + "/config_dump?resource=dynamic_active_clusters")
     assert {c["cluster"]["name"] for c in dump["configs"]} == {"thor", "spark"}

@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import replace
 
 from envoy.config.cluster.v3 import cluster_pb2
+from google.protobuf import any_pb2
 
 from controlplane.config import parse_config
 from controlplane.core.model import Fleet
@@ -15,6 +16,7 @@ from controlplane.core.weights import MIN_PUSH_INTERVAL_S
 from controlplane.metrics import SluiceMetrics
 from controlplane.xds.publisher import XdsPublisher
 from controlplane.xds.resources import CLUSTER_TYPE, ROUTE_TYPE
+from controlplane.xds.snapshot import Snapshot, TypeResources
 from tests.unit.test_route import engine
 
 
@@ -59,8 +61,8 @@ def test_drift_is_looked_at_once_an_interval_and_a_leaving_engine_at_once() -> N
 
 def test_a_weights_push_rebuilds_only_the_routes_and_equals_a_full_build() -> None:
     """A drift push changes only the route table, so only it is rebuilt (at 1000 engines a full build held the event
-    loop about 30 ms); the snapshot is the one a full build would give, every type's version included. After a publish
-    with an extra cluster (what the NACK tests inject) the next push rebuilds everything, dropping it."""
+    loop about 30 ms); the snapshot is the one a full build would give, every type's version included. After someone
+    else set the cache (what the NACK tests do) the next push rebuilds everything, dropping what they added."""
     config = parse_config({"engines": [{"name": "thor", "url": "http://127.0.0.1:9000"},
                                        {"name": "spark", "url": "http://127.0.0.1:9001"}]})
     publisher = XdsPublisher(config, SluiceMetrics())
@@ -75,8 +77,10 @@ def test_a_weights_push_rebuilds_only_the_routes_and_equals_a_full_build() -> No
         assert {t: pushed.version(t) for t in pushed.types} == {t: full.version(t) for t in full.types}
         assert pushed.types[CLUSTER_TYPE] is first.types[CLUSTER_TYPE]  # reused, not rebuilt
         assert pushed.version(ROUTE_TYPE) != first.version(ROUTE_TYPE)
-        extra = cluster_pb2.Cluster(name="extra")
-        await publisher.publish([extra])
+        extra = any_pb2.Any()
+        extra.Pack(cluster_pb2.Cluster(name="extra"))
+        foreign = TypeResources("foreign", {**pushed.resources(CLUSTER_TYPE), "extra": extra})
+        await publisher.cache.set_snapshot(Snapshot({**pushed.types, CLUSTER_TYPE: foreign}))
         assert await publisher.refresh_weights(fleet(0), now=1.0 + MIN_PUSH_INTERVAL_S)
         after = publisher.cache.snapshot
         assert after is not None and "extra" not in after.resources(CLUSTER_TYPE)
