@@ -9,9 +9,9 @@ under-reserved when engines of one model tokenize differently.
 
 The fit is least squares of ``counted ~ per_char x c + per_message x m``, pulled toward the prior with the weight of a
 thousandth of a sample (so a run of identical prompts, which cannot separate the two figures, takes the split nearest the
-prior's and still its total right), then fitted
-again without the samples whose residual exceeds ``OUTLIER_MADS`` median absolute deviations (a truncated prompt, a
-multimodal part counted as text), up to ``TRIM_ROUNDS`` times. ``per_char`` stays within ``[0.05, 2]`` and ``per_message`` within ``[0, 64]``.
+prior's and still its total right), then fitted again without the samples whose residual exceeds ``OUTLIER_MADS`` times
+the median absolute residual (at least one token: a truncated prompt, a multimodal part counted as text), up to
+``TRIM_ROUNDS`` times. ``per_char`` stays within ``PER_CHAR_BOUNDS`` and ``per_message`` within ``PER_MESSAGE_BOUNDS``.
 
 Pure: no clock, no I/O. Each control-plane replica learns from the access-log entries it receives.
 """
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from collections.abc import Mapping
 
 SAMPLES = 256
 """Samples kept per (model, engine): the fit follows a tokenizer that changed (an engine redeployed) within this many."""
