@@ -608,7 +608,8 @@ DEFAULTS: dict[str, Any] = {
 }
 _POLICY_NAME = {"max_park_seconds": "max_park_s", "retry_after_min_seconds": "retry_after_min_s", "retry_after_max_seconds": "retry_after_max_s",
                 "serve_half_life_seconds": "serve_half_life_s",
-                "ttft_correction_half_life_seconds": "ttft_correction_half_life_s"}
+                "ttft_correction_half_life_seconds": "ttft_correction_half_life_s",
+                "shed_decision_seconds": "shed_decision_s"}
 """``admission`` keys whose ``Policy`` field is spelled differently; every other key is the field's own name."""
 _CONFIG_NAME = {field: key for key, field in _POLICY_NAME.items()}
 DEFAULTS["admission"] = {_CONFIG_NAME.get(f.name, f.name): f.default for f in fields(Policy)
@@ -1062,6 +1063,7 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
                                               minimum=0)),
         overload_shed_services=float(c.number("admission.overload_shed_services", ad["overload_shed_services"],
                                               minimum=0)),
+        shed_decision_s=float(c.number("admission.shed_decision_seconds", ad["shed_decision_seconds"], minimum=0)),
         prefix_routing=c.flag("admission.prefix_routing", ad["prefix_routing"]),
         prefix_block_chars=int(c.number("admission.prefix_block_chars", ad["prefix_block_chars"], minimum=16,
                                         integer=True)),

@@ -23,36 +23,55 @@ prompt's prefix, or no free engine meets its deadline) does not hold the line fo
 most ``backfill_scan`` a wake), and an arrival whose every request ahead was last decided that way, with no slot freed
 since (``_frees``: a freed slot may be the one they wait for, and the wake that follows decides them first), is decided
 as if first: it takes a slot they refused, or parks at the back.
-Adaptive LIFO under overload (``lifo_after_ms``, default 2000; 0 = strict FIFO always): when a class's oldest parked
-request has waited longer than that (or longer than ``lifo_deadline_fraction`` of its own TTFT deadline, off by default) at a wake, the wake serves that class
-newest first (its "head" is the newest request; still critical before standard, still head-of-line: a newest request
-that does not fit stops the wake). Why: in a FIFO lot
-under sustained overload every request waits about the same time, the backlog's, so once that exceeds the clients' TTFT
-target every request misses it; newest-first lets fresh requests start within their latency while the requests already
-late wait. Below the threshold (a short, transient queue) FIFO is kept. The threshold should be about the TTFT clients
-count as good: an oldest request past it has missed it anyway, so serving newer ones first costs it nothing it could
-still get; a lower one (1000 ms in ``bench steady``) also reorders the transient queues of 95% load and makes some
-requests miss a target FIFO would have met. Failure mode: unfairness under sustained
-overload: the oldest wait until capacity frees faster than requests arrive, or until ``max_park_s`` sheds them
-(``park_timeout`` with a Retry-After, a clear answer). A request with a TTFT deadline keeps its own bound either way: it is
-shed ``ttft_unmeetable`` once its deadline leaves no time to prefill.
 
-**Overload shedding** (``overload_shed_after_ms``, default 4000; 0 = off). While a class is in LIFO mode *and* requests
-keep joining it (one parked within the last quarter of ``overload_shed_after_ms``), the overload is sustained: capacity
-frees no faster than requests arrive, and every new one is served before the old ones. A request without a deadline
-that has waited ``overload_shed_after_ms`` then is shed ``overloaded`` with a Retry-After: it would otherwise wait,
-already late, until the overload ends or ``max_park_s`` (two minutes by default) ends it anyway, holding its client's
-connection for nothing; told at once, the client can back off or go elsewhere (CoDel's rule for a standing queue,
-applied to the requests LIFO leaves behind). A burst is not sustained overload: once arrivals stop, the last park ages
-past a quarter of the bound and the lot drains every request in turn (``bench cag4``'s two 65k prompts and eight 8k
-ones 0.3 s apart wait up to 12 s and are all served; with "a park within ``lifo_after_ms``" as the test, two of them
-were shed). ``bench steady`` at 110%: see bench/results/README.md. The bound is at least ``overload_shed_services`` of
-the model's recent service times (``overload_bound_s``): where one answer takes seconds, 4 s is a queue's normal wait at
-90% load, not an overload.
+**Shed early** (``shed_decision_s``, ``admission.shed_decision_seconds``, default 1 s). A parked request may be shed for
+its bound only inside its decision window, its first ``shed_decision_s`` in the lot (less ``ANSWER_MARGIN_S``, so that
+the answer reaches its client within the window); past it the request is committed.
+When it parks (``_park``) and at every park sweep inside the window (``expire_parked``) the core estimates when it would
+start (``decide.expected_start``: its place in line, every request of its class or a higher one parked before it,
+taking the candidate engines' slots as they free, route.expected_frees for the running ones, then one service of its
+shape each) and, if that is past its bound, sheds it at once with the estimate as its Retry-After (``_too_late``):
 
-Depth is bounded per model by ``max_queue_depth``: a request beyond it is shed (``queue_full``); a parked request whose
-deadline passes is shed: ``park_timeout`` after ``max_park_s``, or ``ttft_unmeetable`` once its TTFT deadline no longer
-leaves time to prefill. Every shed carries a Retry-After from the ledger. A woken head's TTFT deadline counts from its arrival.
+- with a TTFT deadline (``Parked.ttft_bound``), its park limit, the planned deadline less the prefill
+  (``ttft_unmeetable``);
+- without, ``_wait_bound_s`` counted from when it parked (``overloaded``; ``park_timeout`` when that is ``max_park_s``):
+  the overload bound (``overload_bound_s``: ``overload_shed_after_ms``, or ``overload_shed_services`` of the model's
+  recent service times if that is longer; a wait that long is an overload, not a burst's queue), tightened while the
+  class's line stands (it holds a committed request: it has not drained within a window) to ``lifo_after_ms``, the
+  TTFT clients count as good, or ``STANDING_SERVICES`` of the model's service times if that is longer. A committed line
+  is served in order, so under a sustained overload every request it keeps waits about its bound: held to a good TTFT,
+  the requests served meet it and the others are told at once.
+
+A committed request is never shed for its bound again. It is served in its turn, before every request that parked after
+it (adaptive LIFO, below, reorders only a class none of whose requests is committed), except that a wake passes over a
+head that declines a free slot, as above. A committed request whose TTFT deadline passes is not shed either: its wakes
+decide it without the deadline, and its client gets the answer late rather than a 503 after its wait (a client for which
+a late answer is worthless closes the connection: the Check is cancelled and the request leaves the lot). What still
+answers a committed request without a slot: ``max_park_s`` (``park_timeout``, the backstop: a Check must be answered
+before Envoy's times out; reaching it means the estimate that committed the request was wrong by that much, an engine
+stalled or answers ran far past their expected length), and a wake that finds the fleet can no longer serve it at all
+(every engine drained, below a raised floor, the model gone). ``shed_decision_s`` 0: decided at arrival only.
+Failure modes: estimates err. One too late refuses a request that would have started in time (the price of telling
+early); one too early commits a request that then waits past its bound (served late, not refused late). An estimate
+that rests on the policy's default decode rate (an engine neither measured yet nor given an anchor:
+``StartEstimate.known``) refuses nobody, since it may be off by any factor: the request waits, and is committed after
+its window. Tickets admitted before their engine was measured keep the expected finish they were admitted with, so for
+about one service after a fresh start the estimates that use them still run long. With several
+replicas a request's place in line counts its own replica's lot (and, at arrival, ``ahead_elsewhere``), so its estimate
+leaves out the others' parked requests.
+
+Adaptive LIFO (``lifo_after_ms``, default 2000; 0 = strict FIFO always): when a class's oldest parked request has waited
+longer than that (or longer than ``lifo_deadline_fraction`` of its own TTFT deadline, off by default) at a wake, and
+none of the class is committed, the wake serves that class newest first (its "head" is the newest request; still
+critical before standard, still head-of-line: a newest request that does not fit stops the wake). Newest-first lets
+fresh requests start within their latency while the ones already late wait; shedding early does that by refusing the
+late ones at once, and a committed request must not wait behind newer ones. With the default window (1 s) shorter than
+the threshold (2 s) a class with a request past the threshold always holds a committed one, so the lot is FIFO; LIFO
+reorders only with a window longer than the threshold, among requests still inside it.
+
+Depth is bounded per model by ``max_queue_depth``: a request beyond it is shed (``queue_full``). Inside its window, a
+parked request whose deadline passes is shed (``ttft_unmeetable``, or ``park_timeout`` at ``max_park_s``). Every shed
+carries a Retry-After. A woken head's TTFT deadline counts from its arrival.
 """
 
 from __future__ import annotations
@@ -63,7 +82,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from controlplane.core.decide import decide, earliest_fit, retry_after, shed
+from controlplane.core.decide import (
+    clamp_retry_after, decide, deadline_text, earliest_fit, expected_start, retry_after, shed,
+)
 from controlplane.core.feedback import TtftCorrections
 from controlplane.core.fleetindex import DecayedServes, FleetIndex, LastServed
 from controlplane.core.ledger import Ledger
@@ -83,6 +104,17 @@ PARK_CLASSES = (Priority.CRITICAL, Priority.STANDARD)
 
 SERVICE_EWMA = 0.1
 """Weight of each release in a model's average service time: about the last 10-20 releases count."""
+
+
+ANSWER_MARGIN_S = 0.1
+"""A parked request is committed this much before its decision window ends: a shed decided at the last moment still
+reaches its client within ``shed_decision_s`` of its Check (the shell's park sweep runs every 0.1 s, and the answer
+passes through Envoy)."""
+
+
+STANDING_SERVICES = 2.0
+"""While a line stands, a request without a deadline may still be expected to wait this many of its model's service
+times when that is longer than ``lifo_after_ms`` (a slow model's line turns over in service times, not seconds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +171,6 @@ class AdmissionCore:
         self._lot: dict[str, dict[Priority, deque[Parked]]] = {}
         self._where: dict[str, tuple[str, Priority]] = {}
         self._park_seq = itertools.count(1)
-        self._last_parked: dict[tuple[str, Priority], float] = {}
-        """(model, class) -> when a request last parked there (sustained overload: requests keep joining)."""
         self._service_s: dict[str, float] = {}
         """model -> recent seconds from admission to release, averaged (``SERVICE_EWMA``): ``overload_bound_s``."""
         self._passable: dict[str, tuple[int, str | None]] = {}
@@ -289,7 +319,7 @@ class AdmissionCore:
             return self._admit(request_id, request, decision, now, parked_for=0.0, rule=rule)
         if decision.verdict is not Verdict.PARK:
             return Outcome(request_id, decision)
-        return self._park(request_id, request, decision, fleet, now)
+        return self._park(request_id, request, decision, fleet, now, ahead_elsewhere)
 
     def _passing(self, model: str, request: InferenceRequest) -> Counter[str] | None:
         """If every request parked ahead of ``request`` (its class and higher) was decided to wait although a slot was
@@ -307,7 +337,7 @@ class AdmissionCore:
         return waiting
 
     def _park(self, request_id: str, request: InferenceRequest, decision: Decision, fleet: Fleet,
-              now: float) -> Outcome:
+              now: float, ahead_elsewhere: int = 0) -> Outcome:
         model = request.model
         assert model is not None
         if self.depth(model) >= self.policy.max_queue_depth:
@@ -319,10 +349,11 @@ class AdmissionCore:
         limit = decision.park_limit_s
         ttft_bound = limit is not None and limit < self.policy.max_park_s
         longest = limit if ttft_bound and limit is not None else self.policy.max_park_s
-        self._lot.setdefault(model, {c: deque() for c in PARK_CLASSES})[klass].append(
-            Parked(request_id, request, now, now + longest, ttft_bound, next(self._park_seq))
-        )
-        self._last_parked[(model, klass)] = now
+        entry = Parked(request_id, request, now, now + longest, ttft_bound, next(self._park_seq))
+        early = self._too_late(entry, self.queued_ahead(model, request.priority) + ahead_elsewhere, fleet, now)
+        if early is not None:  # it would start past its bound: told now, with when it would have started
+            return Outcome(request_id, early)
+        self._lot.setdefault(model, {c: deque() for c in PARK_CLASSES})[klass].append(entry)
         self._where[request_id] = (model, klass)
         if decision.idle_slot:
             self._passable[request_id] = (self._frees, decision.waits_for)
@@ -407,11 +438,12 @@ class AdmissionCore:
             self._service_s[ticket.model] = held if before is None else before + SERVICE_EWMA * (held - before)
         return ticket
 
-    def overload_bound_s(self, model: str) -> float:
-        """How long a request of ``model`` waits under a sustained overload before it is shed ``overloaded``: the fixed
-        bound, or ``overload_shed_services`` of the model's recent service times when that is longer."""
+    def overload_bound_s(self, model: str, estimated_s: float = 0.0) -> float:
+        """The overload bound of ``model``: the fixed ``overload_shed_after_ms``, or ``overload_shed_services`` of the
+        model's recent service times when that is longer (``estimated_s``, the engines' expected service, until a
+        request of the model has been released)."""
         return max(self.policy.overload_shed_after_ms / 1000,
-                   self.policy.overload_shed_services * self._service_s.get(model, 0.0))
+                   self.policy.overload_shed_services * self._service_s.get(model, estimated_s))
 
     def note_probe(self, engine: str, taken_at: float, idle: bool, idle_grace_s: float) -> list[Ticket]:
         """A probe of ``engine`` sent at ``taken_at`` landed. When it saw nothing running and nothing waiting, tickets
@@ -482,21 +514,31 @@ class AdmissionCore:
                 # Adaptive LIFO: the mode is fixed for the whole wake (popping the oldest leaves a younger one; popping
                 # the newest leaves the oldest), so one class's admissions in one wake are all oldest-first or all
                 # newest-first.
-                lifo = self._lifo(queue, now)
+                lifo = self._lifo(queue, now) and not any(self._committed(p, now) for p in queue)
                 passed = 0  # heads that will not take a free slot: left parked, passed over
                 waiting: Counter[str] = Counter()  # the engines the passed heads wait for (each takes a slot there first)
                 while passed < len(queue):
                     at = len(queue) - 1 - passed if lifo else passed
                     head = queue[at]
                     request = head.request
+                    committed = self._committed(head, now)
                     if request.max_ttft_ms:
                         # The deadline counts from arrival: what is left of it is what a wake can still promise.
                         left = request.max_ttft_ms - int((now - head.parked_at) * 1000)
                         request = replace(request, max_ttft_ms=max(1, left))
+                        if committed and left <= 0:
+                            request = _without_deadline(request)
                     # Behind it: every other parked request but the heads passed over before it (they are ahead).
+                    behind = self.depth(model) - 1 - passed
                     decision = decide(request, fleet_of(), self.policy, now, 0,
-                                      self.sessions.get(request.session), self.draw(), self.depth(model) - 1 - passed,
+                                      self.sessions.get(request.session), self.draw(), behind,
                                       cached=self.expected_cached(request), waiting=waiting)
+                    if committed and decision.reason is Reason.TTFT_UNMEETABLE:
+                        # Committed: its deadline no longer sheds it; it is served in its turn, late.
+                        request = _without_deadline(request)
+                        decision = decide(request, fleet_of(), self.policy, now, 0,
+                                          self.sessions.get(request.session), self.draw(), behind,
+                                          cached=self.expected_cached(request), waiting=waiting)
                     if decision.verdict is Verdict.PARK and decision.idle_slot and passed < self.policy.backfill_scan:
                         # A slot is free that it will not take (it waits for a busy engine that finishes it sooner, or
                         # no free engine meets its deadline): holding the line for it would idle that slot.
@@ -532,41 +574,93 @@ class AdmissionCore:
         return out
 
     def due(self, now: float) -> list[Parked]:
-        """The parked requests ``expire_parked`` sheds at ``now``: past their deadline, or left behind by a sustained
-        overload (module docstring)."""
-        due = [p for p in self.parked() if p.deadline <= now]
-        if self.policy.overload_shed_after_ms <= 0:
-            return due
-        for model, queues in self._lot.items():
-            bound = self.overload_bound_s(model)
-            for klass, queue in queues.items():
-                last = self._last_parked.get((model, klass))
-                if last is None or not self._lifo(queue, now) or now - last > bound / 4:
-                    continue  # not sustained: nobody joined during the last quarter of the wait that sheds
-                due += [p for p in queue if not p.ttft_bound and p.deadline > now and now - p.parked_at > bound]
-        return due
+        """The parked requests ``expire_parked`` sheds at ``now`` whatever the estimates say: inside its decision
+        window, one whose deadline has passed (its TTFT deadline, or ``max_park_s``); past it (committed), one that has
+        waited ``max_park_s`` (the backstop: its Check must be answered before Envoy's times out)."""
+        return [p for p in self.parked()
+                if (p.deadline <= now and not self._committed(p, now)) or now - p.parked_at >= self.policy.max_park_s]
 
     def expire_parked(self, fleet: Fleet, now: float) -> list[Outcome]:
-        """Shed every parked request ``due`` now: ``park_timeout`` or ``ttft_unmeetable`` past its deadline,
-        ``overloaded`` when a sustained overload left it behind; each with a Retry-After (and its ``parked`` entry, for
-        the shell to take it out of the shared line)."""
+        """The park sweep: shed every parked request ``due`` now (``ttft_unmeetable`` or ``park_timeout``), and every
+        request still inside its decision window whose estimated start (its place in line now, ``expected_start``) is
+        past its bound (``_too_late``: ``ttft_unmeetable``, ``overloaded`` or ``park_timeout``, with that estimate as
+        its Retry-After). Each outcome carries its ``parked`` entry, for the shell to take it out of the shared
+        line."""
         out = []
-        for parked in self.due(now):
-            self.cancel(parked.request_id)
-            model = parked.request.model
-            candidates = [e for e in fleet.engines if model and e.serves(model)]
-            wait = retry_after(candidates, fleet, self.policy, now, self.depth(model))
-            if parked.deadline > now:
-                decision = shed(Reason.OVERLOADED, f"{model} is overloaded: newer requests are served first while it "
-                                f"lasts, and this one waited {now - parked.parked_at:.1f} s", wait)
-            elif parked.ttft_bound:
-                decision = shed(Reason.TTFT_UNMEETABLE,
-                                f"no slot for {model} in time to meet {parked.request.max_ttft_ms} ms", wait)
-            else:
-                decision = shed(Reason.PARK_TIMEOUT,
-                                f"no capacity for {model} within {self.policy.max_park_s:g} s", wait)
-            out.append(Outcome(parked.request_id, decision, parked_for=now - parked.parked_at, parked=parked))
+        due = {p.request_id for p in self.due(now)}
+        for model, queues in list(self._lot.items()):
+            ahead = 0
+            for klass in PARK_CLASSES:
+                for parked in list(queues[klass]):
+                    decision = None
+                    if parked.request_id in due:
+                        candidates = [e for e in fleet.engines if e.serves(model)]
+                        wait = retry_after(candidates, fleet, self.policy, now, ahead)
+                        if parked.ttft_bound and not self._committed(parked, now):
+                            decision = shed(Reason.TTFT_UNMEETABLE, f"no slot for {model} in time to meet "
+                                            f"{parked.request.max_ttft_ms} ms", wait)
+                        else:
+                            decision = shed(Reason.PARK_TIMEOUT,
+                                            f"no capacity for {model} within {self.policy.max_park_s:g} s", wait)
+                    elif not self._committed(parked, now):
+                        decision = self._too_late(parked, ahead, fleet, now)
+                    if decision is None:
+                        ahead += 1
+                        continue
+                    self.cancel(parked.request_id)
+                    out.append(Outcome(parked.request_id, decision, parked_for=now - parked.parked_at, parked=parked))
         return out
+
+    def _committed(self, parked: Parked, now: float) -> bool:
+        """Past its decision window (``shed_decision_s`` less ``ANSWER_MARGIN_S``): never shed for its bound again,
+        served in its turn."""
+        return now - parked.parked_at >= self.policy.shed_decision_s - ANSWER_MARGIN_S
+
+    def _too_late(self, parked: Parked, ahead: int, fleet: Fleet, now: float) -> Decision | None:
+        """The shed for ``parked`` (not committed, ``ahead`` requests in line before it) if it is expected to start past
+        its bound (``expected_start``): with a TTFT deadline, its park limit (``ttft_unmeetable``); without, its wait
+        bound from when it parked (``_wait_bound_s``: ``overloaded``, or ``park_timeout`` when that is ``max_park_s``).
+        The Retry-After is the expected wait. None: it may wait, also when the estimate rests on the policy's default
+        decode rate (an engine not measured yet and without an anchor: ``StartEstimate.known``)."""
+        model = parked.request.model
+        assert model is not None
+        start = expected_start(parked.request, fleet, self.policy, now, ahead, typical=model not in self._service_s)
+        if not start.known:
+            return None  # a guess from the policy's default rates: no grounds to refuse anyone
+        wait = start.wait_s
+        retry = clamp_retry_after(wait, self.policy)
+        if parked.ttft_bound:
+            if now + wait <= parked.deadline:
+                return None
+            return shed(Reason.TTFT_UNMEETABLE,
+                        f"{model}: expected to start in {wait:.1f} s ({ahead} ahead in line), too late for "
+                        f"{deadline_text(parked.request)}", retry)
+        bound = self._wait_bound_s(model, _class_of(parked.request), now, start.service_s)
+        if now + wait <= parked.parked_at + bound:
+            return None
+        if bound >= self.policy.max_park_s:
+            return shed(Reason.PARK_TIMEOUT, f"{model}: expected to start in {wait:.1f} s ({ahead} ahead in line), "
+                        f"past the {self.policy.max_park_s:g} s a request may wait", retry)
+        return shed(Reason.OVERLOADED, f"{model} is overloaded: expected to start in {wait:.1f} s ({ahead} ahead in "
+                    f"line), past the {bound:.1f} s a request without a deadline may wait now", retry)
+
+    def _wait_bound_s(self, model: str, klass: Priority, now: float, service_s: float = 0.0) -> float:
+        """How long after parking a request of ``model`` without a TTFT deadline may be expected to start (module
+        docstring, "Shed early"): the overload bound (``overload_bound_s``), or, while its class's line stands (holds a
+        committed request), ``lifo_after_ms``, or ``STANDING_SERVICES`` of the model's service times if that is longer
+        (not with ``overload_shed_services`` 0); never past ``max_park_s``. ``overload_shed_after_ms`` 0: ``max_park_s``
+        alone; ``lifo_after_ms`` 0: no standing-line bound. ``service_s``: the engines' expected service for the
+        request, standing in for the model's measured one until it has one."""
+        bound = self.policy.max_park_s
+        if self.policy.overload_shed_after_ms <= 0:
+            return bound
+        bound = min(bound, self.overload_bound_s(model, service_s))
+        target = self.policy.lifo_after_ms / 1000
+        if target > 0 and any(self._committed(p, now) for p in self._lot.get(model, {}).get(klass, ())):
+            if self.policy.overload_shed_services > 0:
+                target = max(target, STANDING_SERVICES * self._service_s.get(model, service_s))
+            bound = min(bound, target)
+        return bound
 
     def _backfill_arrival(self, request: InferenceRequest, model: str, fleet: Fleet, now: float,
                           parked: Decision) -> Decision:
@@ -632,6 +726,11 @@ class AdmissionCore:
         self.sessions.set(request.session, decision.engine)
         noted = self.prefixes.note(decision.engine, request.prefix_blocks) if self.policy.prefix_routing else ()
         return Outcome(request_id, decision, ticket, parked_for, rule, parked, noted)
+
+
+def _without_deadline(request: InferenceRequest) -> InferenceRequest:
+    """``request`` as if it had no TTFT deadline (a committed request whose deadline passed)."""
+    return replace(request, max_ttft_ms=None, ttft_headroom_ms=0)
 
 
 def _class_of(request: InferenceRequest) -> Priority:

@@ -29,6 +29,8 @@ one parks behind them (FIFO, ``queued_behind``), unless they all wait for busy e
 Retry-After (shed) is when the ledger expects the ``(queued_ahead + 1)``-th slot among the candidates to free: open tickets'
 expected finish times (``expected_done_at = admitted_at + finish`` as route.py estimates it, with the *expected* output length,
 not max_tokens) sorted, that entry's distance from now, clamped to ``[retry_after_min_s, retry_after_max_s]``.
+``expected_start`` goes further for a request in line, which admission.py sheds early on: after the tickets' expected
+frees, each slot is taken again for one service per request ahead; a shed on it carries that wait as its Retry-After.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -50,14 +52,15 @@ from controlplane.core.model import (
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.request import RequestError
 from controlplane.core.route import (
-    Estimate, cached_tokens, capacity_throughput, estimate, expected_frees, expected_output_tokens, over_share,
-    prefill_rate, waits_too_long, weighted_pick,
+    Estimate, cached_tokens, capacity_throughput, decode_rate, estimate, expected_frees, expected_output_tokens,
+    over_share, prefill_rate, waits_too_long, weighted_pick,
 )
 
 # Names callers import from here (the admin API, admission, tests) though they live beside this module.
 __all__ = [
-    "EngineExplanation", "RequestError", "decide", "earliest_fit", "explain", "misfits", "model_list", "need_tokens",
-    "refuse", "retry_after", "shed",
+    "EngineExplanation", "RequestError", "StartEstimate", "clamp_retry_after", "deadline_text", "decide",
+    "earliest_fit", "expected_start", "explain", "misfits", "model_list", "need_tokens", "refuse", "retry_after",
+    "shed",
 ]
 
 _NONE_NAMED: Mapping[str, int] = MappingProxyType({})
@@ -76,6 +79,103 @@ def shed(reason: Reason, detail: str, retry_after_s: int) -> Decision:
     return Decision(Verdict.SHED, reason, retry_after_s=retry_after_s, detail=detail)
 
 
+def clamp_retry_after(seconds: float, policy: Policy) -> int:
+    """A Retry-After: ``seconds`` rounded up, clamped to ``[retry_after_min_s, retry_after_max_s]``."""
+    if not math.isfinite(seconds):
+        return policy.retry_after_max_s
+    return int(min(policy.retry_after_max_s, max(policy.retry_after_min_s, math.ceil(seconds))))
+
+
+@dataclass(frozen=True, slots=True)
+class StartEstimate:
+    """When a parked (or parking) request is expected to start (``expected_start``)."""
+
+    wait_s: float
+    """Seconds from now until it starts; ``inf`` when no engine could serve it."""
+    service_s: float
+    """The candidates' service time for a request of its shape, as their slots free: total slots over slots freed per
+    second (each engine's cap over its service); 0 when not asked for (``typical``) or unknown."""
+    known: bool = True
+    """Every engine the estimate looked at has a decode rate of its own (measured, or its configured anchor), not the
+    policy's default: an estimate that rests on the default may be off by any factor."""
+
+
+def expected_start(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, ahead: int,
+                   typical: bool = False) -> StartEstimate:
+    """When ``request`` is expected to start when ``ahead`` requests take a slot of its model before it (its place in
+    line): the ``(ahead + 1)``-th slot to free among the engines that could serve it. A busy slot first frees when
+    route.expected_frees says (the ``load - cap + 1``-th soonest of an engine's tickets opens its first slot; load the
+    ledger holds no ticket for frees after one service), a free slot now; every slot is then held for one service of
+    ``request``'s shape (prefill + expected output at the engine's full-batch rate, as route.slot_wait prices a
+    backlog) by the request that takes it, and frees again. Engines: serving the model, not drained, at its version
+    floor, fresh (or, failing open, stale ones); with a TTFT deadline, only those that could prefill the prompt within
+    it. An engine without a known cap starts it now.
+
+    Only the ``ahead + 1`` soonest first frees can matter, so engines are visited by a lower bound of their first free
+    (now with a free slot, else their soonest plain expected finish) and the walk stops at the first that cannot beat
+    the best found (as ``_kth_free``). ``typical``: also estimate every candidate's service, for
+    ``StartEstimate.service_s`` (0 otherwise). ``StartEstimate.known`` says whether the engines visited have decode
+    rates of their own."""
+    model = request.model
+    assert model is not None
+    floor = policy.floor_for(model)
+    engines = [e for e in fleet.engines if e.serves(model) and not e.drained and meets_floor(e.version, floor)]
+    fresh = [e for e in engines if not e.stale]
+    engines = fresh or (engines if fleet.admit_stale else [])
+    deadline_s = request.planned_ttft_s()
+    if deadline_s is not None:
+        engines = [e for e in engines if request.prompt_tokens / prefill_rate(e, model, fleet, policy) <= deadline_s]
+    if not engines:
+        return StartEstimate(math.inf, 0.0, False)
+    out = expected_output_tokens(request, fleet, policy)
+
+    def service_of(e: EngineView) -> float:
+        return max(_TINY, request.prompt_tokens / prefill_rate(e, model, fleet, policy)
+                   + out / decode_rate(e, e.cap or 1, fleet, policy))
+
+    slots_total, per_s = 0, 0.0
+    if typical:
+        for e in engines:
+            if e.cap is not None:
+                slots_total, per_s = slots_total + e.cap, per_s + e.cap / service_of(e)
+    service_s = slots_total / per_s if per_s > 0 else 0.0
+    k = max(0, ahead) + 1
+    order = []
+    for e in engines:
+        cap = e.cap
+        if cap is None:
+            return StartEstimate(0.0, service_s)
+        load = math.ceil(effective_load(e, fleet))
+        done = fleet.of(e.name).expected_done
+        lower = max(now, done[0]) if load >= cap and done and load <= len(done) else now
+        order.append((lower, e.name, e, cap, load))
+    order.sort(key=lambda x: (x[0], x[1]))
+    firsts: list[tuple[float, float]] = []  # (first free, service) of every slot visited
+    best: list[float] = []  # the k soonest first frees so far, negated (a max-heap)
+    known = True
+    for lower, name, e, cap, load in order:
+        if len(best) == k and lower >= -best[0]:
+            break
+        known = known and bool(fleet.rates.decode_by_batch.get(name) or e.anchor_decode_tokens_per_s
+                               or (e.rates is not None and e.rates.decode_tokens_per_s_each))
+        service = service_of(e)
+        frees = list(expected_frees(name, fleet, now))
+        frees += [now + service] * max(0, load - len(frees))
+        frees.sort()
+        for t in [now] * max(0, cap - len(frees)) + frees[max(0, len(frees) - cap):]:
+            firsts.append((t, service))
+            if len(best) < k:
+                heapq.heappush(best, -t)
+            elif t < -best[0]:
+                heapq.heapreplace(best, -t)
+    waves = heapq.nsmallest(k, firsts)
+    heapq.heapify(waves)
+    for _ in range(k - 1):
+        t, service = heapq.heappop(waves)
+        heapq.heappush(waves, (t + service, service))
+    return StartEstimate(max(0.0, waves[0][0] - now), service_s, known)
+
+
 def retry_after(candidates: list[EngineView], fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0) -> int:
     """Seconds until the ledger expects the ``(queued_ahead + 1)``-th slot among ``candidates`` to free, clamped."""
     ledgers = [(e.name, fleet.of(e.name)) for e in candidates]
@@ -88,7 +188,7 @@ def retry_after(candidates: list[EngineView], fleet: Fleet, policy: Policy, now:
         wait = done[-1] - now
         typical = (done[-1] - now) / len(done) if done[-1] > now else 0.0
         wait += (queued_ahead - len(done) + 1) * typical
-    return int(min(policy.retry_after_max_s, max(policy.retry_after_min_s, math.ceil(wait))))
+    return clamp_retry_after(wait, policy)
 
 
 def _kth_free(ledgers: list[tuple[str, EngineLedger]], fleet: Fleet, now: float, k: int) -> float:
@@ -196,7 +296,7 @@ def decide(
         if prefill_floor > deadline_s:
             return shed(Reason.TTFT_UNMEETABLE,
                         f"no engine can prefill {request.prompt_tokens} tokens of {model} within "
-                        f"{_deadline_text(request)} (best {prefill_floor * 1000:.0f} ms on an idle engine)",
+                        f"{deadline_text(request)} (best {prefill_floor * 1000:.0f} ms on an idle engine)",
                         retry_after(candidates, fleet, policy, now))
         park_limit = deadline_s - prefill_floor
     if queued_ahead:
@@ -219,7 +319,7 @@ def decide(
                 # until the park limit sheds the request anyway.
                 return shed(Reason.TTFT_UNMEETABLE,
                             f"no engine can start {request.prompt_tokens} tokens of {model} within "
-                            f"{_deadline_text(request)} (best {soonest_ttft * 1000:.0f} ms)",
+                            f"{deadline_text(request)} (best {soonest_ttft * 1000:.0f} ms)",
                             retry_after(candidates, fleet, policy, now))
             return _wait(request, candidates, fleet, policy, now, 0, Reason.TTFT_DEADLINE,
                          f"estimated TTFT {soonest_ttft * 1000:.0f} ms after waiting for a slot", park_limit,
@@ -517,7 +617,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
                  park_limit, idle_slot=True, waits_for=best.engine.name)
 
 
-def _deadline_text(request: InferenceRequest) -> str:
+def deadline_text(request: InferenceRequest) -> str:
     """The deadline as a shed names it: "2000 ms", or "2000 ms less 200 ms of headroom" (for a woken head, what is
     left of it)."""
     if not request.ttft_headroom_ms:

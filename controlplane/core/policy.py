@@ -164,6 +164,11 @@ class Policy:
     """The overload bound is at least this many of the model's recent service times (admission to release, averaged
     over the last releases): where one answer takes seconds, 4 s is one or two of them, a queue's normal wait at 90%
     load and not an overload (``bench prefix`` at speed x1 shed 17 of 99). 0: the fixed bound alone."""
+    shed_decision_s: float = 1.0
+    """The decision window (``admission.shed_decision_seconds``): a parked request may be shed for its bound only
+    within this long of parking (less ``ANSWER_MARGIN_S``), at arrival or when the estimate of its start says it would
+    start too late (core/admission.py, "Shed early"); past it the request is committed: served in its turn, before
+    every request that parked after it. 0: decided at arrival only."""
     models: Mapping[str, ModelPolicy] = field(default_factory=lambda: MappingProxyType({}))
     """Per-model settings (read-only: a copy of what the constructor was given)."""
     version_floors: tuple[tuple[str, str], ...] = ()

@@ -138,6 +138,9 @@ def test_context_length_is_refused_before_any_engine(stack: Stack) -> None:
 
 
 def test_park_timeout_sheds_with_retry_after(tmp_path: Path) -> None:
+    """The two slots are held by answers that run about 2 s (100 tokens at speed 2), so a request that may wait only
+    ``max_park_seconds`` (1 s) is refused ``park_timeout`` with a Retry-After: as soon as its estimate says it would
+    start too late, or at its second."""
     stack = start_stack([("thor", "thor")], tmp_path, speed=2.0, admission={"max_park_seconds": 1})
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
@@ -147,11 +150,10 @@ def test_park_timeout_sheds_with_retry_after(tmp_path: Path) -> None:
             status, headers, payload = post(stack, "/chat/completions", body(max_tokens=5))
             waited = time.monotonic() - started
             assert status == 503 and json.loads(payload)["error"]["code"] == "park_timeout"
-            assert waited >= 1.0
-            # The server's own measure, immune to this client's scheduling: shed at the park deadline (the expiry
-            # sweep runs every 0.1 s), not seconds later.
-            assert 1000 <= int(headers["x-sluice-parked-ms"]) < 1500
-            assert int(headers["x-sluice-parked-ms"]) >= 1000
+            # The server's own measure, immune to this client's scheduling: answered at arrival or by a park sweep once
+            # its estimate rests on measured rates (a fresh engine's first requests are estimated at the policy's
+            # default rate, which refuses nobody), at the latest at its 1 s (the sweep runs every 0.1 s).
+            assert int(headers.get("x-sluice-parked-ms", 0)) < 1500 and waited < 5.0
             assert 1 <= int(headers["retry-after"]) <= 60
             assert [f.result()[0] for f in holders] == [200, 200]
     finally:

@@ -1,7 +1,9 @@
 """Properties of the admission state machine over random interleavings of requests (every priority, with and without a TTFT
 deadline and a session), releases, probes, cancellations, lease expiries and park deadlines: caps hold, KV is never
-double-spent, floors hold, FIFO within a class (while its oldest has waited no longer than ``lifo_after_ms``; past it a
-wake serves newest first), deadlines are kept, one answer per request, nothing leaks."""
+double-spent, floors hold, FIFO within a class (a wake serves newest first only while its oldest has waited longer than
+``lifo_after_ms`` and no request of the class is committed), deadlines are kept by every request admitted inside its
+decision window, a parked request is shed only inside its decision window (or at ``max_park_s``, the backstop), one
+answer per request, nothing leaks."""
 
 from __future__ import annotations
 
@@ -50,7 +52,9 @@ class World:
             name: EngineView(name=name, url="", max_num_seqs=cap, models=(ServedModel("cortex", 32_768),),
                              version=version, sample=EngineSample(0.0, running=0, waiting=0, kv_usage=0.0,
                                                                   kv_capacity_tokens=CAPACITY),
-                             last_ok_at=0.0, stale=False, chip_class=name)
+                             last_ok_at=0.0, stale=False, chip_class=name,
+                             # The policy's default rates, as anchors: estimates the core may act on (shed early).
+                             anchor_prefill_tokens_per_s=1000.0, anchor_decode_tokens_per_s=20.0)
             for name, cap, version in ENGINES
         }
         self.tickets: dict[str, tuple[str, int]] = {}  # open ticket -> (engine, prompt tokens it really uses)
@@ -65,13 +69,17 @@ class World:
 
     def wake(self) -> list[Outcome]:
         """``core.wake``, checking each class's order: while its oldest parked request has waited no longer than
-        ``lifo_after_ms`` (nor ``lifo_deadline_fraction`` of its own TTFT deadline) the wake answers the oldest first (FIFO); past it, the newest
-        first (adaptive LIFO)."""
+        ``lifo_after_ms`` (nor ``lifo_deadline_fraction`` of its own TTFT deadline), or any of its requests is committed
+        (parked longer than ``shed_decision_s``), the wake answers the oldest first (FIFO); else the newest first
+        (adaptive LIFO)."""
         before: dict[Priority, list[str]] = {Priority.CRITICAL: [], Priority.STANDARD: []}
         oldest: dict[Priority, tuple[float, int | None]] = {}
+        committed: set[Priority] = set()
         for p in self.core.parked():  # per class, in parking order
             before[p.request.priority].append(p.request_id)
             oldest.setdefault(p.request.priority, (p.parked_at, p.request.max_ttft_ms))
+            if self.now - p.parked_at >= self.core.policy.shed_decision_s:
+                committed.add(p.request.priority)
         outcomes = self.core.wake(self.fleet(), self.now)
         if not self.core.policy.backfill:  # backfill reorders on purpose
             limit, fraction = self.core.policy.lifo_after_ms, self.core.policy.lifo_deadline_fraction
@@ -82,7 +90,7 @@ class World:
                 answered = [o.request_id for o in outcomes if o.request_id in order]
                 waited_ms = (self.now - oldest[klass][0]) * 1000 if klass in oldest else 0.0
                 deadline_ms = oldest[klass][1] if klass in oldest else None
-                lifo = limit > 0 and klass in oldest and (
+                lifo = limit > 0 and klass in oldest and klass not in committed and (
                     waited_ms > limit or bool(deadline_ms and fraction and waited_ms > deadline_ms * fraction))
                 expected = [r for r in (order[::-1] if lifo else order) if r not in still][:len(answered)]
                 assert answered == expected, f"{klass} {'LIFO' if lifo else 'FIFO'} order broken"
@@ -92,17 +100,24 @@ class World:
         for o in outcomes:
             assert o.request_id not in self.answered, "one request, one answer"
             self.answered.add(o.request_id)
+            window = self.core.policy.shed_decision_s
             if o.ticket is not None:
                 self.tickets[o.ticket.ticket_id] = (o.ticket.engine, o.ticket.reserved_tokens - 500)
                 request = self.requests[o.request_id]
                 if o.parked_for > 0 and request.priority in self.admitted_from_park:
                     self.admitted_from_park[request.priority].append(o.request_id)
-                if request.max_ttft_ms is not None:
-                    # Admitted only with an estimated TTFT inside what is left of the deadline (whole milliseconds).
+                if request.max_ttft_ms is not None and o.parked_for < window:
+                    # Admitted only with an estimated TTFT inside what is left of the deadline (whole milliseconds). A
+                    # committed request whose deadline passed is served late rather than shed.
                     assert o.parked_for + o.decision.expected_ttft_s <= request.max_ttft_ms / 1000 + 0.001, \
                         f"{o.request_id} admitted past its {request.max_ttft_ms} ms deadline"
-            elif o.decision.verdict is Verdict.SHED and o.decision.reason is Reason.TTFT_UNMEETABLE:
-                assert self.requests[o.request_id].max_ttft_ms is not None, "ttft_unmeetable without a deadline"
+            elif o.decision.verdict is Verdict.SHED:
+                if o.decision.reason is Reason.TTFT_UNMEETABLE:
+                    assert self.requests[o.request_id].max_ttft_ms is not None, "ttft_unmeetable without a deadline"
+                # Shed early: inside its decision window, or at max_park_s (the backstop), never in between.
+                assert o.parked_for < window or (o.decision.reason is Reason.PARK_TIMEOUT
+                                                 and o.parked_for >= self.core.policy.max_park_s), \
+                    f"{o.request_id} shed {o.decision.reason.value} after {o.parked_for:.2f} s parked"
         self.check_invariants()
 
     def check_invariants(self) -> None:
@@ -197,9 +212,10 @@ def test_admission_invariants(steps: list[tuple[Any, ...]]) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(op, max_size=80))
 def test_admission_invariants_with_adaptive_lifo(steps: list[tuple[Any, ...]]) -> None:
-    """Past ``lifo_after_ms`` (or half a request's deadline) a wake serves newest first (``World.wake`` checks each
-    wake's order); every other invariant holds, and the drain still admits every parked request."""
-    run_and_drain(World(replace(POLICY, lifo_deadline_fraction=0.5)), steps)
+    """Past ``lifo_after_ms`` (or half a request's deadline) a wake serves newest first while none of the class is
+    committed (a 10 s decision window here, so that it can happen; ``World.wake`` checks each wake's order); every other
+    invariant holds, and the drain still admits every parked request."""
+    run_and_drain(World(replace(POLICY, lifo_deadline_fraction=0.5, shed_decision_s=10.0)), steps)
 
 
 @settings(max_examples=300, deadline=None)

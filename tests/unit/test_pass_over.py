@@ -57,8 +57,9 @@ def test_nobody_passes_a_head_between_a_release_and_the_wake_that_decides_it_aga
 
 def test_a_head_blocked_by_a_full_fleet_still_holds_the_line() -> None:
     core = AdmissionCore(Policy(), Ledger(lease_seconds=600))
+    # Holders of 150 tokens (3 s on fast): both parked requests are expected to start within the 4 s overload bound.
     for rid in ("a", "b"):
-        assert core.check(rid, chat(prompt=10, max_tokens=200), core.fleet(VIEWS, 0.0), 0.0).ticket is not None
+        assert core.check(rid, chat(prompt=10, max_tokens=150), core.fleet(VIEWS, 0.0), 0.0).ticket is not None
     first = core.check("first", chat(prompt=10, max_tokens=20), core.fleet(VIEWS, 0.1), 0.1)
     assert first.decision.verdict is Verdict.PARK and not first.decision.idle_slot  # nothing is free
     second = core.check("second", chat(prompt=10, max_tokens=20), core.fleet(VIEWS, 0.2), 0.2)

@@ -54,6 +54,8 @@ async def test_a_retried_parked_request_is_shed_at_its_first_parks_deadline() ->
         shed = await asyncio.wait_for(answer(svc, "x"), 2.0)
         assert shed.ticket is None and shed.decision.reason.value == "park_timeout", shed.decision
         assert time.monotonic() - started < 0.6, "its max_park_seconds counted from its first park"
-        assert 1.0 <= shed.parked_for < 1.3
+        # Counted from its first park too: shed early, inside its decision window, once its expected start is past its
+        # max_park_seconds (the slot is expected busy longer), at the latest at that deadline.
+        assert 0.8 <= shed.parked_for < 1.3
         await asyncio.sleep(0.05)
         assert line(state) == []

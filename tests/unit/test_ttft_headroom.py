@@ -9,12 +9,14 @@ import json
 
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import Reason, Verdict
+from controlplane.core.model import Decision, Reason, Verdict
 from controlplane.core.policy import ModelPolicy, Policy
 from controlplane.core.request import parse_request
 from tests.unit.test_route import engine
 
 BODY = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}).encode()
+HOLDER = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "x" * 400}],
+                     "max_tokens": 94}).encode()
 ONLY = [engine("only", seqs=1, prefill=10_000.0, decode=50.0)]
 
 
@@ -30,30 +32,30 @@ def test_the_deadline_keeps_what_the_client_asked_and_plans_a_tenth_early() -> N
     assert parse_request("POST", "/v1/chat/completions", BODY, {}, Policy()).planned_ttft_s() is None
 
 
-def late_head(fraction: float) -> tuple[list[str], list[tuple[Verdict, Reason, str]]]:
-    """One slot, held; a 2 s-deadline request parks behind it at 0.1 s; the slot frees at 1.95 s, when 150 ms of its
-    deadline is left (its first token takes about 30 ms on the engine). Whether the park sweep finds it due at 1.9 s,
-    and what the wake at 1.95 s does with it."""
+def late_head(fraction: float) -> tuple[Decision, list[str], list[tuple[Verdict, Reason, str]]]:
+    """One slot, held by a request expected to finish at 1.91 s; a 2 s-deadline request arrives at 0.1 s, when it is
+    expected to start at 1.91 s, 1.81 s into its deadline (its first token about 30 ms later). How the arrival is
+    answered, whether the park sweep finds it due at 1.9 s, and what the wake at 1.95 s, when the slot frees, does with
+    it."""
     policy = Policy(band_margin_ms=0, ttft_headroom_fraction=fraction)
     core = AdmissionCore(policy, Ledger(lease_seconds=600))
     request = parse_request("POST", "/v1/chat/completions", BODY, {"x-sluice-max-ttft-ms": "2000"}, policy)
-    holder = parse_request("POST", "/v1/chat/completions", BODY, {}, policy)
+    holder = parse_request("POST", "/v1/chat/completions", HOLDER, {}, policy)
     assert core.check("holder", holder, core.fleet(ONLY, 0.0), 0.0).ticket is not None
-    assert core.check("late", request, core.fleet(ONLY, 0.1), 0.1).decision.verdict is Verdict.PARK
+    arrival = core.check("late", request, core.fleet(ONLY, 0.1), 0.1).decision
     due = [p.request_id for p in core.due(1.9)]
     core.release("holder", 1.95)
-    return due, [(o.decision.verdict, o.decision.reason, o.decision.detail)
-                 for o in core.wake(core.fleet(ONLY, 1.95), 1.95)]
+    return arrival, due, [(o.decision.verdict, o.decision.reason, o.decision.detail)
+                          for o in core.wake(core.fleet(ONLY, 1.95), 1.95)]
 
 
 def test_a_head_left_only_its_headroom_is_shed_not_served_late() -> None:
-    # Planned 1.8 s: its park limit (1.8 s less prefill, from 0.1 s) has passed by 1.9 s, and a wake with 150 ms left
-    # of 2 s sheds it, naming the plan.
-    due, woken = late_head(0.1)
-    assert due == ["late"] and [(verdict, reason) for verdict, reason, _ in woken] == [(Verdict.SHED,
-                                                                                        Reason.TTFT_UNMEETABLE)]
-    assert "within 151 ms less 200 ms of headroom" in woken[0][2]
-    # Planned for the deadline itself, the wake admits it with 150 ms to spare on paper: late by whatever the estimate
-    # does not see.
-    due, woken = late_head(0.0)
-    assert due == [] and [verdict for verdict, _, _ in woken] == [Verdict.ADMIT]
+    # Planned 1.8 s: its park limit (1.8 s less prefill, from 0.1 s) ends at 1.89 s, before the slot is expected to
+    # free: it is refused at once ("shed early"), not parked to be shed or served late.
+    arrival, due, woken = late_head(0.1)
+    assert (arrival.verdict, arrival.reason, due, woken) == (Verdict.SHED, Reason.TTFT_UNMEETABLE, [], [])
+    assert "too late for 2000 ms less 200 ms of headroom" in arrival.detail
+    # Planned for the deadline itself, it parks and the wake admits it with 150 ms of its deadline left, on paper: late
+    # by whatever the estimate does not see.
+    arrival, due, woken = late_head(0.0)
+    assert (arrival.verdict, due) == (Verdict.PARK, []) and [verdict for verdict, _, _ in woken] == [Verdict.ADMIT]
