@@ -298,9 +298,9 @@ class Reason(enum.Enum):
     QUEUE_FULL = "queue_full"
     PARK_TIMEOUT = "park_timeout"
     OVERLOADED = "overloaded"
-    """Sustained overload: the request waited ``overload_shed_after_ms`` (or ``overload_shed_services`` of its model's
-    service times, if longer) while newer requests kept arriving and, under adaptive LIFO, were served first
-    (core/admission.py)."""
+    """Overload: within its decision window (``shed_decision_seconds``) the request's expected start was past its bound
+    (``overload_shed_after_ms``, or ``overload_shed_services`` of its model's service times; tighter while its line
+    holds a committed request), so it is refused at once with that wait as Retry-After (core/admission.py)."""
     TTFT_UNMEETABLE = "ttft_unmeetable"
     STORE_UNAVAILABLE = "store_unavailable"
     """The shared store cannot be reached and ``store.on_failure`` is ``closed`` (controlplane/store/)."""
