@@ -101,10 +101,18 @@ def _start_prometheus(stack: Stack, work: Path) -> tuple[subprocess.Popen[bytes]
     try:
         wait_for(lambda: urllib.request.urlopen(url + "/-/ready", timeout=1).status == 200, timeout=20,
                  what="Prometheus ready")
+        # Prometheus 2.x applies its scrape targets on a 5 s tick: the first scrape comes up to 5 s after "ready".
+        wait_for(lambda: _last_scrape(url) is not None, timeout=30, what="Prometheus's first scrape")
     except BaseException:
         stop(process)
         raise
     return process, url
+
+
+def _last_scrape(url: str) -> float | None:
+    """When Prometheus last scraped the control plane (Unix seconds), or None before its first scrape."""
+    samples = query(url, "timestamp(up)")
+    return float(samples[0]["value"][1]) if samples else None
 
 
 def _drive_traffic(stack: Stack) -> dict[int, int]:
@@ -160,7 +168,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         statuses = _drive_traffic(stack)
         if url is not None:
             # Two more scrapes after the last event, so every rate() window holds it.
-            time.sleep(2.5)
+            traffic_end = time.time()
+            wait_for(lambda: (_last_scrape(url) or 0.0) > traffic_end + 1.0, timeout=30,
+                     what="two scrapes after the traffic")
         yield Observed(stack, url, statuses)
     finally:
         if prometheus is not None:
