@@ -55,9 +55,9 @@ Failure modes: estimates err. One too late refuses a request that would have sta
 early); one too early commits a request that then waits past its bound (served late, not refused late). An estimate
 that rests on the policy's default decode rate (an engine neither measured yet nor given an anchor:
 ``StartEstimate.known``) refuses nobody, since it may be off by any factor: the request waits, and is committed after
-its window. Tickets admitted before their engine was measured keep the expected finish they were admitted with, so for
-about one service after a fresh start the estimates that use them still run long. With several
-replicas a request's place in line counts its own replica's lot (and, at arrival, ``ahead_elsewhere``), so its estimate
+its window. So does one that counts a ticket admitted before its engine was measured (``guessed_tickets``: it keeps
+the expected finish it was admitted with until it closes): a burst on a fresh fleet is not refused on the default
+rate's figures once the first probe has measured the engines. With several replicas a request's place in line counts its own replica's lot (and, at arrival, ``ahead_elsewhere``), so its estimate
 leaves out the others' parked requests.
 
 Adaptive LIFO (``lifo_after_ms``, default 2000; 0 = strict FIFO always): when a class's oldest parked request has waited
@@ -720,7 +720,7 @@ class AdmissionCore:
         assert decision.engine is not None and request.model is not None
         ticket = self.ledger.admit(request_id, decision.engine, request.model, now,
                                    reserved_tokens=decision.reserved_tokens, expected_done_at=decision.expected_done_at,
-                                   expected_ttft_s=decision.expected_ttft_s)
+                                   expected_ttft_s=decision.expected_ttft_s, guessed=not decision.rates_measured)
         self.serves.add(decision.engine, now)
         self.index.note_serve(decision.engine)
         self.sessions.set(request.session, decision.engine)

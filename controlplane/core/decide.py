@@ -52,8 +52,8 @@ from controlplane.core.model import (
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.request import RequestError
 from controlplane.core.route import (
-    Estimate, cached_tokens, capacity_throughput, decode_rate, estimate, expected_frees, expected_output_tokens,
-    over_share, prefill_rate, waits_too_long, weighted_pick,
+    Estimate, cached_tokens, capacity_throughput, decode_rate, decode_rate_known, estimate, expected_frees,
+    expected_output_tokens, over_share, prefill_rate, waits_too_long, weighted_pick,
 )
 
 # Names callers import from here (the admin API, admission, tests) though they live beside this module.
@@ -115,7 +115,8 @@ def expected_start(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
     (now with a free slot, else their soonest plain expected finish) and the walk stops at the first that cannot beat
     the best found (as ``_kth_free``). ``typical``: also estimate every candidate's service, for
     ``StartEstimate.service_s`` (0 otherwise). ``StartEstimate.known`` says whether the engines visited have decode
-    rates of their own."""
+    rates of their own and no open ticket admitted before they had (``EngineLedger.guessed_tickets``: its expected
+    finish rests on the policy's default rate)."""
     model = request.model
     assert model is not None
     floor = policy.floor_for(model)
@@ -156,8 +157,7 @@ def expected_start(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
     for lower, name, e, cap, load in order:
         if len(best) == k and lower >= -best[0]:
             break
-        known = known and bool(fleet.rates.decode_by_batch.get(name) or e.anchor_decode_tokens_per_s
-                               or (e.rates is not None and e.rates.decode_tokens_per_s_each))
+        known = known and decode_rate_known(e, fleet) and not fleet.of(name).guessed_tickets
         service = service_of(e)
         frees = list(expected_frees(name, fleet, now))
         frees += [now + service] * max(0, load - len(frees))
@@ -660,6 +660,7 @@ def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: 
     return Decision(
         Verdict.ADMIT, reason, engine=chosen.engine.name, reserved_tokens=need_tokens(request, policy),
         expected_done_at=now + chosen.finish_s, expected_ttft_s=chosen.ttft_s, cached_tokens=chosen.cached_tokens,
+        rates_measured=decode_rate_known(chosen.engine, fleet),
         detail=f"expected TTFT {chosen.ttft_s:.2f} s, finish {chosen.finish_s:.2f} s, load "
                f"{effective_load(chosen.engine, fleet):g}{hit}",
     )

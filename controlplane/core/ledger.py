@@ -42,6 +42,9 @@ class Ledger:
         self._by_engine: dict[str, set[str]] = defaultdict(set)
         self._recent_releases: dict[str, list[_Release]] = defaultdict(list)
         self._last_probe: dict[str, float] = {}
+        self._guessed: set[str] = set()
+        """Open tickets whose expected times rest on the policy's default decode rate (their engine not yet measured):
+        ``EngineLedger.guessed_tickets``."""
         self._views: dict[str, EngineLedger] = {}
         """``view`` results, dropped whenever that engine's tickets or probe change (a Check reads every engine's)."""
         self.changed: set[str] = set()
@@ -56,14 +59,18 @@ class Ledger:
 
     def admit(
         self, ticket_id: str, engine: str, model: str, now: float, reserved_tokens: int = 0, expected_done_at: float = 0.0,
-        expected_ttft_s: float = 0.0,
+        expected_ttft_s: float = 0.0, guessed: bool = False,
     ) -> Ticket:
+        """``guessed``: the ticket's expected times rest on the policy's default decode rate (its engine not measured
+        yet), so its expected finish may be off by any factor."""
         if ticket_id in self._open:
             raise ValueError(f"ticket {ticket_id} already open")
         ticket = Ticket(ticket_id, engine, model, admitted_at=now, lease_deadline=now + self.lease_seconds,
                         reserved_tokens=reserved_tokens, expected_done_at=expected_done_at or now,
                         expected_ttft_s=expected_ttft_s)
         self._open[ticket_id] = ticket
+        if guessed:
+            self._guessed.add(ticket_id)
         self._by_engine[engine].add(ticket_id)
         self._dirty(engine)
         self.admitted_total += 1
@@ -84,6 +91,7 @@ class Ledger:
         ticket = self._open.pop(ticket_id, None)
         if ticket is None:
             return None
+        self._guessed.discard(ticket_id)
         self._by_engine[ticket.engine].discard(ticket_id)
         self._dirty(ticket.engine)
         self.admitted_total -= 1
@@ -97,6 +105,7 @@ class Ledger:
         ticket = self._open.pop(ticket_id, None)
         if ticket is None:
             return None
+        self._guessed.discard(ticket_id)
         self._by_engine[ticket.engine].discard(ticket_id)
         self._dirty(ticket.engine)
         self.released_total += 1
@@ -115,6 +124,7 @@ class Ledger:
         expired = [t for t in self._open.values() if t.lease_deadline <= now]
         for ticket in expired:
             del self._open[ticket.ticket_id]
+            self._guessed.discard(ticket.ticket_id)
             self._by_engine[ticket.engine].discard(ticket.ticket_id)
             self._dirty(ticket.engine)
             self._note_closed(ticket, now)
@@ -128,6 +138,7 @@ class Ledger:
         done = [self._open[t] for t in self._by_engine.get(engine, ()) if self._open[t].admitted_at < probe_sent_at - grace]
         for ticket in done:
             del self._open[ticket.ticket_id]
+            self._guessed.discard(ticket.ticket_id)
             self._by_engine[engine].discard(ticket.ticket_id)
         if done:
             self._dirty(engine)
@@ -176,9 +187,10 @@ class Ledger:
         probe_at = self._last_probe.get(engine, float("-inf"))
         tickets = [self._open[t] for t in self._by_engine.get(engine, ())]
         by_model: dict[str, int] = {}
-        committed = unseen_tokens = admitted_after = 0
+        committed = unseen_tokens = admitted_after = guessed = 0
         for t in tickets:
             by_model[t.model] = by_model.get(t.model, 0) + 1
+            guessed += t.ticket_id in self._guessed
             committed += t.reserved_tokens
             if t.admitted_at >= probe_at:  # the probe cannot have seen it (always, before any probe)
                 admitted_after += 1
@@ -196,5 +208,6 @@ class Ledger:
             expected_done=tuple(r[1] for r in running),
             running=tuple(running),
             finishing=tuple(sorted((t.expected_done_at, t.reserved_tokens) for t in tickets)),
+            guessed_tickets=guessed,
         )
         return view

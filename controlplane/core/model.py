@@ -363,6 +363,8 @@ class Decision:
     expected_done_at: float = 0.0
     expected_ttft_s: float = 0.0
     """The TTFT the decision expected (compared with the access log's)."""
+    rates_measured: bool = True
+    """ADMIT: the chosen engine's decode rate was measured or configured (False: the policy's default, a guess)."""
     park_limit_s: float | None = None
     """PARK with a TTFT deadline: the longest the request may wait and still prefill in time."""
     idle_slot: bool = False
@@ -398,6 +400,9 @@ class EngineLedger:
     (route.expected_frees)."""
     finishing: tuple[tuple[float, int], ...] = ()
     """(expected finish time, reserved tokens) of open tickets, soonest first (for backfill's what-if)."""
+    guessed_tickets: int = 0
+    """Open tickets admitted here while the engine's decode rate was the policy's default (not measured, no anchor):
+    their expected finishes may be off by any factor until they close."""
 
     def open_for(self, model: str) -> int:
         return dict(self.open_by_model).get(model, 0)

@@ -142,6 +142,12 @@ def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) ->
     return engine.anchor_decode_tokens_per_s or policy.default_decode_tokens_per_s
 
 
+def decode_rate_known(engine: EngineView, fleet: Fleet) -> bool:
+    """Whether ``decode_rate`` for ``engine`` rests on a measurement or an anchor rather than the policy's default."""
+    return bool(fleet.rates.decode_by_batch.get(engine.name) or engine.anchor_decode_tokens_per_s
+                or (engine.rates is not None and engine.rates.decode_tokens_per_s_each))
+
+
 def prefill_rate(engine: EngineView, model: str, fleet: Fleet, policy: Policy) -> float:
     trusted = fleet.rates.prefill_median.get((model, engine.chip_class))
     if trusted:

@@ -246,3 +246,23 @@ def test_an_estimate_from_the_default_rates_refuses_nobody() -> None:
     assert anchored.check("holder", chat(), anchored.fleet(VIEWS, 0.0), 0.0).ticket is not None
     verdicts = [anchored.check(f"r{n}", chat(), anchored.fleet(VIEWS, 0.0), 0.0).decision.verdict for n in range(11)]
     assert Verdict.SHED in verdicts
+
+
+def test_tickets_admitted_on_the_default_rate_refuse_nobody_after_the_engine_is_measured() -> None:
+    """A burst on a fresh engine: the first request is admitted while the engine's decode rate is the policy's default
+    (20 tokens/s, its expected finish 5.6 s away), then a probe measures the engine 25 times faster. Requests that
+    park behind that ticket are not refused on its stale expected finish (a real llama.cpp burst was refused 0.6 s in,
+    "expected to start in 8.0 s", and its slot freed 0.4 s later); once it closes, estimates count again."""
+    unknown = [replace(engine("e", seqs=1), anchor_decode_tokens_per_s=None)]
+    measured = [replace(engine("e", seqs=1), anchor_decode_tokens_per_s=500.0)]
+    core = AdmissionCore(POLICY, Ledger(lease_seconds=600))
+    holder = core.check("holder", chat(), core.fleet(unknown, 0.0), 0.0)
+    assert holder.ticket is not None and not holder.decision.rates_measured
+    assert core.fleet(measured, 0.1).of("e").guessed_tickets == 1
+    verdicts = [core.check(f"r{n}", chat(), core.fleet(measured, 0.1), 0.1).decision.verdict for n in range(11)]
+    assert verdicts == [Verdict.PARK] * 11
+    assert not core.expire_parked(core.fleet(measured, 0.5), 0.5)
+    core.release(holder.ticket.ticket_id, 0.6)
+    woken = core.wake(core.fleet(measured, 0.6), 0.6)
+    assert [o.decision.verdict for o in woken] == [Verdict.ADMIT]
+    assert woken[0].decision.rates_measured and core.fleet(measured, 0.6).of("e").guessed_tickets == 0
