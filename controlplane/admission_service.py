@@ -635,9 +635,15 @@ class AdmissionService:
             await asyncio.sleep(every)
 
     async def _timed(self, op: str, call: Awaitable[_T]) -> _T:
+        """One store call, timed. A task cancelled during the call is cancelled when it returns, whatever it returned:
+        redis-py can swallow a cancellation that arrives inside a call (a loop that went on would never stop)."""
         started = time.perf_counter()
         try:  # bounded by the store's own client timeout (store.timeout_seconds); no task per call
-            return await call
+            result = await call
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError()
+            return result
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels(op).inc()
             raise StoreUnavailable(f"{op}: {exc}") from exc

@@ -199,6 +199,16 @@ def _ticket(record: list[Any]) -> tuple[Ticket, str]:
                   float(ttft)), str(owner)
 
 
+def _unavailable(op: str, exc: BaseException) -> BaseException:
+    """What a failed call raises: ``StoreUnavailable``, or ``CancelledError`` when the calling task is being cancelled
+    (redis-py can turn a cancellation inside a call into a connection error; swallowed as the store being down, it
+    would leave a cancelled task running)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return asyncio.CancelledError()
+    return StoreUnavailable(f"{op}: {exc}")
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -228,7 +238,7 @@ class ValkeyStore:
         try:
             return await self._scripts[name](args=[self.prefix, *args])
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            raise StoreUnavailable(f"{name}: {exc}") from exc
+            raise _unavailable(f"{name}", exc) from exc
 
     async def open(self) -> None:
         await self.heartbeat(5.0)
@@ -278,7 +288,7 @@ class ValkeyStore:
         try:
             line = await self.client.zrange(f"{self.prefix}:q:{model}:{klass}", 0, -1)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            raise StoreUnavailable(f"members: {exc}") from exc
+            raise _unavailable(f"members", exc) from exc
         return [m[len(mine):] for m in map(_text, line) if m.startswith(mine)]
 
     async def heartbeat(self, ttl_s: float) -> None:
@@ -301,7 +311,7 @@ class ValkeyStore:
                 if engine is not None:
                     sessions[_text(key).rsplit(":s:", 1)[1]] = _text(engine)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            raise StoreUnavailable(f"load: {exc}") from exc
+            raise _unavailable(f"load", exc) from exc
         return StoreState(tuple(tickets), sessions)
 
     async def listen(self, handler: Callable[[StoreEvent], None], on_connected: Callable[[], None]) -> None:
