@@ -477,7 +477,7 @@ class LineSampler:
         while not self._stop.is_set():
             message = self._pubsub.get_message(timeout=0.1)
             if message is not None and message.get("type") == "message":
-                kind, _, record, _ = json.loads(message["data"])
+                kind, _, record, *_ = json.loads(message["data"])  # an admission carries its block hashes too
                 if kind == "admitted":
                     self.admitted.append(str(json.loads(record)[0]))
 
