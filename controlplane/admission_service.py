@@ -19,6 +19,26 @@ offers: parks and unparks reach the store one at a time in the order they were m
 travel on different connections and land in any order), and a wake does not admit a request whose park has not landed
 yet (it is woken again when it lands; a shed meanwhile waits for its Check in ``_early``).
 
+**Claims** (store/base.py). An admission the store refuses only because others are ahead in line (``QUEUED``) is left
+with the request's member: an arrival's goes with its ``park``, a woken head's stays from the refused ``reserve``, the
+heads a wake decided behind that one leave theirs in one call (``_leave_claims``), and, while another replica holds
+members of the line, a request parked behind this replica's own gets the admission it would have first in line
+(``_claim_behind``), which is first offered to the line as it is, in its turn (``_enter_line``: the requests ahead may
+all have gone on their claims, their answers one event hop away). The store admits a claim once its request heads the
+line, if it still fits and is fresh (``store.claim_seconds``), in the same step that moved the line, so heads held by
+different replicas follow each other without an event hop between each. This replica hears the ``CLAIMED`` event and
+answers the Check with that ticket and the decision it had made (``_own_claimed``; ``_claims`` keeps them); a claimed
+request that had meanwhile been answered otherwise (shed, cancelled: its unpark came too late) has its ticket released.
+A wake that reaches a request the store admitted on its claim while the wake's own ``reserve`` was out takes its
+admission back (``_claimed_done``). A woken admission is answered from the event stream too, at its own admission event
+(``Store.expect_admission``, asked before its ``reserve``), so every parked request is answered in the store's order of
+admissions.
+
+**Liveness** (store/base.py). The store renews this replica's heartbeat from a thread (``store.heartbeat_seconds``,
+dead after ``store.dead_after_beats`` of them) and removes dead replicas: their members leave the lines at once (a
+``DEAD`` event wakes every model here). If a renewal finds this replica's own heartbeat had lapsed (its beats were held
+up), it puts its lot back in line, in order, at the back (``_put_back_in_line``).
+
 With the memory store (one replica) the store agrees with the mirror by construction, no call suspends, and the port
 costs a few dictionary writes per admission. When the store cannot be reached, ``store.on_failure`` decides: ``open``
 keeps the admission on this replica's ledger (``_unsynced``: written back when the store returns), ``closed`` answers
@@ -33,19 +53,23 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from controlplane.config import Config, StoreOnFailure
-from controlplane.core.admission import AdmissionCore, Outcome
-from controlplane.core.decide import shed
+from controlplane.core.admission import PARK_CLASSES, AdmissionCore, Outcome, Parked
+from controlplane.core.decide import decide, shed
 from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules
-from controlplane.core.model import EngineView, Fleet, InferenceRequest, QueueRule, Reason, Ticket, Verdict
+from controlplane.core.model import (
+    Decision, EngineView, Fleet, InferenceRequest, QueueRule, Reason, Ticket, Verdict,
+)
 from controlplane.metrics import SluiceMetrics
 from controlplane.observation import Observation
 from controlplane.ports import CheckSettings
-from controlplane.store.base import Claim, EventKind, Refusal, SharedClock, Store, StoreEvent, StoreUnavailable
+from controlplane.store.base import (
+    LINE_CLASSES, Claim, EventKind, Refusal, Reserved, SharedClock, Store, StoreEvent, StoreUnavailable,
+)
 from controlplane.store.memory import MemoryStore
 from controlplane.watch import DecisionEvent, DecisionFeed
 
@@ -60,6 +84,23 @@ PARK_SWEEP_S = 0.1
 """How often park deadlines are checked (a shed comes at most this late)."""
 LINE_AUDIT_S = 5.0
 """How often this replica's members of the shared lines are checked against its lot (``_audit_lines``)."""
+STORE_UPKEEP_S = 0.5
+"""How often the store's lease sweep runs here, which also tells whether the store answers (``_upkeep``)."""
+
+LINE_SHARED_S = 1.0
+"""How long after a refusal for the line requests parked behind this replica's own are given claims (``_claim_behind``:
+a decision each, which a replica alone in its lines does not need: its wakes admit its heads in order)."""
+
+assert len(PARK_CLASSES) == LINE_CLASSES, "the store keeps a line per parking class"
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A parked request of this replica that may have a claim in the store: when it parked here (local time), and the
+    admission each claim it left stands for, by the claim's ticket's ``admitted_at`` (shared time)."""
+
+    parked_at: float
+    decisions: dict[float, Decision]
 
 
 class AdmissionService:
@@ -114,6 +155,16 @@ class AdmissionService:
         self._settling: set[str] = set()
         """Woken requests out of the lot while ``_settle`` writes their admissions: a refused one goes back, in the line
         all along (the line audit must not take it out)."""
+        self._claims: dict[str, _Pending] = {}
+        """Parked requests that left a claim in the store (module docstring, Claims), until they are answered."""
+        self._claimed_done: set[str] = set()
+        """Woken requests (``_settling``) the store admitted on their claims meanwhile: answered already; the wake takes
+        its own admission of them back."""
+        self._rejoin = False
+        """This replica was found dead while alive: its lot goes back in line at the wake loop's next turn."""
+        self._line_shared_until = -math.inf
+        """Until when another replica is taken to hold members of this replica's lines (a refusal for the line said so
+        lately): meanwhile requests parked behind this replica's own get claims too (``_claim_behind``)."""
 
     # -- CheckPort ---------------------------------------------------------------------------------------------------
     @property
@@ -131,6 +182,7 @@ class AdmissionService:
     async def check(self, request_id: str, request: InferenceRequest) -> Outcome:
         """Decide on the mirror, then write the admission to the store; decide again when another replica was first."""
         ahead_elsewhere = 0
+        queued: tuple[Decision, Claim] | None = None  # the last admission the store refused for the line alone
         for attempt in range(self.config.store.reserve_attempts + 1):
             now = self.clock()
             fleet = self.observation.fleet(now)
@@ -139,14 +191,24 @@ class AdmissionService:
             else:
                 outcome = self.core.check(request_id, request, fleet, now, ahead_elsewhere)
             if outcome.decision.verdict is Verdict.PARK:
+                behind = False
+                if queued is None and outcome.decision.reason is Reason.QUEUED_BEHIND and now < self._line_shared_until:
+                    queued = self._claim_behind(request_id, request, fleet, now)
+                    behind = queued is not None and not self._rejoin
+                admitted = await self._enter_line(request_id, request, now, queued, behind)
+                if admitted is not None:
+                    return admitted
                 self.metrics.admission_parked.labels(self.model_label(request.model)).inc()
-                await self._enter_line(request_id, request)
                 return outcome
             if outcome.ticket is None:
                 return outcome
-            refusal = await self._commit(outcome, request, fleet, now)
+            claim = self._claim(outcome, request, now, fleet)
+            refusal = (await self._commit(outcome, claim, now)).refusal
             if refusal is None:
                 return outcome
+            queued = (outcome.decision, claim) if refusal is Refusal.QUEUED else None
+            if refusal is Refusal.QUEUED:
+                self._line_shared_until = now + LINE_SHARED_S
             if request.model is not None:
                 # The retracted admission freed its slot in the mirror: the line's head may fit now. Without this wake a
                 # burst whose first admissions lost the race to the first parks (the store's line already had a head)
@@ -161,27 +223,65 @@ class AdmissionService:
                                                 self.config.controlplane.overload_retry_after_seconds))
         raise AssertionError("unreachable: the last attempt parks")
 
-    async def _commit(self, outcome: Outcome, request: InferenceRequest, fleet: Fleet, now: float) -> Refusal | None:
-        """Write an admission the core made to the store; on a refusal it is undone here (and ``None`` means written)."""
+    def _claim(self, outcome: Outcome, request: InferenceRequest, now: float, fleet: Fleet | None = None) -> Claim:
+        """An admission the core made, as the store checks and writes it (and keeps it, as a claim, if refused for the
+        line alone)."""
         ticket = outcome.ticket
         assert ticket is not None
-        view = self.observation.view_of(ticket.engine, now) or next(e for e in fleet.engines if e.name == ticket.engine)
+        view = self.observation.view_of(ticket.engine, now) or next(
+            e for e in (fleet or self.observation.fleet(now)).engines if e.name == ticket.engine)
         capacity = view.kv_capacity_tokens
-        claim = Claim(self.shared.to_shared(ticket), view.cap,
-                      math.floor(capacity * self.core.policy.kv_high_watermark) if capacity else None,
-                      request.session, outcome.rule, self.core.class_index(request), request.prefix_blocks)
+        policy = self.core.policy
+        return Claim(self.shared.to_shared(ticket), view.cap,
+                     math.floor(capacity * policy.kv_high_watermark) if capacity else None,
+                     request.session, outcome.rule, self.core.class_index(request), request.prefix_blocks,
+                     fresh_s=self._fresh_s(request))
+
+    def _claim_behind(self, request_id: str, request: InferenceRequest, fleet: Fleet,
+                      now: float) -> tuple[Decision, Claim] | None:
+        """A claim for a request the core parked behind others (in its lot or the shared line) without deciding where it
+        would go: the admission it would get first in line (``decide``; nothing is written), so the store can admit it
+        as soon as it heads the line (Claims), without waiting for this replica's next wake. None when it would not be
+        admitted even then. Its engine is chosen as if the requests ahead took no slot: the store's check of the cap
+        stops the line at it if they took the last one, and this replica's wake then decides it again."""
+        core = self.core
+        decision = decide(request, fleet, core.policy, now, 0, core.sessions.get(request.session), core.draw(),
+                          arriving=True, cached=core.expected_cached(request))
+        if decision.verdict is not Verdict.ADMIT or decision.engine is None or request.model is None:
+            return None
+        ticket = Ticket(request_id, decision.engine, request.model, now, now + core.ledger.lease_seconds,
+                        decision.reserved_tokens, decision.expected_done_at or now, decision.expected_ttft_s)
+        return decision, self._claim(Outcome(request_id, decision, ticket, rule=QueueRule.OLDEST), request, now, fleet)
+
+    def _fresh_s(self, request: InferenceRequest) -> float:
+        """How long a claim of ``request`` may be admitted on: ``store.claim_seconds``, never past the age at which its
+        class would turn newest-first (``lifo_after_ms``, or ``lifo_deadline_fraction`` of its TTFT deadline): the
+        store admits claims oldest first, and a head whose claim is fresh has waited less than that."""
+        policy = self.core.policy
+        fresh = self.config.store.claim_seconds
+        if policy.lifo_after_ms > 0:
+            fresh = min(fresh, policy.lifo_after_ms / 1000)
+        if policy.lifo_deadline_fraction > 0 and request.max_ttft_ms:
+            fresh = min(fresh, policy.lifo_deadline_fraction * request.max_ttft_ms / 1000)
+        return fresh
+
+    async def _commit(self, outcome: Outcome, claim: Claim, now: float) -> Reserved:
+        """Write an admission the core made to the store; on a refusal it is undone here (an admission written, or kept
+        on this replica's ledger with the store unreachable and ``on_failure: open``, is ``ok``)."""
+        ticket = outcome.ticket
+        assert ticket is not None
         try:
             reserved = await self._timed("reserve", self.store.reserve(claim))
         except StoreUnavailable:
             if self.config.store.on_failure is StoreOnFailure.OPEN:
                 self.metrics.store_fail_open.inc()
                 self._unsynced[ticket.ticket_id] = ticket
-                return None
+                return Reserved()
             self.core.retract(outcome, now)
-            return Refusal.UNAVAILABLE
+            return Reserved(Refusal.UNAVAILABLE)
         if reserved.ok:
             self._owned.add(ticket.ticket_id)
-            return None
+            return reserved
         assert reserved.refusal is not None
         self.metrics.store_refusals.labels(reserved.refusal.value).inc()
         self.core.retract(outcome, now)
@@ -191,40 +291,93 @@ class AdmissionService:
             # hold a slot here until the idle probe or its lease reaps it).
             if held.ticket_id not in self._releasing and held.ticket_id not in self._recently_released:
                 self.core.learn(self.shared.to_local(held), None, now)
-        return reserved.refusal
+        return reserved
 
-    async def _enter_line(self, request_id: str, request: InferenceRequest) -> None:
-        """Write a request the core just parked into the shared line. Until that write lands, a wake does not admit it
+    async def _enter_line(self, request_id: str, request: InferenceRequest, parked_at: float,
+                          queued: tuple[Decision, Claim] | None, behind: bool = False) -> Outcome | None:
+        """Write a request the core just parked (at ``parked_at``) into the shared line, with ``queued``'s claim when
+        the store had refused its admission for the line alone. Until that write lands, a wake does not admit it
         (``_settle``): the store's line would not know it, and its late ``park`` would leave a member nobody removes at
         the line's head. A client gone meanwhile takes the request out of the lot and, after its park, out of the line.
-        A request the store says parked earlier on another replica keeps that time (``_keep_first_park``)."""
+        A request the store says parked earlier on another replica keeps that time (``_keep_first_park``).
+
+        ``behind``: the core parked it only behind this replica's own requests, which may all have gone on their claims
+        already, their answers one event hop away (``queued``: the admission it would have first in line). It is then
+        first offered to the line as it is (a ``reserve`` as an arrival: the store admits on claims first, then checks
+        the line, atomically), in its turn for the line, so the line still takes this replica's requests in the lot's
+        order: admitted (returned) if nobody is ahead any more, parked (with its claim) if refused for the line."""
         model = request.model
         assert model is not None
         klass = self.core.class_index(request)
         at = self.shared.offset + self.clock()
         first = at
+        claim = None
+        if queued is not None and queued[1].fresh_s > 0 and self.core.where(request_id) is not None:
+            decision, claim = queued
+            self._claims[request_id] = _Pending(parked_at, {claim.ticket.admitted_at: decision})
+        admitted: Outcome | None = None
 
         async def park() -> None:
-            nonlocal first
-            first = await self.store.park(model, klass, request_id, at)
+            nonlocal first, admitted, claim
+            if behind and queued is not None:
+                admitted, fits = await self._try_line(request_id, request, queued, parked_at)
+                if admitted is not None:
+                    return
+                if not fits:
+                    claim = None
+            first = await self.store.park(model, klass, request_id, at, claim)
         self._parking.add(request_id)
         try:
             await self._in_line("park", park)
+            if admitted is not None:
+                return admitted
             if first < at:
                 self._keep_first_park(request_id, first - self.shared.offset)
         except asyncio.CancelledError:
             self._early.pop(request_id, None)
+            self._claims.pop(request_id, None)
             where = self.core.where(request_id)
             if self.core.cancel(request_id):
                 self.metrics.park_cancelled.inc()
                 self.metrics.parked_now.set(self.core.depth())
                 self._unpark_later(where, request_id)
+            if admitted is not None and admitted.ticket is not None:  # admitted as its client left
+                self.release_ticket(admitted.ticket.ticket_id)
             raise
         finally:
             self._parking.discard(request_id)
             if model in self._parks_awaited:
                 self._parks_awaited.discard(model)
                 self.wake([model])
+        return None
+
+    async def _try_line(self, request_id: str, request: InferenceRequest, queued: tuple[Decision, Claim],
+                        now: float) -> tuple[Outcome | None, bool]:
+        """``_enter_line``'s offer of a request parked behind this replica's own to the line as it is: its admission if
+        the store takes it (it leaves the lot; an answer a sweep gave it meanwhile, waiting in ``_early``, is dropped:
+        the admission wins), else whether its claim fits (a refusal for the line alone; a CAP or KV refusal teaches the
+        mirror the engine's tickets, as ``_commit``'s). The store not answering leaves it to park as it would have."""
+        decision, claim = queued
+        try:
+            reserved = await self._timed("reserve", self.store.reserve(replace(claim, queue=QueueRule.ARRIVAL)))
+        except StoreUnavailable:
+            return None, True
+        if not reserved.ok:
+            assert reserved.refusal is not None
+            self.metrics.store_refusals.labels(reserved.refusal.value).inc()
+            for held in reserved.engine_tickets:
+                if held.ticket_id not in self._releasing and held.ticket_id not in self._recently_released:
+                    self.core.learn(self.shared.to_local(held), None, now)
+            return None, reserved.refusal is Refusal.QUEUED
+        self._early.pop(request_id, None)
+        self._claims.pop(request_id, None)
+        if not self.core.cancel(request_id) and request_id in self._settling:
+            self._claimed_done.add(request_id)  # a wake holds it: its own admission of it is taken back
+        ticket = self.shared.to_local(claim.ticket)
+        self.core.learn(ticket, request.session, self.clock(), request.prefix_blocks)
+        self._owned.add(request_id)
+        self.metrics.parked_now.set(self.core.depth())
+        return Outcome(request_id, decision, ticket), True
 
     def _keep_first_park(self, request_id: str, parked_at: float) -> None:
         """A request parked here whose Check Envoy asked again after the replica holding it went away (resources.py
@@ -239,6 +392,9 @@ class AdmissionService:
             return
         self.core.cancel(request_id)
         self.core.restore(replace(entry, parked_at=parked_at, deadline=entry.deadline - (entry.parked_at - parked_at)))
+        pending = self._claims.get(request_id)
+        if pending is not None:
+            self._claims[request_id] = replace(pending, parked_at=parked_at)
         log.debug("request %s parked again here after its replica went away; it first parked %.1f s ago", request_id,
                   self.clock() - parked_at)
 
@@ -270,6 +426,7 @@ class AdmissionService:
             return await future
         except asyncio.CancelledError:
             self._parked.pop(request_id, None)
+            self._claims.pop(request_id, None)
             where = self.core.where(request_id)
             if self.core.cancel(request_id):
                 self.metrics.park_cancelled.inc()
@@ -285,6 +442,7 @@ class AdmissionService:
     def give_back(self, request_id: str, outcome: Outcome | None) -> None:
         """A Check failed inside the control plane: whatever it holds (a place in the lot, a ticket) is returned."""
         self._early.pop(request_id, None)
+        self._claims.pop(request_id, None)
         where = self.core.where(request_id)
         if self.core.cancel(request_id):
             self.metrics.parked_now.set(self.core.depth())
@@ -422,6 +580,9 @@ class AdmissionService:
 
     async def _wake_loop(self) -> None:
         while self._wake_models is None or self._wake_models:
+            if self._rejoin:
+                self._rejoin = False
+                await self._put_back_in_line()
             if self._release_tasks:  # the releases that woke this wake reach the store before its admissions do
                 await self._releases_sent()
             models, self._wake_models = self._wake_models, set()
@@ -443,38 +604,129 @@ class AdmissionService:
             return await self._settle_in_order(outcomes, now)
         finally:
             self._settling -= woken
+            self._claimed_done -= woken
 
     async def _settle_in_order(self, outcomes: list[Outcome], now: float) -> set[str]:
         blocked: set[str] = set()
+        queued: set[str] = set()
+        """Models whose first refusal here was for the line alone: their later woken heads leave claims (``behind``)."""
+        behind: dict[tuple[str, int], list[tuple[Outcome, Parked, Claim]]] = {}
         again: set[str] = set()
-        answered: list[Outcome] = []
         for outcome in outcomes:
             parked = outcome.parked
             model = parked.request.model if parked is not None else None
+            request_id = outcome.request_id
+            if request_id in self._claimed_done:  # the store admitted it on its claim: answered (``_own_claimed``)
+                self._claimed_done.discard(request_id)
+                self.core.retract(outcome, now)
+                continue
             if outcome.ticket is None:
-                answered.append(outcome)
                 self._left_lot(outcome)
+                self._resolve([outcome])
                 continue
             if parked is None or model is None:
-                answered.append(outcome)
+                self._resolve([outcome])
                 continue
             refusal: Refusal | None = Refusal.QUEUED
             if model in blocked:
                 self.core.retract(outcome, now)
-            elif outcome.request_id in self._parking:  # not in the shared line yet: it waits for its park to land
+                if model in queued and outcome.rule is QueueRule.OLDEST and request_id not in self._parking:
+                    claim = self._claim(outcome, parked.request, now)
+                    if claim.fresh_s > 0:
+                        behind.setdefault((model, claim.klass), []).append((outcome, parked, claim))
+                        continue
+                self.core.restore(parked)
+                continue
+            if request_id in self._parking:  # not in the shared line yet: it waits for its park to land
                 self.core.retract(outcome, now)
                 self._parks_awaited.add(model)
             else:
-                refusal = await self._commit(outcome, parked.request, self.observation.fleet(now), now)
+                claim = self._claim(outcome, parked.request, now)
+                if claim.queue is QueueRule.OLDEST and claim.fresh_s > 0:  # a refusal for the line leaves it a claim
+                    self._note_claim(request_id, parked.parked_at, claim, outcome.decision)
+                # Answered from the event stream, at this admission's own event: requests the store admitted on their
+                # claims before it (in line order), answered from the stream too, are answered first.
+                self.store.expect_admission(request_id, self._answer_later(outcome))
+                reserved = await self._commit(outcome, claim, now)
+                refusal = reserved.refusal
+                written = reserved.ok and request_id not in self._unsynced
+                self.store.admission_settled(request_id, written)
+                if reserved.ok and not written:  # kept on this replica's ledger (the store unreachable): no event
+                    self._resolve([outcome])
+                    continue
             if refusal is None:
-                answered.append(outcome)
+                continue
+            if request_id in self._claimed_done:  # refused 'exists': admitted on its claim meanwhile, and answered
+                self._claimed_done.discard(request_id)
                 continue
             blocked.add(model)
+            if refusal is Refusal.QUEUED and outcome.rule is QueueRule.OLDEST and request_id not in self._parking:
+                queued.add(model)
+                self._line_shared_until = now + LINE_SHARED_S
             self.core.restore(parked)
             if refusal in (Refusal.CAP, Refusal.KV):
                 again.add(model)
-        self._resolve(answered)
+        for (model, klass), held in behind.items():
+            await self._leave_claims(model, klass, held)
         return again
+
+    async def _leave_claims(self, model: str, klass: int, held: list[tuple[Outcome, Parked, Claim]]) -> None:
+        """The wake's admissions of heads behind one the store refused for the line (retracted here): each is left
+        with its member as a claim, in one store call, and the requests go back to their places in the lot (one the
+        store admitted on its claim meanwhile is answered already)."""
+        for outcome, parked, claim in held:
+            self._note_claim(outcome.request_id, parked.parked_at, claim, outcome.decision)
+        try:
+            await self._timed("claim", self.store.claim(model, klass, [(o.request_id, c) for o, _, c in held]))
+        except StoreUnavailable:
+            pass  # they wait for a wake as without claims; the upkeep loop notices the store
+        for outcome, parked, _ in held:
+            if outcome.request_id in self._claimed_done:
+                self._claimed_done.discard(outcome.request_id)
+            else:
+                self.core.restore(parked)
+
+    def _answer_later(self, outcome: Outcome) -> Callable[[], None]:
+        return lambda: self._resolve([outcome])
+
+    def _note_claim(self, request_id: str, parked_at: float, claim: Claim, decision: Decision) -> None:
+        """``claim`` may be left in the store for ``request_id``: remember what it stands for (claims older than twice
+        their freshness are forgotten: the store no longer admits on them)."""
+        pending = self._claims.get(request_id)
+        if pending is None:
+            self._claims[request_id] = _Pending(parked_at, {claim.ticket.admitted_at: decision})
+            return
+        stale = claim.ticket.admitted_at - 2 * claim.fresh_s
+        for at in [at for at in pending.decisions if at < stale]:
+            del pending.decisions[at]
+        pending.decisions[claim.ticket.admitted_at] = decision
+
+    def _own_claimed(self, event: StoreEvent) -> None:
+        """The store admitted a request parked here on its claim (module docstring, Claims): its Check is answered with
+        that ticket and the decision the claim stands for. One answered meanwhile (shed, cancelled: its unpark came
+        too late) leaves a ticket nobody will use: it is released."""
+        request_id, shared = event.ticket_id, event.ticket
+        assert shared is not None
+        pending = self._claims.pop(request_id, None)
+        in_lot = self.core.where(request_id) is not None
+        if pending is None or not (in_lot or request_id in self._settling):
+            log.debug("request %s admitted on its claim after it was answered; its ticket is released", request_id)
+            self._release_in_store(request_id)
+            return
+        now = self.clock()
+        ticket = self.shared.to_local(shared)
+        if in_lot:
+            self.core.cancel(request_id)
+        else:  # a wake holds it: its own admission is taken back when its turn comes (``_settle_in_order``)
+            self._claimed_done.add(request_id)
+        self.core.learn(ticket, event.session, now, event.prefix_blocks)
+        self._owned.add(ticket.ticket_id)
+        decision = pending.decisions.get(shared.admitted_at)
+        if decision is None:  # not expected: every claim is noted before it is sent
+            latest = pending.decisions[max(pending.decisions)]
+            decision = replace(latest, engine=ticket.engine, reserved_tokens=ticket.reserved_tokens,
+                               expected_done_at=ticket.expected_done_at, expected_ttft_s=ticket.expected_ttft_s)
+        self._resolve([Outcome(request_id, decision, ticket, max(0.0, now - pending.parked_at))])
 
     def on_probe(self, view: EngineView) -> None:
         """A good probe: tickets of an engine seen idle lost their log entry (reaped at once), then wake its models."""
@@ -508,6 +760,7 @@ class AdmissionService:
 
     def _resolve(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
+            self._claims.pop(outcome.request_id, None)
             future = self._parked.pop(outcome.request_id, None)
             if future is not None and not future.done():
                 future.set_result(outcome)
@@ -533,7 +786,7 @@ class AdmissionService:
         """Before any Check: join the store and learn every ticket it holds (a restart picks up the ledger)."""
         try:
             await self._timed("heartbeat", self.store.open())
-        except StoreUnavailable as exc:  # serve per store.on_failure; the heartbeat loop resyncs once it answers
+        except StoreUnavailable as exc:  # serve per store.on_failure; the upkeep loop resyncs once it answers
             log.error("the shared store does not answer at start-up (%s); store.on_failure: %s", exc,
                       self.config.store.on_failure.value)
             self.store_up = False
@@ -555,7 +808,16 @@ class AdmissionService:
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._sweep_park_deadlines(), name="park-deadlines"))
         self._tasks.append(asyncio.create_task(self._reap_leases(), name="lease-reaper"))
-        self._tasks.append(asyncio.create_task(self._heartbeats(), name="store-heartbeat"))
+        self._tasks.append(asyncio.create_task(self._upkeep(), name="store-upkeep"))
+        loop = asyncio.get_running_loop()
+        st = self.config.store
+
+        def lapsed() -> None:  # called from the store's liveness thread
+            try:
+                loop.call_soon_threadsafe(self._lapsed)
+            except RuntimeError:  # the loop is closed: this replica is stopping
+                pass
+        self.store.start_liveness(st.heartbeat_seconds, st.heartbeat_seconds * st.dead_after_beats, lapsed)
 
     async def stop(self) -> None:
         for task in [*self._tasks, *self._background]:
@@ -565,9 +827,13 @@ class AdmissionService:
         await self.store.close()
 
     def _heard(self, event: StoreEvent) -> None:
-        """Another replica's admission, release or unpark: the mirror follows; freed capacity or a shorter line wakes."""
+        """Another replica's admission, release or unpark, an admission on a claim, a dead replica: the mirror follows;
+        freed capacity or a shorter line wakes."""
         now = self.clock()
-        if event.kind is EventKind.ADMITTED and event.ticket is not None:
+        if event.kind is EventKind.CLAIMED and event.replica == self.store.replica_id and event.ticket is not None:
+            self._own_claimed(event)
+            self.wake([event.model])
+        elif event.kind in (EventKind.ADMITTED, EventKind.CLAIMED) and event.ticket is not None:
             # ... unless its access-log entry reached this replica before this event did: released here already.
             if event.ticket_id not in self._releasing and event.ticket_id not in self._recently_released:
                 self.core.learn(self.shared.to_local(event.ticket), event.session, now, event.prefix_blocks)
@@ -579,6 +845,37 @@ class AdmissionService:
                 self.wake([event.model])
         elif event.kind is EventKind.UNPARKED:
             self.wake([event.model])
+        elif event.kind is EventKind.DEAD:
+            if event.replica != self.store.replica_id:  # this one's own: see _lapsed
+                log.warning("replica %s was found dead: its parked requests left the shared lines", event.replica)
+            self.wake()
+
+    def _lapsed(self) -> None:
+        """This replica's heartbeat had lapsed although it is alive (its beats were held up; the store restarted empty):
+        the store may have taken its members out of every line; they go back (``_put_back_in_line``). Called once the
+        heartbeat is renewed (``Store.start_liveness``), so the store cannot take them out again for the same lapse
+        (it removes a replica only while its heartbeat is lapsed, atomically)."""
+        if self.core.depth():
+            log.warning("this replica's heartbeat lapsed (held up past %.2f s): its %d parked request(s) go back in "
+                        "line, at the back", self.config.store.heartbeat_seconds * self.config.store.dead_after_beats,
+                        self.core.depth())
+        self._rejoin = True
+        self.wake()
+
+    async def _put_back_in_line(self) -> None:
+        """Every request the lot holds goes back into its shared line, in the lot's order, at the back, without a
+        claim. Under the line lock, so every park and unpark asked for before has landed; a member the store still held
+        moves to the back with the others (the line keeps the lot's order)."""
+        async with self._line_lock:
+            for entry in self.core.parked():
+                model = entry.request.model
+                if model is None or self.core.where(entry.request_id) is None or not self.store_up:
+                    continue
+                try:
+                    await self._timed("park", self.store.park(model, self.core.class_index(entry.request),
+                                                              entry.request_id, self.shared.offset + entry.parked_at))
+                except StoreUnavailable:
+                    return  # the store lost everything or is down: its return resynchronises and lapses again
 
     def _remember_released(self, ticket_id: str) -> None:
         self._recently_released[ticket_id] = None
@@ -602,6 +899,9 @@ class AdmissionService:
             return
         now = self.clock()
         held = {t.ticket_id for t, _ in state.tickets}
+        for ticket, owner in state.tickets:  # admitted on their claims while this replica was not listening
+            if owner == self.store.replica_id and ticket.ticket_id in self._claims:
+                self._own_claimed(StoreEvent(EventKind.CLAIMED, owner, ticket.ticket_id, ticket, model=ticket.model))
         for ticket, owner in state.tickets:
             if self.core.learn(self.shared.to_local(ticket), None, now) and owner == self.store.replica_id:
                 self._owned.add(ticket.ticket_id)
@@ -614,11 +914,11 @@ class AdmissionService:
             log.warning("restored %d tickets the store had lost", restored)
         self.wake()
 
-    async def _heartbeats(self) -> None:
-        every = self.config.store.heartbeat_seconds
+    async def _upkeep(self) -> None:
+        """The store's lease sweep, every ``STORE_UPKEEP_S``; whether it answers is the store's state here (a store
+        back after an outage is resynchronised). The heartbeat is renewed elsewhere (``Store.start_liveness``)."""
         while True:
             try:
-                await self._timed("heartbeat", self.store.heartbeat(every * 3))
                 expired = await self._timed("expire", self.store.expire(self.shared.offset + self.clock()))
                 for ticket in expired:  # any replica's sweep closes a lapsed lease once; this one was first
                     self.core.release(ticket.ticket_id, self.clock(), completed=False)
@@ -632,7 +932,7 @@ class AdmissionService:
                               self.config.store.on_failure.value)
                 self.store_up = False
             self.metrics.store_up.set(1 if self.store_up else 0)
-            await asyncio.sleep(every)
+            await asyncio.sleep(STORE_UPKEEP_S)
 
     async def _timed(self, op: str, call: Awaitable[_T]) -> _T:
         """One store call, timed. A task cancelled during the call is cancelled when it returns, whatever it returned:
@@ -678,9 +978,9 @@ class AdmissionService:
 
     async def _audit_lines(self) -> None:
         """Take out of the shared lines every member of this replica that its lot no longer holds. Every way out of the
-        lot unparks its request, so this finds nothing; it is the backstop for one that does not (session 9 found a
-        wake's shed that did not): a stray member heads its line for good, and every later admission of its model, on
-        every replica, is refused ``queued`` while the engines idle. Under the line lock, so every park and unpark asked
+        lot unparks its request, so this finds nothing; it is the backstop for one that does not: a stray member heads
+        its line for good, and every later admission of its model, on every replica, is refused ``queued`` while the
+        engines idle. Under the line lock, so every park and unpark asked
         for before has landed and none lands meanwhile; a request in ``_parking`` (its park still to come),
         ``_settling`` (woken, perhaps going back) or ``_unparking`` (its unpark on its way) is no stray. Counted in
         ``sluice_line_strays_removed_total``."""
@@ -696,7 +996,7 @@ class AdmissionService:
                     # unpark says whether it removed anything: a request admitted while ``members`` was read is gone
                     strays = [r for r in candidates if await self._timed("unpark", self.store.unpark(model, klass, r))]
                 except StoreUnavailable:
-                    return  # the heartbeat loop notices; the next audit tries again
+                    return  # the upkeep loop notices; the next audit tries again
             if strays:
                 log.warning("%d request(s) of %s were in the shared line but no longer parked here; taken out: %s",
                             len(strays), model, ", ".join(strays[:5]))

@@ -412,11 +412,18 @@ class StoreConfig:
     on_failure: StoreOnFailure = StoreOnFailure.OPEN
     timeout_seconds: float = 0.5
     """One store call's bound; past it the call counts as a failure (``on_failure``)."""
-    heartbeat_seconds: float = 1.0
-    """How often a replica says it is alive; one silent for 3x this is dead and its parked requests leave the line."""
+    heartbeat_seconds: float = 0.05
+    """How often a replica says it is alive (from a thread of its own); each time it also looks for dead replicas."""
+    dead_after_beats: int = 5
+    """A replica silent for this many heartbeats is dead: its parked requests leave every line at once (its tickets
+    stay). 5 x 0.05 s: a survivor admits past a dead replica's members within about 0.3 s."""
     session_ttl_seconds: float = 3600.0
     reserve_attempts: int = 3
     """Admissions tried per Check when other replicas keep taking the chosen slot first; then the request parks."""
+    claim_seconds: float = 0.25
+    """How long an admission the store refused only for the line stays with the parked request as its claim: the store
+    admits it when the request heads the line within that time and it still fits (controlplane/store/base.py). 0: no
+    claims (each parked request waits for its own replica's wake)."""
     max_connections: int = 64
     """Connections a replica opens to the store at most; calls beyond wait for one (up to ``timeout_seconds``)."""
 
@@ -847,8 +854,10 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
         on_failure=c.choice("store.on_failure", st["on_failure"], StoreOnFailure),
         timeout_seconds=float(c.number("store.timeout_seconds", st["timeout_seconds"], minimum=0.01)),
         heartbeat_seconds=float(c.number("store.heartbeat_seconds", st["heartbeat_seconds"], minimum=0.05)),
+        dead_after_beats=int(c.number("store.dead_after_beats", st["dead_after_beats"], minimum=2, integer=True)),
         session_ttl_seconds=float(c.number("store.session_ttl_seconds", st["session_ttl_seconds"], minimum=1)),
         reserve_attempts=int(c.number("store.reserve_attempts", st["reserve_attempts"], minimum=1, integer=True)),
+        claim_seconds=float(c.number("store.claim_seconds", st["claim_seconds"], minimum=0)),
         max_connections=int(c.number("store.max_connections", st["max_connections"], minimum=1, integer=True)),
     )
     if store.url is not None and not store.url.startswith(("redis://", "rediss://", "unix://")):

@@ -5,9 +5,11 @@ What it holds:
 - **tickets**, with their engine, model, reserved KV tokens, expected finish, lease and owner (the replica that admitted
   them), and for each engine its open tickets and the KV they reserve;
 - the **parking order** per model and class, across replicas (a member is ``<replica>|<request id>``; the parked Check
-  itself can only be answered by the replica holding it, so only its place in line is shared), and when each parked
-  request first parked (a Check Envoy asks again of another replica after its replica went away keeps that time);
-- **sessions** (``x-sluice-session`` -> the engine that served it last), with a TTL.
+  itself can only be answered by the replica holding it, so only its place in line is shared), when each parked
+  request first parked (a Check Envoy asks again of another replica after its replica went away keeps that time), and
+  a member's **claim**: the admission its replica decided for it when the store refused it for the line alone;
+- **sessions** (``x-sluice-session`` -> the engine that served it last), with a TTL;
+- which replicas are **alive**: a heartbeat with a lapse of a few beats (``start_liveness``).
 
 Recent-serve counts are not stored: every replica derives them from the admissions it hears about (``StoreEvent``), which
 carry everything a serve count needs. The prefix index (core/prefix.py) is not stored either: an admission's event carries
@@ -22,6 +24,30 @@ place in line (``QueueRule``). A replica decides on its local mirror of the ledg
 tickets from the refusal (``Reserved.engine_tickets``) and decides again. Caps and KV therefore hold exactly with any
 number of replicas, whatever the mirrors' lag.
 
+**Claims: the line moves without a round trip between replicas.** Only the replica holding a parked Check can decide its
+admission, so a line whose members alternate between replicas would move one admission per event hop: each replica
+waits to hear the other's admission before its own head is first. Instead, a request the store refuses for the line
+alone (``Refusal.QUEUED``: its admission fitted, someone was ahead) leaves that admission with its member: ``park``'s
+``claim`` for an arrival, ``reserve`` itself for a woken member already in line, and ``claim`` for the woken members
+behind that one (a wake decides all of its replica's heads at once). Whenever the line or capacity
+changes (every ``reserve``, ``release``, expiry, ``park``, ``unpark`` and a dead replica's removal), the store admits
+the line's heads on their claims, in line order (critical before standard), while the head has a claim that is fresh
+(``fresh_s``, from when it was left) and fits the engine's cap and KV exactly; it stops at the first head that has
+none, or whose claim does not fit (kept while fresh). Each such admission is a ``CLAIMED`` event that every replica
+hears, the one holding the Check too, which answers it with the ticket. A claim never overtakes: it is admitted only at
+the head of its line, so the order of admissions is the line's order, and it is what its replica decided moments
+before; a member's own replica may still admit it itself (a ``reserve`` that takes it out of the line drops its claim),
+or take it out.
+
+**Liveness.** A replica renews its heartbeat every ``every_s`` from a thread of its own (a busy event loop does not make
+a live replica look dead) and is dead once it is ``lapse_s`` old. Each renewal also removes every dead replica
+(``reap``): its members leave every line at once, with their claims (a ``DEAD`` event names it; its first-park times are
+kept a minute for its Checks that Envoy asks again elsewhere), then the lines it was in move on claims as above. Its
+tickets stay: their streams may still run, and the access log releases them. A ``reserve`` that meets a dead member
+at a line's head removes that replica the same way (the check and the removal are one atomic step). A replica whose
+renewal finds its own heartbeat had lapsed (its beats were held up longer than the lapse, or the store lost its data)
+puts its parked requests back in line, at the back, in its lot's order.
+
 **Time** in the store is shared time: seconds since the epoch (``time.time()``), so replicas on different hosts agree.
 The admission service converts its monotonic clock to shared time (``SharedClock``) at this port, and back.
 
@@ -33,12 +59,20 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 # QueueRule is defined beside the core that chooses it; the store checks it (re-exported for the backends).
 from controlplane.core.model import QueueRule as QueueRule, Ticket
+
+
+LINE_CLASSES = 2
+"""Parking classes, each a line per model (index 0 critical, 1 standard: the core's ``PARK_CLASSES``); a line's heads
+are admitted on claims class by class, a higher class's head holding the lower ones."""
+
+DEAD_FIRSTS_S = 60.0
+"""How long a dead replica's members' first-park times are kept for their Checks that Envoy asks again elsewhere."""
 
 
 class StoreUnavailable(Exception):
@@ -59,7 +93,10 @@ class Claim:
     klass: int = 1
     """The request's parking class: an index into ``PARK_CLASSES`` (0 critical, 1 standard)."""
     prefix_blocks: tuple[int, ...] = ()
-    """The prompt's block hashes (core/prefix.py), passed on in the admission's event and nowhere stored."""
+    """The prompt's block hashes (core/prefix.py), passed on in the admission's event (and kept with a claim)."""
+    fresh_s: float = 0.0
+    """A ``reserve`` refused only for the line (``QUEUED``) of a request already in it leaves this claim with its member
+    for this long (0: none; see Claims)."""
 
 
 class Refusal(enum.StrEnum):
@@ -87,16 +124,22 @@ class EventKind(enum.StrEnum):
     RELEASED = "released"
     UNPARKED = "unparked"
     """A parked request left the line (admitted, shed, cancelled): a replica whose head waited behind it may go."""
+    CLAIMED = "claimed"
+    """A parked request the store admitted on its claim: ``replica`` holds its Check; every replica hears it, that one
+    too (it answers the Check with ``ticket``; the others learn the ticket as an admission)."""
+    DEAD = "dead"
+    """``replica``'s heartbeat lapsed: its members left every line. Every replica hears it (each wakes its lot)."""
 
 
 @dataclass(frozen=True, slots=True)
 class StoreEvent:
     kind: EventKind
     replica: str
-    """The replica whose action this was (a replica ignores its own events)."""
+    """The replica whose action this was (a replica ignores its own events), or, for ``CLAIMED`` and ``DEAD``, the
+    replica it is about (every replica hears those)."""
     ticket_id: str
     ticket: Ticket | None = None
-    """ADMITTED: the new ticket (shared time); RELEASED: the closed one."""
+    """ADMITTED, CLAIMED: the new ticket (shared time); RELEASED: the closed one."""
     session: str | None = None
     model: str = ""
     prefix_blocks: tuple[int, ...] = ()
@@ -117,7 +160,9 @@ class Store(Protocol):
 
     replica_id: str
 
-    async def open(self) -> None: ...
+    async def open(self) -> None:
+        """Join the store, alive for a few seconds (``start_liveness`` keeps it so); members a former process of this
+        replica id left in any line are removed (their Checks died with it)."""
     async def close(self) -> None: ...
     async def reserve(self, claim: Claim) -> Reserved: ...
     async def release(self, ticket_id: str) -> Ticket | None:
@@ -126,23 +171,41 @@ class Store(Protocol):
         """Close tickets whose lease ended by ``now`` (shared time), at most ``limit`` per call; each goes to one caller."""
     async def restore(self, tickets: list[Ticket]) -> int:
         """Write back tickets this replica owns that the store lacks (after a store outage), without checks; how many."""
-    async def park(self, model: str, klass: int, request_id: str, at: float) -> float:
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
         """Put ``request_id`` at the back of the line ``(model, klass)`` as this replica's member; ``at``: now, in
         shared time. Returns when the request first parked: ``at``, or, when another replica's member of the same
         request id is in that line (Envoy asked the request's Check again of this replica after that one went away:
-        resources.py ``_check_retry``), the time that member parked; that member leaves the line (an UNPARKED event),
-        so the request is in line once, at the back."""
+        resources.py ``_check_retry``) or was until that replica was found dead, the time that member parked; that
+        member leaves the line (an UNPARKED event), so the request is in line once, at the back. ``claim``: the
+        admission the store refused it for the line alone, left with its member for ``claim.fresh_s`` (Claims)."""
+    async def claim(self, model: str, klass: int, claims: Sequence[tuple[str, Claim]]) -> None:
+        """Leave each claim with this replica's member of its request id in the line ``(model, klass)`` for its
+        ``fresh_s`` (a request not in that line is skipped); then the line's heads go on their claims (Claims)."""
     async def unpark(self, model: str, klass: int, request_id: str) -> bool:
-        """Take a request out of the line; False if it was not there (admitted, or unparked before)."""
+        """Take a request out of the line (its claim too); False if it was not there (admitted, or unparked before)."""
     async def members(self, model: str, klass: int) -> list[str]:
         """Request ids this replica holds in the line ``(model, klass)``, oldest first (the line audit's view)."""
     async def heartbeat(self, ttl_s: float) -> None:
-        """This replica is alive for ``ttl_s`` more seconds. A replica whose heartbeat lapsed is dead: its parked
-        members are dropped from every line the next time a ``reserve`` looks at them."""
+        """This replica is alive for ``ttl_s`` more seconds (``start_liveness`` renews it from then on)."""
+    async def reap(self) -> list[str]:
+        """Remove every replica whose heartbeat lapsed (see Liveness; a ``DEAD`` event each); returns their ids."""
+    def start_liveness(self, every_s: float, lapse_s: float, on_lapsed: Callable[[], None]) -> None:
+        """Until ``close``: renew this replica's heartbeat every ``every_s`` with a lapse of ``lapse_s``, and ``reap``
+        after each renewal, off the event loop. ``on_lapsed`` is called (from any thread) when a renewal finds this
+        replica's own heartbeat had lapsed meanwhile."""
     async def load(self) -> StoreState: ...
     async def listen(self, handler: Callable[[StoreEvent], None], on_connected: Callable[[], None]) -> None:
         """Deliver every other replica's events to ``handler`` until cancelled (reconnecting when the store comes back;
         ``on_connected`` each time the subscription is (re)established, so the caller can resynchronise)."""
+    def expect_admission(self, ticket_id: str, then: Callable[[], None]) -> None:
+        """Call ``then`` when ``listen`` hands on this replica's own admission of ``ticket_id`` (own events go to no
+        handler): right after that event, before the next one. Asked before the ``reserve`` that may write it, so the
+        request is answered in the store's order among the admissions answered from the stream (claimed ones), whether
+        the event or the ``reserve``'s reply comes first. ``admission_settled`` says what the ``reserve`` did."""
+    def admission_settled(self, ticket_id: str, written: bool) -> None:
+        """The ``reserve`` behind ``expect_admission(ticket_id, ...)`` returned: not ``written``, the expectation is
+        dropped; written but not heard yet, ``then`` is called once it is, or at once when not listening, or after the
+        store's call timeout (a stream that lost events is resynchronised anyway)."""
 
 
 def member(replica: str, request_id: str) -> str:

@@ -2,8 +2,10 @@
 
 Every change is one server-side Lua script, so it is atomic against every other replica's: ``reserve`` checks the line,
 the engine's cap and its reserved KV and then writes, or refuses, in one step; ``release`` and lease expiry close a ticket
-once, whoever asks first. Each script also publishes what it did on ``<prefix>:events``, which every replica's
-``listen`` turns into ``StoreEvent``s for its mirror.
+once, whoever asks first; every script that changes a line or frees capacity then admits the lines' heads on their
+claims (``drain``, base.py Claims), in the same atomic step. Each script also publishes what it did on
+``<prefix>:events``, which every replica's ``listen`` turns into ``StoreEvent``s for its mirror. Scripts read the
+server's clock (``TIME``) for claims only, so replicas on several hosts agree on a claim's freshness.
 
 Keys (``<p>`` = ``store.prefix``, default ``sluice``)::
 
@@ -13,8 +15,13 @@ Keys (``<p>`` = ``store.prefix``, default ``sluice``)::
     <p>:leases              zset   ticket id by lease deadline (any replica's sweep closes the lapsed ones)
     <p>:q:<model>:<class>   zset   "<replica>|<request id>" by arrival sequence (<p>:seq)
     <p>:qa:<model>:<class>  hash   request id -> "<replica>|<when it first parked>", one per member of the line above
+    <p>:qd:<model>:<class>  hash   the same for members of dead replicas (expires DEAD_FIRSTS_S after the last one)
+    <p>:c:<model>:<class>   hash   member -> its claim (JSON: ticket record, cap, KV limit, session, until when, ...)
+    <p>:ml:<replica>        set    "<model>:<class>" of every line the replica parked in (its removal's index)
     <p>:s:<session>         string the session's engine (EX store.session_ttl_seconds)
-    <p>:r:<replica>         string a replica's heartbeat (PX store.heartbeat_ttl_seconds); absent = dead
+    <p>:r:<replica>         string a replica's heartbeat (PX store.heartbeat_seconds x store.dead_after_beats);
+                                   absent = dead
+    <p>:replicas            set    replicas with a heartbeat (each renewal looks for lapsed ones among them)
 
 A ticket's hash also expires ``TICKET_KEY_GRACE_S`` after its lease as a backstop; the lease sweep closes it long before.
 """
@@ -24,43 +31,97 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from controlplane.core.model import Ticket
 from controlplane.core.prefix import blocks_from_text, blocks_text
 from controlplane.store.base import (
-    Claim, EventKind, Refusal, Reserved, StoreEvent, StoreState, StoreUnavailable, member,
+    DEAD_FIRSTS_S, LINE_CLASSES, Claim, EventKind, Refusal, Reserved, StoreEvent, StoreState, StoreUnavailable, member,
 )
 
 log = logging.getLogger("sluice.store")
 
 TICKET_KEY_GRACE_S = 3600.0
 RECONNECT_S = 0.5
+OPEN_LAPSE_MS = 5000
+"""A replica's heartbeat at ``open``, until ``start_liveness`` renews it."""
+_EVERYONE = (EventKind.CLAIMED, EventKind.DEAD)
+"""Events every replica hears, the one they are about too (base.py ``EventKind``)."""
 
-# Shared by the scripts: a ticket as a JSON array, closing one (publishing it), a member leaving a line, and a line's
-# first live member.
+# Shared by the scripts: a ticket as a JSON array, closing one (publishing it), a member leaving a line, a dead
+# replica's removal, a line's first live member, an admission, and draining a model's lines on claims.
 _LIB = r"""
 local p = ARGV[1]
+local CLASSES = @CLASSES@
+local DEAD_MS = @DEAD_MS@
 local FIELDS = {'engine', 'model', 'admitted_at', 'lease', 'reserved', 'done', 'ttft', 'owner'}
 local function record(id)
   local h = redis.call('HMGET', p .. ':t:' .. id, unpack(FIELDS))
   if not h[1] then return nil end
   return {id, h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8]}
 end
-local function close(id, by)
-  local r = record(id)
-  redis.call('ZREM', p .. ':leases', id)
-  if not r then return nil end
-  redis.call('DEL', p .. ':t:' .. id)
-  redis.call('SREM', p .. ':e:' .. r[2], id)
-  redis.call('HINCRBY', p .. ':kv', r[2], -tonumber(r[6]))
-  local text = cjson.encode(r)
-  redis.call('PUBLISH', p .. ':events', cjson.encode({'released', by, text, ''}))
-  return text
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function publish(kind, by, payload, extra, blocks)
+  redis.call('PUBLISH', p .. ':events', cjson.encode({kind, by, payload, extra, blocks or ''}))
+end
+local function leave(q, replica, rid)
+  local m = replica .. '|' .. rid
+  if redis.call('ZREM', p .. ':q:' .. q, m) == 0 then return false end
+  redis.call('HDEL', p .. ':c:' .. q, m)
+  local held = redis.call('HGET', p .. ':qa:' .. q, rid)
+  if held and string.match(held, '^(.-)|') == replica then redis.call('HDEL', p .. ':qa:' .. q, rid) end
+  return true
+end
+local function purge(replica)
+  local prefix = replica .. '|'
+  local models = {}
+  for _, q in ipairs(redis.call('SMEMBERS', p .. ':ml:' .. replica)) do
+    local gone = false
+    for _, m in ipairs(redis.call('ZRANGE', p .. ':q:' .. q, 0, -1)) do
+      if string.sub(m, 1, #prefix) == prefix then
+        local rid = string.sub(m, #prefix + 1)
+        local held = redis.call('HGET', p .. ':qa:' .. q, rid)
+        if held and string.match(held, '^(.-)|') == replica then
+          redis.call('HSET', p .. ':qd:' .. q, rid, held)
+          redis.call('PEXPIRE', p .. ':qd:' .. q, DEAD_MS)
+        end
+        leave(q, replica, rid)
+        gone = true
+      end
+    end
+    if gone then table.insert(models, string.match(q, '^(.*):%d+$')) end
+  end
+  redis.call('DEL', p .. ':ml:' .. replica)
+  redis.call('SREM', p .. ':replicas', replica)
+  publish('dead', replica, '', '')
+  return models
+end
+local function first(model, k, newest)
+  local q = model .. ':' .. k
+  local qkey = p .. ':q:' .. q
+  for _ = 1, 1000 do
+    local m
+    if newest then m = redis.call('ZRANGE', qkey, -1, -1) else m = redis.call('ZRANGE', qkey, 0, 0) end
+    if #m == 0 then return nil end
+    local replica, rid = string.match(m[1], '^(.-)|(.*)$')
+    if replica and redis.call('EXISTS', p .. ':r:' .. replica) == 1 then return m[1] end
+    if replica then
+      purge(replica)
+      leave(q, replica, rid)
+    else
+      redis.call('ZREM', qkey, m[1])
+    end
+  end
+  return nil
 end
 local function write(r, grace)
   local id, engine = r[1], r[2]
@@ -72,65 +133,105 @@ local function write(r, grace)
   redis.call('HINCRBY', p .. ':kv', engine, tonumber(r[6]))
   redis.call('ZADD', p .. ':leases', r[5], id)
 end
-local function leave(q, replica, rid)
-  if redis.call('ZREM', p .. ':q:' .. q, replica .. '|' .. rid) == 0 then return false end
-  local held = redis.call('HGET', p .. ':qa:' .. q, rid)
-  if held and string.match(held, '^(.-)|') == replica then redis.call('HDEL', p .. ':qa:' .. q, rid) end
-  return true
-end
-local function first(model, k, newest)
-  local q = model .. ':' .. k
-  local qkey = p .. ':q:' .. q
-  for _ = 1, 1000 do
-    local m
-    if newest then m = redis.call('ZRANGE', qkey, -1, -1) else m = redis.call('ZRANGE', qkey, 0, 0) end
-    if #m == 0 then return nil end
-    local replica, rid = string.match(m[1], '^(.-)|(.*)$')
-    if replica and redis.call('EXISTS', p .. ':r:' .. replica) == 1 then return m[1] end
-    if replica then leave(q, replica, rid) else redis.call('ZREM', qkey, m[1]) end
-  end
+local function fits(r, cap, kvlimit)
+  if cap >= 0 and redis.call('SCARD', p .. ':e:' .. r[2]) >= cap then return 'cap' end
+  local held = tonumber(redis.call('HGET', p .. ':kv', r[2]) or '0')
+  if kvlimit >= 0 and held + tonumber(r[6]) > kvlimit then return 'kv' end
   return nil
 end
-"""
+local function admit(r, session, session_ttl, grace)
+  write(r, grace)
+  if session ~= '' then redis.call('SET', p .. ':s:' .. session, r[2], 'EX', session_ttl) end
+end
+-- A claim: {record, cap, kv limit, session, until (server time), block hashes, session ttl, grace}
+local function drain(model)
+  local n, now = 0, nil
+  local claims = {}
+  for k = 0, CLASSES - 1 do claims[k + 1] = p .. ':c:' .. model .. ':' .. k end
+  if redis.call('EXISTS', unpack(claims)) == 0 then return 0 end  -- no claim anywhere in the model's lines
+  for k = 0, CLASSES - 1 do
+    local q = model .. ':' .. k
+    local ckey = p .. ':c:' .. q
+    while true do
+      local head = first(model, k, false)
+      if not head then break end
+      local text = redis.call('HGET', ckey, head)
+      if not text then return n end
+      local c = cjson.decode(text)
+      local r = c[1]
+      now = now or clock()
+      if tonumber(c[5]) < now or redis.call('EXISTS', p .. ':t:' .. r[1]) == 1 then
+        redis.call('HDEL', ckey, head)
+        return n
+      end
+      if fits(r, tonumber(c[2]), tonumber(c[3])) then return n end
+      admit(r, c[4], c[7], tonumber(c[8]))
+      local replica = string.match(head, '^(.-)|')
+      leave(q, replica, r[1])
+      publish('claimed', replica, cjson.encode(r), c[4], c[6])
+      n = n + 1
+    end
+  end
+  return n
+end
+local function close(id, by)
+  local r = record(id)
+  redis.call('ZREM', p .. ':leases', id)
+  if not r then return nil end
+  redis.call('DEL', p .. ':t:' .. id)
+  redis.call('SREM', p .. ':e:' .. r[2], id)
+  redis.call('HINCRBY', p .. ':kv', r[2], -tonumber(r[6]))
+  local text = cjson.encode(r)
+  publish('released', by, text, '')
+  drain(r[3])
+  return text
+end
+""".replace("@CLASSES@", str(LINE_CLASSES)).replace("@DEAD_MS@", str(int(DEAD_FIRSTS_S * 1000)))
 
 # ARGV: prefix, ticket record (JSON array), cap (-1: none), kv limit (-1: none), queue rule, class, session,
-#       session ttl s, key grace s, the prompt's block hashes (hex, only passed on in the event)
+#       session ttl s, key grace s, the prompt's block hashes (hex, only passed on), claim fresh s
 _RESERVE = _LIB + r"""
 local r = cjson.decode(ARGV[2])
 local id, engine, model, owner = r[1], r[2], r[3], r[9]
 local cap, kvlimit, rule, klass = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local session = ARGV[7]
+local session, fresh = ARGV[7], tonumber(ARGV[11])
+drain(model)
 if redis.call('EXISTS', p .. ':t:' .. id) == 1 then return {'exists'} end
 local mine = owner .. '|' .. id
+local q = model .. ':' .. klass
 if rule ~= 'none' then
   local higher = klass
   if rule == 'arrival' then higher = klass + 1 end
-  for k = 0, higher - 1 do if first(model, k, false) then return {'queued'} end end
-  if rule ~= 'arrival' then
+  local queued = false
+  for k = 0, higher - 1 do if first(model, k, false) then queued = true break end end
+  if not queued and rule ~= 'arrival' then
     local head = first(model, klass, rule == 'newest')
-    if head and head ~= mine then return {'queued'} end
+    queued = head ~= nil and head ~= mine
+  end
+  if queued then
+    if rule == 'oldest' and fresh > 0 and redis.call('ZSCORE', p .. ':q:' .. q, mine) then
+      redis.call('HSET', p .. ':c:' .. q, mine, cjson.encode({r, cap, kvlimit, session, clock() + fresh, ARGV[10],
+                                                             tonumber(ARGV[8]), tonumber(ARGV[9])}))
+    end
+    return {'queued'}
   end
 end
-local ekey = p .. ':e:' .. engine
-local function refuse(why)
+local why = fits(r, cap, kvlimit)
+if why then
   local out = {why}
-  for _, tid in ipairs(redis.call('SMEMBERS', ekey)) do
+  for _, tid in ipairs(redis.call('SMEMBERS', p .. ':e:' .. engine)) do
     local t = record(tid)
     if t then table.insert(out, cjson.encode(t)) end
   end
   return out
 end
-if cap >= 0 and redis.call('SCARD', ekey) >= cap then return refuse('cap') end
-local held = tonumber(redis.call('HGET', p .. ':kv', engine) or '0')
-if kvlimit >= 0 and held + tonumber(r[6]) > kvlimit then return refuse('kv') end
-write(r, tonumber(ARGV[9]))
-local q = model .. ':' .. klass
+admit(r, session, ARGV[8], tonumber(ARGV[9]))
 if not leave(q, owner, id) then
   local parked = redis.call('HGET', p .. ':qa:' .. q, id)
   if parked then leave(q, string.match(parked, '^(.-)|'), id) end  -- parked by a replica its Check was retried after
 end
-if session ~= '' then redis.call('SET', p .. ':s:' .. session, engine, 'EX', ARGV[8]) end
-redis.call('PUBLISH', p .. ':events', cjson.encode({'admitted', owner, ARGV[2], session, ARGV[10]}))
+publish('admitted', owner, ARGV[2], session, ARGV[10])
+drain(model)
 return {'ok'}
 """
 
@@ -155,36 +256,103 @@ local n = 0
 for _, r in ipairs(cjson.decode(ARGV[2])) do
   if redis.call('EXISTS', p .. ':t:' .. r[1]) == 0 then
     write(r, tonumber(ARGV[3]))
-    redis.call('PUBLISH', p .. ':events', cjson.encode({'admitted', ARGV[4], cjson.encode(r), ''}))
+    publish('admitted', ARGV[4], cjson.encode(r), '')
     n = n + 1
   end
 end
 return n
 """
 
-# ARGV: prefix, queue key suffix, replica, request id, now (shared time), model. Returns when the request first parked.
+# ARGV: prefix, queue key suffix, replica, request id, now (shared time), model, claim (JSON, its fourth field fresh s;
+#       '' for none). Returns when the request first parked.
 _PARK = _LIB + r"""
 local q, me, rid, since = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local held = redis.call('HGET', p .. ':qa:' .. q, rid)
+local moved = false
 if held then
   local replica, at = string.match(held, '^(.-)|(.*)$')
   if replica ~= me and leave(q, replica, rid) then  -- its Check was asked again here: it keeps its first park time
-    since = at
-    redis.call('PUBLISH', p .. ':events', cjson.encode({'unparked', me, rid, ARGV[6]}))
+    since, moved = at, true
+    publish('unparked', me, rid, ARGV[6])
   end
 end
-redis.call('ZADD', p .. ':q:' .. q, redis.call('INCR', p .. ':seq'), me .. '|' .. rid)
+if not moved then
+  local dead = redis.call('HGET', p .. ':qd:' .. q, rid)
+  if dead then  -- ... asked again after its replica was found dead
+    local replica, at = string.match(dead, '^(.-)|(.*)$')
+    if replica ~= me then since = at end
+    redis.call('HDEL', p .. ':qd:' .. q, rid)
+  end
+end
+local m = me .. '|' .. rid
+redis.call('ZADD', p .. ':q:' .. q, redis.call('INCR', p .. ':seq'), m)
 redis.call('HSET', p .. ':qa:' .. q, rid, me .. '|' .. since)
+redis.call('SADD', p .. ':ml:' .. me, q)
+if ARGV[7] ~= '' then
+  local c = cjson.decode(ARGV[7])
+  c[5] = clock() + tonumber(c[5])
+  redis.call('HSET', p .. ':c:' .. q, m, cjson.encode(c))
+end
+drain(ARGV[6])
 return since
+"""
+
+# ARGV: prefix, queue key suffix, replica, model, then pairs of request id and claim (JSON, its fifth field fresh s)
+_CLAIM = _LIB + r"""
+local q, me = ARGV[2], ARGV[3]
+local now = clock()
+for i = 5, #ARGV, 2 do
+  local m = me .. '|' .. ARGV[i]
+  if redis.call('ZSCORE', p .. ':q:' .. q, m) then
+    local c = cjson.decode(ARGV[i + 1])
+    c[5] = now + tonumber(c[5])
+    redis.call('HSET', p .. ':c:' .. q, m, cjson.encode(c))
+  end
+end
+drain(ARGV[4])
+return 1
 """
 
 # ARGV: prefix, queue key suffix, replica, request id, model
 _UNPARK = _LIB + r"""
 if leave(ARGV[2], ARGV[3], ARGV[4]) then
-  redis.call('PUBLISH', p .. ':events', cjson.encode({'unparked', ARGV[3], ARGV[4], ARGV[5]}))
+  publish('unparked', ARGV[3], ARGV[4], ARGV[5])
+  drain(ARGV[5])
   return 1
 end
 return 0
+"""
+
+# ARGV: prefix, replica, lapse ms. Returns 0 when the replica's heartbeat had lapsed (or never was), else 1.
+_HEARTBEAT = r"""
+local p = ARGV[1]
+local was = redis.call('SET', p .. ':r:' .. ARGV[2], '1', 'PX', ARGV[3], 'GET')
+redis.call('SADD', p .. ':replicas', ARGV[2])
+if was then return 1 end
+return 0
+"""
+
+# ARGV: prefix. Removes every replica whose heartbeat lapsed; returns their ids.
+_REAP = _LIB + r"""
+local dead = {}
+for _, replica in ipairs(redis.call('SMEMBERS', p .. ':replicas')) do
+  if redis.call('EXISTS', p .. ':r:' .. replica) == 0 then
+    for _, model in ipairs(purge(replica)) do drain(model) end
+    table.insert(dead, replica)
+  end
+end
+return dead
+"""
+
+# ARGV: prefix, replica, lapse ms. A former process of this replica id left members: they go (their Checks died with
+# it).
+_OPEN = _LIB + r"""
+if redis.call('EXISTS', p .. ':ml:' .. ARGV[2]) == 1 then
+  for _, model in ipairs(purge(ARGV[2])) do drain(model) end
+end
+redis.call('SET', p .. ':r:' .. ARGV[2], '1', 'PX', ARGV[3])
+redis.call('SADD', p .. ':replicas', ARGV[2])
+return 1
 """
 
 
@@ -213,6 +381,46 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _claim_text(claim: Claim, owner: str, session_ttl_s: float) -> str:
+    """A claim as ``park`` keeps it (the scripts' layout; its fifth field, fresh seconds, becomes a server time)."""
+    return json.dumps([_record(claim.ticket, owner), -1 if claim.cap is None else claim.cap,
+                       -1 if claim.kv_limit is None else claim.kv_limit, claim.session or "", claim.fresh_s,
+                       blocks_text(claim.prefix_blocks), int(session_ttl_s), TICKET_KEY_GRACE_S])
+
+
+class _Liveness(threading.Thread):
+    """A replica's heartbeat, renewed from its own thread and connection (so a busy event loop does not make a live
+    replica look dead), and the reaping of dead replicas after each renewal (base.py, Liveness)."""
+
+    def __init__(self, store: ValkeyStore, every_s: float, lapse_s: float, on_lapsed: Callable[[], None]) -> None:
+        super().__init__(name=f"store-liveness-{store.replica_id}", daemon=True)
+        self.store = store
+        self.every_s = every_s
+        self.lapse_ms = max(1, int(lapse_s * 1000))
+        self.on_lapsed = on_lapsed
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        s = self.store
+        client = redis.Redis.from_url(s.url, socket_timeout=s.timeout_s, socket_connect_timeout=s.timeout_s)
+        beat, reap = client.register_script(_HEARTBEAT), client.register_script(_REAP)
+        try:
+            while True:
+                try:
+                    if not beat(args=[s.prefix, s.replica_id, self.lapse_ms]):
+                        self.on_lapsed()
+                    dead = reap(args=[s.prefix])
+                    if dead:
+                        log.warning("replica(s) %s found dead (no heartbeat for %.2f s): their parked requests left "
+                                    "the lines", ", ".join(map(_text, dead)), self.lapse_ms / 1000)
+                except (RedisError, OSError) as exc:  # the store is down: the event loop's own calls notice
+                    log.debug("heartbeat of %s failed: %s", s.replica_id, exc)
+                if self.stopping.wait(self.every_s):
+                    return
+        finally:
+            client.close()
+
+
 class ValkeyStore:
     def __init__(self, url: str, replica_id: str, prefix: str = "sluice", timeout_s: float = 0.5,
                  session_ttl_s: float = 3600.0, max_connections: int = 64) -> None:
@@ -232,7 +440,13 @@ class ValkeyStore:
         self._subscriber: aioredis.Redis = aioredis.Redis.from_url(url, socket_connect_timeout=timeout_s)
         self._scripts = {name: self.client.register_script(text) for name, text in (
             ("reserve", _RESERVE), ("release", _RELEASE), ("expire", _EXPIRE), ("restore", _RESTORE),
-            ("park", _PARK), ("unpark", _UNPARK))}
+            ("park", _PARK), ("unpark", _UNPARK), ("claim", _CLAIM), ("heartbeat", _HEARTBEAT), ("reap", _REAP),
+            ("open", _OPEN))}
+        self._liveness: _Liveness | None = None
+        self._listening = False
+        self._expected: dict[str, Callable[[], None]] = {}
+        """This replica's own admissions it expects to hear (``expect_admission``), by ticket id."""
+        self._late: dict[str, asyncio.TimerHandle] = {}
 
     async def _run(self, name: str, *args: Any) -> Any:
         try:
@@ -241,9 +455,12 @@ class ValkeyStore:
             raise _unavailable(f"{name}", exc) from exc
 
     async def open(self) -> None:
-        await self.heartbeat(5.0)
+        await self._run("open", self.replica_id, OPEN_LAPSE_MS)
 
     async def close(self) -> None:
+        if self._liveness is not None:
+            self._liveness.stopping.set()
+            await asyncio.to_thread(self._liveness.join, self.timeout_s * 4)
         try:
             await self.client.delete(f"{self.prefix}:r:{self.replica_id}")
         except (RedisError, OSError):
@@ -256,7 +473,7 @@ class ValkeyStore:
         answer = await self._run(
             "reserve", json.dumps(_record(t, self.replica_id)), -1 if claim.cap is None else claim.cap,
             -1 if claim.kv_limit is None else claim.kv_limit, claim.queue.value, claim.klass, claim.session or "",
-            int(self.session_ttl_s), TICKET_KEY_GRACE_S, blocks_text(claim.prefix_blocks))
+            int(self.session_ttl_s), TICKET_KEY_GRACE_S, blocks_text(claim.prefix_blocks), claim.fresh_s)
         verdict = _text(answer[0])
         if verdict == "ok":
             return Reserved()
@@ -277,8 +494,16 @@ class ValkeyStore:
         return int(await self._run("restore", json.dumps([_record(t, self.replica_id) for t in tickets]),
                                    TICKET_KEY_GRACE_S, self.replica_id))
 
-    async def park(self, model: str, klass: int, request_id: str, at: float) -> float:
-        return float(_text(await self._run("park", f"{model}:{klass}", self.replica_id, request_id, repr(at), model)))
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
+        held = "" if claim is None or claim.fresh_s <= 0 else _claim_text(claim, self.replica_id, self.session_ttl_s)
+        return float(_text(await self._run("park", f"{model}:{klass}", self.replica_id, request_id, repr(at), model,
+                                           held)))
+
+    async def claim(self, model: str, klass: int, claims: Sequence[tuple[str, Claim]]) -> None:
+        if claims:
+            pairs = [x for request_id, c in claims
+                     for x in (request_id, _claim_text(c, self.replica_id, self.session_ttl_s))]
+            await self._run("claim", f"{model}:{klass}", self.replica_id, model, *pairs)
 
     async def unpark(self, model: str, klass: int, request_id: str) -> bool:
         return bool(await self._run("unpark", f"{model}:{klass}", self.replica_id, request_id, model))
@@ -292,10 +517,15 @@ class ValkeyStore:
         return [m[len(mine):] for m in map(_text, line) if m.startswith(mine)]
 
     async def heartbeat(self, ttl_s: float) -> None:
-        try:
-            await self.client.set(f"{self.prefix}:r:{self.replica_id}", "1", px=max(1, int(ttl_s * 1000)))
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            raise StoreUnavailable(f"heartbeat: {exc}") from exc
+        await self._run("heartbeat", self.replica_id, max(1, int(ttl_s * 1000)))
+
+    async def reap(self) -> list[str]:
+        return [_text(r) for r in await self._run("reap")]
+
+    def start_liveness(self, every_s: float, lapse_s: float, on_lapsed: Callable[[], None]) -> None:
+        if self._liveness is None:
+            self._liveness = _Liveness(self, every_s, lapse_s, on_lapsed)
+            self._liveness.start()
 
     async def load(self) -> StoreState:
         try:
@@ -320,28 +550,61 @@ class ValkeyStore:
             pubsub = self._subscriber.pubsub()
             try:
                 await pubsub.subscribe(channel)
+                self._listening = True
                 on_connected()
                 while True:
                     # No socket timeout on a subscription: it is quiet whenever nothing happens.
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                     if message is not None and message.get("type") == "message":
                         event = self._event(_text(message["data"]))
-                        if event is not None and event.replica != self.replica_id:
+                        if event.replica != self.replica_id or event.kind in _EVERYONE:
                             handler(event)
+                        elif event.kind is EventKind.ADMITTED:
+                            self._heard_own(event.ticket_id)
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 log.warning("store subscription lost (%s); reconnecting in %.1fs", exc, RECONNECT_S)
             finally:
+                self._listening = False
+                for ticket_id in list(self._late):  # written, not heard: answered now
+                    self._heard_own(ticket_id)
                 try:
                     await pubsub.aclose()
                 except (RedisError, OSError):
                     pass
             await asyncio.sleep(RECONNECT_S)
 
+    def _heard_own(self, ticket_id: str) -> None:
+        then = self._expected.pop(ticket_id, None)
+        timer = self._late.pop(ticket_id, None)
+        if timer is not None:
+            timer.cancel()
+        if then is not None:
+            then()
+
+    def expect_admission(self, ticket_id: str, then: Callable[[], None]) -> None:
+        self._expected[ticket_id] = then
+
+    def admission_settled(self, ticket_id: str, written: bool) -> None:
+        if not written:
+            self._expected.pop(ticket_id, None)
+        elif ticket_id in self._expected:
+            if not self._listening:
+                self._heard_own(ticket_id)
+            else:
+                def late() -> None:
+                    if ticket_id in self._late:
+                        log.debug("admission %s not heard within %.2f s; answered", ticket_id, self.timeout_s)
+                        self._heard_own(ticket_id)
+                self._late[ticket_id] = asyncio.get_running_loop().call_later(self.timeout_s, late)
+
     @staticmethod
-    def _event(text: str) -> StoreEvent | None:
-        kind, by, payload, extra, *prefix = json.loads(text)  # an admission's fifth field: its prompt's block hashes
+    def _event(text: str) -> StoreEvent:
+        """An event as the scripts publish it: [kind, by, payload, extra, the prompt's block hashes]."""
+        kind, by, payload, extra, blocks = json.loads(text)
         if kind == EventKind.UNPARKED:
             return StoreEvent(EventKind.UNPARKED, by, payload, model=extra)
+        if kind == EventKind.DEAD:
+            return StoreEvent(EventKind.DEAD, by, "")
         ticket, _ = _ticket(json.loads(payload))
-        blocks = blocks_from_text(prefix[0]) if prefix and isinstance(prefix[0], str) else ()
-        return StoreEvent(EventKind(kind), by, ticket.ticket_id, ticket, extra or None, ticket.model, blocks)
+        return StoreEvent(EventKind(kind), by, ticket.ticket_id, ticket, extra or None, ticket.model,
+                          blocks_from_text(blocks) if isinstance(blocks, str) else ())

@@ -27,6 +27,7 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineSample, EngineView, InferenceRequest, ServedModel, Verdict
 from controlplane.core.prefix import prompt_blocks
 from controlplane.metrics import SluiceMetrics
+from controlplane.store.base import Claim
 from controlplane.store.memory import MemoryState, MemoryStore
 
 CAPACITY = 20_000
@@ -79,9 +80,10 @@ class Replicas:
         store = MemoryStore(self.state, replica)
         park = store.park
 
-        async def recorded_park(model: str, klass: int, request_id: str, at: float) -> float:
+        async def recorded_park(model: str, klass: int, request_id: str, at: float,
+                                claim: Claim | None = None) -> float:
             self.park_order.append(request_id)
-            return await park(model, klass, request_id, at)
+            return await park(model, klass, request_id, at, claim)
         store.park = recorded_park  # type: ignore[method-assign]
         service = AdmissionService(self.config, core, cast(Any, FakeObservation(core)), SluiceMetrics(),
                                    lambda: self.now, store)

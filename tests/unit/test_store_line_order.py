@@ -26,7 +26,7 @@ from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.metrics import SluiceMetrics
-from controlplane.store.base import Store
+from controlplane.store.base import Claim, Store
 from controlplane.store.memory import MemoryState, MemoryStore
 from controlplane.store.valkey import ValkeyStore
 from controlplane.store.valkeyserver import ValkeyServer
@@ -62,9 +62,9 @@ class SlowParks(MemoryStore):
         super().__init__(state, "r0")
         self.delays = delays
 
-    async def park(self, model: str, klass: int, request_id: str, at: float) -> float:
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
         await asyncio.sleep(self.delays.get(request_id, 0.0))
-        return await super().park(model, klass, request_id, at)
+        return await super().park(model, klass, request_id, at, claim)
 
 
 async def answer(svc: AdmissionService, request_id: str) -> Outcome:
@@ -180,9 +180,9 @@ class RecordedParks(ValkeyStore):
 
     parks: list[str]
 
-    async def park(self, model: str, klass: int, request_id: str, at: float) -> float:
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
         self.parks.append(request_id)
-        return await super().park(model, klass, request_id, at)
+        return await super().park(model, klass, request_id, at, claim)
 
 
 @pytest.fixture(scope="module")
