@@ -235,7 +235,7 @@ class AdmissionService:
         return Claim(self.shared.to_shared(ticket), view.cap,
                      math.floor(capacity * policy.kv_high_watermark) if capacity else None,
                      request.session, outcome.rule, self.core.class_index(request), request.prefix_blocks,
-                     fresh_s=self._fresh_s(request))
+                     fresh_s=self._fresh_s(request), serve_half_life_s=policy.serve_half_life_s)
 
     def _claim_behind(self, request_id: str, request: InferenceRequest, fleet: Fleet,
                       now: float) -> tuple[Decision, Claim] | None:
@@ -902,6 +902,9 @@ class AdmissionService:
         for ticket, owner in state.tickets:  # admitted on their claims while this replica was not listening
             if owner == self.store.replica_id and ticket.ticket_id in self._claims:
                 self._own_claimed(StoreEvent(EventKind.CLAIMED, owner, ticket.ticket_id, ticket, model=ticket.model))
+        for engine, (count, at) in state.serves.items():  # warm near ties: the engines every replica admitted to
+            if self.core.serves.merge(engine, count, at - self.shared.offset):
+                self.core.index.note_serve(engine)
         for ticket, owner in state.tickets:
             if self.core.learn(self.shared.to_local(ticket), None, now) and owner == self.store.replica_id:
                 self._owned.add(ticket.ticket_id)

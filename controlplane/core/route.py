@@ -317,6 +317,19 @@ class ServeCounter:
         """Take back one ``add`` (an admission the shared store refused)."""
         self._values[engine] = (max(0.0, self._decayed(engine, now) - 1.0), now)
 
+    def merge(self, engine: str, count: float, at: float) -> bool:
+        """Another count of the same admissions (the shared store's, read by a replica that starts or missed events):
+        ``engine`` keeps the larger of the two, both decayed to the later of their times (warm near ties agree across
+        replicas). True if this counter changed."""
+        value, since = self._values.get(engine, (0.0, at))
+        later = max(since, at)
+        mine = value * math.pow(0.5, (later - since) / self.half_life_s)
+        theirs = count * math.pow(0.5, (later - at) / self.half_life_s)
+        if theirs <= mine:
+            return False
+        self._values[engine] = (theirs, later)
+        return True
+
     def snapshot(self, now: float) -> dict[str, float]:
         return {engine: self._decayed(engine, now) for engine in self._values}
 

@@ -9,9 +9,11 @@ What it holds:
   request first parked (a Check Envoy asks again of another replica after its replica went away keeps that time), and
   a member's **claim**: the admission its replica decided for it when the store refused it for the line alone;
 - **sessions** (``x-sluice-session`` -> the engine that served it last), with a TTL;
+- each engine's **recent-serve count** (decayed, and when it was last admitted to): what a replica that starts, or
+  missed events, reads to warm its own (warm near ties, route.py).
 - which replicas are **alive**: a heartbeat with a lapse of a few beats (``start_liveness``).
 
-Recent-serve counts are not stored: every replica derives them from the admissions it hears about (``StoreEvent``), which
+Recent-serve counts are otherwise derived by every replica from the admissions it hears about (``StoreEvent``), which
 carry everything a serve count needs. The prefix index (core/prefix.py) is not stored either: an admission's event carries
 its prompt's block hashes, so every replica notes every admission's blocks against its engine, in the order it hears
 them, and all replicas hold the same index up to that order (a replica that starts later begins empty). Learned rate medians are not stored either: every replica probes every engine and
@@ -60,7 +62,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 # QueueRule is defined beside the core that chooses it; the store checks it (re-exported for the backends).
@@ -97,6 +99,9 @@ class Claim:
     fresh_s: float = 0.0
     """A ``reserve`` refused only for the line (``QUEUED``) of a request already in it leaves this claim with its member
     for this long (0: none; see Claims)."""
+    serve_half_life_s: float = 0.0
+    """The half-life of recent-serve counts (``admission.serve_half_life_seconds``): an admission adds one to its
+    engine's shared count, decayed with it (0: not counted)."""
 
 
 class Refusal(enum.StrEnum):
@@ -148,10 +153,12 @@ class StoreEvent:
 
 @dataclass(frozen=True, slots=True)
 class StoreState:
-    """What a (re)starting replica reads: every open ticket and its owner, and the live sessions."""
+    """What a (re)starting replica reads: every open ticket and its owner, the live sessions, and each engine's
+    recent-serve count with when it was last admitted to (shared time)."""
 
     tickets: tuple[tuple[Ticket, str], ...]
     sessions: Mapping[str, str]
+    serves: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 class Store(Protocol):

@@ -11,6 +11,7 @@ gives it a lapse; ``start_liveness`` has nothing to renew.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ class MemoryState:
     """(model, class) -> member -> (its claim, until when it may be admitted on it)."""
     seq: int = 0
     sessions: dict[str, tuple[str, float]] = field(default_factory=dict)
+    serves: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """engine -> (its recent-serve count as of its last admission, the time of that admission)."""
     replicas: dict[str, float] = field(default_factory=dict)
     """replica -> the wall-clock time its heartbeat lapses."""
     listeners: list[_Listener] = field(default_factory=list)
@@ -132,10 +135,21 @@ class MemoryState:
             return Refusal.KV
         return None
 
+    def serve(self, engine: str, at: float, half_life_s: float) -> None:
+        """One admission to ``engine`` at ``at`` in its shared recent-serve count."""
+        if half_life_s <= 0:
+            return
+        count, since = self.serves.get(engine, (0.0, at))
+        if at >= since:
+            self.serves[engine] = (count * math.pow(0.5, (at - since) / half_life_s) + 1.0, at)
+        else:  # an admission older than the last one counted (clocks of several hosts): counted at the later time
+            self.serves[engine] = (count + math.pow(0.5, (since - at) / half_life_s), since)
+
     def admitted(self, claim: Claim, owner: str) -> None:
-        """Write ``claim``'s ticket for ``owner`` (cap and KV checked already), and its session."""
+        """Write ``claim``'s ticket for ``owner`` (cap and KV checked already), its serve and session."""
         ticket = claim.ticket
         self.write(ticket, owner)
+        self.serve(ticket.engine, ticket.admitted_at, claim.serve_half_life_s)
         if claim.session:
             self.sessions[claim.session] = (ticket.engine, self.wall() + SESSION_TTL_S)
 
@@ -298,7 +312,7 @@ class MemoryStore:
     async def load(self) -> StoreState:
         s, now = self.state, self.state.wall()
         return StoreState(tuple(s.tickets.values()),
-                          {k: engine for k, (engine, until) in s.sessions.items() if until > now})
+                          {k: engine for k, (engine, until) in s.sessions.items() if until > now}, dict(s.serves))
 
     async def listen(self, handler: Callable[[StoreEvent], None], on_connected: Callable[[], None]) -> None:
         entry = _Listener(self.replica_id, handler, self.expected)

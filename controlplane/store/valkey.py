@@ -19,6 +19,7 @@ Keys (``<p>`` = ``store.prefix``, default ``sluice``)::
     <p>:c:<model>:<class>   hash   member -> its claim (JSON: ticket record, cap, KV limit, session, until when, ...)
     <p>:ml:<replica>        set    "<model>:<class>" of every line the replica parked in (its removal's index)
     <p>:s:<session>         string the session's engine (EX store.session_ttl_seconds)
+    <p>:w                   hash   engine -> "<recent-serve count>|<when last admitted to>" (shared time)
     <p>:r:<replica>         string a replica's heartbeat (PX store.heartbeat_seconds x store.dead_after_beats);
                                    absent = dead
     <p>:replicas            set    replicas with a heartbeat (each renewal looks for lapsed ones among them)
@@ -55,7 +56,8 @@ _EVERYONE = (EventKind.CLAIMED, EventKind.DEAD)
 """Events every replica hears, the one they are about too (base.py ``EventKind``)."""
 
 # Shared by the scripts: a ticket as a JSON array, closing one (publishing it), a member leaving a line, a dead
-# replica's removal, a line's first live member, an admission, and draining a model's lines on claims.
+# replica's removal, a line's first live member, the shared serve counts, an admission, and draining a model's lines on
+# claims.
 _LIB = r"""
 local p = ARGV[1]
 local CLASSES = @CLASSES@
@@ -123,6 +125,21 @@ local function first(model, k, newest)
   end
   return nil
 end
+local function serve(engine, at, hl)
+  if hl <= 0 then return end
+  local old = redis.call('HGET', p .. ':w', engine)
+  local count, since = 1, at
+  if old then
+    local c0, a0 = string.match(old, '^(.-)|(.*)$')
+    c0, a0 = tonumber(c0), tonumber(a0)
+    if at >= a0 then
+      count = c0 * math.pow(0.5, (at - a0) / hl) + 1
+    else
+      count, since = c0 + math.pow(0.5, (a0 - at) / hl), a0
+    end
+  end
+  redis.call('HSET', p .. ':w', engine, string.format('%.6f|%.6f', count, since))
+end
 local function write(r, grace)
   local id, engine = r[1], r[2]
   local tkey = p .. ':t:' .. id
@@ -139,11 +156,12 @@ local function fits(r, cap, kvlimit)
   if kvlimit >= 0 and held + tonumber(r[6]) > kvlimit then return 'kv' end
   return nil
 end
-local function admit(r, session, session_ttl, grace)
+local function admit(r, session, session_ttl, grace, hl)
   write(r, grace)
+  serve(r[2], tonumber(r[4]), hl)
   if session ~= '' then redis.call('SET', p .. ':s:' .. session, r[2], 'EX', session_ttl) end
 end
--- A claim: {record, cap, kv limit, session, until (server time), block hashes, session ttl, grace}
+-- A claim: {record, cap, kv limit, session, until (server time), block hashes, session ttl, grace, serve half-life}
 local function drain(model)
   local n, now = 0, nil
   local claims = {}
@@ -165,7 +183,7 @@ local function drain(model)
         return n
       end
       if fits(r, tonumber(c[2]), tonumber(c[3])) then return n end
-      admit(r, c[4], c[7], tonumber(c[8]))
+      admit(r, c[4], c[7], tonumber(c[8]), tonumber(c[9]))
       local replica = string.match(head, '^(.-)|')
       leave(q, replica, r[1])
       publish('claimed', replica, cjson.encode(r), c[4], c[6])
@@ -189,12 +207,12 @@ end
 """.replace("@CLASSES@", str(LINE_CLASSES)).replace("@DEAD_MS@", str(int(DEAD_FIRSTS_S * 1000)))
 
 # ARGV: prefix, ticket record (JSON array), cap (-1: none), kv limit (-1: none), queue rule, class, session,
-#       session ttl s, key grace s, the prompt's block hashes (hex, only passed on), claim fresh s
+#       session ttl s, key grace s, the prompt's block hashes (hex, only passed on), claim fresh s, serve half-life s
 _RESERVE = _LIB + r"""
 local r = cjson.decode(ARGV[2])
 local id, engine, model, owner = r[1], r[2], r[3], r[9]
 local cap, kvlimit, rule, klass = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local session, fresh = ARGV[7], tonumber(ARGV[11])
+local session, fresh, hl = ARGV[7], tonumber(ARGV[11]), tonumber(ARGV[12])
 drain(model)
 if redis.call('EXISTS', p .. ':t:' .. id) == 1 then return {'exists'} end
 local mine = owner .. '|' .. id
@@ -211,7 +229,7 @@ if rule ~= 'none' then
   if queued then
     if rule == 'oldest' and fresh > 0 and redis.call('ZSCORE', p .. ':q:' .. q, mine) then
       redis.call('HSET', p .. ':c:' .. q, mine, cjson.encode({r, cap, kvlimit, session, clock() + fresh, ARGV[10],
-                                                             tonumber(ARGV[8]), tonumber(ARGV[9])}))
+                                                             tonumber(ARGV[8]), tonumber(ARGV[9]), hl}))
     end
     return {'queued'}
   end
@@ -225,7 +243,7 @@ if why then
   end
   return out
 end
-admit(r, session, ARGV[8], tonumber(ARGV[9]))
+admit(r, session, ARGV[8], tonumber(ARGV[9]), hl)
 if not leave(q, owner, id) then
   local parked = redis.call('HGET', p .. ':qa:' .. q, id)
   if parked then leave(q, string.match(parked, '^(.-)|'), id) end  -- parked by a replica its Check was retried after
@@ -385,7 +403,8 @@ def _claim_text(claim: Claim, owner: str, session_ttl_s: float) -> str:
     """A claim as ``park`` keeps it (the scripts' layout; its fifth field, fresh seconds, becomes a server time)."""
     return json.dumps([_record(claim.ticket, owner), -1 if claim.cap is None else claim.cap,
                        -1 if claim.kv_limit is None else claim.kv_limit, claim.session or "", claim.fresh_s,
-                       blocks_text(claim.prefix_blocks), int(session_ttl_s), TICKET_KEY_GRACE_S])
+                       blocks_text(claim.prefix_blocks), int(session_ttl_s), TICKET_KEY_GRACE_S,
+                       claim.serve_half_life_s])
 
 
 class _Liveness(threading.Thread):
@@ -473,7 +492,8 @@ class ValkeyStore:
         answer = await self._run(
             "reserve", json.dumps(_record(t, self.replica_id)), -1 if claim.cap is None else claim.cap,
             -1 if claim.kv_limit is None else claim.kv_limit, claim.queue.value, claim.klass, claim.session or "",
-            int(self.session_ttl_s), TICKET_KEY_GRACE_S, blocks_text(claim.prefix_blocks), claim.fresh_s)
+            int(self.session_ttl_s), TICKET_KEY_GRACE_S, blocks_text(claim.prefix_blocks), claim.fresh_s,
+            claim.serve_half_life_s)
         verdict = _text(answer[0])
         if verdict == "ok":
             return Reserved()
@@ -540,9 +560,13 @@ class ValkeyStore:
                 engine = await self.client.get(key)
                 if engine is not None:
                     sessions[_text(key).rsplit(":s:", 1)[1]] = _text(engine)
+            serves: dict[str, tuple[float, float]] = {}
+            for engine, value in (await self.client.hgetall(f"{self.prefix}:w")).items():
+                count, _, at = _text(value).partition("|")
+                serves[_text(engine)] = (float(count), float(at))
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             raise _unavailable(f"load", exc) from exc
-        return StoreState(tuple(tickets), sessions)
+        return StoreState(tuple(tickets), sessions, serves)
 
     async def listen(self, handler: Callable[[StoreEvent], None], on_connected: Callable[[], None]) -> None:
         channel = f"{self.prefix}:events"

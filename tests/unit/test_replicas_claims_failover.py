@@ -1,9 +1,9 @@
 """Two control-plane replicas' admission services on one store: the shared line moves without a round trip between
 replicas (claims), a dead replica stops holding the line within a fraction of a second (liveness), a replica found dead
-while alive comes back in line.
+while alive comes back in line, and a replica that starts agrees with the others on which engines are warm.
 
-Claims run on the memory store and on a real valkey-server; liveness on the real server (the heartbeat thread and key
-expiry are the point); never a fake."""
+Claims and the warm engines run on the memory store and on a real valkey-server; liveness on the real server (the
+heartbeat thread and key expiry are the point); never a fake."""
 
 from __future__ import annotations
 
@@ -214,3 +214,27 @@ async def test_a_replica_found_dead_while_alive_puts_its_lot_back_in_line(valkey
             svc.release_ticket(admitted_y.ticket.ticket_id)
     finally:
         await other.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "valkey"])
+async def test_a_replica_that_starts_takes_the_engines_the_others_keep_warm(
+        kind: str, request: pytest.FixtureRequest) -> None:
+    """More than ``near_tie_max_engines`` (8) idle engines tie: the ones admitted to within ``near_tie_warm_seconds``
+    take the request. A replica that starts (or restarts after a failover) learns them from the store, though their
+    requests are over; without that it would take the first 8 by name (e0, e1, e10 ... e15), cold ones."""
+    engines = {f"e{i}": 4 for i in range(20)}
+    async with backend(kind, request) as make:
+        other = make("r1")
+        await other.open()
+        for engine in ("e17", "e18", "e19"):
+            t = shared_ticket(f"t-{engine}", engine)
+            assert (await other.reserve(Claim(t, cap=4, kv_limit=None, serve_half_life_s=300.0))).ok
+            await other.release(t.ticket_id)
+        async with running(make("r0"), engines) as svc:
+            chosen = set()
+            for k in range(3):
+                outcome = await answer(svc, f"q{k}")
+                assert outcome.ticket is not None
+                chosen.add(outcome.decision.engine)
+                svc.release_ticket(outcome.ticket.ticket_id)
+            assert chosen <= {"e17", "e18", "e19"}, chosen

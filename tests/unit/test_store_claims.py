@@ -1,5 +1,5 @@
-"""The ``Store`` contract's claims, liveness and own admissions heard (controlplane/store/base.py), run unchanged
-against both backends: the in-process memory store and a real valkey-server (never a fake).
+"""The ``Store`` contract's claims, liveness, shared serve counts and own admissions heard (controlplane/store/base.py),
+run unchanged against both backends: the in-process memory store and a real valkey-server (never a fake).
 
 Claims: an admission the store refused for the line alone stays with the request's member and is admitted by the
 store itself, in line order, in the step that brings the member to the head (and only then, only while fresh, only if
@@ -64,8 +64,9 @@ async def handles(request: pytest.FixtureRequest) -> AsyncIterator[Handles]:
 
 
 def claim(tid: str, queue: QueueRule = QueueRule.ARRIVAL, cap: int | None = None, fresh_s: float = 5.0,
-          klass: int = 1, engine: str = "thor") -> Claim:
-    return Claim(ticket(tid, engine=engine), cap=cap, kv_limit=None, queue=queue, klass=klass, fresh_s=fresh_s)
+          klass: int = 1, engine: str = "thor", half_life_s: float = 0.0) -> Claim:
+    return Claim(ticket(tid, engine=engine), cap=cap, kv_limit=None, queue=queue, klass=klass,
+                 serve_half_life_s=half_life_s, fresh_s=fresh_s)
 
 
 async def open_tickets(store: Store) -> list[str]:
@@ -197,6 +198,23 @@ async def test_open_removes_members_a_former_process_of_the_same_id_left(handles
     await b.park("m", 1, "behind", BASE)
     await handles.new("a")  # the same replica id, restarted
     assert await b.members("m", 1) == ["behind"] and await a.members("m", 1) == []
+
+
+async def test_load_returns_each_engines_shared_recent_serve_count(handles: Handles) -> None:
+    a, b = await handles.get("a"), await handles.get("b")
+    assert (await a.reserve(claim("x", half_life_s=100.0))).ok
+    assert (await b.reserve(claim("y", half_life_s=100.0))).ok
+    assert (await b.reserve(claim("z", engine="spark", half_life_s=100.0))).ok
+    assert (await b.reserve(claim("uncounted", engine="gpu"))).ok
+    await b.park("m", 1, "claimed", BASE)
+    assert (await a.reserve(Claim(ticket("w"), cap=None, kv_limit=None, queue=QueueRule.OLDEST, klass=1,
+                                  serve_half_life_s=100.0))).refusal is Refusal.QUEUED
+    await b.release("x")  # a closed ticket's admission still counts
+    serves = (await a.load()).serves
+    assert set(serves) == {"thor", "spark"}
+    count, at = serves["thor"]
+    assert count == pytest.approx(2.0) and at == pytest.approx(BASE + 10.0)
+    assert serves["spark"] == pytest.approx((1.0, BASE + 10.0))
 
 
 async def test_an_expected_admission_is_answered_at_its_own_event_in_the_streams_order(handles: Handles) -> None:
