@@ -19,22 +19,26 @@ see ``WAIT_FOR_FASTER_MARGIN``); ``envoy.on_controlplane_failure: closed``.
   ``WatchDecisions`` stream), with a 10 ms tolerance on both. Client-side timestamps were tried first and dropped: with
   2000 streams on one event loop and 2 cores, the client's own delays reached hundreds of milliseconds.
 - **Throughput**: Check decisions/s with the memory store and with Valkey on one replica, and with two replicas on
-  Valkey, two ways, closed loop. *gRPC*: ``CHECK_WORKERS`` concurrent ext_authz ``Check`` calls carrying the
+  Valkey, three ways, closed loop. *gRPC*: ``CHECK_WORKERS`` concurrent ext_authz ``Check`` calls carrying the
   ``CheckRequest`` a real Envoy 1.40 sent (``ENVOY_CHECK_REQUEST``, captured from a stack; only ``x-request-id`` and the
   request id change per call) round robin over the replicas, each admission's ticket released by an access-log entry on
   the replicas' ``StreamAccessLogs`` streams (round robin, as Envoy's worker threads each keep one); no Envoy, no
-  engine. *HTTP*: ``HTTP_WORKERS`` concurrent one-token chat completions through Envoy. CPU of every process over the
-  window from ``/proc`` (utime + stime).
+  engine. *gRPC, line seeded*: the same loop started against a line (``grpc_decisions``' ``seeded``): whether a line
+  that formed with slots to spare drains or stands. *HTTP*: ``HTTP_WORKERS`` concurrent one-token chat completions
+  through Envoy. CPU of every process over the window from ``/proc`` (utime + stime).
 - **Latency**: the memory-store stack and the one-replica Valkey stack (each with its own fleet), sent ``LATENCY_RATE``
   requests/s (one-token answers, open loop at fixed intervals) in alternating segments, so machine noise falls on both
   alike. Client-side end-to-end latency (all requests, and those that did not park); server side
   ``sluice_authz_check_seconds`` and ``sluice_store_seconds{op}`` (two scrapes, interpolated within buckets). Target:
   Valkey Check p99 at most 2 ms above memory's.
-- **Failover** (two replicas): long streamed requests sent at once; once every Check has arrived and both replicas hold
-  parked requests, replica 1 is killed with SIGKILL (``sluice up`` restarts it). Reported: its parked count just before
-  the kill, the time from the kill until the last of those clients had its answer (Envoy's ``on_controlplane_failure:
-  closed`` reply, 503 ``controlplane_unavailable``) against Envoy's ext_authz timeout, requests lost (no HTTP status),
-  how long admissions paused, caps and tickets after the drain.
+- **Failover** (two replicas), two ways. *Through Envoy*: long streamed requests sent at once; once every Check has
+  arrived and both replicas hold parked requests, replica 1 is killed with SIGKILL (``sluice up`` restarts it); Envoy
+  asks its Checks again of the survivor. Reported: its parked count just before the kill, answers, failure answers
+  (503 ``controlplane_unavailable``, should be none), requests lost (no HTTP status), how long admissions paused, caps
+  and tickets after the drain. *Parked requests nobody asks for again* (``run_failover_unasked``: gRPC straight to the
+  replicas, no retry): every slot held, replica 1's parked Checks ahead of replica 0's in the shared line, replica 1
+  killed and slots freed through replica 0 at once. Reported: how long until the store's lines held none of replica
+  1's members, and until replica 0 admitted its first parked Check (target: within 0.5 s of the kill).
 
 The machine has 2 cores: client, Envoy, control planes, Valkey and simulators share them (the CPU columns say how).
 """
@@ -477,8 +481,8 @@ class LineSampler:
         while not self._stop.is_set():
             message = self._pubsub.get_message(timeout=0.1)
             if message is not None and message.get("type") == "message":
-                kind, _, record, *_ = json.loads(message["data"])  # an admission carries its block hashes too
-                if kind == "admitted":
+                kind, _, record, *_ = json.loads(message["data"])
+                if kind in ("admitted", "claimed"):  # a woken or arriving request's own admission, or one on its claim
                     self.admitted.append(str(json.loads(record)[0]))
 
     def _run(self) -> None:
@@ -744,6 +748,9 @@ def access_log_entry(ticket: str, engine: str) -> accesslog_pb2.HTTPAccessLogEnt
 
 
 WARMUP_S = 1.5
+SEED_HELD = ENGINES * CAP - CHECK_WORKERS // 4
+"""Slots a seeded gRPC loop holds at its start: all but a few, so the workers' first Checks park behind a line."""
+SEED_HOLD_S = 0.5
 
 
 async def _windowed(window: Window, seconds: float) -> None:
@@ -754,11 +761,16 @@ async def _windowed(window: Window, seconds: float) -> None:
     await asyncio.to_thread(window.close)
 
 
-async def grpc_decisions(stack: Stack, window: Window, seconds: float,
-                         workers: int = CHECK_WORKERS) -> tuple[list[float], Counter[str]]:
+async def grpc_decisions(stack: Stack, window: Window, seconds: float, workers: int = CHECK_WORKERS,
+                         seeded: bool = False) -> tuple[list[float], Counter[str]]:
     """Closed loop of Checks straight to the replicas (round robin), each admission's ticket released by an access-log
     entry on one of the replicas' ``StreamAccessLogs`` streams (round robin: Envoy keeps one stream per worker thread,
-    each on a replica of its choosing). Returns the latencies (ms) and answers by kind of the Checks inside the window."""
+    each on a replica of its choosing). Returns the latencies (ms) and answers by kind of the Checks inside the window.
+
+    ``seeded``: the loop starts against a line. ``SEED_HELD`` Checks are admitted first (through the first replica) and
+    their tickets held ``SEED_HOLD_S`` while the workers start, so the workers' first Checks park on every replica; then
+    those tickets are released and the window opens ``WARMUP_S`` after the start as ever: what it measures is whether
+    the replicas' shared line, once formed with slots to spare, drains or stands."""
     template = _template()
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in stack.grpc_ports]
     stubs = [external_auth_pb2_grpc.AuthorizationStub(c) for c in channels]
@@ -784,8 +796,25 @@ async def grpc_decisions(stack: Stack, window: Window, seconds: float,
     log_calls = [als_pb2_grpc.AccessLogServiceStub(c).StreamAccessLogs(messages(q)) for c, q in zip(channels, queues)]
     latencies: list[float] = []
     kinds: Counter[str] = Counter()
-    timer = asyncio.ensure_future(_windowed(window, seconds))
     sequence = 0
+    held: list[accesslog_pb2.HTTPAccessLogEntry] = []
+    for _ in range(SEED_HELD if seeded else 0):
+        sequence += 1
+        request = external_auth_pb2.CheckRequest()
+        request.CopyFrom(template)
+        request.attributes.request.http.id = str(sequence)
+        request.attributes.request.http.headers["x-request-id"] = uuid.uuid4().hex
+        response = await stubs[0].Check(request, timeout=stack.authz_timeout_s)
+        if response.status.code == 0:
+            fields = response.dynamic_metadata.fields
+            held.append(access_log_entry(fields["ticket"].string_value, fields["engine"].string_value))
+
+    async def release_held() -> None:
+        await asyncio.sleep(SEED_HOLD_S)
+        for k, entry in enumerate(held):
+            queues[k % len(queues)].put_nowait(entry)
+    seeder = asyncio.ensure_future(release_held())
+    timer = asyncio.ensure_future(_windowed(window, seconds))
 
     async def worker(k: int) -> None:
         nonlocal sequence
@@ -817,6 +846,7 @@ async def grpc_decisions(stack: Stack, window: Window, seconds: float,
     try:
         await asyncio.gather(*(worker(k) for k in range(workers)))
         await timer
+        await seeder
     finally:
         stopping.set()
         for call in log_calls:
@@ -836,14 +866,18 @@ def _throughput(label: str, way: str, window: Window, answers: int, kinds: str, 
                       pct(latencies, 99) if latencies else float("nan"), window.meter.shares, reaped)
 
 
-def run_grpc_throughput(stack: Stack, fleet: Fleet, label: str, seconds: float) -> Throughput:
+def run_grpc_throughput(stack: Stack, fleet: Fleet, label: str, seconds: float, seeded: bool = False) -> Throughput:
     window = Window(stack, fleet)
-    latencies, kinds = asyncio.run(grpc_decisions(stack, window, seconds))
+    latencies, kinds = asyncio.run(grpc_decisions(stack, window, seconds, seeded=seeded))
     tickets, _ = drain(stack)
     if any(tickets):
         print(f"  {label}: tickets still open after the gRPC run: {tickets}", flush=True)
-    return _throughput(label, "gRPC Check + access log", window, len(latencies),
-                       ", ".join(f"{k}: {v}" for k, v in kinds.items()), latencies)
+    return _throughput(label, "gRPC Check + access log, line seeded" if seeded else "gRPC Check + access log", window,
+                       len(latencies), ", ".join(f"{k}: {v}" for k, v in kinds.items()), latencies)
+
+
+def run_grpc_seeded(stack: Stack, fleet: Fleet, label: str, seconds: float) -> Throughput:
+    return run_grpc_throughput(stack, fleet, label, seconds, seeded=True)
 
 
 def run_http_throughput(stack: Stack, fleet: Fleet, label: str, seconds: float) -> Throughput:
@@ -974,7 +1008,7 @@ class Failover:
     store: dict[str, int]
     expired: float
     authz_timeout_s: float
-    heartbeat_s: float
+    dead_after_s: float
 
 
 PAUSE_WINDOW_S = 8.0
@@ -1051,7 +1085,166 @@ def run_failover(stack: Stack, fleet: Fleet, n: int) -> Failover:
         expired=sum(b - a if b >= a else b  # a restarted replica counts from 0 again
                     for a, b in zip(expired0, stack.counters("sluice_tickets_expired_total"))),
         authz_timeout_s=stack.authz_timeout_s,
-        heartbeat_s=parse_config(stack.raw).store.heartbeat_seconds)
+        dead_after_s=parse_config(stack.raw).store.heartbeat_seconds * parse_config(stack.raw).store.dead_after_beats)
+
+
+@dataclass
+class Unasked:
+    """The failover whose dead replica's parked requests nobody asks for again (their clients gone): gRPC Checks
+    straight to the replicas, no Envoy, so no retry."""
+
+    held: int
+    """Tickets held open (every slot) before the parks."""
+    victim_parked: int
+    survivor_parked: int
+    released: int
+    """Tickets released through the survivor the moment the victim was killed (every slot)."""
+    members_gone_s: float
+    """From the kill until the store's lines held no member of the killed replica (polled every 5 ms)."""
+    first_admission_s: float
+    """From the kill until the survivor's first parked Check had its admission (client side)."""
+    admitted: int
+    """The survivor's parked Checks admitted within ``UNASKED_WAIT_S`` of the kill."""
+    last_admission_s: float
+    """From the kill until the last of those."""
+    dead_after_s: float
+
+
+UNASKED_PARKED = 16
+UNASKED_WAIT_S = 10.0
+
+
+def run_failover_unasked(stack: Stack, fleet: Fleet) -> Unasked:
+    """Every slot taken (tickets held, no access-log entry), ``UNASKED_PARKED`` Checks parked on the last replica, then
+    as many on the first behind them in the shared line; the last replica is killed and, at once, every held ticket is
+    released through the first (an access-log entry each). The first replica's parked Checks can only be admitted once
+    the store no longer counts the dead replica's members, which nobody asks for again, ahead of them. Run soon after
+    the slots are taken: the engines are idle, and a probe would reap tickets older than
+    ``tickets.idle_reap_grace_seconds``."""
+    import redis as redis_sync
+
+    victim_name = f"controlplane-{stack.replicas - 1}"
+    victim = stack.children()[victim_name]
+    template = _template()
+    store_url = stack.store_url
+    assert store_url is not None
+    sequence = iter(range(1, 1_000_000))
+
+    def check_request() -> external_auth_pb2.CheckRequest:
+        request = external_auth_pb2.CheckRequest()
+        request.CopyFrom(template)
+        request.attributes.request.http.id = str(next(sequence))
+        request.attributes.request.http.headers["x-request-id"] = uuid.uuid4().hex
+        return request
+
+    async def parked_on(port: int) -> float:
+        text = await asyncio.to_thread(scrape, port)
+        return metric_sum(text, "sluice_parked_requests")
+
+    async def run() -> Unasked:
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in stack.grpc_ports]
+        survivor, victim_stub = (external_auth_pb2_grpc.AuthorizationStub(c) for c in (channels[0], channels[-1]))
+        log_queue: asyncio.Queue[accesslog_pb2.HTTPAccessLogEntry | None] = asyncio.Queue()
+
+        async def messages() -> Any:
+            first = True
+            while (entry := await log_queue.get()) is not None:
+                message = als_pb2.StreamAccessLogsMessage()
+                if first:
+                    message.identifier.log_name = "sluice"
+                    first = False
+                message.http_logs.log_entry.append(entry)
+                yield message
+        log_call = als_pb2_grpc.AccessLogServiceStub(channels[0]).StreamAccessLogs(messages())
+        try:
+            held: list[tuple[str, str]] = []
+            for _ in range(ENGINES * CAP):
+                # The Check's full timeout, as Envoy sends it: a shorter deadline would read as time spent queued.
+                response = await survivor.Check(check_request(), timeout=stack.authz_timeout_s)
+                if response.status.code == 0:
+                    fields = response.dynamic_metadata.fields
+                    held.append((fields["ticket"].string_value, fields["engine"].string_value))
+            await asyncio.sleep(1.0)  # the other replica's mirror has every ticket
+
+            async def parked_check(stub: Any) -> float:
+                try:
+                    response = await stub.Check(check_request(), timeout=stack.authz_timeout_s)
+                except grpc.aio.AioRpcError:
+                    return float("nan")  # the victim's: its replica died
+                if response.status.code != 0:
+                    reasons[next((h.header.value for h in response.denied_response.headers
+                                  if h.header.key == "x-sluice-route-reason"), "?")] += 1
+                    return float("nan")
+                fields = response.dynamic_metadata.fields
+                held.append((fields["ticket"].string_value, fields["engine"].string_value))
+                return time.perf_counter()
+            reasons: Counter[str] = Counter()
+            victims = [asyncio.ensure_future(parked_check(victim_stub)) for _ in range(UNASKED_PARKED)]
+            if len(held) < ENGINES * CAP:
+                raise RuntimeError(f"failover: only {len(held)} of {ENGINES * CAP} Checks admitted to fill the slots")
+            await wait_async(lambda: parked_on(stack.metrics_ports[-1]), UNASKED_PARKED,
+                             f"the victim's parked Checks (answered instead: {reasons})")
+            survivors = [asyncio.ensure_future(parked_check(survivor)) for _ in range(UNASKED_PARKED)]
+            await wait_async(lambda: parked_on(stack.metrics_ports[0]), UNASKED_PARKED, "the survivor's parked Checks")
+            client = redis_sync.Redis.from_url(store_url)
+            line = f"sluice:q:{MODEL}:1"
+            members: list[Any] = list(client.zrange(line, 0, 0))
+            victim_id = _str(members[0]).split("|", 1)[0]
+            killed = time.perf_counter()
+            os.kill(victim, signal.SIGKILL)
+            released = list(held)  # every slot frees at once: only the dead replica's members can hold the line
+            for ticket, engine in released:
+                log_queue.put_nowait(access_log_entry(ticket, engine))
+            gone = float("nan")
+            while time.perf_counter() - killed < UNASKED_WAIT_S:
+                members = list(await asyncio.to_thread(client.zrange, line, 0, -1))
+                if not any(_str(m).startswith(victim_id + "|") for m in members):
+                    gone = time.perf_counter() - killed
+                    break
+                await asyncio.sleep(0.005)
+            client.close()
+            pending = set(survivors)
+            while pending and time.perf_counter() - killed < UNASKED_WAIT_S:
+                _, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+            admitted = sorted(t.result() - killed for t in survivors if t.done() and t.result() == t.result())
+            for task in victims:
+                task.cancel()
+            for ticket, engine in held[len(released):]:  # the survivor's admissions
+                log_queue.put_nowait(access_log_entry(ticket, engine))
+            await asyncio.gather(*survivors, return_exceptions=True)
+            return Unasked(ENGINES * CAP, UNASKED_PARKED, UNASKED_PARKED, len(released), gone,
+                           admitted[0] if admitted else float("nan"), len(admitted),
+                           admitted[-1] if admitted else float("nan"),
+                           parse_config(stack.raw).store.heartbeat_seconds
+                           * parse_config(stack.raw).store.dead_after_beats)
+        finally:
+            log_queue.put_nowait(None)
+            await log_call
+            for channel in channels:
+                await channel.close()
+
+    result = asyncio.run(run())
+    wait_for(lambda: stack.children().get(victim_name) not in (None, victim), timeout=30,
+             what="the killed replica restarted")
+    stack.wait_engines_up()
+    drain(stack)
+    return result
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def wait_async(value: Any, want: float, what: str, timeout: float = 30.0) -> None:
+    """Poll ``await value()`` until it reaches ``want``."""
+    deadline = time.monotonic() + timeout
+    seen = None
+    while time.monotonic() < deadline:
+        seen = await value()
+        if seen >= want:
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what} to reach {want} (last seen: {seen})")
 
 
 # -- the run ------------------------------------------------------------------------------------------------------------
@@ -1068,9 +1261,10 @@ def run_replicas_bench(quick: bool = False) -> int:
     throughput: list[Throughput] = []
     latency: list[Latency] = []
     failover: Failover | None = None
+    unasked: Unasked | None = None
 
     def measure(stack: Stack, fleet: Fleet, label: str) -> None:
-        for runner in (run_grpc_throughput, run_http_throughput):
+        for runner in (run_grpc_throughput, run_grpc_seeded, run_http_throughput):
             t = runner(stack, fleet, label, plan.throughput_s)
             throughput.append(t)
             _say(f"  throughput, {label}, {t.way}: {t.decisions_per_s:.0f} decisions/s, {t.parked:.0f} parked "
@@ -1104,14 +1298,19 @@ def run_replicas_bench(quick: bool = False) -> int:
                     memory_fleet.close()
             if replicas == 2:
                 measure(stack, fleet, "valkey, 2 replicas")
+                _say("  failover, parked requests nobody asks for again (gRPC, no Envoy) ...")
+                unasked = run_failover_unasked(stack, fleet)
+                _say(f"  kill -> its members out of the line {unasked.members_gone_s:.3f} s, -> the survivor's first "
+                     f"admission {unasked.first_admission_s:.3f} s ({unasked.admitted} of {unasked.survivor_parked})")
                 _say(f"  failover: {plan.failover_requests} requests, kill -9 one of 2 replicas ...")
                 failover = run_failover(stack, fleet, plan.failover_requests)
-                _say(f"  {failover.failure_answers} failure answers (victim had {failover.victim_parked:g} parked), "
-                     f"last {failover.answered_max_s * 1000:.0f} ms after the kill, {failover.lost} lost")
+                _say(f"  {failover.answers} (victim had {failover.victim_parked:g} parked); kill -> next admission "
+                     f"{failover.first_admission_s:.2f} s, longest pause {failover.longest_pause_s:.2f} s; "
+                     f"{failover.lost} lost")
             stack.close()
             fleet.close()
     elapsed = time.monotonic() - started
-    body = report(plan, exact, throughput, latency, failover, elapsed, load_before, os.getloadavg())
+    body = report(plan, exact, throughput, latency, failover, unasked, elapsed, load_before, os.getloadavg())
     path = write_report("replicas-quick" if quick else "replicas",
                         "sluice bench replicas: one ledger across control-plane replicas (issue 11)", body)
     print(body)
@@ -1125,7 +1324,7 @@ def _ms(value: float) -> str:
 
 
 def report(plan: Plan, exact: Sequence[Exactness], throughput: Sequence[Throughput], latency: Sequence[Latency],
-           failover: Failover | None, elapsed: float, load_before: tuple[float, float, float],
+           failover: Failover | None, unasked: Unasked | None, elapsed: float, load_before: tuple[float, float, float],
            load_after: tuple[float, float, float]) -> str:
     exact_rows = "\n".join(
         f"| {e.replicas} | {e.sent} | {e.answers} | {max(e.max_running)} / {CAP} | {sum(e.open_tickets):g} | "
@@ -1145,7 +1344,7 @@ def report(plan: Plan, exact: Sequence[Exactness], throughput: Sequence[Throughp
         for t in throughput)
     by = {(t.label, t.way): t for t in throughput}
     ratios = []
-    for way in ("gRPC Check + access log", "HTTP through Envoy"):
+    for way in ("gRPC Check + access log", "gRPC Check + access log, line seeded", "HTTP through Envoy"):
         mem, one, two = (by.get((label, way)) for label in ("memory, 1 replica", "valkey, 1 replica",
                                                             "valkey, 2 replicas"))
         if mem and one:
@@ -1177,24 +1376,47 @@ def report(plan: Plan, exact: Sequence[Exactness], throughput: Sequence[Throughp
     fo = ""
     if failover is not None:
         f = failover
+        failures = f"{f.failure_answers}" + (f"; the last {f.answered_max_s * 1000:.0f} ms after the kill"
+                                             if f.failure_answers else "")
+        pause = (f"{f.first_admission_s:.2f} s; longest pause in admissions within {PAUSE_WINDOW_S:g} s of the kill: "
+                 f"**{f.longest_pause_s:.2f} s** (a replica is dead {f.dead_after_s:g} s after its last heartbeat)")
         fo = f"""## Failover (2 replicas, kill -9)
 
-{f.sent} streamed requests of {FAILOVER_TOKENS} tokens sent at once; once every Check had arrived (parked or answered)
-and both replicas held parked requests, replica 1 was killed with SIGKILL.
+**Through Envoy.** {f.sent} streamed requests of {FAILOVER_TOKENS} tokens sent at once; once every Check had arrived
+(parked or answered) and both replicas held parked requests, replica 1 was killed with SIGKILL. Envoy asks each of its
+Checks again of the survivor (the ext_authz retry policy).
 
 | | |
 |---|---|
 | parked on the killed replica (last scrape before the kill) | {f.victim_parked:g} (the survivor: {f.survivor_parked:g}) |
 | answers | {f.answers} |
-| failure answers (503 `controlplane_unavailable`, `on_controlplane_failure: closed`) | {f.failure_answers} |
-| kill -> last failure answer at its client | **{f.answered_max_s * 1000:.0f} ms** (p50 {f.answered_p50_s * 1000:.0f} ms); Envoy's ext_authz timeout is {f.authz_timeout_s:g} s: {'within' if f.answered_max_s < f.authz_timeout_s else 'NOT within'} |
+| failure answers (503 `controlplane_unavailable`, `on_controlplane_failure: closed`) | {failures} |
 | requests lost (no HTTP status) | **{f.lost}** |
 | admitted unchecked (200 without `x-sluice-engine`) | {f.unchecked} |
-| kill -> next admission (by the survivor) | {f.first_admission_s:.2f} s; longest pause in admissions within {PAUSE_WINDOW_S:g} s of the kill: {f.longest_pause_s:.2f} s (heartbeat {f.heartbeat_s:g} s, dead after 3x) |
+| kill -> next admission (client side) | {pause} |
 | kill -> replica restarted by `sluice up` | {f.restarted_s:.2f} s |
 | max running per engine after | {max(f.max_running)} (cap {CAP}) |
 | open tickets after the drain (every replica) / store | {sum(f.open_tickets):g} / {', '.join(f'{k} {v}' for k, v in f.store.items())} |
 | tickets reaped instead of released | {f.expired:g} |
+"""
+    if unasked is not None:
+        u = unasked
+        gone = f"{u.members_gone_s * 1000:.0f} ms"
+        first = (f"**{u.first_admission_s * 1000:.0f} ms** (target: within 500 ms; a replica is dead "
+                 f"{u.dead_after_s:g} s after its last heartbeat)")
+        admitted = f"{u.admitted} (the last {u.last_admission_s * 1000:.0f} ms after the kill)"
+        fo += f"""
+**Parked requests nobody asks for again** (their clients gone; gRPC Checks straight to the replicas, no Envoy, so no
+retry). Every slot taken ({u.held} tickets held, no access-log entry), {u.victim_parked} Checks parked on replica 1,
+then {u.survivor_parked} on replica 0 behind them in the shared line; replica 1 killed with SIGKILL and, at once,
+every slot freed ({u.released} tickets released through replica 0). Replica 0's parked Checks can only go once the store
+no longer counts replica 1's members ahead of them.
+
+| | |
+|---|---|
+| kill -> the killed replica's members out of the shared line (store, polled every 5 ms) | {gone} |
+| kill -> the survivor's first admission of a parked Check (client side) | {first} |
+| the survivor's parked Checks admitted (every slot freed) | {admitted} |
 """
     return f"""{__doc__}
 **Setup.** {ENGINES} simulated engines (`{PROFILE}` profile, `--max-num-seqs {CAP}`, speed x{SPEED:g}): {ENGINES * CAP}
@@ -1205,7 +1427,7 @@ request is in the `standard` class. Plan: {'quick' if plan is QUICK else 'full'}
 {', '.join(map(str, plan.replicas))} replicas; {plan.throughput_s:g} s throughput windows; {plan.latency_segments} x
 {plan.segment_s:g} s latency segments per store; {plan.failover_requests} requests in the failover). Run took {elapsed:.0f} s; load
 average (1, 5, 15 min) before {', '.join(f'{x:.1f}' for x in load_before)}, after
-{', '.join(f'{x:.1f}' for x in load_after)}. This machine has {os.cpu_count()} cores, shared with other agents' work.
+{', '.join(f'{x:.1f}' for x in load_after)}. This machine has {os.cpu_count()} cores, shared with other work.
 
 ## Exactness ({plan.burst} requests at once, Valkey store)
 
@@ -1221,8 +1443,11 @@ overtaken by one that parked more than {FIFO_TOLERANCE_S * 1000:g} ms later and 
 
 ## Throughput (closed loop, {plan.throughput_s:g} s window after a {WARMUP_S:g} s warm-up)
 
-gRPC: {CHECK_WORKERS} concurrent `Check`s straight to the replicas (no Envoy, no engine). HTTP: {HTTP_WORKERS} concurrent
-one-token chat completions through Envoy. CPU: share of one core over the window (utime + stime from /proc).
+gRPC: {CHECK_WORKERS} concurrent `Check`s straight to the replicas (no Envoy, no engine); *line seeded*: the same,
+started against a line ({SEED_HELD} slots held {SEED_HOLD_S:g} s while the workers start, so their first Checks park on
+every replica, then released before the window): whether a line that formed with slots to spare drains or stands.
+HTTP: {HTTP_WORKERS} concurrent one-token chat completions through Envoy. CPU: share of one core over the window
+(utime + stime from /proc).
 
 | config | way | decisions/s (client) | decisions/s (server) | parked | store refusals | tickets reaped | Check / request latency p50 / p99 (ms, client) | {' | '.join(f'CPU {n}' for n in cpu_names)} | CPU total |
 |---|---|---|---|---|---|---|---|{'---|' * len(cpu_names)}---|
