@@ -29,6 +29,9 @@ from enginesim.prefixcache import PrefixCache
 from enginesim.profiles import Profile
 
 MAX_PREFILL_STEP_S = 0.05
+PREFILL_RESIDUE = 1e-6
+"""Prompt tokens left below this are none: a chunked step's prefill budget is its duration less its decode step, and
+the float residue of that subtraction must not leave a request prefilling a 1e-15 token for ever."""
 
 
 @dataclass(eq=False)
@@ -180,6 +183,8 @@ class Batcher:
                 continue
             budget -= chunk
             request.prefill_left -= chunk
+            if request.prefill_left < PREFILL_RESIDUE:  # float residue of the step's arithmetic: done, not stuck
+                request.prefill_left = 0
             self._register_blocks(request)
             self.prefill_seconds_total += chunk / self.profile.prefill_tokens_per_s * self.metrics_time_scale
             if request.prefill_left == 0 and not request.prompt_counted:

@@ -12,7 +12,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from controlplane.observe.parse import parse_metrics
 from enginesim.batcher import Batcher, SimRequest
-from enginesim.profiles import PROFILES, Profile
+from enginesim.profiles import ESTIMATOR_WORLD, PROFILES, Profile
 
 
 def run_to_completion(batcher: Batcher, limit_s: float = 10_000) -> float:
@@ -68,7 +68,7 @@ def test_chunked_prefill_slows_decode_and_a_plain_step_does_not() -> None:
     """Without chunked prefill a decode step runs at the table's rate whatever prefills beside it (thor, one request
     decoding: 18.18 tokens/s); with 512-token chunks each of its steps also prefills 512 of the other's prompt, so its
     100 tokens take their decode steps plus the whole 30,000-token prefill (20 s at 1500 tokens/s)."""
-    plain = PROFILES["thor"]
+    plain = replace(PROFILES["thor"], **ESTIMATOR_WORLD)
     assert decode_time_with_a_prefill_alongside(plain) == pytest.approx(100 / 18.18, rel=0.02)
     chunked = decode_time_with_a_prefill_alongside(replace(plain, prefill_chunk_tokens=512))
     assert chunked == pytest.approx(100 / 18.18 + 30_000 / 1500, rel=0.03)
@@ -97,7 +97,7 @@ def test_kv_exhaustion_preempts_and_recomputes() -> None:
 
 
 def test_two_65k_prompts_fit_without_preemption() -> None:
-    b = Batcher(PROFILES["v100pp2"])
+    b = Batcher(replace(PROFILES["v100pp2"], **ESTIMATOR_WORLD))
     for i in range(2):
         b.submit(SimRequest(str(i), prompt_tokens=65_000, max_tokens=100, arrived_at=0))
     elapsed = run_to_completion(b, limit_s=100_000)
@@ -235,3 +235,23 @@ async def test_finish_reason_over_http(stream: bool, path: str, extra: dict[str,
         assert reasons[-1] == reason and reasons.count(reason) == 1
         assert chunks[-1]["usage"]["completion_tokens"] == tokens
     assert sim.served[-1]["completion_tokens"] == tokens and sim.served[-1]["finish_reason"] == reason
+
+
+def test_a_short_request_joining_a_decode_under_chunked_prefill_starts_at_once() -> None:
+    """thor with its default chunked prefill: a 2-token request arriving while another decodes prefills in the next
+    step and is done within a few decode steps, not after the other's whole answer (a chunked step's budget left a
+    float residue of its prompt that never finished)."""
+    b = Batcher(PROFILES["thor"])
+    assert PROFILES["thor"].prefill_chunk_tokens > 0
+    b.submit(SimRequest("long", prompt_tokens=10, max_tokens=150, arrived_at=0))
+    now, short = 0.0, None
+    while short is None or not short.done:
+        if short is None and now >= 1.0:
+            short = SimRequest("short", prompt_tokens=11, max_tokens=2, arrived_at=now)
+            b.submit(short)
+        b.schedule(now)
+        step = b.plan_step()
+        assert step > 0
+        now += step
+        b.apply_step(step, now)
+    assert now - short.arrived_at < 0.5
