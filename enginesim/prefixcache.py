@@ -2,10 +2,11 @@
 hold, so a later request that starts with the same tokens skips their prefill.
 
 **Tokens and blocks.** The simulator has no tokenizer; it counts a prompt as ``ceil(characters / c)`` tokens, ``c`` its
-profile's ``chars_per_token`` (``CHARS_PER_TOKEN`` 4 by default), so KV block ``k`` (``block_size`` 16 tokens, the
-profiles' value) is characters ``[span k, span (k + 1))`` of the prompt text, ``span = round(16 c)`` (64 at 4). Only full blocks are cached, as in vLLM. A block's hash
-is chained: ``h_k = blake2b(h_{k-1} || the block's characters)``, so a block matches only when everything before it matches
-too (vLLM: ``hash(parent_hash, token_ids)``).
+profile's ``chars_per_token`` (3.3 for ``cortex``; ``CHARS_PER_TOKEN``, 4, where none is given), so KV block ``k``
+(``block_size`` 16 tokens, the profiles' value) is characters ``[span k, span (k + 1))`` of the prompt text, ``span =
+round(16 c)`` (53 at 3.3, 64 at 4). Only full blocks are cached, as in vLLM. A block's hash is chained: ``h_k =
+blake2b(h_{k-1} || the block's characters)``, so a block matches only when everything before it matches too (vLLM:
+``hash(parent_hash, token_ids)``).
 
 **Cache life** (vLLM's ``KVCacheManager``/``BlockPool``):
 

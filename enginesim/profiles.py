@@ -14,6 +14,15 @@ spreads are assumptions, not measurements (seed 000 and 004 fixed ``max_tokens``
 traffic: ``cortex`` (thor, spark) median 180 tokens, sigma 0.8 (p90 ~500, p99 ~1,150); the ``reasoning`` model (v100pp2)
 median 300, sigma 1.0 (p90 ~1,080, p99 ~3,070: thinking traces run long). ``output_model="max_tokens"`` is the old behaviour:
 every request generates exactly ``max_tokens`` (64 when it names none), for benchmarks written before EOS existed here.
+
+The world differs from sluice's estimator on purpose (its priors: 4 characters a token, no template tokens, prefill and
+decode side by side, decode independent of context), so that what sluice decides from has to be learned from the
+engines: ``cortex`` counts 3.3 characters a token (code and prose mixed) and 5 template tokens a chat message (a
+Llama-3-style header and end-of-turn); ``reasoning`` 3.8 and 5 (a Qwen-style ``<|im_start|>role ... <|im_end|>``);
+every profile runs chunked prefill with a 2,048-token budget a step (vLLM V1's default on smaller GPUs) and decodes
+1.5% slower per 1,000 tokens of mean context. These are assumptions, not measurements; ``sluice sim`` flags (and
+``Profile`` fields) set each back to the estimator's prior (``--chars-per-token 4 --template-tokens 0
+--prefill-chunk-tokens 0 --decode-slowdown 0``: ``ESTIMATOR_WORLD``).
 """
 
 from __future__ import annotations
@@ -45,16 +54,16 @@ class Profile:
     """Spread of the lognormal output length (the standard deviation of its log)."""
     output_model: str = "eos"
     """``eos``: requests stop at a drawn natural length (capped by max_tokens); ``max_tokens``: exactly max_tokens."""
-    chars_per_token: float = 4.0
+    chars_per_token: float = 3.3
     """The tokenizer's ratio: a prompt of ``n`` characters is ``ceil(n / chars_per_token)`` tokens (about 4 for English
     prose, 3 for code, 1.3 for CJK text)."""
-    template_tokens_per_message: int = 0
+    template_tokens_per_message: int = 5
     """The chat template's tokens around each message (role markers, separators), counted in a chat prompt's tokens."""
-    prefill_chunk_tokens: int = 0
+    prefill_chunk_tokens: int = 2048
     """Chunked prefill (vLLM V1's default): a step that decodes also prefills up to this many prompt tokens, and lasts
     the decode step plus that chunk's prefill time, so decoding slows while prompts are prefilled. 0: prefill and decode
     progress side by side without slowing each other (the estimator's own model)."""
-    decode_slowdown_per_1k_tokens: float = 0.0
+    decode_slowdown_per_1k_tokens: float = 0.015
     """Decode slows as contexts grow (attention reads the whole KV): a decode step lasts ``1 + this x mean context /
     1000`` times the profile's table (the mean over the requests decoding, prompt and generated tokens). 0: context-free."""
 
@@ -83,6 +92,11 @@ class Profile:
         aggregate = rates[min(n, len(rates)) - 1]
         return aggregate / n
 
+
+ESTIMATOR_WORLD = {"chars_per_token": 4.0, "template_tokens_per_message": 0, "prefill_chunk_tokens": 0,
+                   "decode_slowdown_per_1k_tokens": 0.0}
+"""The ``Profile`` fields that put a simulated engine in the estimator's own world (its priors), for tests of rules
+that assume them."""
 
 PROFILES: dict[str, Profile] = {
     p.name: p
@@ -121,6 +135,7 @@ PROFILES: dict[str, Profile] = {
             version="0.11.0",
             output_median_tokens=300.0,
             output_sigma=1.0,
+            chars_per_token=3.8,
         ),
     )
 }

@@ -8,9 +8,9 @@ so a duplicated header shows), which is what a real engine's tracing would conti
 
 Request extensions (ignored by real engines, honoured here):
 - ``sim_prompt_tokens``: the prompt's token count, so a 65k-token prompt fits in a small body.
-  Without it the prompt is counted as ``ceil(characters / chars_per_token)`` (the profile's, 4 by default, a common rule
-  of thumb for English text; ``chars_per_token`` overrides it) plus, for a chat, the profile's
-  ``template_tokens_per_message`` for each message (0 by default; the chat template's tokens); the prompt text is the
+  Without it the prompt is counted as ``ceil(characters / chars_per_token)`` (the profile's: 3.3 for ``cortex``, not
+  the estimator's 4; ``chars_per_token`` overrides it) plus, for a chat, the profile's ``template_tokens_per_message``
+  for each message (5; the chat template's tokens); the prompt text is the
   messages' contents one after another, or the completion prompt.
 
 Streams send their headers first, as vLLM's OpenAI server does (a Starlette ``StreamingResponse`` sends the response start

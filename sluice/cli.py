@@ -88,15 +88,15 @@ def main(argv: list[str] | None = None) -> int:
                         "every request generates exactly its max_tokens (the old behaviour)")
     p.add_argument("--seed", type=int, help="seed of the output-length draws (default: derived from the name)")
     p.add_argument("--chars-per-token", type=float,
-                   help="the tokenizer's characters per token (default: the profile's, 4)")
+                   help="the tokenizer's characters per token (default: the profile's: 3.3 for cortex, 3.8 for reasoning)")
     p.add_argument("--prefill-chunk-tokens", type=int,
                    help="chunked prefill: a decode step also prefills up to this many tokens and lasts that much "
-                        "longer (default: the profile's, 0: prefill does not slow decode)")
+                        "longer (default: the profile's, 2048; 0: prefill does not slow decode)")
     p.add_argument("--decode-slowdown", type=float, metavar="PER_1K_TOKENS",
                    help="a decode step lasts 1 + this x mean context / 1000 times the profile's (default: the "
-                        "profile's, 0)")
+                        "profile's, 0.015)")
     p.add_argument("--template-tokens", type=int,
-                   help="chat template tokens counted for each message (default: the profile's, 0)")
+                   help="chat template tokens counted for each message (default: the profile's, 5)")
     p.add_argument("--headers-at-first-token", action="store_true",
                    help="hold a stream's headers until its first token (default: send them at once, as vLLM does)")
 

@@ -253,7 +253,7 @@ def test_a_killed_control_plane_is_restarted_while_envoy_keeps_serving(tmp_path:
             return thor.open_tickets == 0 and thor.running >= 1 and thor.effective_load >= 1
 
         wait_for(reconciled, timeout=10, what="the restarted control plane to count the pre-crash stream")
-        assert reader.is_alive(), "the stream ended before the check could see it (machine too slow?)"
+        assert reader.is_alive(), f"the stream ended before the check could see it (machine too slow?): {stream}"
 
         reader.join(60)
         assert not reader.is_alive()

@@ -4,6 +4,7 @@ and ``usage.prompt_tokens_details.cached_tokens``."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from controlplane.observe.parse import read_series
 from enginesim.batcher import Batcher, SimRequest
 from enginesim.prefixcache import block_hashes
-from enginesim.profiles import PROFILES, Profile
+from enginesim.profiles import ESTIMATOR_WORLD, PROFILES, Profile
 from enginesim.server import EngineSimulator
 
 TINY = Profile("tiny", "m", 2, 10, 16, 100.0, (10.0,), 1000, "0")
@@ -147,8 +148,8 @@ async def _post(sim: EngineSimulator, path: str, body: dict[str, object]) -> dic
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_usage_reports_cached_tokens_and_metrics_count_them(stream: bool) -> None:
-    sim = EngineSimulator(PROFILES["spark"], name="s", speed=1000)
-    system = {"role": "system", "content": text("system prompt", 256)}  # 16 blocks
+    sim = EngineSimulator(replace(PROFILES["spark"], **ESTIMATOR_WORLD), name="s", speed=1000)
+    system = {"role": "system", "content": text("system prompt", 256)}  # 16 blocks at 4 characters a token
 
     def body(question: str) -> dict[str, object]:
         return {"model": "cortex", "max_tokens": 2, "messages": [system, {"role": "user", "content": question}]}
