@@ -78,8 +78,7 @@ def test_pollers_of_a_fleet_probe_together_on_the_waves_and_each_as_often_as_its
 
     asyncio.run(main())
     every = [t for times in starts.values() for t in times]
-    on_a_wave = [t for t in every if (t % wave) < 0.02 or (t % wave) > wave - 1e-6]
-    assert len(on_a_wave) >= 0.9 * len(every), "probes start on the waves"
+    assert _together(every) >= 3, "probes start together on the waves"  # 20 engines, 4 waves an interval: 5 a wave
     # Twenty engines staggered over the interval share its four waves: at most ~5 distinct start times per wave's worth.
     assert len({round(t / wave) for t in every}) <= run_s / wave + 2
     for name, times in starts.items():
@@ -96,8 +95,13 @@ def _probe_starts(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return starts
 
 
-def _on_waves(starts: list[float], wave: float) -> float:
-    return sum(1 for t in starts if (t % wave) < 0.02 or (t % wave) > wave - 1e-6) / len(starts)
+def _together(starts: list[float], gap_s: float = 0.003) -> float:
+    """How many probes start together, on average: starts split into groups wherever two consecutive ones are more than
+    ``gap_s`` apart. A wave's probes start in one turn of the loop, however late a busy machine makes that turn, so the
+    measure does not depend on the machine's load (a phase against the wave's clock did)."""
+    ordered = sorted(starts)
+    groups = 1 + sum(1 for a, b in zip(ordered, ordered[1:]) if b - a > gap_s)
+    return len(ordered) / groups
 
 
 def test_the_probe_worker_runs_its_probes_in_waves(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,7 +126,7 @@ def test_the_probe_worker_runs_its_probes_in_waves(monkeypatch: pytest.MonkeyPat
     asyncio.run(main())
     periodic = starts[20:]  # after the first round (every engine once, at start-up)
     assert len(periodic) >= 20 * 3
-    assert _on_waves(periodic, 0.05) >= 0.9
+    assert _together(periodic) >= 3  # 20 engines, 4 waves an interval: 5 a wave
 
 
 def test_a_batch_carries_each_report_pickled_on_its_own() -> None:
@@ -180,7 +184,7 @@ def test_pollers_on_the_control_planes_own_loop_run_without_waves(monkeypatch: p
         await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())
-    assert _on_waves(starts, 0.05) < 0.7  # staggered starts: about 40% fall in any 20 ms of each 50 ms by chance
+    assert _together(starts) < 2  # staggered 5 ms apart: each on its own
 
 
 def test_the_idle_workers_watchdog_fires_only_when_its_timer_comes_late() -> None:
