@@ -45,20 +45,23 @@ def first_token(entry: Any) -> FirstToken | None:
     if entry.response.response_code.value != 200 or not props.HasField("time_to_last_upstream_tx_byte"):
         return None
     sent_s = props.time_to_last_upstream_tx_byte.ToTimedelta().total_seconds()
+    whole_s = max(0.0, props.time_to_last_upstream_rx_byte.ToTimedelta().total_seconds() - sent_s) \
+        if props.HasField("time_to_last_upstream_rx_byte") else None
+    usage = props.metadata.filter_metadata[USAGE_NAMESPACE].fields \
+        if USAGE_NAMESPACE in props.metadata.filter_metadata else {}
+    output_tokens = int(usage["completion_tokens"].number_value) if "completion_tokens" in usage else \
+        int(usage["deltas"].number_value) if "deltas" in usage else None
     content_type = entry.response.response_headers.get(CONTENT_TYPE_HEADER, "")
     if "text/event-stream" in content_type:
-        if USAGE_NAMESPACE not in props.metadata.filter_metadata:
-            return None
-        usage = props.metadata.filter_metadata[USAGE_NAMESPACE]
-        if FIRST_TOKEN_KEY not in usage.fields:
+        if FIRST_TOKEN_KEY not in usage:
             return None
         start = props.start_time
-        first_s = usage.fields[FIRST_TOKEN_KEY].number_value / 1e6 - (start.seconds + start.nanos / 1e9)
-        return FirstToken(engine_s=max(0.0, first_s - sent_s), gateway_s=sent_s, streamed=True)
-    if not props.HasField("time_to_last_upstream_rx_byte"):
+        first_s = usage[FIRST_TOKEN_KEY].number_value / 1e6 - (start.seconds + start.nanos / 1e9)
+        return FirstToken(engine_s=max(0.0, first_s - sent_s), gateway_s=sent_s, streamed=True, whole_s=whole_s,
+                          output_tokens=output_tokens)
+    if whole_s is None:
         return None
-    last_s = props.time_to_last_upstream_rx_byte.ToTimedelta().total_seconds()
-    return FirstToken(engine_s=max(0.0, last_s - sent_s), gateway_s=sent_s, streamed=False)
+    return FirstToken(engine_s=whole_s, gateway_s=sent_s, streamed=False, whole_s=whole_s, output_tokens=output_tokens)
 
 
 class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):

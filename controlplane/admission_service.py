@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 from controlplane.config import Config, StoreOnFailure
 from controlplane.core.admission import PARK_CLASSES, AdmissionCore, Outcome, Parked
 from controlplane.core.decide import decide, shed
-from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary
+from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary, end_to_end_error
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules
 from controlplane.core.model import (
     Decision, EngineView, Fleet, InferenceRequest, QueueRule, Reason, Ticket, Verdict,
@@ -519,13 +519,18 @@ class AdmissionService:
 
     def note_first_token(self, ticket: Ticket, timing: FirstToken) -> None:
         """A served request's first token (the access log): the engine's TTFT as clients saw it and the gateway's part
-        are reported; a stream's TTFT over the decision's estimate is reported and fed back (feedback.py)."""
+        are reported; a stream's TTFT over the decision's estimate is reported and fed back (feedback.py); so is, where
+        the answer's length is known, its time at the engine over the estimate for that length (``end_to_end_error``:
+        reported, not fed back)."""
         series = self.metrics.engine(ticket.engine)
         series.ttft_seconds.observe(timing.engine_s)
         self.metrics.gateway_seconds.observe(timing.gateway_s)
         measured = timing.streamed and ticket.expected_ttft_s > 0 and timing.engine_s > 0
         ratio = timing.engine_s / ticket.expected_ttft_s if measured else None
-        self.recent_ttfts.record(ticket.engine, timing.engine_s, ratio)
+        whole = end_to_end_error(timing, ticket.expected_ttft_s, ticket.decode_tokens_per_s)
+        self.recent_ttfts.record(ticket.engine, timing.engine_s, ratio, whole)
+        if whole is not None:
+            series.end_to_end_error.observe(whole)
         if ratio is None:
             return
         series.ttft_error.observe(ratio)

@@ -324,6 +324,7 @@ class EngineSeries:
     stale: EngineValue
     ttft_error: EngineHistogramChild
     ttft_seconds: EngineHistogramChild
+    end_to_end_error: EngineHistogramChild
     ttft_correction: EngineValue
     tickets_released: EngineValue
     tickets_expired: EngineValue
@@ -375,6 +376,14 @@ class SluiceMetrics:
             buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60),
         )
         self.registry.register(self.engine_ttft)
+        self.end_to_end_error = EngineHistogram(
+            "sluice_end_to_end_estimate_error_ratio",
+            "A served request's time at its engine (request fully sent to last byte) over the admission's estimate for "
+            "an answer of its real length (estimated TTFT + (tokens - 1) / estimated decode rate); only requests whose "
+            "length is known (usage, or a tenant's counted deltas) and that this replica admitted.",
+            buckets=(0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10),
+        )
+        self.registry.register(self.end_to_end_error)
         self.prompt_tokens_error = Histogram(
             "sluice_prompt_tokens_estimate_error_ratio", "A served request's prompt tokens as its engine counted them "
             "(usage.prompt_tokens) over the Check's estimate.", ["model"],
@@ -504,7 +513,8 @@ class SluiceMetrics:
         if series is None:
             series = self._engines[name] = EngineSeries(
                 self.engine_up.labels(name), self.engine_stale.labels(name), self.ttft_error.labels(name),
-                self.engine_ttft.labels(name), self.ttft_correction.labels(name), self.tickets_released.labels(name), self.tickets_expired.labels(name),
+                self.engine_ttft.labels(name), self.end_to_end_error.labels(name), self.ttft_correction.labels(name),
+                self.tickets_released.labels(name), self.tickets_expired.labels(name),
                 self.engine_retries.labels(name))
         return series
 
@@ -513,6 +523,7 @@ class SluiceMetrics:
         self._engines.pop(name, None)
         self.ttft_error.remove(name)
         self.engine_ttft.remove(name)
+        self.end_to_end_error.remove(name)
         for family in self._engine_families:
             family.remove(name)
 
@@ -520,7 +531,8 @@ class SluiceMetrics:
         """The Prometheus text of everything: the loop-side state read here (the engines' states as a snapshot), the
         families built and rendered in a thread."""
         read = [c.as_of_now() if isinstance(c, _EngineStates) else _Fixed(list(c.collect())) for c in self._on_loop]
-        histograms = [(histogram, histogram.snapshot()) for histogram in (self.ttft_error, self.engine_ttft)]
+        histograms = [(histogram, histogram.snapshot()) for histogram in (self.ttft_error, self.engine_ttft,
+                                                                                     self.end_to_end_error)]
         values = [(family, family.snapshot()) for family in self._engine_families]
 
         def render() -> bytes:

@@ -68,7 +68,8 @@ def _tokens(n: int) -> str:
 
 def engines_table(response: admin_pb2.ListEnginesResponse) -> str:
     header = ("ENGINE", "FLAVOR", "VERSION", "STATE", "MODELS", "RUN", "WAIT", "KV", "KV CAP", "CAP", "TICKETS", "LOAD",
-              "GEN TOK/S", "DECODE/REQ", "PREFILL MED", "TTFT P50", "TTFT P90", "TTFT ERR", "TTFT CORR", "CHARS/TOK",
+              "GEN TOK/S", "DECODE/REQ", "PREFILL MED", "TTFT P50", "TTFT P90", "TTFT ERR", "TTFT CORR", "E2E ERR",
+              "CHARS/TOK",
               "TPL/MSG", "PROMPT ERR", "PROBE AGE", "DEGRADED")
     rows = [header]
     for e in response.engines:
@@ -85,6 +86,7 @@ def engines_table(response: admin_pb2.ListEnginesResponse) -> str:
             _num(e.prefill_median_tokens_per_s, "{:.0f}"),
             _num(e.ttft_p50_seconds, "{:.2f}s"), _num(e.ttft_p90_seconds, "{:.2f}s"),
             _num(e.ttft_estimate_error_median, "{:.2f}x"), f"{e.ttft_correction:.2f}x",
+            _num(e.end_to_end_estimate_error_median, "{:.2f}x"),
             _num(e.prompt_chars_per_token, "{:.2f}"), _num(e.prompt_template_tokens_per_message, "{:.1f}"),
             _num(e.prompt_tokens_error_median, "{:.2f}x"),
             _num(e.last_probe_age_seconds, "{:.1f}s"),

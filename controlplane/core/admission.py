@@ -720,7 +720,8 @@ class AdmissionCore:
         assert decision.engine is not None and request.model is not None
         ticket = self.ledger.admit(request_id, decision.engine, request.model, now,
                                    reserved_tokens=decision.reserved_tokens, expected_done_at=decision.expected_done_at,
-                                   expected_ttft_s=decision.expected_ttft_s, guessed=not decision.rates_measured)
+                                   expected_ttft_s=decision.expected_ttft_s, guessed=not decision.rates_measured,
+                                   decode_tokens_per_s=decision.decode_tokens_per_s)
         self.serves.add(decision.engine, now)
         self.index.note_serve(decision.engine)
         self.sessions.set(request.session, decision.engine)

@@ -45,6 +45,24 @@ class FirstToken:
     """From the request's arrival at Envoy to its being fully sent to the engine: the Check, any park, the body."""
     streamed: bool
     """A stream's first token event; False: a non-streaming response, whose first token is its whole body."""
+    whole_s: float | None = None
+    """From the request fully sent to the engine to the response's last byte; None when Envoy did not record it."""
+    output_tokens: int | None = None
+    """The answer's tokens when known: the engine's ``usage.completion_tokens`` (a non-streaming answer, or a stream
+    that asked for usage), else the content deltas counted for a tenant's stream; None otherwise."""
+
+
+def end_to_end_error(timing: FirstToken, expected_ttft_s: float, decode_tokens_per_s: float) -> float | None:
+    """A served request's time at its engine (``whole_s``) over what its admission's estimate gives for an answer of
+    its real length: ``expected_ttft_s + (output_tokens - 1) / decode_tokens_per_s``. The length is only guessed at
+    admission (the model's mean, output_length.py); taking the real one measures the timing model alone (prefill,
+    decode, their interference). None without the length (at least 2 tokens), the time, or the estimate's rate (a
+    ticket another replica admitted)."""
+    tokens = timing.output_tokens
+    if timing.whole_s is None or timing.whole_s <= 0 or tokens is None or tokens < 2 or decode_tokens_per_s <= 0 \
+            or expected_ttft_s <= 0:
+        return None
+    return timing.whole_s / (expected_ttft_s + (tokens - 1) / decode_tokens_per_s)
 
 
 class TtftCorrections:
@@ -131,6 +149,8 @@ class TtftSummary:
     """The median of the streamed ones' measured TTFT over the estimate; None without one."""
     correction: float = 1.0
     """The engine's TTFT correction now (``TtftCorrections.factor``)."""
+    end_to_end_error_median: float | None = None
+    """The median of ``end_to_end_error`` over the ones that had it; None without one."""
 
 
 class RecentTtfts:
@@ -142,16 +162,22 @@ class RecentTtfts:
         self.size = size
         self._ttfts: dict[str, deque[float]] = {}
         self._errors: dict[str, deque[float]] = {}
+        self._end_to_end: dict[str, deque[float]] = {}
 
-    def record(self, engine: str, ttft_s: float, error_ratio: float | None) -> None:
+    def record(self, engine: str, ttft_s: float, error_ratio: float | None,
+               end_to_end_ratio: float | None = None) -> None:
         self._ttfts.setdefault(engine, deque(maxlen=self.size)).append(ttft_s)
         if error_ratio is not None:
             self._errors.setdefault(engine, deque(maxlen=self.size)).append(error_ratio)
+        if end_to_end_ratio is not None:
+            self._end_to_end.setdefault(engine, deque(maxlen=self.size)).append(end_to_end_ratio)
 
     def summary(self, engine: str) -> TtftSummary:
         ttfts = sorted(self._ttfts.get(engine, ()))
         errors = sorted(self._errors.get(engine, ()))
-        return TtftSummary(len(ttfts), _quantile(ttfts, 0.5), _quantile(ttfts, 0.9), _quantile(errors, 0.5))
+        end_to_end = sorted(self._end_to_end.get(engine, ()))
+        return TtftSummary(len(ttfts), _quantile(ttfts, 0.5), _quantile(ttfts, 0.9), _quantile(errors, 0.5),
+                           end_to_end_error_median=_quantile(end_to_end, 0.5))
 
 
 def _quantile(ordered: list[float], q: float) -> float | None:

@@ -59,7 +59,7 @@ class Ledger:
 
     def admit(
         self, ticket_id: str, engine: str, model: str, now: float, reserved_tokens: int = 0, expected_done_at: float = 0.0,
-        expected_ttft_s: float = 0.0, guessed: bool = False,
+        expected_ttft_s: float = 0.0, guessed: bool = False, decode_tokens_per_s: float = 0.0,
     ) -> Ticket:
         """``guessed``: the ticket's expected times rest on the policy's default decode rate (its engine not measured
         yet), so its expected finish may be off by any factor."""
@@ -67,7 +67,7 @@ class Ledger:
             raise ValueError(f"ticket {ticket_id} already open")
         ticket = Ticket(ticket_id, engine, model, admitted_at=now, lease_deadline=now + self.lease_seconds,
                         reserved_tokens=reserved_tokens, expected_done_at=expected_done_at or now,
-                        expected_ttft_s=expected_ttft_s)
+                        expected_ttft_s=expected_ttft_s, decode_tokens_per_s=decode_tokens_per_s)
         self._open[ticket_id] = ticket
         if guessed:
             self._guessed.add(ticket_id)

@@ -196,6 +196,10 @@ class Ticket:
     expected_done_at: float = 0.0
     """When the ledger expects the request to finish (for Retry-After)."""
     expected_ttft_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    """The per-request decode rate the admission's estimate used (its end-to-end estimate, given the answer's length:
+    ``expected_ttft_s + (tokens - 1) / decode_tokens_per_s``). Only this replica's own admissions carry it: the store
+    does not, so a ticket another replica admitted (or one loaded at start-up) has 0."""
 
 
 class QueueRule(enum.StrEnum):
@@ -363,6 +367,8 @@ class Decision:
     expected_done_at: float = 0.0
     expected_ttft_s: float = 0.0
     """The TTFT the decision expected (compared with the access log's)."""
+    decode_tokens_per_s: float = 0.0
+    """ADMIT: the per-request decode rate the estimate used on the chosen engine."""
     rates_measured: bool = True
     """ADMIT: the chosen engine's decode rate was measured or configured (False: the policy's default, a guess)."""
     park_limit_s: float | None = None

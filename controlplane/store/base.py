@@ -242,4 +242,4 @@ def _shifted(ticket: Ticket, offset: float) -> Ticket:
     every field by name): every admission converts its ticket."""
     return Ticket(ticket.ticket_id, ticket.engine, ticket.model, ticket.admitted_at + offset,
                   ticket.lease_deadline + offset, ticket.reserved_tokens, ticket.expected_done_at + offset,
-                  ticket.expected_ttft_s)
+                  ticket.expected_ttft_s, ticket.decode_tokens_per_s)

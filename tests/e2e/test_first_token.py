@@ -109,3 +109,36 @@ def test_first_token_is_timed_at_the_token_and_corrects_a_wrong_estimate(tmp_pat
         assert error_bucket(stack, "+Inf") == errors_before
     finally:
         stack.close()
+
+
+def test_the_end_to_end_error_is_measured_where_the_answer_length_is_known(tmp_path: Path) -> None:
+    """Non-streaming answers carry their length (``usage``): each one's time at the engine is compared with the
+    admission's estimate for that length, and once the engine's rates are measured the median error is within
+    0.8-1.25x. A stream without a tenant's counting has no length here, and adds nothing."""
+    stack = start_stack([("thor", "thor")], tmp_path, speed=SPEED)
+    try:
+        body = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "a question"}],
+                           "max_tokens": 60, "ignore_eos": True}).encode()
+
+        def ask() -> None:
+            request = urllib.request.Request(stack.base_url + "/chat/completions", data=body,
+                                             headers={"content-type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as response:
+                assert json.load(response)["usage"]["completion_tokens"] == 60
+
+        def measured() -> float:
+            return metric(stack, r'sluice_end_to_end_estimate_error_ratio_count\{engine="thor"\} (\S+)')
+
+        for _ in range(4):  # the engine's rates measured from its first answers
+            ask()
+        wait_for(lambda: measured() >= 4, timeout=10, what="the warm-up's end-to-end errors")
+        wait_for(lambda: stack.engines()["thor"].HasField("rates"), timeout=10, what="thor's measured rates")
+        for _ in range(9):
+            ask()
+        wait_for(lambda: measured() >= 13, timeout=10, what="thirteen end-to-end errors")
+        assert 0.8 <= stack.engines()["thor"].end_to_end_estimate_error_median <= 1.25, stack.engines()["thor"]
+        timed_stream(stack, chat("streamed"))
+        served(stack, 14)
+        assert measured() == 13
+    finally:
+        stack.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
-from controlplane.core.feedback import RecentTtfts, TtftCorrections, TtftSummary
+from controlplane.core.feedback import FirstToken, RecentTtfts, TtftCorrections, TtftSummary, end_to_end_error
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineSample, EngineView, InferenceRequest, Reason, ServedModel, Verdict
 from controlplane.core.policy import Policy
@@ -134,3 +134,18 @@ def test_recent_first_tokens_keep_the_last_requests_of_each_engine() -> None:
     assert (a.samples, a.p50_s, a.p90_s, a.error_median) == (4, 0.2, 0.4, None)
     assert (b.samples, b.p50_s, b.error_median) == (1, 2.0, 1.6)
     assert recent.summary("c") == TtftSummary(0, None, None, None)
+
+
+def test_the_end_to_end_error_prices_the_real_length_at_the_estimated_rate() -> None:
+    """A 101-token answer that took 6 s at its engine, admitted with an estimated TTFT of 1 s and 25 tokens/s: the
+    estimate for that length is 1 + 100 / 25 = 5 s, the error 1.2. Without the length, the time or the rate (a ticket
+    another replica admitted) there is none."""
+    timing = FirstToken(engine_s=1.1, gateway_s=0.01, streamed=True, whole_s=6.0, output_tokens=101)
+    assert end_to_end_error(timing, 1.0, 25.0) == 6.0 / 5.0
+    assert end_to_end_error(timing, 1.0, 0.0) is None
+    assert end_to_end_error(FirstToken(1.1, 0.01, True, whole_s=6.0), 1.0, 25.0) is None
+    assert end_to_end_error(FirstToken(1.1, 0.01, True, output_tokens=101), 1.0, 25.0) is None
+    recent = RecentTtfts()
+    for ratio in (0.9, 1.2, 1.0):
+        recent.record("a", 1.0, None, ratio)
+    assert recent.summary("a").end_to_end_error_median == 1.0
