@@ -20,7 +20,7 @@ test: install prometheus
 # Builds llama-server first unless ${XDG_CACHE_HOME:-~/.cache}/sluice/llama.cpp/<version>/ holds it (about 15 minutes on 2
 # cores, at nice 19; the time is printed), then runs tests/real through sluice and Envoy (under a minute).
 test-real: install
-	$(PY) -m sluice.real.llama build
+	$(PY) -m rig.llama build
 	$(PY) -m pytest -q -p no:cacheprovider tests/real
 
 install: $(STAMP) $(STUBS)
@@ -28,7 +28,7 @@ install: $(STAMP) $(STUBS)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
 # This project's own gRPC stubs are generated, never edited by hand.

@@ -8,19 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
-
-
-def _admission_settings(parser: argparse.ArgumentParser, items: list[str] | None) -> dict[str, object]:
-    """``--admission KEY=VALUE`` options as a config section (each value read as YAML: true, 1000, ...)."""
-    settings: dict[str, object] = {}
-    for item in items or ():
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--admission takes KEY=VALUE, got {item!r}")
-        settings[key] = yaml.safe_load(value)
-    return settings
-
 
 def _setup_logging(verbose: bool, log_format: str = "text") -> None:
     level = logging.DEBUG if verbose else logging.INFO
@@ -40,7 +27,24 @@ def _add_log_format(p: argparse.ArgumentParser) -> None:
                         "when the line is about a request); default from SLUICE_LOG_FORMAT")
 
 
+def _bench(argv: list[str]) -> int:
+    """``sluice bench ARGS``: ``python -m bench ARGS`` in the source tree this package runs from. The benchmarks are not
+    part of the product (not installed, never imported by it); a checkout (``make install``: an editable install) has
+    them next to this package."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "__main__.py").is_file():
+        print(f"sluice bench: no bench/ package beside {root}: the benchmarks live in sluice's source repository; run "
+              "them from a checkout (`make install`, then `sluice bench NAME` or `python -m bench NAME`)",
+              file=sys.stderr)
+        return 2
+    path = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.execve(sys.executable, [sys.executable, "-m", "bench", *argv], {**os.environ, "PYTHONPATH": path})
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,33 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--body-file", help="explain: a request body (JSON) whose prompt is matched against the prefix index "
                    "(each engine's expected cached tokens); its prompt tokens are counted unless --prompt-tokens is set")
 
-    p = sub.add_parser("bench", help="run a benchmark; prints figures and writes bench/results/<scenario>.md")
-    p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "scale", "chaos",
-                                        "replicas", "ratelimit", "prefix"])
-    p.add_argument("--engines", metavar="N|FILE",
-                   help="observe: how many simulated engines to poll (default 1000); overhead, steady: a YAML file listing the "
-                        "engines to front instead of a simulator (e.g. real llama.cpp servers, see sluice/real/llama.py)")
-    p.add_argument("--cycles", type=int, default=10, help="observe: poll cycles to measure")
-    p.add_argument("--sizes", help="scale: engine counts to run, comma-separated, the 2-engine run the baseline; "
-                   "1000p1: 1000 engines polled every second, probe budget lifted (default 2,200,1000,1000p1)")
-    p.add_argument("--seconds", type=float, help="scale: seconds of traffic per size (default 40)")
-    p.add_argument("--rounds", type=int, help="scale: interleaved segments per size, the seconds split among them "
-                   "(default 3)")
-    p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open); replicas: a "
-                   "400-request burst through 1 and 2 replicas, shorter windows (about a minute and a half); ratelimit: "
-                   "shorter windows and a tenth of the limiter's charges; prefix: the system workload at 90%%, shorter "
-                   "windows, no two-replica arm")
-    p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable (a run "
-                   "narrowed by --fleet, --mix, --level or --admission reports to steady-partial.md)")
-    p.add_argument("--stream", action="store_true", help="overhead: streamed 32-token answers instead of one-token "
-                   "ones (what the response path costs per chunk; report overhead-stream.md)")
-    p.add_argument("--mix", action="append", help="steady: only this client mix (open, capped, deadline); repeatable")
-    p.add_argument("--level", action="append", type=float, help="steady, prefix: only this load level (e.g. 1.1); "
-                   "repeatable")
-    p.add_argument("--workload", action="append", help="prefix: only this workload (system, chat, control); repeatable")
-    p.add_argument("--admission", action="append", metavar="KEY=YAML",
-                   help="steady, prefix: an admission setting for the sluice arms instead of its default (e.g. backfill=true); "
-                        "repeatable; the report names it")
+    # Parsed by the bench package itself (``python -m bench``): listed here for --help, run by ``_bench``.
+    p = sub.add_parser("bench", add_help=False, help="run a benchmark from the source tree's bench/ package (not "
+                       "installed with sluice): prints figures and writes bench/results/<scenario>.md; "
+                       "`sluice bench --help` lists them")
+    p.add_argument("args", nargs=argparse.REMAINDER)
 
     p = sub.add_parser("deploy", help="Kubernetes manifests for the config (see deploy/ and the README's Operating)")
     deploy = p.add_subparsers(dest="deploy_command", required=True)
@@ -206,65 +188,6 @@ def main(argv: list[str] | None = None) -> int:
         from controlplane.store.valkeyserver import run_forever
 
         return run_forever(args.port, args.host, args.persistent, args.data_dir)
-    if args.command == "bench":
-        if args.scenario == "replicas":
-            from sluice.bench.replicas import run_replicas_bench
-
-            return run_replicas_bench(args.quick)
-        if args.scenario == "chaos":
-            from sluice.bench.chaos import run_chaos_bench
-
-            return run_chaos_bench()
-        if args.scenario == "ratelimit":
-            from sluice.bench.ratelimit import run_ratelimit_bench
-
-            return run_ratelimit_bench(args.quick)
-        if args.scenario == "cag4":
-            from sluice.bench.cag4 import run_cag4_bench
-
-            return run_cag4_bench()
-        if args.scenario == "fleet":
-            from sluice.bench.fleet import run_fleet_bench
-
-            return run_fleet_bench()
-        if args.scenario == "scale":
-            from sluice.bench import scale
-
-            try:
-                sizes = scale.parse_sizes(args.sizes) if args.sizes else scale.SIZES
-            except ValueError as exc:
-                parser.error(str(exc))
-            if args.seconds is not None and args.seconds <= 0:
-                parser.error("--seconds: must be positive")
-            if args.rounds is not None and args.rounds < 1:
-                parser.error("--rounds: must be at least 1")
-            return scale.run_scale_bench(sizes, args.seconds or scale.SECONDS, args.rounds or scale.ROUNDS)
-        if args.scenario == "steady":
-            from sluice.bench.steady import run_steady_bench
-
-            if args.engines is not None and args.engines.isdigit():
-                parser.error("steady: --engines is a YAML file of real llama.cpp engines")
-            return run_steady_bench(args.quick, args.fleet, args.mix, args.level, args.engines,
-                                    _admission_settings(parser, args.admission))
-        if args.scenario == "overhead":
-            from sluice.bench.overhead import run_overhead_bench
-
-            return run_overhead_bench(args.engines, stream=args.stream)
-        if args.scenario == "t10":
-            from sluice.bench.t10 import run_t10_bench
-
-            return run_t10_bench()
-        if args.scenario == "prefix":
-            from sluice.bench.prefix import WORKLOADS, run_prefix_bench
-
-            if args.workload and not set(args.workload) <= set(WORKLOADS):
-                parser.error(f"prefix: --workload is one of {', '.join(WORKLOADS)}")
-            return run_prefix_bench(args.quick, args.workload, args.level, _admission_settings(parser, args.admission))
-        from sluice.bench.observe import run_observe_bench
-
-        if args.engines is not None and not args.engines.isdigit():
-            parser.error("observe: --engines is a number of simulated engines")
-        return run_observe_bench(int(args.engines or 1000), args.cycles)
     if args.command == "ratelimit":
         from ratelimit.rls import run_ratelimit_service
 

@@ -23,10 +23,10 @@ from controlplane.config import Config, parse_config
 from controlplane.xds.resources import LISTENER_NAME
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 from sluice.admincli import admin_channel, read_token
-from sluice.bench.common import free_port, wait_for  # noqa: F401  (re-exported for the tests)
+from rig.waits import free_port, wait_for  # noqa: F401  (re-exported for the tests)
 from sluice.envoyrun import envoy_command, listener_port, read_admin_address, write_bootstrap
 from sluice.simulated import with_profile_defaults
-from sluice.threaded import ThreadedControlPlane  # noqa: F401  (re-exported: tests import it from here)
+from rig.threaded import ThreadedControlPlane  # noqa: F401  (re-exported: tests import it from here)
 
 _LISTENING = re.compile(r"listening on http://[^\s:]+:(\d+)")
 

@@ -5,7 +5,7 @@
     python bench/diagnostics/checkcost.py 2 1000        # per-Check and per-report CPU at 2 and at 1000 engines
     python bench/diagnostics/checkcost.py 1000 --count  # ... and how often a model's output tail was rebuilt
 
-One real report first: a ``bench scale`` farm engine (``sluice/bench/farm.py``, real-size vLLM 0.11 text) probed by an
+One real report first: a ``bench scale`` farm engine (``bench/farm.py``, real-size vLLM 0.11 text) probed by an
 ``EnginePoller``. Then, per size, a ``ControlPlane`` of that many engines (as ``bench scale`` configures them: cap 256,
 no chip class) is warmed with 12 rounds of that report for every engine (rates jittered 5%, the running count 0-1),
 and 3 x 3000 Checks run as ``authz.py`` makes them (``parse_request``, ``AdmissionService.check``, ``record_outcome``;
@@ -48,7 +48,7 @@ def _config(engines: list[dict[str, Any]]) -> Any:
 
 def real_report() -> tuple[EngineView, EngineRates]:
     """A farm engine's view and rates, as its third probe reports them."""
-    farm = subprocess.Popen([sys.executable, "-c", "from sluice.bench.farm import main_engines; main_engines()",
+    farm = subprocess.Popen([sys.executable, "-c", "from bench.farm import main_engines; main_engines()",
                              "--engines", "1"], stdout=subprocess.PIPE, text=True)
     try:
         assert farm.stdout is not None

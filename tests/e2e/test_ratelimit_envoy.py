@@ -24,7 +24,7 @@ from controlplane.store.valkeyserver import ValkeyServer
 from ratelimit import ChargeRequest, LimitState, RateLimiter, Scope, Settlement, Verdict, open_limiter
 from ratelimit.config import parse_descriptor_config
 from ratelimit.rls import serve
-from sluice.bench.common import free_port
+from rig.waits import free_port
 from sluice.envoyrun import envoy_binary, listener_port, read_admin_address
 from tests.harness import http_json, wait_for
 

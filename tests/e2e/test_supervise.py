@@ -18,7 +18,7 @@ import grpc
 import openai
 
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
-from sluice.upprocess import UpProcess, alive
+from rig.upprocess import UpProcess, alive
 from sluice.up import Child, RestartHistory, RestartPolicy, Supervisor, free_controlplane_ports, next_restart, replicas_in, stop_children
 from tests.harness import free_port, wait_for
 
@@ -143,7 +143,7 @@ def test_stopping_drops_a_restart_still_waiting_out_its_backoff(tmp_path: Path) 
 
 
 class Up(UpProcess):
-    """``sluice up`` as a subprocess (sluice/upprocess.py) on a config of free ports, with an ``openai`` client on it."""
+    """``sluice up`` as a subprocess (rig/upprocess.py) on a config of free ports, with an ``openai`` client on it."""
 
     def __init__(self, tmp_path: Path, engines: list[dict[str, Any]], args: tuple[str, ...] = (),
                  sections: dict[str, Any] | None = None, api_key: str = "unused") -> None:

@@ -1,4 +1,4 @@
-"""Real-engine fixtures: mainline llama.cpp ``llama-server`` processes (built by ``make test-real``, see sluice/real/llama.py)
+"""Real-engine fixtures: mainline llama.cpp ``llama-server`` processes (built by ``make test-real``, see rig/llama.py)
 behind sluice's real control plane and the real Envoy. ``make test`` never collects this directory (pyproject's
 ``norecursedirs``)."""
 
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from controlplane.config import parse_config
-from sluice.real import llama
+from rig import llama
 from tests.harness import Stack, ThreadedControlPlane, admin_section, free_port, http_json, stack_raw, stop
 
 #: Per server: 2 slots sharing 4,096 tokens of context; one thread each (two servers on this 2-core machine).
@@ -64,7 +64,7 @@ class Engine:
 def require_built() -> None:
     if not llama.is_built():
         pytest.exit(f"llama-server is not built in {llama.cache_dir()}: run `make test-real` (it builds it first, about "
-                    "15 minutes on 2 cores) or `python -m sluice.real.llama build`", returncode=2)
+                    "15 minutes on 2 cores) or `python -m rig.llama build`", returncode=2)
 
 
 def start_real_stack(engines: list[Engine], work_dir: Path, **sections: Any) -> Stack:

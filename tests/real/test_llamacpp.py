@@ -3,7 +3,7 @@ and the real Envoy: the request path through the official openai client, discove
 ``/props``, ``/slots`` and ``/metrics``, caps from ``total_slots``, a client leaving mid-stream, a context overflow, the
 engine killed mid-stream, version floors against the real ``build_info``, and a broken observation mapping caught.
 
-The model is random weights (sluice/real/llama.py): answers are gibberish, so tests assert shapes and counts, not text.
+The model is random weights (rig/llama.py): answers are gibberish, so tests assert shapes and counts, not text.
 ``ignore_eos`` (a llama.cpp sampling option) makes a request generate exactly ``max_tokens``."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import yaml
 
 from controlplane.observe import parse
 from sluice.admin.v1 import admin_pb2
-from sluice.real.llama import BUILD_INFO, MODEL_ID
+from rig.llama import BUILD_INFO, MODEL_ID
 from tests.harness import Stack, free_port, wait_for
 from tests.real.conftest import CTX, PARALLEL, Engine, post, start_real_stack
 

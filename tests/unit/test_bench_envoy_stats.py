@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from sluice.bench.common import envoy_cluster_total
+from bench.common import envoy_cluster_total
 
 STATS = """cluster.e0.upstream_cx_total: 3
 cluster.e1.upstream_cx_total: 4

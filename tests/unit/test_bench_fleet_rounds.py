@@ -3,7 +3,7 @@ with every round's figure shown."""
 
 from __future__ import annotations
 
-from sluice.bench.fleet import median_run
+from bench.fleet import median_run
 
 
 def test_the_row_is_the_median_run_and_every_round_is_kept() -> None:

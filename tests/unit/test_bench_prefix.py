@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from sluice.bench.prefix import (
+from bench.prefix import (
     GROUPS, TURNS, Cell, Outcome, Texts, draw_jobs, first_messages, summarise, text, verdicts,
 )
 

@@ -5,7 +5,7 @@ charging does not hold the budget at all)."""
 from __future__ import annotations
 
 from ratelimit import LimiterSettings, Limits, Scope, open_limiter
-from sluice.bench.ratelimit import BUDGET_TPM, burst_overshoot, burst_world, measure_throughput
+from bench.ratelimit import BUDGET_TPM, burst_overshoot, burst_world, measure_throughput
 
 
 async def test_a_burst_overshoots_by_at_most_one_max_tokens_only_when_pre_charged() -> None:

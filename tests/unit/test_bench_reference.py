@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from enginesim.profiles import PROFILES
-from sluice.bench.t10 import best_assignment, even_split
+from bench.t10 import best_assignment, even_split
 
 # Seed 000, "Per-box, measured directly against each vllm-primary": tok/s at 1 stream and at 2 streams (max_num_seqs).
 SEED_THOR = (18.18, 50.71)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.bench.steady import REFILL_WITHIN_S, refill_gaps
+from bench.steady import REFILL_WITHIN_S, refill_gaps
 
 
 def entry(arrived: float, finished: float | None) -> dict[str, object]:

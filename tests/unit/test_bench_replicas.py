@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from sluice.bench.common import histogram_quantile
-from sluice.bench.replicas import (
+from bench.common import histogram_quantile
+from bench.replicas import (
     ENVOY_CHECK_REQUEST, Fifo, _template, fifo_order, histogram, longest_gap, metric_sum,
     parse_samples,
 )

@@ -1,4 +1,4 @@
-"""``sluice bench scale`` (and ``python -m sluice.bench.scale``) takes its sizes and window on the command line; a bad
+"""``sluice bench scale`` (and ``python -m bench.scale``) takes its sizes and window on the command line; a bad
 value is refused before anything starts."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from sluice.bench.common import cpu_seconds
-from sluice.bench.common import cpu_times, stolen_share
-from sluice.bench.scale import parse_sizes, round_orders, summarize
+from bench.common import cpu_seconds
+from bench.common import cpu_times, stolen_share
+from bench.scale import parse_sizes, round_orders, summarize
 
 
 def test_sizes_are_counts_or_counts_polled_at_an_interval() -> None:
@@ -24,7 +24,7 @@ def test_sizes_are_counts_or_counts_polled_at_an_interval() -> None:
 
 @pytest.mark.parametrize("argv", [["--sizes", "many"], ["--seconds", "0"], ["--rounds", "0"]])
 def test_a_bad_argument_is_a_usage_error_and_nothing_runs(argv: list[str]) -> None:
-    for command in ([sys.executable, "-m", "sluice", "bench", "scale"], [sys.executable, "-m", "sluice.bench.scale"]):
+    for command in ([sys.executable, "-m", "sluice", "bench", "scale"], [sys.executable, "-m", "bench.scale"]):
         done = subprocess.run([*command, *argv], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stderr
         assert any(why in done.stderr for why in ("sizes: expected engine counts", "--seconds: must be positive",
@@ -32,7 +32,7 @@ def test_a_bad_argument_is_a_usage_error_and_nothing_runs(argv: list[str]) -> No
 
 
 def test_help_describes_the_options_instead_of_running() -> None:
-    done = subprocess.run([sys.executable, "-m", "sluice.bench.scale", "--help"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "bench.scale", "--help"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and "--sizes" in done.stdout and "--seconds" in done.stdout
 

@@ -3,8 +3,8 @@ and the longest wait for one, beside the shed count."""
 
 from __future__ import annotations
 
-from sluice.bench.steady import LATE_SHED_S, _shed_text, summarise
-from sluice.bench.workload import Result
+from bench.steady import LATE_SHED_S, _shed_text, summarise
+from bench.workload import Result
 
 
 def test_late_503s_are_counted_apart_from_early_ones() -> None:

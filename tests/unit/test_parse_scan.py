@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.observe import parse
 from controlplane.observe.parse import _WANTED, parse_metrics, read_series
-from sluice.bench.vllm_exposition import vllm_v1_exposition
+from bench.vllm_exposition import vllm_v1_exposition
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"
 

@@ -19,7 +19,7 @@ from controlplane.core.model import EngineView, Flavor
 from controlplane.observe.parse import metrics_path, missing_gauges, read_series, sample_from_series
 from controlplane.observe.poller import EnginePoller
 from enginesim.exposition import restrict
-from sluice.bench.vllm_exposition import vllm_v1_exposition
+from bench.vllm_exposition import vllm_v1_exposition
 from tests.unit.test_httpget import Server, ok
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"

@@ -45,9 +45,9 @@ import grpc
 import yaml
 
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
-from sluice.bench.common import envoy_cluster_total, free_port, median, pct, wait_for, write_report
-from sluice.threaded import ThreadedControlPlane
-from sluice.upprocess import UpProcess
+from bench.common import envoy_cluster_total, free_port, median, pct, wait_for, write_report
+from rig.threaded import ThreadedControlPlane
+from rig.upprocess import UpProcess
 
 
 SPEED = 50.0
@@ -718,7 +718,7 @@ def fault_cut_stream(stack: Stack) -> Row:
 
 # -- fault 3: sluice up, control plane killed ------------------------------------------------------------------------
 class Up(UpProcess):
-    """``sluice up`` (sluice/upprocess.py) on a config of free ports."""
+    """``sluice up`` (rig/upprocess.py) on a config of free ports."""
 
     def __init__(self, work: Path, engines: list[dict[str, Any]]) -> None:
         raw: dict[str, Any] = {

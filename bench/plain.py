@@ -14,10 +14,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluice.bench.common import free_port
+from bench.common import free_port
 from sluice.envoyrun import envoy_binary
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "envoy" / "bench-plain.yaml"
+TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "bench-plain.yaml"
 
 
 @dataclass(frozen=True)

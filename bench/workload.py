@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from sluice.bench.common import free_port
+from bench.common import free_port
 from sluice.up import free_controlplane_ports, replicas_in
 
 

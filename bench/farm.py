@@ -2,7 +2,7 @@
 for ``N`` engines with vLLM V1 exposition text, a few variants pre-rendered so the farm itself costs little CPU.
 
 ``--exposition vllm-v1`` (the default): real-size vLLM 0.11 text, every histogram bucket kept, about 54 KB
-(``sluice/bench/vllm_exposition.py``; ``--data-parallel 2`` doubles the vLLM series, about 91 KB). ``--exposition sim``: the
+(``bench/vllm_exposition.py``; ``--data-parallel 2`` doubles the vLLM series, about 91 KB). ``--exposition sim``: the
 simulator's collector, about 14 KB (it exposes only the families sluice and its tests use)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from enginesim.profiles import PROFILES
 
 def _variants(count: int = 8, exposition: str = "vllm-v1", data_parallel: int = 1) -> list[bytes]:
     if exposition == "vllm-v1":
-        from sluice.bench.vllm_exposition import variants
+        from bench.vllm_exposition import variants
 
         return variants(count, data_parallel=data_parallel)
     return _sim_variants(count)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ratelimit import ChargeRequest, LimiterSettings, Limits, RateLimiter, Scope, open_limiter
-from sluice.bench.common import pct, write_report
+from bench.common import pct, write_report
 
 BUDGET_TPM = 100_000
 
@@ -187,7 +187,7 @@ class PathRun:
 async def _open_loop(url: str, key: str, rate: int, seconds: float) -> tuple[list[float], int]:
     import aiohttp
 
-    from sluice.bench.common import paced
+    from bench.common import paced
 
     body = {"model": "cortex", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     latencies: list[float] = []
@@ -244,9 +244,9 @@ async def _path_burst(url: str, key: str) -> tuple[int, int, int, float]:
 
 def real_path(quick: bool) -> str:
     """The path rows: per backend, per key, the latency at ``PATH_RATE``/s, the Check's, decisions/s; then the burst."""
-    from sluice.bench.common import closed_loop, histogram_quantile
-    from sluice.bench.overhead import _histogram
-    from sluice.bench.workload import gateway
+    from bench.common import closed_loop, histogram_quantile
+    from bench.overhead import _histogram
+    from bench.workload import gateway
 
     seconds = PATH_SECONDS / 4 if quick else PATH_SECONDS
     lines = [f"## Through the real path: {PATH_RATE} requests/s (open loop, {seconds:g} s) and {PATH_CONCURRENCY} "

@@ -12,9 +12,9 @@ Cache: ``${XDG_CACHE_HOME:-~/.cache}/sluice/llama.cpp/<sdist version>/`` holding
 ``gguf-py/`` and ``vocab.gguf`` (to rewrite the model without the sources) and ``build.json`` (what was built, how long it
 took). Nothing else is kept: the sources and the build tree are removed after a build.
 
-    python -m sluice.real.llama build [--force]   # build unless cached; prints the build time
-    python -m sluice.real.llama status            # cached or not, and where
-    python -m sluice.real.llama serve --port 8201 [--threads 1] [--parallel 2] [--ctx 4096]
+    python -m rig.llama build [--force]   # build unless cached; prints the build time
+    python -m rig.llama status            # cached or not, and where
+    python -m rig.llama serve --port 8201 [--threads 1] [--parallel 2] [--ctx 4096]
 
 The sdist pins llama.cpp commit ``0c1e57098``, release ``b11312``; the sdist carries no git history, so the build number
 and commit are given to cmake explicitly and ``/props`` reports ``build_info`` ``b11312-0c1e57098`` as a release build
@@ -181,8 +181,10 @@ def build(force: bool = False) -> dict[str, object]:
 
 def write_model_subprocess() -> None:
     """Write the tiny model with the cached vendored ``gguf-py`` (in a child, so ``gguf`` never enters this process)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(cache_dir() / "gguf-py"), os.environ.get("PYTHONPATH")])))
-    subprocess.run([sys.executable, "-m", "sluice.real.llama", "write-model"], check=True, env=env)
+    source = str(Path(__file__).resolve().parents[1])  # this source tree, for ``-m rig.llama`` from any directory
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(cache_dir() / "gguf-py"), source,
+                                                                    os.environ.get("PYTHONPATH")])))
+    subprocess.run([sys.executable, "-m", "rig.llama", "write-model"], check=True, env=env)
 
 
 def write_model(out: Path, vocab: Path, seed: int = MODEL_SEED, **dims: int) -> None:
@@ -278,7 +280,7 @@ def start_server(port: int, log_path: Path, *, threads: int = 1, parallel: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.real.llama", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rig.llama", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     p = sub.add_parser("build", help="build llama-server and the tiny model unless cached")
     p.add_argument("--force", action="store_true", help="rebuild even when cached")
@@ -302,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         write_model(model_file(), cache_dir() / "vocab.gguf")
         return 0
     if not is_built():
-        parser.error("llama-server is not built: run `python -m sluice.real.llama build` (or `make test-real`)")
+        parser.error("llama-server is not built: run `python -m rig.llama build` (or `make test-real`)")
     os.execv(str(server_binary()), server_command(args.port, threads=args.threads, parallel=args.parallel, ctx=args.ctx))
     return 0
 

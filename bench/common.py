@@ -20,14 +20,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+from rig.waits import free_port as free_port, wait_for as wait_for
 
-
-def free_port() -> int:
-    """A loopback port free right now (``controlplane.store.valkeyserver.free_port``, the one definition)."""
-    from controlplane.store.valkeyserver import free_port as pick
-
-    return pick()
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def envoy_cluster_total(admin_port: int, stat: str, clusters: Iterable[str]) -> int:
@@ -155,26 +150,6 @@ def write_report(name: str, title: str, body: str) -> Path:
                     f"- machine: {machine()}, {cpu_model()}\n- load (1 / 5 / 15 min): {loads(load_before)} at start, "
                     f"{loads(load_after)} at the end; CPU stolen by other guests meanwhile: {stolen:.1%}\n\n{body}\n")
     return path
-
-
-T = TypeVar("T")
-
-
-def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> T:
-    """Poll ``predicate`` until it returns something truthy (returned); exceptions count as "not yet" (what is waited for
-    may not be listening yet). TimeoutError names ``what`` and the last value or exception."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-            last = value
-        except Exception as exc:  # the thing we wait for may not be listening yet
-            last = exc
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 async def paced(rate: float, seconds: float, start: Callable[[], Awaitable[object]]) -> None:

@@ -78,9 +78,9 @@ from typing import Any
 import aiohttp
 
 from enginesim.profiles import PROFILES
-from sluice.bench.common import pct, pyplot, save_figure, write_report
-from sluice.bench.plain import PlainEnvoy, plain_envoy_arm
-from sluice.bench.workload import Result, gateway, sim_log, sim_stats, stream_chat, unique_prompt
+from bench.common import pct, pyplot, save_figure, write_report
+from bench.plain import PlainEnvoy, plain_envoy_arm
+from bench.workload import Result, gateway, sim_log, sim_stats, stream_chat, unique_prompt
 
 SPEED = 10.0
 WINDOWS_S = {"thor+spark": 30.0, "mixed6": 15.0}
@@ -472,7 +472,7 @@ def _load_note() -> str:
 def _real_fleet(engines_file: str) -> tuple[str, list[dict[str, Any]], list[int], list[str]]:
     """The ``--engines`` file's llama.cpp servers: sets ``_T`` (speed 1, their model, a slot's context) and returns the
     fleet's name, entries, slots and names."""
-    from sluice.bench.overhead import _get_json, _local_port, load_engines
+    from bench.overhead import _get_json, _local_port, load_engines
 
     entries = load_engines(engines_file)
     slots, models, contexts = [], set(), []

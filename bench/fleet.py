@@ -64,7 +64,7 @@ from controlplane.core.weights import Weights
 from controlplane.observation import FRAMES_PER_TURN
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.worker import FLUSH_S
-from sluice.bench.common import pyplot, save_figure, write_report
+from bench.common import pyplot, save_figure, write_report
 
 NO_CLASSES = "sluice (band), no chip classes"
 Report = tuple[EnginePoller, EngineView, EngineRates]

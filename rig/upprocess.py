@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from sluice.bench.common import wait_for
+from rig.waits import wait_for
 
 READY_LINE = "Ctrl-C stops everything."
 """What ``sluice up`` prints once Envoy serves (sluice/up.py)."""

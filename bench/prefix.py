@@ -89,9 +89,9 @@ from typing import Any
 import aiohttp
 
 from enginesim.profiles import PROFILES
-from sluice.bench.common import pct, write_report
-from sluice.bench.plain import plain_envoy_arm
-from sluice.bench.workload import bare_sim, gateway, sim_stats
+from bench.common import pct, write_report
+from bench.plain import plain_envoy_arm
+from bench.workload import bare_sim, gateway, sim_stats
 from sluice.up import REPLICA_PORT_STRIDE
 
 SPEED = 1.0

@@ -17,8 +17,8 @@ from typing import Any
 
 import aiohttp
 
-from sluice.bench.common import median, pct, pyplot, save_figure, write_report
-from sluice.bench.workload import Result, bare_sim, gateway, sample_stats, sim_stats, stream_chat, unique_prompt
+from bench.common import median, pct, pyplot, save_figure, write_report
+from bench.workload import Result, bare_sim, gateway, sample_stats, sim_stats, stream_chat, unique_prompt
 
 SPEED = 100.0
 MODEL = "reasoning"

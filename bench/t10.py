@@ -18,8 +18,8 @@ from collections import Counter
 import aiohttp
 
 from enginesim.profiles import PROFILES
-from sluice.bench.common import median, pyplot, save_figure, write_report
-from sluice.bench.workload import bare_sim, gateway, stream_chat
+from bench.common import median, pyplot, save_figure, write_report
+from bench.workload import bare_sim, gateway, stream_chat
 
 SPEED = 1.0
 """Real time: the gateway's own few milliseconds per request would otherwise be magnified SPEED-fold in emulated time."""

@@ -2,7 +2,7 @@
 1000 engines, at 100 requests/s, in one run. Issue 9: at 200 engines Checks took 17 ms, queued for up to 30 s, and Envoy's
 fail-open let about 70% of requests through undecided.
 
-Engines: one farm process (``sluice/bench/farm.py``, ``serve_engines``) listening on one port per engine, each with real-size
+Engines: one farm process (``bench/farm.py``, ``serve_engines``) listening on one port per engine, each with real-size
 vLLM 0.11 ``/metrics`` (54 KB, every bucket; since session 20 the probes ask for only the samples sluice reads, about 6 KB,
 as ``observe.filter_metrics`` does by default and a real vLLM honours; the control plane polls every engine once a second
 within its probe budget, ``observe.max_probes_per_second`` 300: 1000 engines every 3.33 s, 1.8 MB/s of exposition to scan
@@ -48,12 +48,12 @@ import aiohttp
 import yaml
 
 from controlplane.config import parse_config
-from sluice.bench.common import (
+from bench.common import (
     cpu_seconds, cpu_times, envoy_cluster_total, median, paced, pct, stolen_share, write_report,
 )
-from sluice.bench.common import histogram_quantile
-from sluice.bench.overhead import _histogram
-from sluice.bench.workload import gateway
+from bench.common import histogram_quantile
+from bench.overhead import _histogram
+from bench.workload import gateway
 
 _SIZE = re.compile(r"(\d+)(?:p(\d+(?:\.\d+)?))?")
 
@@ -176,7 +176,7 @@ def run_segment(label: str, seconds: float) -> dict[str, Any]:
     observe: dict[str, float] = ({"poll_interval_seconds": poll, "poll_timeout_seconds": 0.8,
                                   "max_probes_per_second": 0} if poll else {})
     farm = subprocess.Popen(
-        [sys.executable, "-c", "from sluice.bench.farm import main_engines; main_engines()", "--engines", str(size_n)],
+        [sys.executable, "-c", "from bench.farm import main_engines; main_engines()", "--engines", str(size_n)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert farm.stdout is not None  # stdout=PIPE
@@ -316,7 +316,6 @@ decided by a Check.
 
 
 if __name__ == "__main__":  # the same as ``sluice bench scale`` (``--sizes``, ``--seconds``, ``--rounds``; ``--help``)
-    import runpy
+    from bench.__main__ import main
 
-    sys.argv = ["sluice", "bench", "scale", *sys.argv[1:]]
-    runpy.run_module("sluice", run_name="__main__")  # the CLI's own parser, without this module importing the CLI
+    sys.exit(main(["scale", *sys.argv[1:]]))

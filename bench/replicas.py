@@ -76,8 +76,8 @@ from google.protobuf import duration_pb2, struct_pb2, text_format
 from controlplane.config import parse_config
 from sluice.up import REPLICA_PORT_STRIDE as STRIDE, free_controlplane_ports
 from controlplane.xds.resources import AUTHZ_NAMESPACE
-from sluice.bench.common import cpu_seconds, free_port, histogram_quantile, median, paced, pct, wait_for, write_report
-from sluice.upprocess import UpProcess
+from bench.common import cpu_seconds, free_port, histogram_quantile, median, paced, pct, wait_for, write_report
+from rig.upprocess import UpProcess
 
 ENGINES = 8
 CAP = 8
@@ -302,7 +302,7 @@ class Fleet:
 
 
 class Stack(UpProcess):
-    """``sluice up`` (sluice/upprocess.py) in front of a fleet: ``replicas`` control planes on ``store`` (memory: one
+    """``sluice up`` (rig/upprocess.py) in front of a fleet: ``replicas`` control planes on ``store`` (memory: one
     replica)."""
 
     def __init__(self, name: str, engines: list[dict[str, Any]], replicas: int, store: str, work: Path) -> None:

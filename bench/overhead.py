@@ -31,9 +31,9 @@ from typing import Any
 import aiohttp
 import yaml
 
-from sluice.bench.common import closed_loop, histogram_quantile, latency_plot, median, pct, paced, write_report
-from sluice.bench.plain import plain_envoy
-from sluice.bench.workload import gateway
+from bench.common import closed_loop, histogram_quantile, latency_plot, median, pct, paced, write_report
+from bench.plain import plain_envoy
+from bench.workload import gateway
 
 RATES = (50, 200, 500)
 SECONDS = 8.0

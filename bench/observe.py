@@ -31,13 +31,13 @@ from controlplane.observe.parse import _WANTED, Series, metrics_path, read_serie
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import MedianRing, RateBook
 from enginesim.exposition import restrict
-from sluice.bench.common import free_port, median, pct, write_report
-from sluice.bench.vllm_exposition import vllm_v1_exposition
+from bench.common import free_port, median, pct, write_report
+from bench.vllm_exposition import vllm_v1_exposition
 
 _K = TypeVar("_K")
 NO_WAVES = "new, each probe on its own timer"
 
-FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "engine-metrics"
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "engine-metrics"
 LARGEST_REAL = "vllm-0.4.3-datadog-integrations-core.prom"
 
 # --- the previous reader (commit 345f6f1's parse.py), kept callable for the comparison ---------------------------------
@@ -223,7 +223,7 @@ def _start_farm(engines: int, data_parallel: int) -> tuple[subprocess.Popen[byte
     import urllib.request
 
     port = free_port()
-    farm = subprocess.Popen([sys.executable, "-m", "sluice.bench.farm", "--engines", str(engines), "--port", str(port),
+    farm = subprocess.Popen([sys.executable, "-m", "bench.farm", "--engines", str(engines), "--port", str(port),
                              "--exposition", "vllm-v1", "--data-parallel", str(data_parallel)])
     deadline = time.monotonic() + 60
     while True:

@@ -1,0 +1,34 @@
+"""Free loopback ports and polling waits, for the tests and the benchmarks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+
+def free_port() -> int:
+    """A loopback port free right now (``controlplane.store.valkeyserver.free_port``, the one definition)."""
+    from controlplane.store.valkeyserver import free_port as pick
+
+    return pick()
+
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy (returned); exceptions count as "not yet" (what is waited for
+    may not be listening yet). TimeoutError names ``what`` and the last value or exception."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+            last = value
+        except Exception as exc:  # the thing we wait for may not be listening yet
+            last = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
