@@ -307,10 +307,10 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
             await plane.refresh_weights()
     flush()
     idle_pushes = plane.weight_pushes - pushes_before_idle
-    events = [(at - IDLE_SECONDS, s, k, n) for at, s, k, n in events if k == "probe"]
+    # The requests start where the idle phase ended: the clock runs on (the plane's staleness deadlines stay true).
+    base = sim.now = IDLE_SECONDS
+    events = [(at, s, k, n) for at, s, k, n in events if k == "probe"]
     heapq.heapify(events)
-    sim.now = 0.0
-    plane.observation.forget_staleness_deadlines()
     for e in engines:
         sim.probe(e)
     sim.cpu.clear()
@@ -324,17 +324,17 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
         requests[rid] = (job, InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=job.prompt,
                                                max_tokens=job.output, max_ttft_ms=deadline_ms,
                                                ttft_headroom_ms=headroom_ms))
-        heapq.heappush(events, (job.at, seq, "arrive", rid))
+        heapq.heappush(events, (base + job.at, seq, "arrive", rid))
         seq += 1
-    end = jobs[-1].at + 60.0
-    for tick in range(int(end * 10)):
-        heapq.heappush(events, (tick / 10, seq, "sweep", ""))
+    end = base + jobs[-1].at + 60.0
+    for tick in range(int((end - base) * 10)):
+        heapq.heappush(events, (base + tick / 10, seq, "sweep", ""))
         if tick % 5 == 0:
-            heapq.heappush(events, (tick / 10 + 0.05, seq + 1, "weights", ""))
+            heapq.heappush(events, (base + tick / 10 + 0.05, seq + 1, "weights", ""))
         seq += 2
     owner: dict[str, SimEngine] = {}
-    last_arrival = jobs[-1].at
-    last_event = 0.0
+    last_arrival = base + jobs[-1].at
+    last_event = base
     window: dict[str, Any] = {}
     pushes_before = plane.weight_pushes
     ttft: dict[str, float] = {}
@@ -358,7 +358,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
         e = by_name[o.ticket.engine]
         n = len(e.running) + 1
         first = job.prompt / e.prefill + 1 / per_request_rate(e.solo, n)
-        ttft[o.request_id] = (sim.now - job.at) + first
+        ttft[o.request_id] = (sim.now - base - job.at) + first
         finish = sim.now + first + job.output / per_request_rate(e.solo, n)
         e.running[o.request_id] = finish
         owner[o.request_id] = e
@@ -424,7 +424,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
             settle(outcome)
         settled.clear()
     wall = time.perf_counter() - wall
-    duration = last_event
+    duration = last_event - base
     served = sorted((e.served for e in engines), reverse=True)
     top = sum(served[: max(1, len(served) // 10)]) / max(1, sum(served))
     met = sum(1 for t in ttft.values() if t <= SLO_S + 1e-9)

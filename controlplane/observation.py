@@ -124,12 +124,6 @@ class Observation:
         if self._indexed is self.pollers and len(self.pollers) >= INDEX_MIN_ENGINES:
             self.core.refresh_index(now, self.rates.tables())
 
-    def forget_staleness_deadlines(self) -> None:
-        """Drop every pending staleness deadline: for a clock that jumps back (``sluice bench fleet`` restarts its
-        simulated time after the idle phase). The next probe of each engine puts its deadline back."""
-        self._stale_at.clear()
-        self._watched.clear()
-
     def engine_states(self) -> list[EngineState]:
         """Every engine's last probe as the per-engine gauges show it (read at scrape time, on the loop)."""
         states = []
