@@ -69,32 +69,25 @@ class Policy:
     near_tie_fraction: float = 0.05
     """Near ties (route.py): without a deadline, the free slots whose expected finish is within this fraction of the
     soonest one's are equally good, and the one with the fewest recent admissions per unit of its capacity takes the
-    request. Engines of one kind measure rates a percent or two apart, and finish-soonest alone sent all light load to
-    whichever measured faster (``bench prefix`` at 50% load: spark-a 59 requests, spark-b 37). 0: the soonest always."""
+    request. 0: the soonest always. Why: docs/decisions/0004-near-ties.md."""
     near_tie_max_engines: int = 8
     """Warm near ties on a large fleet (route.py): when more free slots than this are near ties (after the prompt-cache
     preference), the engines admitted to within ``near_tie_warm_seconds`` take the request, or, none being, the first
-    this many by name. Without it a large idle fleet took light load in turns, each engine once in a long while, so
-    nearly every request opened a new connection: engines close a kept-alive connection after 5 s idle (uvicorn's
-    default, which vLLM and SGLang keep) and Envoy keeps a pool per worker. The same engines also keep the shared
-    prompts in their caches. 0: near ties always go round every tied engine."""
+    this many by name, so light load keeps Envoy's connections and the engines' prompt caches warm. 0: near ties always
+    go round every tied engine. Why: docs/decisions/0005-warm-near-ties.md."""
     near_tie_warm_seconds: float = 4.0
     """An engine admitted to this recently is warm for ``near_tie_max_engines`` (under the engines' 5 s keep-alive)."""
     band_ttft_grain_fraction: float = 0.01
     """The satisficing band's TTFT preference (route.py ``ttft_factor``): a member's weight is multiplied by
     ``(quickest ttft + g) / (its ttft + g)`` with ``g`` this fraction of the deadline, so differences well below ``g``
-    are no preference. Until session 12 it was ``near_tie_fraction`` (0.05): against a 2 s deadline a 500-token prompt's
-    33 ms on thor and 12 ms on spark weighed 0.83 to 1, and the band's TTFT p90 trailed a weighted, capped Envoy's at
-    low load (bench steady, thor+spark deadline mix: 50% 0.09 against 0.08 s, 80% 0.47 against 0.43); at 0.01 they
-    were 0.07 against 0.07 and 0.40 against 0.50 (bench/results/README.md). 0: only capacity and serves weigh."""
+    are no preference. 0: only capacity and serves weigh. Why: docs/decisions/0007-band-weights.md."""
     max_share_over_capacity: float = 0.0
     """Fair-share spread (route.py), off by default: without a deadline, an engine whose recent admissions
     (``serve_half_life_s``) exceed this many times its part of the candidates' capacity (cap x decode rate at cap) takes
     a request only when it is expected to hold part of its prompt, or when no engine under its share can start it now.
-    It sends light load to slower engines, where it finishes later: at 1.3 (its default in session 7) ``bench steady``
-    thor+spark at 50% put 4 of 27 requests on thor and its TTFT p90 went from 0.04 to 0.06 s against the best plain
-    Envoy's 0.05 (bench/results/README.md, session 8). Near ties (above) spread equal engines at no such cost. For an
-    operator who wants every engine used at light load (e.g. to keep its measured rates fresh). 0: off."""
+    It sends light load to slower engines, where it finishes later; near ties (above) spread equal engines at no such
+    cost. For an operator who wants every engine used at light load (e.g. to keep its measured rates fresh). 0: off.
+    Why off: docs/decisions/0006-fair-share-spread-off.md."""
     ttft_correction_gain: float = 0.1
     """TTFT feedback (core/feedback.py): each served request moves its engine's correction by its measured TTFT over the
     estimate to this power (0.1: about ten requests to follow a lasting change). 0: no correction."""

@@ -1,107 +1,51 @@
-"""Choosing among engines where a request can run: finish-soonest, TTFT deadlines, the satisficing band, session affinity.
+"""Where a request runs among the engines that can take it: finish-soonest, TTFT deadlines, the band, session affinity.
 
 Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
 
     n            = min(cap, load + 1) while the fleet has room; cap under pressure (a candidate is full or requests
-                   are parked: whatever starts now will share its engine with a full batch) and when r must wait
-    prefill_rate = trusted (model, chip class) median, else e's last measured rate, else e's configured anchor,
-                   else the policy anchor
+                   are parked) and when r must wait
+    prefill_rate = trusted (model, chip class) median, else e's last measured rate, else e's anchor, else the policy's
     decode_rate  = e's trusted per-request decode median at batch n (or the nearest batch measured), else its last
-                   measured rate, else its configured anchor, else the policy default
-    out          = expected output tokens: the model's mean over recent completed requests (output_length.py, trusted
-                   after 20), else ``default_expected_output_tokens``; at most r.max_tokens. Time only: KV still reserves
-                   max_tokens (or ``default_max_tokens``), the worst case
-    cached       = prompt tokens e is expected to hold in its prefix cache (core/prefix.py; 0 without a match), at most
-                   r.prompt_tokens - 1 (an engine always computes the last prompt token)
+                   measured rate, else its anchor, else the policy default
+    out          = the model's mean output over recent completed requests (output_length.py, trusted after 20), else
+                   ``default_expected_output_tokens``; at most r.max_tokens (time only: KV still reserves max_tokens)
+    cached       = prompt tokens e is expected to hold (core/prefix.py; 0 without a match), at most r.prompt_tokens - 1
     prefill      = (r.prompt_tokens - cached) / prefill_rate
     service      = prefill + out / decode_rate                               (one request of r's shape at batch n)
-    k            = load - cap + 1 + ahead + behind, where ``ahead`` counts the parked requests ahead of r that wait for this
-                   engine in particular (passed over while they do: admission.py; uncounted, a second request waits for
-                   the very slot the first will take), and ``behind`` the parked requests queued after r: waiting for a
-                   busy engine is only worth it if that engine could also absorb the backlog, else the whole queue
-                   idles behind r (fleet scale). Neither counts for an engine expected to hold r's prefix (cached > 0): the
-                   backlog's requests are placed by their own prefixes, mostly elsewhere, and r's wait for it stays
-                   bounded by work conservation (below); counted, it made a busy holder look a backlog away, and under
-                   load requests went cold to whichever slot freed (``sluice bench prefix``: bench/results/README.md;
-                   counting ``ahead`` there too, session 8, sent 10 of 99 requests of its shared system prompts cold at
-                   90% load, hit rate 98.9% -> 87.6%, throughput 165 -> 120 tok/s: a cold 8,000-token prefill costs
-                   the fleet seconds of an engine that waiting does not)
+    k            = load - cap + 1 + ahead + behind: ``ahead`` the parked requests ahead of r waiting for e in particular
+                   (admission.py), ``behind`` those queued after r; neither counts when cached > 0
+                   (why: docs/decisions/0008-prefix-holder-no-backlog.md)
     slot_wait    = 0 if load < cap; else, with D = e's open tickets' expected finishes (soonest first):
                    D[k] - now when k <= |D|, else max(0, D[-1] - now) + ceil((k - |D|) / cap) x service
-                   (the engine drains a backlog deeper than its tickets in waves of cap: no clamp)
     ttft(e)      = slot_wait + prefill + 1 / decode_rate                          (the first token is one step)
     finish(e)    = ttft(e) + out / decode_rate
 
-Without a deadline the request goes where ``finish`` is soonest, which may mean parking for a busy fast engine rather than
-taking a free slot on a slow one (reason ``waiting_for_faster``). Pricing free slots at the full-batch rate under pressure is
-what makes this split a burst the way the best assignment does (seed 000: 2/2 for four requests, Spark 6 / Thor 2 for eight).
-``wait_for_faster_margin`` (default 0) optionally prefers a free slot whose ``finish`` is within that fraction of the best.
+**Without a deadline** r goes where ``finish`` is soonest, parking for a busy faster engine if need be
+(``waiting_for_faster``); ``wait_for_faster_margin`` prefers a free slot within that fraction of the best. Work
+conservation: while a slot is free, r waits only if the busy engine beats every free slot by more than the margin and
+its ``slot_wait`` is at most ``max_wait_for_faster_services`` of r's service there, the bound grown by the prefill a
+free slot would redo when the busy one holds more of the prompt (``waits_too_long``); else the soonest free slot
+(``work_conserving``; docs/decisions/0009). Near ties (decide._near_tie): free slots within ``near_tie_fraction`` of
+the soonest free finish are equal; the likeliest prefix holder wins, then the fewest recent serves per unit of
+``capacity_throughput``, then the soonest (0004). Warm near ties: past ``near_tie_max_engines`` tied slots, only the
+engines admitted to within ``near_tie_warm_seconds`` (none: the first that many by name) stay tied (0005). Fair-share
+spread (``max_share_over_capacity``, off; decide._spread): an engine with at least ``1 + ratio x total x its part of
+the candidates' capacity_throughput`` recent admissions is set aside unless it holds part of the prompt or no engine
+left can start r now; a later finish for it reports ``fair_share`` (0006).
 
-**Work conservation.** While some engine has a free slot, r waits for a busy faster one only if (a) that engine's ``finish``
-beats every free slot's by more than ``wait_for_faster_margin`` and (b) its ``slot_wait`` is at most
-``max_wait_for_faster_services`` (default 0.5) of r's service time there; otherwise r takes the free slot that finishes soonest
-(reason ``work_conserving``); when the busy engine holds more of the prompt in its prefix cache, the bound grows by the
-prefill the free slot would redo (``waits_too_long``). Why: estimates err (outputs are guessed, probes lag) and a wait
-long compared with the work itself is where an error costs most; and a waiting head holds the FIFO queue behind it, so a wait that gains the head a
-little costs everyone behind it its full length. Issue 9 (4 req/s of 30-token answers to Thor + Spark, ~87% load) replayed
-through the core (tests/unit/test_wait_estimates.py): bound 1 gives TTFT p50 0.45 s / p90 0.64 s, bound 0.5 gives 0.18 s /
-0.33 s and a lower mean end-to-end time too; before this rule and the unclamped waits, Spark took 115 of 120 while Thor
-idled. Failure mode: an engine much slower than the rest (more than about
-``1 + max_wait_for_faster_services`` times slower in service time) gets work whenever the fast ones are a wave deep, and
-those requests finish later than waiting would have; keep such an engine out with the model's decode floor (band and quality
-cap), a larger bound, or drain it. With bound 0 the router never waits while a slot is free.
+**With a deadline** (``x-sluice-max-ttft-ms`` or the model's default) only engines whose ``ttft`` meets it count. None:
+shed ``ttft_unmeetable`` when even an idle engine's prefill misses it, or when a slot is free and no engine meets it
+even without its wait; else park while a release might still come in time. The satisficing band is every engine that
+can start now with ``ttft`` at least ``band_margin_ms`` inside the deadline and a decode rate at or above the model's
+floor; the pick is weighted by ``band_weight`` ``c / (1 + recent serves / c) x (quickest ttft + g) / (its ttft + g)``,
+``c`` the member's ``capacity_throughput`` over the band's largest, serves decayed with ``serve_half_life_s``, ``g``
+``band_ttft_grain_fraction`` of the deadline (ttft_factor, weighted_pick; 0007). A session (``x-sluice-session``)
+keeps its engine while it is in the band; without a deadline, while it is within the work-conserving margin.
 
-**Near ties** (``near_tie_fraction``, default 0.05, decide._near_tie). The free slots whose ``finish`` is within that
-fraction of the soonest free slot's are equally good: the one expected to hold the most of the prompt takes the request,
-then the one with the fewest recent admissions (the band's decayed serve counts) per unit of ``capacity_throughput``,
-then the soonest. Two engines of one kind measure
-rates a percent or two apart, so finish-soonest alone gave all light load to whichever measured faster (``bench prefix``
-at 50%: spark-a 59 requests, spark-b 37); a 2.7x slower engine is no tie and stays out of light load. Failure mode: a
-request may finish up to that fraction later than on the soonest slot.
-
-**Warm near ties** (``near_tie_max_engines``, default 8; ``near_tie_warm_seconds``, 4). When more free slots than that
-are near ties (after the prompt-cache preference: a large, mostly idle fleet), the engines admitted to within the warm
-time take the request, or, none being warm, the first ``near_tie_max_engines`` by name; the fewest serves per unit of
-capacity then chooses among them. Taking turns round hundreds of idle engines gave each a request once in a long
-while, so nearly every request opened a connection (engines close a kept-alive connection after 5 s idle, uvicorn's
-default that vLLM and SGLang keep, and each Envoy worker keeps its own pool) and found a cold prompt cache: ``bench
-scale`` at 1000 engines opened a connection for about one request in ten, and those were half of its slowest 2%. A
-fleet of at most that many engines of a kind is unchanged. Failure mode: at light load the rest of a large fleet idles
-while a few engines take every request (each within the near-tie fraction of the soonest, so no request finishes later
-than that for it); 0 turns it off.
-
-**Fair-share spread** (``max_share_over_capacity``, off by default, decide._spread). Without a deadline, an engine whose
-recent admissions are ``over_share`` (at least ``1 + ratio x total x its part of the candidates' capacity_throughput``)
-is set aside, unless it is expected to hold part of the prompt or no engine left can start the request now. It uses
-slower engines at light load, where requests finish later: ``bench steady`` thor+spark at 50% with ratio 1.3 put 4 of 27
-requests on thor and lost its TTFT p90 to a plain weighted Envoy (0.06 against 0.05 s; 0.04 without it). An admission
-finishing later than a set-aside free slot reports ``fair_share``.
-
-With a deadline (``x-sluice-max-ttft-ms`` or the model's default) only engines whose ``ttft`` meets it count. None: shed
-``ttft_unmeetable`` when even an idle engine's prefill misses it, or when a slot is free and no engine meets it even
-without its wait (parking would idle that slot until the park limit sheds anyway); else park while a release might still
-come in time (waits are uncertain, real releases decide). The **satisficing band** (seed 002) is every engine that can start now with ``ttft`` at least
-``band_margin_ms`` inside the deadline and a decode rate at or above the model's floor; the pick inside the band is weighted
-by ``band_weight``: ``c / (1 + recent serves / c)`` with ``c`` the member's ``capacity_throughput`` over the band's largest
-(serves decay with a 5-minute half-life), times ``(quickest ttft + g) / (this member's ttft + g)`` with ``g`` the
-``band_ttft_grain_fraction`` (1%) of the deadline (ttft_factor, weighted_pick: a difference of a millisecond against a
-10 s deadline is no preference; session 12 narrowed it from 5%, which let a slow prefill take as many of the band's
-requests as its capacity said and cost the TTFT p90 at low load). Load
-spreads over every engine that is good enough, in proportion to its capacity, instead of piling onto the fastest; and a
-long prompt mostly goes where it prefills fast, so a slow engine mostly gets the requests it is least slow at. Seed 002's
-``1 / (1 + recent serves)`` (what equal members still get) evened the counts out, so a slow engine took as many deadline
-requests as a fast one, long prompts included (``bench steady`` mixed6 at 50%: TTFT p90 0.31 s against a weighted
-Envoy's 0.20; with capacity alone 0.26 against 0.18; with the TTFT factor too 0.09 against 0.14). A session (``x-sluice-session``) keeps its engine while that engine is in the band
-(prefix-cache affinity); without a deadline, while the engine is within the work-conserving margin of the best.
-
-**Prefix cache.** An expected cache hit is prefill the engine skips, so it enters ``ttft`` and ``finish`` above and nothing
-else: a hit on a slow or busy engine competes with a cold fast one on time, and the work conservation bound, deadlines and
-the band read the same estimates. Inside the band (every member good enough), the members expected to hold the longest
-prefix are preferred, after the session's engine: sending the prompt where it is cached spends no prefill capacity, and
-the band's spreading still applies among equals. A hot prefix whose engines are full spills to another engine when that
-finishes sooner (or, with a deadline, when the holders leave the band), and that engine then holds it too;
-``prefix_max_replicas`` caps how many engines may (decide.py). An admission whose chosen engine was credited with a hit
-reports ``prefix_cache``.
+**Prefix cache.** An expected hit is prefill the engine skips: it enters ``ttft`` and ``finish`` and nothing else. In
+the band, after the session's engine, the members expected to hold the longest prefix are preferred; a hot prefix
+spills to another engine when that finishes sooner (with a deadline, when the holders leave the band), at most
+``prefix_max_replicas`` engines (decide.py). An admission credited with a hit reports ``prefix_cache``.
 """
 
 from __future__ import annotations
