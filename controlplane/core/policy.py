@@ -143,11 +143,8 @@ class Policy:
     0: strict FIFO always."""
     lifo_deadline_fraction: float = 0.0
     """Adaptive LIFO also once the oldest parked request has waited this fraction of its own TTFT deadline (deadlines
-    at or below ``lifo_after_ms`` otherwise keep the lot FIFO for good). Off by default, decided by measurement
-    (session 8, bench/results/README.md): at 0.5 (session 7's rule) ``bench steady``'s deadline mix on thor + spark shed
-    requests a FIFO queue would have served in time (goodput at 95% constant / 95% Poisson / 110%: 4.60 / 4.50 / 4.22
-    req/s with 15 / 18 / 68 shed; off: 5.13 / 5.13 / 4.75 with 0 / 0 / 47), once passing over heads that wait for a busy
-    engine had removed the idle slots it was added for. 0: only ``lifo_after_ms``."""
+    at or below ``lifo_after_ms`` otherwise keep the lot FIFO for good). 0: only ``lifo_after_ms``. Why off:
+    docs/decisions/0013-deadline-lifo-off.md."""
     overload_shed_after_ms: float = 4000.0
     """Under sustained overload (a class in adaptive LIFO while requests keep joining it: one parked within the last
     quarter of the bound), a request without a TTFT deadline that has waited this long, or ``overload_shed_services``
