@@ -320,12 +320,10 @@ class ObserveConfig:
     worker_priority: WorkerPriority = WorkerPriority.IDLE
     """The probe worker's CPU scheduling (``observe/worker.py``, ``WORKER_NICE``): ``idle`` (Linux ``SCHED_IDLE``, at nice
     10 elsewhere or when it is refused) runs probes only on CPU nothing else wants; ``nice`` keeps it a normal process at
-    nice 10. Why idle: at nice 10 the worker still held a core for its time slice when a Check arrived, and at 1000
-    engines (300 probes a second) that was the largest part of the gateway's end-to-end p99 growth (``bench scale``,
-    1000 engines, three interleaved rounds each: p99 11.3 ms at nice 10, 10.4 at nice 19, 8.1 at idle; session 17).
-    The failure mode: on a host whose cores are all busy an idle worker gets almost no CPU, so it watches its own
-    lateness and, once ``worker_starved_after_seconds`` late, stops; the control plane restarts it at nice 10 for
-    ``WORKER_IDLE_RETRY_S`` (``sluice_probe_worker_starved_total`` counts it)."""
+    nice 10. Why idle: docs/decisions/0011-probe-worker-idle.md. The failure mode: on a host whose cores are all busy
+    an idle worker gets almost no CPU, so it watches its own lateness and, once ``worker_starved_after_seconds`` late,
+    stops; the control plane restarts it at nice 10 for ``WORKER_IDLE_RETRY_S`` (``sluice_probe_worker_starved_total``
+    counts it)."""
     worker_starved_after_seconds: float = 2.0
     """How late the idle probe worker's own timer may fire before it counts as starved (see ``worker_priority``)."""
     filter_metrics: bool = True
@@ -338,19 +336,13 @@ class ObserveConfig:
     def wave_s(self) -> float:
         """The probe wave in effect: ``probe_wave_seconds``, at most a quarter of the poll interval.
 
-        Why: one timer per engine meant a turn of the event loop (an epoll wait, a timer, a task step) for every step of
-        every probe, one at a time. Probes that start together share those turns and the worker's writes to the control
-        plane: at 1000 engines (300 probes a second) the probe worker took 31-32% of a core with each probe on its own
-        timer and 14-20% in waves of 100 ms (a harness over ``run_worker`` and the bench farm, bench/results/README.md,
-        session 15). Each engine is still probed once per interval on average (the schedule does not drift; only the
-        start waits). The failure mode: a probe starts up to one wave late, and the wave's probes arrive at the engines
-        and the control plane together (at 1000 engines polled every second, 100 probes every 100 ms).
-
-        Only the probe worker runs waves. Probes on the control plane's own loop (``probe_process: off``, or a fleet
-        below ``PROBE_PROCESS_MIN_ENGINES``) start each on its own timer: a wave's parses would hold the loop that answers
-        Checks for the whole wave (``bench observe``, 1000 engines in one loop polled every second, two runs: loop lag
-        p95 102 and 42 ms in waves against 73 and 16 ms without, for 4-18% less CPU per probe; waves pay off most when
-        the loop idles between probes, as the worker's does at 300 probes a second)."""
+        Probes that start together share the event loop's turns and the worker's writes to the control plane. Each
+        engine is still probed once per interval on average (the schedule does not drift; only the start waits). The
+        failure mode: a probe starts up to one wave late, and the wave's probes arrive at the engines and the control
+        plane together (at 1000 engines polled every second, 100 probes every 100 ms). Only the probe worker runs waves;
+        probes on the control plane's own loop (``probe_process: off``, or a fleet below ``PROBE_PROCESS_MIN_ENGINES``)
+        start each on its own timer, since a wave's parses would hold the loop that answers Checks. Why:
+        docs/decisions/0012-probe-waves-in-worker.md."""
         return min(self.probe_wave_seconds, self.poll_interval_seconds / 4)
 
     def for_fleet(self, engines: int) -> ObserveConfig:

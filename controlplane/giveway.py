@@ -5,14 +5,10 @@ Three jobs run on the loop that answers Checks and grow with the fleet: applying
 (``XdsPublisher._weights_in_slices``). Each runs in slices and pauses between them with ``give_way``.
 
 Why a timer and not ``asyncio.sleep(0)``: grpc.aio delivers every step of a Check as an event of its own (its poller thread
-writes a byte to a socket pair the loop watches: the call arrives, its request message is read, the handler runs, the
-answer is sent), and each step is a turn of the loop. ``sleep(0)`` puts the next slice on the ready queue, and every turn
-runs what is ready before the events that arrived meanwhile, so each of a Check's four or five steps waited behind a
-slice. At 1000 engines (a slice of reports 0.2-0.4 ms) a Check that arrived during a batch spent 1-2 ms more before its
-handler ran; about half of the 1.4-5.9% of requests that waited 1.5 ms or more for their handler in seven 1000-engine
-segments had the loop busy so (issue 9's end-to-end p99 at 1000 engines; ``bench/results/README.md``, session 21). Behind
-a timer the loop waits in epoll between slices, so a Check's steps run back to back, and the control plane's thread
-leaves the CPU to Envoy instead of holding it for a whole batch.
+writes a byte to a socket pair the loop watches), and every turn runs what is ready before the events that arrived
+meanwhile, so after ``sleep(0)`` each of a Check's four or five steps would wait behind a slice. Behind a timer the loop
+waits in epoll between slices, so a Check's steps run back to back, and the control plane's thread leaves the CPU to
+Envoy instead of holding it for a whole batch (figures: docs/decisions/0010-background-work-in-slices.md).
 
 The cost: background work runs at most one slice per ``BACKGROUND_PAUSE_S``. At 1000 engines polled every second (1000
 reports a second, 4 a slice) that is a quarter of the loop's time in pauses, and a starved worker's backlog of 900 reports

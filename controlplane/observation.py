@@ -42,12 +42,10 @@ WORKER_IDLE_RETRY_S = 600.0
 only for this long; then idle is tried again (a restart costs a first probe round, so not every few seconds)."""
 
 FRAMES_PER_TURN = 4
-"""Probe reports applied per turn of the event loop (about 0.3 ms of it on the bench machine; 16 a turn measured a
-1000-engine p99 of 18-38 ms against 18-19 ms with 4, two runs each, bench scale, session 10). The
-worker sends a batch every 10 ms, but on a busy host it is starved (it runs at nice 10) and then sends hundreds at once:
-applied in one turn, batches of 200-900 reports held every Check for 20-100 ms (``bench scale``, 1000 engines, session
-10: p99 about 100 ms against 14 ms with 2 engines). Slices are separated by ``giveway.give_way``'s pause, not a bare
-turn of the loop."""
+"""Probe reports applied per turn of the event loop (about 0.3 ms of it on the bench machine). The worker sends a batch
+every 10 ms, but a starved worker sends hundreds at once, and applied in one turn they would hold every Check. Slices
+are separated by ``giveway.give_way``'s pause, not a bare turn of the loop. Why 4:
+docs/decisions/0010-background-work-in-slices.md."""
 
 OUTPUT_SAMPLES_PER_PROBE = 32
 """At most this many output-length samples per probe, so one busy engine cannot flush the whole ring at once."""

@@ -48,10 +48,8 @@ Scheduling. Every child runs in a process group of its own (Ctrl-C at the termin
 on most distributions) each session is scheduled as one group: the kernel shares the CPU between groups first and
 between a group's processes second, so the probe worker's ``SCHED_IDLE`` (``observe.worker_priority``) ranks it below
 the processes of its own group only. In one session the control plane, the worker, Envoy and the simulators are
-scheduled as peers, and the worker takes only CPU none of them wants. Children in sessions of their own (before
-session 21) put the worker's bursts level with Envoy: in ``bench scale`` at 1000 engines the engine's answers and the
-clients' requests waited for a CPU more often (requests delayed more than 1.5 ms at the engine: 0.06-0.39% of them
-against 0.56-1.11%; p99 6.1-7.1 ms against 6.3-7.5 ms; ``bench/results/README.md``). A
+scheduled as peers, and the worker takes only CPU none of them wants; children in sessions of their own put the
+worker's bursts level with Envoy (figures: docs/decisions/0011-probe-worker-idle.md). A
 deployment that puts the control plane and Envoy in containers of their own (``deploy/``) schedules them as separate
 cgroups all the same; there the worker's CPU counts against the control plane's container.
 

@@ -13,9 +13,8 @@ Reports go out in batches, a list of them every ``FLUSH_S`` (and at once for ``r
 probe was 1000 pipe writes and 1000 frame reads a second, an eighth of the worker's CPU and a share of the control
 plane's. A batch is a 4-byte big-endian length and a pickle (parent and child are the same program; nothing else writes
 to the pipe) of a list of reports each pickled on its own (``encode_batch``): the control plane unpickles a report when
-it applies it, a few per turn of its loop (``decode_report``). Unpickled whole, a wave's batch (30 reports at 1000
-engines) held the loop that answers Checks for up to 1.6-1.9 ms (p99 of the reader's turns, ``bench scale``, session 18);
-a report at a time, 0.75-0.8 ms, for the same CPU. The control plane's ``EnginePoller``s hold the views (``adopt``):
+it applies it, a few per turn of its loop (``decode_report``; why: docs/decisions/0010-background-work-in-slices.md).
+The control plane's ``EnginePoller``s hold the views (``adopt``):
 drains and request failures stay there. Both processes read ``time.monotonic``, one clock on one host, so the worker's
 times are the control plane's. The worker exits when its stdin closes (the control plane went away) and the control
 plane restarts a worker that dies. It runs at nice

@@ -118,10 +118,9 @@ class XdsPublisher:
         return eligible
 
     async def _weights_in_slices(self, fleet: Fleet) -> Weights:
-        """``compute_weights``, ``WEIGHTS_SLICE`` engines a turn of the event loop (``weight_steps``): at 1000 engines
-        the whole pass held it 5 ms every ``MIN_PUSH_INTERVAL_S`` (session 17, every callback over 0.8 ms timed in
-        ``bench scale``), and the Checks that arrived meanwhile waited it out. The fleet is a snapshot, so the slices
-        read one moment's fleet."""
+        """``compute_weights``, ``WEIGHTS_SLICE`` engines a turn of the event loop (``weight_steps``), so Checks that
+        arrive meanwhile wait at most a slice (why: docs/decisions/0010-background-work-in-slices.md). The fleet is a
+        snapshot, so the slices read one moment's fleet."""
         for step in weight_steps(fleet, self.config.policy, WEIGHTS_SLICE):
             if step is not None:
                 return step
