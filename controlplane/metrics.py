@@ -3,7 +3,8 @@
 A scrape (``SluiceMetrics.exposition``) reads what lives on the event loop (the ledger's tickets, the engines' views, the
 task count) there, and renders the rest in a thread: at 1000 engines the per-engine series are about 17,000 lines, and
 rendering them on the loop held every Check for 0.2-0.3 s at each scrape (bench/results/README.md, 2026-12-02,
-4838871). The instruments (counters, gauges, histograms) are thread-safe; the loop-side collectors are only ever called on the loop.
+4838871). The instruments (counters, gauges, histograms) are thread-safe; the loop-side collectors are only ever
+called on the loop.
 
 Every per-engine child is created when the engine is registered (``engine``), at start-up before the control plane
 freezes its start-up objects out of the collector's reach (app.py), not at the engine's first event: created later,
