@@ -6,14 +6,15 @@ What runs is what ``controlplane/app.py`` wires: a ``ControlPlane`` built from a
 ``EnginePoller`` per engine whose probes land through the poller's own callback (``Observation.probed``: the index,
 RateBook, then the admission service: ledger probe note, output lengths, index update, wake) as the probe worker's reader
 lands them at this scale: in the batches the worker sends every ``FLUSH_S``, ``FRAMES_PER_TURN`` reports at a time, each
-slice followed by ``Observation.refresh_rows`` (their engines' index rows redone between Checks; until session 11 the
-bench left every row to the next Check's snapshot, and until session 13 a slice's last rows when the batch ended short
-of a slice, which the real process does not), every Check as ``authz.py`` makes it (``plane.fleet(now)`` then ``plane.admission.check``,
-``record_outcome``, a parked Check waiting on the future ``wake`` resolves), every release as the access log makes it
-(``plane.release_ticket``: ledger, wake, and the loop turns its store write and wake take, while they are in flight; until
-session 13 four turns, empty or not), the park-deadline sweep every 0.1 s and the staleness loop's ``refresh_weights``
-every 0.5 s. Start-up objects are frozen out of the collector's reach after the warm-up, as the process does after
-``start``. Only the clock is simulated (the plane reads it), so 60 s of traffic runs in seconds.
+slice followed by ``Observation.refresh_rows`` (their engines' index rows redone between Checks; until 756a9ff
+(2026-12-02) the bench left every row to the next Check's snapshot, and until 450c765 (2026-12-03) a slice's last rows
+when the batch ended short of a slice, which the real process does not), every Check as ``authz.py`` makes it
+(``plane.fleet(now)`` then ``plane.admission.check``, ``record_outcome``, a parked Check waiting on the future ``wake``
+resolves), every release as the access log makes it (``plane.release_ticket``: ledger, wake, and the loop turns its
+store write and wake take, while they are in flight; until 6c2f4d2 (2026-12-03) four turns, empty or not), the
+park-deadline sweep every 0.1 s and the staleness loop's ``refresh_weights`` every 0.5 s. Start-up objects are frozen
+out of the collector's reach after the warm-up, as the process does after ``start``. Only the clock is simulated (the
+plane reads it), so 60 s of traffic runs in seconds.
 
 Fleet: four tiers (seed 002's shape: a few fast boxes, many modest ones), per tier a solo decode rate, a prefill rate and
 a cap; per-request decode at batch n = solo x n^-0.3. Every engine is probed once a second (staggered), reporting its true
@@ -75,7 +76,7 @@ BEFORE_REQUESTS = {200: 1500, 1000: 400}
 ROUNDS = int(__import__("os").environ.get("SLUICE_FLEET_ROUNDS", "3"))
 """Runs of each arm but the before ones, interleaved (every arm once per round): a row is the run with the median
 decisions per CPU-s, and every round's figure is shown. The same arm moved by 20% from one run to the next on this shared
-host (1888 to 2319 at 1000 engines, session 14), so one run judged the target by the host's load."""
+host (1888 to 2319 at 1000 engines, 2026-12-03), so one run judged the target by the host's load."""
 IDLE_SECONDS = 60.0
 LOAD = 0.9
 SLO_S = 3.0

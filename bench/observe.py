@@ -275,7 +275,8 @@ every bucket; 8 pre-rendered variants), every arm in this same run against the s
 concurrently, {cycles} cycles after a warm-up. Spread: as the control plane runs them (every engine on its own 1 s schedule,
 starts staggered over the interval) for {spread_s:.0f} s, each probe starting on the next 100 ms probe wave as the probe
 worker runs them (`observe.probe_wave_seconds`), except in the "{NO_WAVES}" arm, which is how probes run on the control
-plane's own loop (`probe_process: off` or a fleet below 64 engines) and how the worker ran them before session 15.
+plane's own loop (`probe_process: off` or a fleet below 64 engines) and how the worker ran them before 896116a
+(2026-12-03).
 
 | reader | CPU per probe, median (ms) | max | cycle time, median (s) | max | loop lag during cycles p95 / max (ms) | spread: probes/s | spread: CPU of one core | spread: loop lag p95 / max (ms) |
 |---|---|---|---|---|---|---|---|---|

@@ -101,9 +101,9 @@ GROUPS = 32
 SYSTEM_TOKENS = 8000
 QUESTION_TOKENS = 40
 DOC_TOKENS = 6000
-"""A conversation's opening document (RAG context, an agent's tool definitions). It was 2500 until session 7: then a
-turn's prefill was so small a part of its work that even the oracle served only 1.30x LR's throughput at 90% load
-(bench/results/README.md, session 6), and issue 14's 1.5x target measured the workload, not the router."""
+"""A conversation's opening document (RAG context, an agent's tool definitions). It was 2500 until 47beb74 (2026-12-01):
+then a turn's prefill was so small a part of its work that even the oracle served only 1.30x LR's throughput at 90% load
+(bench/results/README.md, 2026-12-01, 4578ca6), and issue 14's 1.5x target measured the workload, not the router."""
 TURNS = 4
 THINK_S = 2.0
 OUT_MEDIAN = 40

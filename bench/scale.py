@@ -3,11 +3,11 @@
 fail-open let about 70% of requests through undecided.
 
 Engines: one farm process (``bench/farm.py``, ``serve_engines``) listening on one port per engine, each with real-size
-vLLM 0.11 ``/metrics`` (54 KB, every bucket; since session 20 the probes ask for only the samples sluice reads, about 6 KB,
-as ``observe.filter_metrics`` does by default and a real vLLM honours; the control plane polls every engine once a second
-within its probe budget, ``observe.max_probes_per_second`` 300: 1000 engines every 3.33 s, 1.8 MB/s of exposition to scan
-(16 MB/s whole); the "budget lifted" row polls them every second) and a ``/v1/chat/completions`` that answers a one-token
-completion at once and names itself in
+vLLM 0.11 ``/metrics`` (54 KB, every bucket; since addd7bb (2026-12-03) the probes ask for only the samples sluice
+reads, about 6 KB, as ``observe.filter_metrics`` does by default and a real vLLM honours; the control plane polls every
+engine once a second within its probe budget, ``observe.max_probes_per_second`` 300: 1000 engines every 3.33 s, 1.8 MB/s
+of exposition to scan (16 MB/s whole); the "budget lifted" row polls them every second) and a ``/v1/chat/completions``
+that answers a one-token completion at once and names itself in
 ``x-farm-engine``. So nearly all of a request's time is the gateway's, and what grows with the fleet is what sluice does
 per engine: polling and parsing, the per-Check fleet, the choice, weights and xDS.
 
@@ -21,14 +21,14 @@ Measured: end-to-end latency at the client (p50, p99), the Check's own latency f
 scrapes), how long one more ``/metrics`` scrape takes after the segment (a Prometheus scraping the control plane holds
 its loop's wake-ups to the GIL's switch interval for that long, so it matters at scale although no scrape falls within
 the measured window), how many connections Envoy opened to engines during the windows (Envoy's ``upstream_cx_total``;
-in session 19's 1000-engine segments a request that opened one spent about 0.3 ms more from its body's end to the engine;
-real engines close a connection after 5 s idle, so light load kept on the engines admitted to in the last 4 s, the warm
-near ties of session 23, is what keeps them open), and whether every request was decided by a Check: each
-200 carries ``x-sluice-engine`` (set only by an admitting Check) equal to the farm's ``x-farm-engine`` (Envoy went where
-the Check said), and ``sluice_admission_decisions_total`` grew by exactly the number of requests sent. Client, Envoy,
-control plane and farm share this machine's 2 cores. The machine is a virtual machine on a shared host: each window's
-share of CPU time the hypervisor gave to other guests (``/proc/stat``'s steal) is reported beside the load average,
-since a window with several percent stolen measured the neighbours (session 22 saw up to 22% in a window).
+in the 1000-engine segments of 2026-12-03 (0e7bb44) a request that opened one spent about 0.3 ms more from its body's
+end to the engine; real engines close a connection after 5 s idle, so light load kept on the engines admitted to in the
+last 4 s, the warm near ties of 681d59b (2026-12-04), is what keeps them open), and whether every request was decided by
+a Check: each 200 carries ``x-sluice-engine`` (set only by an admitting Check) equal to the farm's ``x-farm-engine``
+(Envoy went where the Check said), and ``sluice_admission_decisions_total`` grew by exactly the number of requests sent.
+Client, Envoy, control plane and farm share this machine's 2 cores. The machine is a virtual machine on a shared host:
+each window's share of CPU time the hypervisor gave to other guests (``/proc/stat``'s steal) is reported beside the load
+average, since a window with several percent stolen measured the neighbours (up to 22% in a window on 2026-12-04).
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ ROUNDS = 3
 WARM_SECONDS = 3.0
 """Each segment's warm-up, at the measured rate and from the window's client session. Longer does not warm Envoy's
 upstream pools for the window: 10, 20 and 40 s of warm-up still left 114, 52 and 131 connections to open in a 1000-engine
-window (session 19): the engines that finish-soonest's near ties pick drift on through the fleet (the least served
-first) as probes move each engine's estimate."""
+window (2026-12-03, 0e7bb44): the engines that finish-soonest's near ties pick drift on through the fleet (the least
+served first) as probes move each engine's estimate."""
 TARGET_RATIO = 1.5
 BODY = {"model": "reasoning", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
 

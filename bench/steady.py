@@ -85,10 +85,10 @@ from bench.workload import Result, gateway, sim_log, sim_stats, stream_chat, uni
 SPEED = 10.0
 WINDOWS_S = {"thor+spark": 30.0, "mixed6": 15.0}
 """Wall seconds of arrivals per cell up to 100% (mixed6 has 2.5x the capacity: about as many requests in half the time).
-They were 10 and 5 s until session 8: 27-60 requests a cell, whose p90 is the third to sixth worst, and the same requests
-sent twice gave a plain Envoy arm TTFT p90s of 0.15 and 0.43 s (thor+spark, 80%). Each cell's target compares sluice's
-p90 with the lowest of four such noisy p90s, which is biased low, so a cell passed or missed by luck; at 30 s (81-154
-requests on thor+spark) a run shows the difference between the policies rather than between two runs."""
+They were 10 and 5 s until ffaacce (2026-12-01): 27-60 requests a cell, whose p90 is the third to sixth worst, and the
+same requests sent twice gave a plain Envoy arm TTFT p90s of 0.15 and 0.43 s (thor+spark, 80%). Each cell's target
+compares sluice's p90 with the lowest of four such noisy p90s, which is biased low, so a cell passed or missed by luck;
+at 30 s (81-154 requests on thor+spark) a run shows the difference between the policies rather than between two runs."""
 OVERLOAD_WINDOW_S = 40.0
 """Wall seconds of arrivals in an overloaded cell (level above 1), for every fleet. Sustained overload takes time to show:
 at 110% a FIFO backlog grows by a tenth of the fleet's capacity each second, so its queueing delay passes the 2 s SLO

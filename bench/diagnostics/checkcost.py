@@ -1,6 +1,6 @@
 """CPU per Check and per probe report on the control plane's real path (``ControlPlane`` minus gRPC), at N engines
-(session 22). Not part of the product or of ``make test``: a diagnostic whose figures have no host noise in them, unlike
-``bench scale``'s end-to-end ones.
+(2026-12-04, d3c7eb5). Not part of the product or of ``make test``: a diagnostic whose figures have no host noise in
+them, unlike ``bench scale``'s end-to-end ones.
 
     python bench/diagnostics/checkcost.py 2 1000        # per-Check and per-report CPU at 2 and at 1000 engines
     python bench/diagnostics/checkcost.py 1000 --count  # ... and how often a model's output tail was rebuilt
