@@ -100,7 +100,7 @@ def test_a_ticket_crosses_to_the_shared_clock_and_back_with_every_field_kept() -
     """``SharedClock`` builds the shifted ticket field by field (every admission does it): a field it forgot would
     silently fall back to its default in the store and on the other replicas."""
     values = {"ticket_id": "t1", "engine": "e", "model": "m", "admitted_at": 1.0, "lease_deadline": 2.0,
-              "reserved_tokens": 7, "expected_done_at": 3.0, "expected_ttft_s": 0.5}
+              "reserved_tokens": 7, "expected_done_at": 3.0, "expected_ttft_s": 0.5, "decode_tokens_per_s": 25.0}
     assert sorted(f.name for f in dataclasses.fields(Ticket)) == sorted(values), "a new field: SharedClock must copy it"
     ticket = Ticket(**values)  # type: ignore[arg-type]
     clock = SharedClock(100.0)

@@ -117,7 +117,8 @@ def test_first_token_is_timed_at_the_streams_first_token_not_its_first_byte() ->
 
 def test_a_non_streaming_responses_first_token_is_its_whole_body() -> None:
     timing = first_token(timed_entry(content_type="application/json", first_token_after_s=None))
-    assert timing == FirstToken(engine_s=pytest.approx(2.75), gateway_s=pytest.approx(0.25), streamed=False)
+    assert timing == FirstToken(engine_s=pytest.approx(2.75), gateway_s=pytest.approx(0.25), streamed=False,
+                                whole_s=pytest.approx(2.75))
 
 
 @pytest.mark.parametrize("kwargs", [{"first_token_after_s": None}, {"code": 500}],
