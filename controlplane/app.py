@@ -227,7 +227,8 @@ class ControlPlane:
         ahead = self.admission.queued_ahead(request.model, request.priority)
         return decide(request, self.fleet(now), self.config.policy, now, ahead,
                       self.admission.sessions.get(request.session), arriving=True,
-                      cached=self.expected_cached(request)), ahead
+                      cached=self.expected_cached(request),
+                      displaced=self.admission.expected_displaced(request)), ahead
 
     def expected_cached(self, request: InferenceRequest) -> Mapping[str, int]:
         return self.admission.expected_cached(request)

@@ -1074,6 +1074,8 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
                                          integer=True)),
         prefix_index_blocks=int(c.number("admission.prefix_index_blocks", ad["prefix_index_blocks"], minimum=0,
                                          integer=True)),
+        prefix_eviction_charge=float(c.number("admission.prefix_eviction_charge", ad["prefix_eviction_charge"],
+                                              minimum=0)),
     )
     if policy["retry_after_min_s"] > policy["retry_after_max_s"]:
         c.problems.append("admission.retry_after_min_seconds: must not exceed admission.retry_after_max_seconds")

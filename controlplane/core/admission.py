@@ -11,7 +11,8 @@ request's completion tokens) teaches the core how long each model's answers real
 core builds carries those means so time estimates use them.
 
 Prefix cache (prefix.py): every admission notes the prompt's blocks against its engine in ``prefixes``, and every decision
-gets, for its request, the prompt tokens each engine is expected to hold (``expected_cached``). Another replica's
+gets, for its request, the prompt tokens each engine is expected to hold (``expected_cached``) and, for a prefix some
+engine holds, the prompt tokens each would evict to cache it (``expected_displaced``, affinity.py). Another replica's
 admission is noted too when its event carries the blocks (``learn``). ``note_cache_view`` keeps each engine's capacity and
 forgets an engine that restarted (a counter went backwards) or was drained; a reload that changes the block size starts
 an empty index (old hashes would never match again).
@@ -198,6 +199,18 @@ class AdmissionCore:
         per_block = self.policy.prefix_block_chars / self.prompt_tokens.rules.rule(request.model).chars_per_token
         return {engine: int(blocks * per_block) for engine, blocks in self.prefixes.match(request.prefix_blocks).items()}
 
+    def expected_displaced(self, request: InferenceRequest) -> dict[str, int]:
+        """Prompt tokens of other prefixes each engine would evict to cache ``request``'s prompt (engines evicting none
+        left out; affinity.py): only when some engine is expected to hold its prefix and the affinity is on."""
+        if not request.prefix_blocks or not self.policy.prefix_routing or not self.policy.prefix_eviction_charge:
+            return {}
+        held = self.prefixes.match(request.prefix_blocks)
+        if not held:
+            return {}
+        per_block = self.policy.prefix_block_chars / self.prompt_tokens.rules.rule(request.model).chars_per_token
+        return {engine: int(blocks * per_block)
+                for engine, blocks in self.prefixes.displaced(request.prefix_blocks, held).items()}
+
     def note_cache_view(self, view: EngineView) -> str | None:
         """A probe or an operator changed what is known of an engine: its KV capacity bounds its share of the prefix
         index; if it restarted (a cumulative counter went backwards) or is drained, it holds nothing any more. Returns
@@ -310,7 +323,8 @@ class AdmissionCore:
         passing = waiting is not None
         decision = decide(request, fleet, self.policy, now, 0 if passing else ahead,
                           self.sessions.get(request.session), self.draw(), arriving=True,
-                          cached=self.expected_cached(request), waiting=waiting)
+                          cached=self.expected_cached(request), waiting=waiting,
+                          displaced=self.expected_displaced(request))
         rule = QueueRule.NONE if passing else QueueRule.ARRIVAL
         if decision.verdict is Verdict.PARK and ahead and not passing and self.policy.backfill and model is not None:
             decision = self._backfill_arrival(request, model, fleet, now, decision)
@@ -532,13 +546,15 @@ class AdmissionCore:
                     behind = self.depth(model) - 1 - passed
                     decision = decide(request, fleet_of(), self.policy, now, 0,
                                       self.sessions.get(request.session), self.draw(), behind,
-                                      cached=self.expected_cached(request), waiting=waiting)
+                                      cached=self.expected_cached(request), waiting=waiting,
+                          displaced=self.expected_displaced(request))
                     if committed and decision.reason is Reason.TTFT_UNMEETABLE:
                         # Committed: its deadline no longer sheds it; it is served in its turn, late.
                         request = _without_deadline(request)
                         decision = decide(request, fleet_of(), self.policy, now, 0,
                                           self.sessions.get(request.session), self.draw(), behind,
-                                          cached=self.expected_cached(request), waiting=waiting)
+                                          cached=self.expected_cached(request), waiting=waiting,
+                          displaced=self.expected_displaced(request))
                     if decision.verdict is Verdict.PARK and decision.idle_slot and passed < self.policy.backfill_scan:
                         # A slot is free that it will not take (it waits for a busy engine that finishes it sooner, or
                         # no free engine meets its deadline): holding the line for it would idle that slot.
@@ -671,7 +687,7 @@ class AdmissionCore:
         if not starts or any(s is None for s in starts):
             return parked
         decision = decide(request, fleet, self.policy, now, 0, self.sessions.get(request.session), self.draw(),
-                          cached=self.expected_cached(request))
+                          cached=self.expected_cached(request), displaced=self.expected_displaced(request))
         if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= min(s for s in starts if s is not None):
             return decision
         return parked
@@ -705,7 +721,8 @@ class AdmissionCore:
         for parked in order[1:self.policy.backfill_scan + 1]:
             decision = decide(parked.request, fleet_of(), self.policy, now, 0,
                               self.sessions.get(parked.request.session), self.draw(),
-                              cached=self.expected_cached(parked.request))
+                              cached=self.expected_cached(parked.request),
+                              displaced=self.expected_displaced(parked.request))
             if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= head_start:
                 queue.remove(parked)
                 del self._where[parked.request_id]

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from controlplane.core.affinity import charged_finish
 from controlplane.core.explain import EngineExplanation, earliest_fit, explain
 from controlplane.core.fit import context_tokens, effective_load, misfits, model_len, need_tokens
 from controlplane.core.model import (
@@ -230,20 +231,24 @@ def decide(
     request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0,
     affinity: str | None = None, pick: float = 0.5, behind: int = 0, arriving: bool = False,
     cached: Mapping[str, int] | None = None, waiting: Mapping[str, int] | None = None,
+    displaced: Mapping[str, int] | None = None,
 ) -> Decision:
     """Choose what happens to ``request`` (see the module docstring and route.py). ``queued_ahead``: parked requests of
     this model in this request's priority class or a higher one; ``affinity``: the engine the request's session used last;
     ``pick``: a uniform draw in [0, 1) for the satisficing band's weighted choice; ``behind``: parked requests of this
     model queued after this one (a woken head's backlog); ``cached``: prompt tokens each engine is expected to hold in
     its prefix cache (engines not named: none); ``waiting``: parked requests ahead of this one, passed over, that wait for
-    each named engine (each takes one of its slots first)."""
+    each named engine (each takes one of its slots first); ``displaced``: prompt tokens of other prefixes each named
+    engine would evict to cache this prompt, charged in the choice (affinity.py)."""
     model = request.model
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, models=model_list(fleet))
     cached = cached or _NONE_NAMED
     waiting = waiting or _NONE_NAMED
+    displaced = displaced or _NONE_NAMED
     if fleet.index is not None:
-        indexed = _indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind, arriving, cached, waiting)
+        indexed = _indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind, arriving, cached, waiting,
+                           displaced)
         if indexed is not None:
             return indexed
     serving = [e for e in fleet.engines if e.serves(model) and not e.drained]
@@ -306,7 +311,7 @@ def decide(
     # Engines that fit now, and engines only short of a slot (worth waiting for if they finish sooner).
     pressure = any(blocked.values())
     estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure, behind, hit(e),
-                          waiting.get(e.name, 0))
+                          waiting.get(e.name, 0), displaced.get(e.name, 0))
                  for e in candidates if not blocked[e.name] or blocked[e.name] == (Reason.CAP,)]
     idle_slot = False  # with a deadline, a slot is free now (a PARK below: none it could start on meets the deadline)
     if deadline_s is not None and estimates:
@@ -363,9 +368,10 @@ def decide(
 
 
 def _soonest(x: Estimate, fleet: Fleet) -> tuple[float, float, float, str]:
-    # Equal estimates (no rates measured yet) fall back to the lighter load, then more headroom, then the name.
+    # The finish with prefix affinity's eviction charge (affinity.py). Equal estimates (no rates measured yet) fall back
+    # to the lighter load, then more headroom, then the name.
     load = effective_load(x.engine, fleet)
-    return (round(x.finish_s, 6), load, load / x.engine.cap if x.engine.cap else load, x.engine.name)
+    return (round(charged_finish(x), 6), load, load / x.engine.cap if x.engine.cap else load, x.engine.name)
 
 
 def _spread(estimates: list[Estimate], candidates: list[EngineView], fleet: Fleet,
@@ -396,8 +402,8 @@ def _near_tie(soonest: Estimate, pool: list[Estimate], fleet: Fleet, policy: Pol
     ``_soonest``'s order."""
     if policy.near_tie_fraction <= 0:
         return soonest
-    limit = soonest.finish_s * (1 + policy.near_tie_fraction)
-    tied = [x for x in pool if x.can_start and x.finish_s <= limit]
+    limit = charged_finish(soonest) * (1 + policy.near_tie_fraction)
+    tied = [x for x in pool if x.can_start and charged_finish(x) <= limit]
     if len(tied) < 2:
         return soonest
     longest = max(x.cached_tokens for x in tied)
@@ -428,7 +434,7 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
         return _soonest(x, fleet)
 
     best = min(estimates, key=soonest)
-    acceptable = [x for x in free if x.finish_s <= best.finish_s * (1 + policy.wait_for_faster_margin)]
+    acceptable = [x for x in free if charged_finish(x) <= charged_finish(best) * (1 + policy.wait_for_faster_margin)]
     alternative = min(free, key=soonest) if free else None
     sooner_first_token = alternative is not None and best.ttft_s < alternative.ttft_s
     if not best.can_start and not acceptable and (waits_too_long(best, policy, alternative)
@@ -456,13 +462,15 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
 def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int,
              affinity: str | None, pick: float, behind: int, arriving: bool = False,
              cached: Mapping[str, int] = _NONE_NAMED,
-             waiting: Mapping[str, int] = _NONE_NAMED) -> Decision | None:
+             waiting: Mapping[str, int] = _NONE_NAMED,
+             displaced: Mapping[str, int] = _NONE_NAMED) -> Decision | None:
     """``decide`` on the fleet's index (fleetindex.py): the fit rules and the no-wait estimate of every candidate at once
     (numpy over the model's rows), then real ``Estimate`` objects only for the engines that can be chosen: the band (its
     weighted pick on a cumulative sum), or the soonest free slot, the busy engines whose no-wait lower bound could beat it,
     and the session's engine. Returns the same decision as the full scan below, or None when the full scan must decide
     (boxes, parked requests ahead, nothing fits now, an empty band, any refusal or shed). Expected cache hits become a
-    vector over the rows (only the engines the prefix index named are touched)."""
+    vector over the rows (only the engines the prefix index named are touched), and so do prefix affinity's eviction
+    charges (``displaced``)."""
     index = fleet.index
     model = request.model
     if index is None or queued_ahead or policy.boxes or index.policy is not policy or index.admit_stale != fleet.admit_stale:
@@ -507,7 +515,17 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
 
     def exact(i: int, can_start: bool) -> Estimate:
         return estimate(rows.views[i], request, can_start, fleet, policy, now, pressure, behind,
-                        0 if hit is None else int(hit[i]), waiting.get(rows.names[i], 0))
+                        0 if hit is None else int(hit[i]), waiting.get(rows.names[i], 0),
+                        displaced.get(rows.names[i], 0))
+
+    # Prefix affinity's charge (affinity.py) as a vector over the rows, as route.estimate computes it; None: no charge.
+    charge: Any = None
+    if displaced and policy.prefix_eviction_charge:
+        charge = np.zeros(len(rows.names))
+        for engine, tokens in displaced.items():
+            at_row = rows.position.get(engine)
+            if at_row is not None:
+                charge[at_row] = policy.prefix_eviction_charge * tokens / rows.prefill[at_row]
 
     at = rows.position.get(affinity) if affinity is not None else None
     if deadline_s is not None:
@@ -522,7 +540,8 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
             # No band: finish-soonest among the engines that meet the deadline (busy ones filtered once estimated).
             busy = candidate & rows.cap_block & ~other
             return _soonest_indexed(request, rows, candidate, fits & (ttft <= deadline_s), busy, ttft + out / rate,
-                                    prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now, hit, arriving)
+                                    prefill_s, out, exact, at, affinity, deadline_s, fleet, policy, now, hit, arriving,
+                                    charge=charge)
         if hit is not None:
             longest = float(hit[members].max())
             if longest > 0:  # as the full scan: the band members expected to hold the longest prefix
@@ -554,18 +573,21 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
                     set_aside = float(finish[fits & over].min())
                 fits, busy = fits & ~over, busy & ~over
     return _soonest_indexed(request, rows, candidate, fits, busy, finish, prefill_s, out, exact, at, affinity,
-                            None, fleet, policy, now, hit, arriving, set_aside)
+                            None, fleet, policy, now, hit, arriving, set_aside, charge)
 
 
 def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free: Any, busy: Any, finish: Any,
                      prefill_s: Any, out: float, exact: Any, at: int | None, affinity: str | None,
                      deadline_s: float | None, fleet: Fleet, policy: Policy, now: float, hit: Any,
-                     arriving: bool = False, set_aside: float = math.inf) -> Decision | None:
+                     arriving: bool = False, set_aside: float = math.inf, charge: Any = None) -> Decision | None:
     """Finish-soonest on the index: ``free`` rows can start now (with a deadline, those meeting it), ``busy`` rows are only
     short of a slot; None when no free row is left (the full scan parks or sheds). Waiting for a faster busy engine parks
-    here, as the full scan would."""
+    here, as the full scan would. ``charge``: prefix affinity's eviction charge per row (None: none), added to
+    ``finish`` wherever rows are compared, as ``_soonest`` adds it."""
     if not free.any():
         return None
+    if charge is not None:
+        finish = finish + charge
     free_rows = free.nonzero()[0]
     best_free = _soonest_row(rows, free_rows, finish)
     estimates = [exact(best_free, True)]
@@ -575,7 +597,7 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
         # first, of more than near_tie_max_engines the warm ones (else that many by name), then the fewest serves per
         # unit of capacity, then _soonest's order. Only the winner is estimated, and handed to _finish_soonest as the
         # near tie (its _near_tie would see only the few free slots estimated here, not every one the full scan weighs).
-        near = free_rows[finish[free_rows] <= estimates[0].finish_s * (1 + policy.near_tie_fraction)]
+        near = free_rows[finish[free_rows] <= charged_finish(estimates[0]) * (1 + policy.near_tie_fraction)]
         if len(near) > 1:
             if hit is not None:
                 near = near[hit[near] == hit[near].max()]
@@ -592,11 +614,13 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     if busy.any():
         # A busy engine runs the request at its full batch after its slot wait, which is at least until its soonest
         # ticket's expected finish (or one service when it has none): beyond the bound even so, it cannot win.
-        bound = estimates[0].finish_s + 1e-6
+        bound = charged_finish(estimates[0]) + 1e-6
         decode_s = out / rows.d_press
         first_done = rows.first_done
         wait = np.where(np.isnan(first_done), prefill_s + decode_s, np.maximum(0.0, np.nan_to_num(first_done) - now))
         lower = wait + (prefill_s + rows.per_token_press) * rows.ttft_scale + decode_s
+        if charge is not None:
+            lower = lower + charge
         estimates += [x for x in (exact(int(i), False) for i in (busy & (lower <= bound)).nonzero()[0])
                       if deadline_s is None or x.ttft_s <= deadline_s]
     if at is not None and (free[at] or busy[at]) and all(x.engine.name != affinity for x in estimates):

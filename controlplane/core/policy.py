@@ -134,6 +134,11 @@ class Policy:
     """How many engines a prefix may occupy: once this many candidates hold a request's prefix, only they are candidates
     (the request waits for one rather than prefilling it on yet another engine). 0: no limit, the estimates decide when
     spilling to a cold engine pays."""
+    prefix_eviction_charge: float = 1.0
+    """Capacity-aware prefix affinity (core/affinity.py): for a request whose prefix some engine holds, an engine that
+    would evict other prompts' blocks to cache it is compared as if it finished this many times the prefill of what it
+    evicts later (that prefill is redone by the requests that would have hit them). Keeps a shared prefix on as few
+    engines as its load needs when KV is short. 0: off (the plain finish time decides)."""
     prefix_index_blocks: int = 250_000
     """Bound on the prefix index's entries (engine, block) over all engines, each engine getting an even share (an entry
     is about 240 bytes: the default is some 60 MB)."""

@@ -38,6 +38,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from controlplane.core.affinity import displaced_blocks
 from controlplane.core.model import EngineSample
 
 RECORD_SEPARATOR = "\x1e"
@@ -251,6 +252,21 @@ class PrefixIndex:
     def blocks_of(self, engine: str) -> int:
         lru = self._lru.get(engine)
         return len(lru) if lru else 0
+
+    def room(self, engine: str) -> int:
+        """Blocks ``engine`` can still take without evicting any (its ``bound`` less what it holds)."""
+        return max(0, self.bound(engine) - self.blocks_of(engine))
+
+    def displaced(self, blocks: Sequence[int], held: Mapping[str, int]) -> dict[str, int]:
+        """Each engine that would evict blocks to cache a prompt of ``blocks``, and how many
+        (affinity.displaced_blocks), given ``held``: the leading blocks each engine holds (``match``). Engines the index
+        has not heard of evict nothing. O(engines the index knows)."""
+        out = {}
+        for engine in self._engines:
+            evicted = displaced_blocks(len(blocks), held.get(engine, 0), self.room(engine))
+            if evicted:
+                out[engine] = evicted
+        return out
 
     # -- internals -------------------------------------------------------------------------------------------------
     def _trim(self, engine: str) -> None:

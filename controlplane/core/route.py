@@ -45,7 +45,9 @@ keeps its engine while it is in the band; without a deadline, while it is within
 **Prefix cache.** An expected hit is prefill the engine skips: it enters ``ttft`` and ``finish`` and nothing else. In
 the band, after the session's engine, the members expected to hold the longest prefix are preferred; a hot prefix
 spills to another engine when that finishes sooner (with a deadline, when the holders leave the band), at most
-``prefix_max_replicas`` engines (decide.py). An admission credited with a hit reports ``prefix_cache``.
+``prefix_max_replicas`` engines (decide.py). An admission credited with a hit reports ``prefix_cache``. When KV is
+short, an engine that would evict other prompts to cache this one is charged for it in the choice, not in the
+estimate (``Estimate.displaced_s``, affinity.py).
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ class Estimate:
     """Prompt tokens the engine is expected to hold in its prefix cache (its prefill here left them out)."""
     prefill_rate: float = 0.0
     """Prompt tokens per second this estimate prefilled at."""
+    displaced_s: float = 0.0
+    """Prefix affinity's charge (affinity.py): seconds of prefill the fleet would redo for the cached prompt blocks this
+    placement evicts, times ``prefix_eviction_charge``. Only the choice among engines adds it; ``ttft_s`` and
+    ``finish_s`` leave it out."""
 
 
 def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) -> float:
@@ -148,9 +154,11 @@ def slot_wait(engine: EngineView, position: int, service_s: float, fleet: Fleet,
 
 
 def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: Fleet, policy: Policy,
-             now: float, pressure: bool = False, behind: int = 0, cached_tokens: int = 0, ahead: int = 0) -> Estimate:
+             now: float, pressure: bool = False, behind: int = 0, cached_tokens: int = 0, ahead: int = 0,
+             displaced_tokens: int = 0) -> Estimate:
     """``ahead``: parked requests ahead of this one in line that wait for this engine in particular (passed over while
-    they wait for it, admission.py): each takes one of its slots first."""
+    they wait for it, admission.py): each takes one of its slots first. ``displaced_tokens``: prompt tokens of other
+    prefixes the engine would evict to cache this prompt (affinity.py)."""
     assert request.model is not None
     cached_tokens = min(cached_tokens, max(0, request.prompt_tokens - 1))
     load = effective_load(engine, fleet)
@@ -170,7 +178,8 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
         position = (int(load - cap + 1) if cap is not None else 1) + (0 if cached_tokens else behind + ahead)
         wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
     ttft = wait + (prefill_s + 1.0 / rate) * engine.ttft_correction
-    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in)
+    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in,
+                    policy.prefix_eviction_charge * displaced_tokens / rate_in)
 
 
 def waits_too_long(busy: Estimate, policy: Policy, free: Estimate | None = None) -> bool:

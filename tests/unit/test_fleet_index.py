@@ -98,9 +98,12 @@ def test_indexed_choice_equals_full_scan(seed: int) -> None:
         # Expected prefix-cache hits on a few engines (some longer than the prompt, which the core clamps).
         cached = {v.name: rng.choice([64, 1000, 40_000]) for v in views if rng.random() < 0.2}
         waiting = {v.name: rng.choice([1, 3]) for v in views if rng.random() < 0.1}  # passed heads waiting there
-        indexed = decide(request, fleet, policy, now, 0, affinity, pick, behind, cached=cached, waiting=waiting)
+        # Prefix affinity's evictions on other engines (affinity.py), charged in the choice on both paths alike.
+        displaced = {v.name: rng.choice([256, 2000, 8000]) for v in views if cached and rng.random() < 0.5}
+        indexed = decide(request, fleet, policy, now, 0, affinity, pick, behind, cached=cached, waiting=waiting,
+                         displaced=displaced)
         full = decide(request, replace(fleet, index=None), policy, now, 0, affinity, pick, behind, cached=cached,
-                      waiting=waiting)
+                      waiting=waiting, displaced=displaced)
         same(indexed, full)
         assert indexed.detail == full.detail and indexed.park_limit_s == full.park_limit_s
         assert indexed.retry_after_s == full.retry_after_s

@@ -1,7 +1,8 @@
 """Routing with the prefix index keeps every admission rule: over random interleavings of requests sharing prefixes
 (three groups, prompts of several lengths, some repeated exactly), releases, probes, restarts, cancellations and ticks,
 no engine goes over its cap, KV is never double-spent past the watermark, floors, FIFO, deadlines and one answer per
-request hold (``World.check_invariants`` and ``settle``), with and without ``prefix_max_replicas``."""
+request hold (``World.check_invariants`` and ``settle``), with and without ``prefix_max_replicas`` and prefix affinity's
+eviction charge."""
 
 from __future__ import annotations
 
@@ -43,9 +44,12 @@ class PrefixWorld(World):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(op, max_size=80), st.sampled_from([0, 0, 1, 2]), st.sampled_from([250_000, 30]))
+@given(st.lists(op, max_size=80), st.sampled_from([0, 0, 1, 2]), st.sampled_from([250_000, 30]),
+       st.sampled_from([0.0, 1.0, 5.0]))
 def test_prefix_routing_keeps_caps_kv_and_every_admission_invariant(steps: list[tuple[Any, ...]], replicas: int,
-                                                                     index_blocks: int) -> None:
-    world = run_and_drain(PrefixWorld(replace(POLICY, prefix_max_replicas=replicas,
-                                              prefix_index_blocks=index_blocks)), steps)
+                                                                     index_blocks: int, charge: float) -> None:
+    # index_blocks 30 holds less than one group's 40 blocks per engine: every placement evicts, and the affinity's
+    # eviction charge (affinity.py) steers the choice, never past a cap or the KV watermark.
+    world = run_and_drain(PrefixWorld(replace(POLICY, prefix_max_replicas=replicas, prefix_index_blocks=index_blocks,
+                                              prefix_eviction_charge=charge)), steps)
     assert world.core.prefixes.held <= index_blocks
