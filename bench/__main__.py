@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mix", action="append", help="steady: only this client mix (open, capped, deadline); repeatable")
     p.add_argument("--level", action="append", type=float, help="steady, prefix: only this load level (e.g. 1.1); "
                    "repeatable")
-    p.add_argument("--workload", action="append", help="prefix: only this workload (system, chat, control); repeatable")
+    p.add_argument("--workload", action="append", help="prefix: only this workload (system, chat, control; "
+                   "repeatable), or kv-pressure alone (engines whose KV holds two or three of eight system prompts: "
+                   "bench/results/prefix-kv-pressure.md)")
     p.add_argument("--admission", action="append", metavar="KEY=YAML",
                    help="steady, prefix: an admission setting for the sluice arms instead of its default (e.g. backfill=true); "
                         "repeatable; the report names it")
@@ -98,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_t10_bench()
     if args.scenario == "prefix":
-        from bench.prefix import WORKLOADS, run_prefix_bench
+        from bench.prefix import KV_WORKLOAD, WORKLOADS, run_prefix_bench
 
-        if args.workload and not set(args.workload) <= set(WORKLOADS):
-            parser.error(f"prefix: --workload is one of {', '.join(WORKLOADS)}")
+        if args.workload and not set(args.workload) <= {*WORKLOADS, KV_WORKLOAD}:
+            parser.error(f"prefix: --workload is one of {', '.join(WORKLOADS)}, {KV_WORKLOAD}")
+        if args.workload and KV_WORKLOAD in args.workload and args.workload != [KV_WORKLOAD]:
+            parser.error(f"prefix: --workload {KV_WORKLOAD} runs on engines of its own: name it alone")
         return run_prefix_bench(args.quick, args.workload, args.level, _admission_settings(parser, args.admission))
     from bench.observe import run_observe_bench
 

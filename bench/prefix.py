@@ -125,8 +125,21 @@ CAL_S = 20.0
 CAL_WARM_S = 5.0
 SEED = 14_2026
 WORKLOADS = ("system", "chat", "control")
+"""What ``sluice bench prefix`` runs by default; ``kv-pressure`` runs only when named (its engines differ)."""
 ARMS = ("sluice", "sluice-noindex", "LR", "ring", "oracle")
 HASH_HEADER = "x-prefix-hash"
+KV_WORKLOAD = "kv-pressure"
+"""Prefixes under KV pressure (issue 38 item 5): its own fleet and arms, ``run_kv_pressure``."""
+KV_GROUPS = 8
+KV_SYSTEM_TOKENS = 2000
+KV_BLOCKS = 384
+"""Each engine's KV in 16-token blocks (``sluice sim --num-gpu-blocks``): 6,144 tokens, three 2,000-token prompts at
+most while nothing runs, about two and a half while two requests do."""
+KV_LEVEL = 0.7
+KV_OFF = {"prefix_eviction_charge": 0}
+"""The ``sluice-before`` arm's admission settings: the capacity-aware prefix affinity off, as sluice decided before
+it."""
+KV_ARMS = ("sluice", "sluice-before", "pin", "LR+w+cap", "ring")
 FAIR = 1 / len(ENGINES)
 _WORDS = [hashlib.blake2b(str(i).encode(), digest_size=4).hexdigest()[: 3 + i % 6] for i in range(4096)]
 
@@ -162,13 +175,23 @@ class Job:
     question: int
 
 
+def groups_of(workload: str) -> int:
+    """How many shared system prompts ``workload`` draws its requests from (0: none shared)."""
+    return {"system": GROUPS, KV_WORKLOAD: KV_GROUPS}.get(workload, 0)
+
+
+def system_tokens_of(workload: str) -> int:
+    return KV_SYSTEM_TOKENS if workload == KV_WORKLOAD else SYSTEM_TOKENS
+
+
 def draw_jobs(workload: str, rate: float, seconds: float, seed: int) -> list[Job]:
     """Arrivals for ``seconds`` wall seconds at ``rate`` requests per wall second (``chat``: conversations at rate / TURNS)."""
     rng = random.Random(seed)
     per = TURNS if workload == "chat" else 1
     count = int(rate * seconds / per)
     times = sorted(rng.uniform(0, seconds) for _ in range(count))
-    return [Job(at, rng.randrange(GROUPS) if workload == "system" else i,
+    groups = groups_of(workload)
+    return [Job(at, rng.randrange(groups) if groups else i,
                 tuple(draw_output(rng) for _ in range(per)), rng.randrange(10**9)) for i, at in enumerate(times)]
 
 
@@ -189,8 +212,8 @@ class Texts:
 
 
 def first_messages(workload: str, job: Job, texts: Texts) -> list[dict[str, str]]:
-    if workload == "system":
-        return [{"role": "system", "content": texts.get("system", job.key, SYSTEM_TOKENS)},
+    if groups_of(workload):
+        return [{"role": "system", "content": texts.get(workload, job.key, system_tokens_of(workload))},
                 {"role": "user", "content": texts.question(job.question)}]
     if workload == "control":
         return [{"role": "system", "content": texts.get("unique", job.key, SYSTEM_TOKENS)},
@@ -216,6 +239,8 @@ class Outcome:
     shed_reasons: list[str] = field(default_factory=list)
     """What each attempt the client repeated (``CLIENT_RETRIES``) was answered (sluice's ``x-sluice-route-reason``,
     else the status)."""
+    key: int = -1
+    """Its job's key: the group whose system prompt it carries (``system``, ``kv-pressure``)."""
 
 
 @dataclass
@@ -226,6 +251,15 @@ class Arm:
     engines: dict[str, str] = field(default_factory=dict)
     """Engine name -> URL (the oracle sends there directly)."""
     hashed: bool = False
+    pinned: bool = False
+    """The pinning oracle: group ``g`` always goes to engine ``g mod len(ENGINES)`` (``pins``, set per run)."""
+    pins: dict[str, str] = field(default_factory=dict)
+    """Hash of a request's first message (its group's system prompt) -> the engine the oracle sends it to."""
+
+
+def prompt_hash(messages: list[dict[str, str]]) -> str:
+    """What the ring-hash arm's header carries and the pinning oracle looks up: a hash of the first message."""
+    return hashlib.blake2b(messages[0]["content"].encode(), digest_size=8).hexdigest()
 
 
 async def _oracle_pick(session: aiohttp.ClientSession, arm: Arm, body: dict[str, Any]) -> str:
@@ -274,13 +308,16 @@ async def send(session: aiohttp.ClientSession, arm: Arm, messages: list[dict[str
                             "stream_options": {"include_usage": True}, "sim_output_tokens": natural}
     headers: dict[str, str] = {}
     if arm.hashed:
-        headers[HASH_HEADER] = hashlib.blake2b(messages[0]["content"].encode(), digest_size=8).hexdigest()
+        headers[HASH_HEADER] = prompt_hash(messages)
     started = time.perf_counter()
     result = Outcome(0, started - t0)
     rng = random.Random(f"{messages[-1]['content'][:64]}-{natural}")
     try:
         for attempt in range(CLIENT_RETRIES + 1):
-            if arm.engines:
+            if arm.pins:
+                engine = arm.pins[prompt_hash(messages)]
+                url, result.engine = arm.engines[engine] + "/v1/chat/completions", engine
+            elif arm.engines:
                 engine = await _oracle_pick(session, arm, body)
                 url, result.engine = arm.engines[engine] + "/v1/chat/completions", engine
             else:
@@ -343,7 +380,7 @@ async def drive(arm: Arm, workload: str, jobs: list[Job], texts: Texts, urls: di
             out = []
             for turn, natural in enumerate(job.naturals):
                 result = await send(session, arm, messages, natural, t0)
-                result.arrived = job.at
+                result.arrived, result.key = job.at, job.key
                 out.append(result)
                 if result.status != 200 or turn + 1 == len(job.naturals):
                     break
@@ -357,33 +394,36 @@ async def drive(arm: Arm, workload: str, jobs: list[Job], texts: Texts, urls: di
         return results, await at_window
 
 
-async def prime(arm: Arm, texts: Texts) -> None:
+async def prime(arm: Arm, texts: Texts, workload: str = "system",
+                engines: tuple[tuple[str, str], ...] = ENGINES) -> None:
     """Every group's system prompt once, through the arm itself (it places them), the fleet's slots at a time: the arm starts its
     measured arrivals with its own placement of every prefix, as a fleet that has served these groups before would."""
-    groups = list(range(GROUPS))
-    slots = sum(PROFILES[profile].max_num_seqs for _, profile in ENGINES)
+    groups = list(range(groups_of(workload)))
+    slots = sum(PROFILES[profile].max_num_seqs for _, profile in engines)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         async def worker() -> None:
             while groups:
                 group = groups.pop(0)
-                await send(session, arm, first_messages("system", Job(0.0, group, (1,), -group), texts), 1, 0.0)
+                await send(session, arm, first_messages(workload, Job(0.0, group, (1,), -group), texts), 1, 0.0)
         await asyncio.gather(*(worker() for _ in range(slots)))
 
 
 # -- calibration ------------------------------------------------------------------------------------------------------
 async def calibrate(workload: str, urls: dict[str, str]) -> dict[str, float]:
     """Requests per wall second each engine completes alone, closed loop (slots + 1), on its own share of the workload
-    (``system``: after one request per group of its share, so its prefixes are cached when the measurement starts)."""
+    (``system``, ``kv-pressure``: every ``len(urls)``-th group, after one request per group of its share, so its
+    prefixes are cached when the measurement starts)."""
+    groups = groups_of(workload)
     counted: Counter[str] = Counter()
     texts = Texts(f"calibrate-{workload}-{time.time_ns()}")
     measuring = [False]
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
-        if workload == "system":
+        if groups:
             async def prime(index: int, url: str) -> None:
-                for group in range(index, GROUPS, len(ENGINES)):
+                for group in range(index, groups, len(urls)):
                     job = Job(0.0, group, (1,), group)
                     await send(session, Arm("prime", base=url + "/v1"), first_messages(workload, job, texts), 1, 0.0)
             await asyncio.gather(*(prime(i, url) for i, url in enumerate(urls.values())))
@@ -394,8 +434,7 @@ async def calibrate(workload: str, urls: dict[str, str]) -> dict[str, float]:
             n = 0
             while time.perf_counter() < stop_at:
                 n += 1
-                key = (rng.randrange(GROUPS // len(ENGINES)) * len(ENGINES) + index if workload == "system"
-                       else rng.randrange(10**9))
+                key = (rng.randrange(groups // len(urls)) * len(urls) + index if groups else rng.randrange(10**9))
                 job = Job(0.0, key, tuple(draw_output(rng) for _ in range(TURNS if workload == "chat" else 1)),
                           rng.randrange(10**9))
                 messages = first_messages(workload, job, texts)
@@ -453,13 +492,30 @@ def summarise(results: list[Outcome], served: dict[str, int], warm: float,
         "n": len(results), "ok": len(ok), "failed": len(results) - len(ok),
         "hit": sum(r.cached_tokens for r in ok) / prompt if prompt else nan,
         "ttft_p50": pct(ttft, 50) if ttft else nan, "ttft_p90": pct(ttft, 90) if ttft else nan,
+        # A request that failed (shed after its retries) counts as never getting a first token.
+        "ttft_p50_all": pct(ttft + [math.inf] * (len(results) - len(ok)), 50) if results else nan,
+        "ttft_p90_all": pct(ttft + [math.inf] * (len(results) - len(ok)), 90) if results else nan,
         "throughput": sum(r.completion_tokens for r in ok) / max(1e-9, (end - first) * SPEED),
         "served": served,
         "max_share": max(n / total / (fair or {}).get(e, FAIR) for e, n in served.items()) if served else nan,
         "max_even": max(served.values()) / total / FAIR if served else nan,
         "reasons": Counter(r.reason for r in results if r.reason),
         "retried": Counter(why for r in results for why in r.shed_reasons),
+        **stickiness(ok),
     }
+
+
+def stickiness(ok: list[Outcome]) -> dict[str, float]:
+    """How a router keeps each group together, over completed requests that carry a group (``key`` >= 0): ``same``, the
+    share that went to the engine its group's previous request (by start) went to; ``spread``, the mean number of
+    engines a group's requests went to."""
+    by_group: dict[int, list[Outcome]] = {}
+    for r in sorted((r for r in ok if r.key >= 0 and r.engine), key=lambda r: r.started):
+        by_group.setdefault(r.key, []).append(r)
+    pairs = [(a.engine, b.engine) for rs in by_group.values() for a, b in zip(rs, rs[1:])]
+    nan = float("nan")
+    return {"same": sum(a == b for a, b in pairs) / len(pairs) if pairs else nan,
+            "spread": sum(len({r.engine for r in rs}) for rs in by_group.values()) / len(by_group) if by_group else nan}
 
 
 def _metric(port: int, name: str) -> float:
@@ -471,13 +527,16 @@ def _metric(port: int, name: str) -> float:
 def run_cell(cell: Cell, arms: dict[str, Arm], urls: dict[str, str], warm: float, window: float,
              replica_ports: list[int]) -> None:
     jobs = draw_jobs(cell.workload, cell.rate, warm + window,
-                     SEED + int(cell.level * 100) + WORKLOADS.index(cell.workload))
+                     SEED + int(cell.level * 100) + (*WORKLOADS, KV_WORKLOAD).index(cell.workload))
     for name, arm in arms.items():
         _wait_idle(urls)
         texts = Texts(f"{cell.workload}-{cell.level}-{name}-{time.time_ns()}")
+        if arm.pinned:
+            arm.pins = {prompt_hash(first_messages(cell.workload, Job(0.0, g, (1,), 0), texts)):
+                        ENGINES[g % len(ENGINES)][0] for g in range(groups_of(cell.workload))}
         started = time.monotonic()
-        if cell.workload == "system":
-            asyncio.run(prime(arm, texts))
+        if groups_of(cell.workload):
+            asyncio.run(prime(arm, texts, cell.workload))
             _wait_idle(urls)
         results, before = asyncio.run(drive(arm, cell.workload, jobs, texts, urls, warm))
         after = {n: sim_stats(u) for n, u in urls.items()}
@@ -499,8 +558,38 @@ def run_cell(cell: Cell, arms: dict[str, Arm], urls: dict[str, str], warm: float
               f"{figures['throughput']:.0f} share {served} ({figures['wall_s']:.0f} s)", flush=True)
 
 
+def kv_verdicts(cell: Cell) -> list[tuple[str, bool, str]]:
+    """(target, met, figures) for the ``kv-pressure`` cell (``KV_DOC``). TTFT percentiles count a request that failed
+    after its retries as never answered (``ttft_*_all``)."""
+    f = cell.figures
+    s, pin, before = f["sluice"], f["pin"], f["sluice-before"]
+    envoy = {name: f[name] for name in ("LR+w+cap", "ring") if name in f}
+    best_p50 = min(envoy, key=lambda n: envoy[n]["ttft_p50_all"])
+    best_hit = max(envoy, key=lambda n: envoy[n]["hit"])
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else math.inf
+
+    return [
+        ("hit rate >= 0.9 x the pinning oracle's", s["hit"] >= 0.9 * pin["hit"],
+         f"{s['hit']:.1%} vs {pin['hit']:.1%} ({ratio(s['hit'], pin['hit']):.2f}x)"),
+        ("TTFT p50 no worse than sluice without the affinity (sluice-before; <= 1.1x, the run-to-run noise allowed "
+         "on control)", s["ttft_p50_all"] <= 1.1 * before["ttft_p50_all"],
+         f"{s['ttft_p50_all']:.3f} vs {before['ttft_p50_all']:.3f} s "
+         f"({ratio(s['ttft_p50_all'], before['ttft_p50_all']):.2f}x)"),
+        (f"TTFT p50 <= the best Envoy arm's ({best_p50})", s["ttft_p50_all"] <= envoy[best_p50]["ttft_p50_all"],
+         f"{s['ttft_p50_all']:.3f} vs {envoy[best_p50]['ttft_p50_all']:.3f} s; ring "
+         f"{f['ring']['ttft_p50_all']:.3f} s, p90 sluice {s['ttft_p90_all']:.2f} vs ring "
+         f"{f['ring']['ttft_p90_all']:.2f} s"),
+        (f"hit rate >= the best Envoy arm's ({best_hit})", s["hit"] >= envoy[best_hit]["hit"],
+         f"{s['hit']:.1%} vs {envoy[best_hit]['hit']:.1%}; ring {f['ring']['hit']:.1%}"),
+    ]
+
+
 def verdicts(cell: Cell) -> list[tuple[str, bool, str]]:
     """(target, met, figures) for one cell (module docstring)."""
+    if cell.workload == KV_WORKLOAD:
+        return kv_verdicts(cell)
     f = cell.figures
     s = f["sluice"]
     out: list[tuple[str, bool, str]] = []
@@ -539,6 +628,7 @@ def _table(cell: Cell) -> str:
         retried = ", ".join(f"{k} {n}" for k, n in s["retried"].most_common(3)) or "-"
         rows.append(f"| {name} | {s['ok']}/{s['n']} | {s['hit']:.1%} ({s['engine_hit']:.1%}) | "
                     f"{s['ttft_p50']:.2f} / {s['ttft_p90']:.2f} | {s['throughput']:.0f} | "
+                    f"{s['same']:.0%} / {s['spread']:.1f} | "
                     f"{' / '.join(str(v) for v in s['served'].values())} ({s['max_share']:.2f}x; even "
                     f"{s['max_even']:.2f}x) | {reasons} | {retried} |")
     marks = "\n".join(f"- {'PASS' if ok else '**MISS**'}: {what}: {detail}" for what, ok, detail in verdicts(cell))
@@ -551,8 +641,10 @@ def _table(cell: Cell) -> str:
                  "the Checks over both).\n")
     return f"""#### {cell.workload}, {cell.level:.0%} ({cell.rate:.2f} requests/s wall)
 
-| arm | ok / sent | hit rate (engine counters) | TTFT p50 / p90 (s) | tok/s | served {' / '.join(n for n, _ in ENGINES)} (largest / fair; / even 1/4) | route reasons | retried after (answer: count) |
-|---|---|---|---|---|---|---|---|
+| arm | ok / sent | hit rate (engine counters) | TTFT p50 / p90 (s) | tok/s | same engine as the group's last / \
+engines per group | served {' / '.join(n for n, _ in ENGINES)} (largest / fair; / even 1/4) | route reasons | \
+retried after (answer: count) |
+|---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 {marks}
@@ -560,13 +652,17 @@ def _table(cell: Cell) -> str:
 
 
 @contextmanager
-def _sims() -> Iterator[dict[str, str]]:
+def _sims(extra: tuple[str, ...] = ()) -> Iterator[dict[str, str]]:
     with ExitStack() as stack:
-        yield {name: stack.enter_context(bare_sim(profile, SPEED, name)) for name, profile in ENGINES}
+        yield {name: stack.enter_context(bare_sim(profile, SPEED, name, extra=extra)) for name, profile in ENGINES}
 
 
 def run_prefix_bench(quick: bool = False, workloads: list[str] | None = None, levels: list[float] | None = None,
                      admission: dict[str, Any] | None = None) -> int:
+    if workloads and KV_WORKLOAD in workloads:
+        if workloads != [KV_WORKLOAD]:
+            raise ValueError(f"{KV_WORKLOAD} runs on engines of its own: name it alone")
+        return run_kv_pressure(quick, levels, admission)
     workloads = workloads or (["system"] if quick else list(WORKLOADS))
     levels = levels or ([0.9] if quick else list(LEVELS))
     warm, window = (QUICK_WARM_S, QUICK_WINDOW_S) if quick else (WARM_S, WINDOW_S)
@@ -663,6 +759,144 @@ Each runs `envoy/bench-plain.yaml` with these clusters (ports are this run's):
     name = "prefix" if full else "-".join(["prefix-quick", *(w for w in workloads if workloads != ["system"])])
     path = write_report(name, "sluice bench prefix: prefix-cache-aware routing against cache-blind and cache-keyed "
                         "routing", body)
+    print(body[body.index("## Targets"):body.index("## Cells")])
+    print(f"report: {path}")
+    return 0 if not misses else 1
+
+KV_DOC = """Prefixes under KV pressure (issue 38 item 5): engines whose KV holds only two or three of the shared system
+prompts, so where a group's requests go decides whether its prompt is still cached there.
+
+Fleet: ``spark-a``, ``spark-b`` (prefill 4,000 tok/s, decode 49 / 88 tok/s aggregate at 1 / 2 streams) and ``thor-a``,
+``thor-b`` (1,500 tok/s, 18 / 51 tok/s), 2 slots each, simulator speed x{SPEED}, each started with ``sluice sim
+--num-gpu-blocks {KV_BLOCKS}``: {KV_TOKENS:,} KV tokens per engine. Automatic prefix caching as vLLM V1 does it
+(enginesim/prefixcache.py: 16-token blocks, a finished request's blocks kept until their memory is needed, the least
+recently freed evicted first). Tokenizer: the simulator's default 4 characters a token and no chat-template tokens, the
+estimator's own prior (sluice learns prompt tokens only from tenants' usage, which this bench does not send), so this
+measures placement, not the token estimate.
+
+Client mix: {KV_GROUPS} groups, each with its own {KV_SYSTEM_TOKENS:,}-token system prompt ({KV_GROUPS} x
+{KV_SYSTEM_TOKENS:,} = {KV_ALL:,} tokens, {KV_RATIO:.1f}x one engine's KV); each request is one group's system prompt
+(group drawn uniformly) and a fresh ~{QUESTION_TOKENS}-token question, streamed, ``max_tokens`` {MAX_TOKENS}, no TTFT
+deadline, no session, no priority. Output-length model: each request's natural length is drawn from a lognormal with
+median {OUT_MEDIAN} tokens, sigma 0.5 (at most ``max_tokens``), and sent as ``sim_output_tokens``: the engine stops
+there (end of sequence); sluice does not see it and estimates from the answers' running mean. Arrivals: Poisson at
+{KV_LEVEL_PCT} of the capacity measured below, one seed, the same arrival times, groups, questions and lengths for every
+arm. Each arm first sends every group's prompt once through itself (not measured), then {WARM_S:g} s (wall) of arrivals
+before the measured window of {WINDOW_S:g} s; the figures are those of the requests arriving in the window. Each arm's
+prompts carry their own salt, so no arm finds what an earlier arm left in the caches. A 408/409/429/5xx is retried
+twice after its Retry-After as the openai client does; TTFT counts from the first attempt.
+
+Capacity: every engine saturated alone (closed loop, slots + 1 clients, {CAL_S:g} s after {CAL_WARM_S:g} s) on its
+pinned groups (every fourth), its prompts cached: what the fleet serves when every group is cached where it goes.
+
+Arms (the same engines, one after another):
+
+- ``sluice``: ``sluice up`` with its defaults: capacity-aware prefix affinity (``admission.prefix_eviction_charge`` 1).
+- ``sluice-before``: the same with ``prefix_eviction_charge: 0``, which decides as sluice did before the affinity
+  (finish-soonest with expected hits only).
+- ``pin``: the hit-rate reference, an oracle that pins groups to engines, {KV_PINNED} groups to each (group ``g`` to
+  engine ``g mod 4``: as many as each KV holds beside two running requests) and sends each request straight to its
+  group's engine (no Envoy hop), queueing there however busy it is. Its hit rate is about the best any placement
+  reaches here (every group on one engine whose KV holds it); its TTFT is no reference (it ignores load: the thors get
+  as many groups as the sparks).
+- ``LR+w+cap``: plain Envoy ``LEAST_REQUEST`` (two random choices, Envoy's default), each engine weighted by its
+  measured capacity and capped at its slots (per-host ``max_connections``, one Envoy worker): the strongest cache-blind
+  arm ``bench steady`` has.
+- ``ring``: plain Envoy ``RING_HASH`` on a header the client sets to a hash of the system prompt: a group always goes
+  to one engine, whichever the ring gives it (the strongest baseline for shared prefixes, issue 41).
+
+Figures as in ``sluice bench prefix`` (hit rate: the responses' ``cached_tokens`` over their prompt tokens); TTFT p50 /
+p90 count a request that failed after its retries as never answered; "same engine" is the share of a group's requests
+that went where its previous one went, "engines per group" how many engines a group's requests used in the window.
+
+Targets (issue 38 item 5, issue 41): sluice's hit rate at least 0.9x the pinning oracle's; its TTFT p50 no worse than
+``sluice-before``'s (at most 1.1x, the noise ``control`` allows); and, against the strongest Envoy arm of the same run,
+TTFT p50 at most and hit rate at least that arm's.
+"""
+
+
+def run_kv_pressure(quick: bool = False, levels: list[float] | None = None,
+                    admission: dict[str, Any] | None = None) -> int:
+    """The ``kv-pressure`` scenario (``KV_DOC``); writes ``bench/results/prefix-kv-pressure.md`` (``--quick``:
+    ``prefix-kv-pressure-quick.md``). Returns 1 when a target is missed."""
+    warm, window = (QUICK_WARM_S, QUICK_WINDOW_S) if quick else (WARM_S, WINDOW_S)
+    levels = levels or [KV_LEVEL]
+    started = time.monotonic()
+    cells: list[Cell] = []
+    settings = dict(admission or {})
+    with _sims(("--num-gpu-blocks", str(KV_BLOCKS))) as urls:
+        ports = [int(u.rsplit(":", 1)[1]) for u in urls.values()]
+        engines = [{"name": n, "url": u, "max_num_seqs": PROFILES[p].max_num_seqs} for (n, p), u in
+                   zip(ENGINES, urls.values())]
+        measured = asyncio.run(calibrate(KV_WORKLOAD, urls))
+        capacity = sum(measured.values())
+        calibration = (", ".join(f"{n} {r * SPEED:.2f}" for n, r in measured.items())
+                       + f" requests per emulated second; fleet {capacity * SPEED:.2f}")
+        print(f"- `{KV_WORKLOAD}`: {calibration}", flush=True)
+        weights = [max(1, round(100 * r / capacity)) for r in measured.values()]
+        slots = [PROFILES[p].max_num_seqs for _, p in ENGINES]
+        with gateway([dict(e) for e in engines], admission=settings) as sluice, \
+                gateway([dict(e) for e in engines], admission={**settings, **KV_OFF}) as before, \
+                plain_envoy_arm(ports, "LEAST_REQUEST", weights, slots, concurrency=1) as lrw, \
+                plain_envoy_arm(ports, "RING_HASH", hash_header=HASH_HEADER) as ring:
+            arms = {
+                "sluice": Arm("sluice", sluice["base_url"] + "/v1"),
+                "sluice-before": Arm("sluice-before", before["base_url"] + "/v1"),
+                "pin": Arm("pin", engines=dict(urls), pinned=True),
+                "LR+w+cap": Arm("LR+w+cap", lrw.base + "/v1"),
+                "ring": Arm("ring", ring.base + "/v1", hashed=True),
+            }
+            configs = [f"`{name}` (`envoy --concurrency {envoy.concurrency}`):\n\n```yaml\n"
+                       f"{envoy.bootstrap[envoy.bootstrap.index('    - name: engine'):]}```\n"
+                       f"route: `{_route_line(envoy.bootstrap)}`\n"
+                       for name, envoy in (("LR+w+cap", lrw), ("ring", ring))]
+            for level in levels:
+                cell = Cell(KV_WORKLOAD, level, level * capacity, {n: r / capacity for n, r in measured.items()})
+                run_cell(cell, arms, urls, warm, window, [])
+                cells.append(cell)
+    elapsed = time.monotonic() - started
+    summary, misses = [], 0
+    for cell in cells:
+        for what, ok, detail in verdicts(cell):
+            misses += not ok
+            summary.append(f"| {cell.level:.0%} | {what} | {'met' if ok else '**missed**'} | {detail} |")
+    doc = KV_DOC.format(SPEED=f"{SPEED:g}", KV_BLOCKS=KV_BLOCKS, KV_TOKENS=KV_BLOCKS * 16, KV_GROUPS=KV_GROUPS,
+                        KV_SYSTEM_TOKENS=KV_SYSTEM_TOKENS, KV_ALL=KV_GROUPS * KV_SYSTEM_TOKENS,
+                        KV_RATIO=KV_GROUPS * KV_SYSTEM_TOKENS / (KV_BLOCKS * 16), QUESTION_TOKENS=QUESTION_TOKENS,
+                        MAX_TOKENS=MAX_TOKENS, OUT_MEDIAN=OUT_MEDIAN,
+                        KV_LEVEL_PCT=" and ".join(f"{x:.0%}" for x in levels),
+                        WARM_S=warm, WINDOW_S=window, CAL_S=CAL_S, CAL_WARM_S=CAL_WARM_S,
+                        KV_PINNED=KV_GROUPS // len(ENGINES))
+    body = f"""{doc}
+Run: {'`--quick`: ' if quick else ''}{warm:g} + {window:g} s of arrivals (wall) per arm; sluice with its defaults{
+        '' if not admission else ' except admission ' + ', '.join(f'`{k}: {v}`' for k, v in admission.items())}; {
+        elapsed / 60:.1f} min.
+
+## Measured capacity
+
+{calibration}
+
+## Targets
+
+| load | target | verdict | figures |
+|---|---|---|---|
+{chr(10).join(summary)}
+
+{len(summary) - misses} of {len(summary)} targets met.
+
+## Cells
+
+TTFT in emulated seconds, completed requests (the targets above count failures as never answered); hit rate from the
+responses' `cached_tokens` (in brackets: the engines' own `prefix_cache_hits / prefix_cache_queries`).
+
+{chr(10).join(_table(c) for c in cells)}
+## The plain Envoy arms
+
+{chr(10).join(configs)}
+"""
+    name = f"prefix-{KV_WORKLOAD}" + ("-quick" if quick else "") + ("-partial" if admission or levels != [KV_LEVEL]
+                                                                    else "")
+    path = write_report(name, "sluice bench prefix: shared prefixes under KV pressure", body)
     print(body[body.index("## Targets"):body.index("## Cells")])
     print(f"report: {path}")
     return 0 if not misses else 1

@@ -76,10 +76,13 @@ def gateway(engines: list[dict[str, Any]], *, up_args: tuple[str, ...] = (),
 
 
 @contextmanager
-def bare_sim(profile: str, speed: float, name: str = "bare", flavor: str = "vllm-v1") -> Iterator[str]:
+def bare_sim(profile: str, speed: float, name: str = "bare", flavor: str = "vllm-v1",
+             extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """A ``sluice sim`` on a free port (``extra``: more of its options, e.g. ``--num-gpu-blocks 384``); yields its
+    URL."""
     port = free_port()
     sim = subprocess.Popen([sys.executable, "-m", "sluice", "sim", "--profile", profile, "--port", str(port),
-                            "--speed", str(speed), "--name", name, "--flavor", flavor],
+                            "--speed", str(speed), "--name", name, "--flavor", flavor, *extra],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
