@@ -23,9 +23,12 @@ slots, and which busy engines are worth estimating (decide.py, both the full sca
 
 - **A group stays on its engines while they have room for it.** Among free slots an engine holding the prefix beats one
   that would evict unless the latter finishes sooner by more than the prefill the fleet would redo.
-- **It spreads when its load needs more engines.** When every engine holding it is at its slot or KV limit, waiting
-  for one is bounded by work conservation (route.py, ``waits_too_long``): past that bound the request takes a free
-  slot elsewhere, the one with the smallest charged finish, and that engine holds the prefix from then on.
+- **It spreads when its load needs more engines.** When every engine holding it is at its slot or KV limit, the request
+  waits for one of them (it parks, ``waiting_for_faster``; the line passes it over for others) while the wait is within
+  work conservation's bound, half a service plus the prefill the free slot would redo plus that slot's charge
+  (route.py, ``waits_too_long``), and, arriving, while waiting gives it its first token before the free slot's first
+  token plus its charge. A group whose load its engines cannot carry makes that wait grow past the bound: the request
+  takes a free slot elsewhere, the one with the smallest charged finish, and that engine holds the prefix from then on.
 - **Prefixes that fit are not crowded.** An engine with room for the prompt has no charge, so while some engine can
   cache a prefix without evicting, placing it there costs nothing extra; engines that would evict are charged.
 

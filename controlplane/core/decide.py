@@ -426,7 +426,8 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
     Waiting for a busy faster engine while a slot is free needs: it finishes sooner (by the margin), the wait is bounded
     (``waits_too_long``), and, for a request just **arriving** (nothing parked ahead of it), that waiting also gives it its
     first token sooner: an arrival that finds a free slot is its own user's latency, and starting now beats finishing
-    first. A request already parked (a burst's backlog) keeps pure finish-soonest, which is what splits seed 000's bursts
+    first, unless the free slot would evict other prompts to cache this one (affinity.py): its first token then counts
+    its eviction charge too. A request already parked (a burst's backlog) keeps pure finish-soonest, which is what splits seed 000's bursts
     the way the best assignment does. ``set_aside``: the soonest finish of a free slot the fair-share spread set aside
     (``_spread``); a choice finishing later than that is reported ``fair_share``. ``near_tie``: the engine the fleet
     index chose among every free slot's near ties (``_soonest_indexed``); None: ``_near_tie`` chooses among ``free``."""
@@ -436,7 +437,9 @@ def _finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: 
     best = min(estimates, key=soonest)
     acceptable = [x for x in free if charged_finish(x) <= charged_finish(best) * (1 + policy.wait_for_faster_margin)]
     alternative = min(free, key=soonest) if free else None
-    sooner_first_token = alternative is not None and best.ttft_s < alternative.ttft_s
+    # The arrival's first token, with the free slot's eviction charge (affinity.py): a wait for the engine holding the
+    # prompt is worth what the free slot would make the fleet prefill again.
+    sooner_first_token = alternative is not None and best.ttft_s < alternative.ttft_s + alternative.displaced_s
     if not best.can_start and not acceptable and (waits_too_long(best, policy, alternative)
                                                   or (arriving and not sooner_first_token)):
         # Work conservation (route.py): the faster engine's wait is unbounded enough that a free slot is taken instead.

@@ -186,11 +186,12 @@ def waits_too_long(busy: Estimate, policy: Policy, free: Estimate | None = None)
     """Work conservation: waiting for ``busy`` (a faster engine without a free slot) is only allowed while its slot wait is
     at most ``max_wait_for_faster_services`` of the request's own service time there (``finish - slot_wait``), plus the
     prefill ``free`` (the free slot it would take instead) would redo because ``busy`` holds more of the prompt in its
-    prefix cache: ``(busy.cached - free.cached) / free's prefill rate``. Waiting that much longer idles the free slot no
-    longer than the cold prefill would occupy it, and spares an engine's prefill capacity besides."""
+    prefix cache: ``(busy.cached - free.cached) / free's prefill rate``, plus ``free``'s eviction charge (affinity.py:
+    the prefill of the prompts it would evict for this one). Waiting that much longer idles the free slot no longer
+    than the cold prefill would occupy it, and spares an engine's prefill capacity besides."""
     redo_s = 0.0
     if free is not None and busy.cached_tokens > free.cached_tokens and free.prefill_rate > 0:
-        redo_s = (busy.cached_tokens - free.cached_tokens) / free.prefill_rate
+        redo_s = (busy.cached_tokens - free.cached_tokens) / free.prefill_rate + free.displaced_s
     return busy.slot_wait_s > policy.max_wait_for_faster_services * (busy.finish_s - busy.slot_wait_s) + redo_s
 
 

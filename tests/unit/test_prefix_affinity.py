@@ -160,3 +160,19 @@ def test_two_replicas_sharing_the_index_decide_alike() -> None:
         second = decide(probe, two.fleet(views, now), P, now, cached=two.expected_cached(probe),
                         displaced=two.expected_displaced(probe))
         assert (first.verdict, first.engine) == (second.verdict, second.engine)
+
+
+@pytest.mark.parametrize(("policy", "parks"), [(P, True), (OFF, False)], ids=["affinity", "off"])
+def test_an_arrival_waits_a_little_for_its_busy_engine_rather_than_evicting_a_group_elsewhere(policy: Policy,
+                                                                                            parks: bool) -> None:
+    """spark-a holds group a and is full, one short service (~0.4 s) from a free slot; spark-b is free, faster at
+    prefill, and full of three other groups. Cold on spark-b the first token comes in ~0.27 s, but spark-b would evict
+    a group worth ~0.22 s of prefill: the request waits for spark-a (its first token in ~0.41 s, within half a service
+    plus the prefill and the charge it spares). Without the affinity it starts cold on spark-b."""
+    views = [view("spark-a", prefill=4000.0, decode=50.0, running=2), view("spark-b", prefill=8000.0, decode=44.0)]
+    core = core_with(views, policy, {"spark-a": ["a"], "spark-b": ["b", "c", "d"]})
+    out = core.check("r1", ask("a"), core.fleet(views, 0.0), 0.0)
+    if parks:
+        assert out.decision.verdict is Verdict.PARK and out.decision.waits_for == "spark-a"
+    else:
+        assert out.decision.engine == "spark-b"
