@@ -208,7 +208,10 @@ async def test_a_burst_on_one_replica_over_valkey_is_admitted_in_line_order(valk
         reasons = await asyncio.wait_for(asyncio.gather(*(one(k) for k in range(200))), 30)
         assert all(r != "park_timeout" for r in reasons), [r for r in reasons if r == "park_timeout"][:3]
         assert len(admitted_from_park) > 100
-        assert admitted_from_park == [r for r in store.parks if r in admitted_from_park], \
+        # A request may park more than once (a replica whose heartbeat lapsed under load puts its lot back in line, in
+        # order): its place is its first park's.
+        line = list(dict.fromkeys(store.parks))
+        assert admitted_from_park == [r for r in line if r in admitted_from_park], \
             "parked requests admitted out of line order"
         await asyncio.sleep(0.2)
         leftover = [k async for k in store.client.scan_iter(match="lineorder:q:*")]
