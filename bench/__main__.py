@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", action="append", help="prefix: only this workload (system, chat, control; "
                    "repeatable), or kv-pressure alone (engines whose KV holds two or three of eight system prompts: "
                    "bench/results/prefix-kv-pressure.md)")
+    p.add_argument("--report", metavar="NAME", help="steady: write bench/results/NAME.md (and NAME.png) instead of "
+                   "the name the chosen cells imply")
     p.add_argument("--admission", action="append", metavar="KEY=YAML",
                    help="steady, prefix: an admission setting for the sluice arms instead of its default (e.g. backfill=true); "
                         "repeatable; the report names it")
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.engines is not None and args.engines.isdigit():
             parser.error("steady: --engines is a YAML file of real llama.cpp engines")
         return run_steady_bench(args.quick, args.fleet, args.mix, args.level, args.engines,
-                                _admission_settings(parser, args.admission))
+                                _admission_settings(parser, args.admission), args.report)
     if args.scenario == "overhead":
         from bench.overhead import run_overhead_bench
 
