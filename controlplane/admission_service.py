@@ -52,7 +52,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -962,9 +962,13 @@ class AdmissionService:
             timer.observe(time.perf_counter() - started)
 
     def _spawn(self, work: Awaitable[None]) -> asyncio.Task[None]:
+        """Run ``work`` in the background, tracked until done. A task cancelled before its first step (the service
+        stopping) closes ``work`` too, so a coroutine that never ran is not left unawaited."""
         async def run() -> None:
             await work
         task = asyncio.get_running_loop().create_task(run())
+        if isinstance(work, Coroutine):
+            task.add_done_callback(lambda _: work.close())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(self._release_tasks.discard)
