@@ -12,19 +12,12 @@ A capped arm lists an engine once per multiple of the smallest cap (``plain.rend
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from bench.common import free_port
-from bench.plain import PlainEnvoy, render
-from sluice.envoyrun import envoy_binary
+from bench.plain import PlainEnvoy, render, running_envoy
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,22 +70,6 @@ def least_request_arm(engine_ports: list[int], arm: LeastRequestArm, weights: li
     """A running plain Envoy for ``arm`` (one worker: per-host caps need one connection pool, see
     ``plain.plain_envoy_arm``)."""
     listen, admin = free_port(), free_port()
-    text = render_arm(listen, admin, engine_ports, arm, weights, max_per_host)
-    bootstrap = Path(tempfile.mkdtemp(prefix="sluice-lr-")) / "plain.yaml"
-    bootstrap.write_text(text)
-    envoy = subprocess.Popen([str(envoy_binary()), "-c", str(bootstrap), "--use-dynamic-base-id", "--concurrency", "1",
-                              "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1)
-                break
-            except OSError:
-                if time.monotonic() > deadline or envoy.poll() is not None:
-                    raise RuntimeError(f"plain Envoy for {arm.name} did not start") from None
-                time.sleep(0.1)
-        yield PlainEnvoy(f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", text, 1)
-    finally:
-        envoy.send_signal(signal.SIGTERM)
-        envoy.wait(10)
+    with running_envoy(render_arm(listen, admin, engine_ports, arm, weights, max_per_host), listen, admin, 1,
+                       f"plain Envoy for {arm.name}") as envoy:
+        yield envoy

@@ -71,7 +71,15 @@ def plain_envoy_arm(engine_ports: list[int], lb_policy: str = "ROUND_ROBIN", wei
     connection pools, so with two workers an idle keep-alive connection in one worker's pool would hold a slot the other
     worker's pending requests cannot use."""
     listen, admin = free_port(), free_port()
-    text = render(listen, admin, engine_ports, lb_policy, weights, max_per_host, hash_header)
+    with running_envoy(render(listen, admin, engine_ports, lb_policy, weights, max_per_host, hash_header), listen,
+                       admin, concurrency, "plain Envoy") as envoy:
+        yield envoy
+
+
+@contextmanager
+def running_envoy(text: str, listen: int, admin: int, concurrency: int, name: str) -> Iterator[PlainEnvoy]:
+    """Envoy on the bootstrap ``text`` (listening on ``listen``, its admin on ``admin``), ready when yielded (at most
+    15 s, else RuntimeError naming ``name``), stopped on the way out."""
     bootstrap = Path(tempfile.mkdtemp(prefix="sluice-plain-")) / "plain.yaml"
     bootstrap.write_text(text)
     envoy = subprocess.Popen([str(envoy_binary()), "-c", str(bootstrap), "--use-dynamic-base-id", "--concurrency",
@@ -85,7 +93,7 @@ def plain_envoy_arm(engine_ports: list[int], lb_policy: str = "ROUND_ROBIN", wei
                 break
             except OSError:
                 if time.monotonic() > deadline or envoy.poll() is not None:
-                    raise RuntimeError("plain Envoy did not start") from None
+                    raise RuntimeError(f"{name} did not start") from None
                 time.sleep(0.1)
         yield PlainEnvoy(f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", text, concurrency)
     finally:
