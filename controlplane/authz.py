@@ -99,6 +99,19 @@ class _Gate:
     """A refusal's ``x-ratelimit-*``."""
 
 
+@dataclass(slots=True)
+class _Flight:
+    """One Check while it is answered: what a failure or its end must give back."""
+
+    request_id: str
+    """Unique among Checks in flight (``_unique``); the tenant gate may replace it (a charge id already in use)."""
+    outcome: Outcome | None = None
+    """The latest answer from admission: a failure after it gives its hold back."""
+    charge: TenantCharge | None = None
+    """A tenant's pre-charge: given back unless the request is admitted."""
+    admitted: bool = False
+
+
 class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
     def __init__(self, admission: CheckPort, quota: QuotaPort | None = None) -> None:
         self.admission = admission
@@ -111,73 +124,88 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
     async def Check(  # noqa: N802 (gRPC method name)
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> external_auth_pb2.CheckResponse:
+        """One Check: refused at once when it queued past ``max_check_queue_ms``; else decided (``_decide``: tenant,
+        parse, quota, admission, park) and answered. Never raises: a failure is a 500 that gives back what the Check
+        held (its parked entry or ticket, its pre-charge)."""
         started = time.perf_counter()
-        port, settings = self.admission, self.admission.settings
+        settings = self.admission.settings
         queued = queued_s(context, settings.authz_timeout_s)
         if queued is not None and queued * 1000 > settings.max_check_queue_ms:
             response = self._overloaded(queued, settings)
         else:
             http = request.attributes.request.http
             # Envoy's own x-request-id (its HCM makes one per request and forwards it to the engine), so the control
-            # plane's log, the watch stream and the engine's log name a request the same way. It keys the parking lot,
-            # so it must be unique among Checks in flight: a client can send its own (Envoy keeps an internal caller's),
-            # and a duplicate gets a suffix rather than the other request's place.
-            request_id = self._unique(http.headers.get("x-request-id") or uuid.uuid4().hex)
-            outcome: Outcome | None = None  # the latest answer from admission: a failure after it must give its hold back
-            charge: TenantCharge | None = None  # a tenant's pre-charge: given back unless the request is admitted
-            admitted = False
+            # plane's log, the watch stream and the engine's log name a request the same way (``_unique``).
+            flight = _Flight(self._unique(http.headers.get("x-request-id") or uuid.uuid4().hex))
             try:
-                model: str | None = None
-                parsed: InferenceRequest | None = None
-                tenant: Tenant | None = None
-                extra: tuple[tuple[str, str], ...] = ()
-                if settings.tenants.enabled:
-                    # The key is hashed and dropped here: only its digest is looked up, nothing logs it.
-                    tenant = settings.tenants.identify(http.headers.get("authorization"))
-                if settings.tenants.enabled and tenant is None:
-                    port.metrics.auth_refusals.labels(Reason.INVALID_API_KEY.value).inc()
-                    outcome = Outcome(request_id, Decision(
-                        Verdict.REJECT, Reason.INVALID_API_KEY,
-                        detail="Incorrect API key provided (send it as Authorization: Bearer <key>)"))
-                else:
-                    try:
-                        parsed = parse_request(http.method, http.path, http.raw_body, http.headers, settings.policy,
-                                               port.prompt_rules)
-                    except RequestError as error:
-                        outcome = Outcome(request_id, refuse(error))
-                    else:
-                        model = parsed.model
-                        if tenant is not None:
-                            gate = await self._tenant_gate(tenant, parsed, request_id,
-                                                           http.headers.get(PRIORITY_HEADER))
-                            request_id, parsed, charge, extra = gate.request_id, gate.request, gate.charge, gate.headers
-                            outcome = gate.outcome
-                        if outcome is None:
-                            outcome = await port.check(request_id, parsed)
-                if outcome.decision.verdict is Verdict.PARK:
-                    outcome = await port.wait_parked(request_id)
-                if tenant is not None and outcome.decision.verdict is Verdict.ANSWER:
-                    outcome = _models_for(tenant, outcome)
-                port.record_outcome(model, outcome, parsed, tenant.name if tenant is not None else "")
-                response = self._answer(outcome, avoided_engine(http.path), charge, extra, parsed)
-                admitted = response.HasField("ok_response")
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("Check %s: %s %s on %s", request_id, outcome.decision.verdict.value, model or "?",
-                              outcome.decision.engine or "-", extra={"request_id": request_id})
+                response = await self._decide(http, flight)
             except Exception:  # not BaseException: a cancelled Check (CancelledError) must still end the RPC
-                log.exception("Check %s failed inside the control plane; answered 500 %s", request_id, INTERNAL_ERROR,
-                              extra={"request_id": request_id})
-                port.metrics.authz_internal_errors.inc()
-                port.give_back(request_id, outcome)
-                response = _error(INTERNAL_ERROR, f"The admission control plane failed on this request (id "
-                                  f"{request_id}); it was not forwarded", None)
+                response = self._failed(flight)
             finally:
-                self._in_flight.discard(request_id)
-                if charge is not None and charge.charged and not admitted and self.quota is not None:
-                    # Refused, shed, timed out in the lot, cancelled, failed: no engine sees it, nothing was used.
-                    self.quota.refund(request_id)
-        port.metrics.authz_seconds.observe(time.perf_counter() - started)
+                self._land(flight)
+        self.admission.metrics.authz_seconds.observe(time.perf_counter() - started)
         return response
+
+    async def _decide(self, http: Any, flight: _Flight) -> external_auth_pb2.CheckResponse:
+        """Tenant, parse, the tenant's gate, admission, the park: the answer, with ``flight`` kept current (the latest
+        outcome, the pre-charge) so that a failure can give back what is held."""
+        port, settings = self.admission, self.admission.settings
+        model: str | None = None
+        parsed: InferenceRequest | None = None
+        tenant: Tenant | None = None
+        extra: tuple[tuple[str, str], ...] = ()
+        if settings.tenants.enabled:
+            # The key is hashed and dropped here: only its digest is looked up, nothing logs it.
+            tenant = settings.tenants.identify(http.headers.get("authorization"))
+        if settings.tenants.enabled and tenant is None:
+            port.metrics.auth_refusals.labels(Reason.INVALID_API_KEY.value).inc()
+            flight.outcome = Outcome(flight.request_id, Decision(
+                Verdict.REJECT, Reason.INVALID_API_KEY,
+                detail="Incorrect API key provided (send it as Authorization: Bearer <key>)"))
+        else:
+            try:
+                parsed = parse_request(http.method, http.path, http.raw_body, http.headers, settings.policy,
+                                       port.prompt_rules)
+            except RequestError as error:
+                flight.outcome = Outcome(flight.request_id, refuse(error))
+            else:
+                model = parsed.model
+                if tenant is not None:
+                    gate = await self._tenant_gate(tenant, parsed, flight.request_id, http.headers.get(PRIORITY_HEADER))
+                    flight.request_id, parsed, flight.charge, extra = gate.request_id, gate.request, gate.charge, \
+                        gate.headers
+                    flight.outcome = gate.outcome
+                if flight.outcome is None:
+                    flight.outcome = await port.check(flight.request_id, parsed)
+        outcome = flight.outcome
+        if outcome.decision.verdict is Verdict.PARK:
+            outcome = flight.outcome = await port.wait_parked(flight.request_id)
+        if tenant is not None and outcome.decision.verdict is Verdict.ANSWER:
+            outcome = flight.outcome = _models_for(tenant, outcome)
+        port.record_outcome(model, outcome, parsed, tenant.name if tenant is not None else "")
+        response = self._answer(outcome, avoided_engine(http.path), flight.charge, extra, parsed)
+        flight.admitted = response.HasField("ok_response")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("Check %s: %s %s on %s", flight.request_id, outcome.decision.verdict.value, model or "?",
+                      outcome.decision.engine or "-", extra={"request_id": flight.request_id})
+        return response
+
+    def _failed(self, flight: _Flight) -> external_auth_pb2.CheckResponse:
+        """A Check that raised inside the control plane: logged, counted, its hold given back, answered 500."""
+        log.exception("Check %s failed inside the control plane; answered 500 %s", flight.request_id, INTERNAL_ERROR,
+                      extra={"request_id": flight.request_id})
+        self.admission.metrics.authz_internal_errors.inc()
+        self.admission.give_back(flight.request_id, flight.outcome)
+        return _error(INTERNAL_ERROR, f"The admission control plane failed on this request (id "
+                      f"{flight.request_id}); it was not forwarded", None)
+
+    def _land(self, flight: _Flight) -> None:
+        """However a Check ended: it is no longer in flight, and a pre-charge of a request no engine will see (refused,
+        shed, timed out in the lot, cancelled, failed) is given back."""
+        self._in_flight.discard(flight.request_id)
+        charge = flight.charge
+        if charge is not None and charge.charged and not flight.admitted and self.quota is not None:
+            self.quota.refund(flight.request_id)
 
     async def _tenant_gate(self, tenant: Tenant, parsed: InferenceRequest, request_id: str,
                            asked_priority: str | None) -> _Gate:
