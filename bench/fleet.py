@@ -62,7 +62,7 @@ from controlplane.core.model import (
 )
 from controlplane.core.request import ttft_deadline
 from controlplane.core.weights import Weights
-from controlplane.observation import FRAMES_PER_TURN
+from controlplane.observe.observation import FRAMES_PER_TURN
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.worker import FLUSH_S
 from bench.common import pyplot, save_figure, write_report

@@ -28,11 +28,11 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
-from controlplane.accesslog import AccessLogServicer
-from controlplane.admin import AdminServicer
-from controlplane.adminauth import AdminGuard, load_tokens
-from controlplane.admission_service import AdmissionService
-from controlplane.authz import AuthorizationServicer
+from controlplane.servicers.accesslog import AccessLogServicer
+from controlplane.servicers.admin import AdminServicer
+from controlplane.servicers.adminauth import AdminGuard, load_tokens
+from controlplane.admission.service import AdmissionService
+from controlplane.servicers.authz import AuthorizationServicer
 from controlplane.config import (
     RELOADABLE, Config, ConfigError, OnStale, ServerTls, StoreBackend, changed_sections, is_loopback, load_config,
     resolve_engines,
@@ -46,9 +46,9 @@ from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, In
 from controlplane.core.policy import Policy, version_key
 from controlplane.core.weights import Weights
 from controlplane.giveway import give_way
-from controlplane.httpendpoint import HttpEndpoint
+from controlplane.servicers.httpendpoint import HttpEndpoint
 from controlplane.metrics import SluiceMetrics
-from controlplane.observation import Observation
+from controlplane.observe.observation import Observation
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import RateBook
 from controlplane.store.base import Store
@@ -57,8 +57,8 @@ from controlplane.store.valkey import ValkeyStore
 from controlplane.tls import server_credentials
 from controlplane.tracing import CheckTracing, TracedAuthorizationServicer
 from controlplane.ports import FloorResult, ReloadResult, StatusFacts, XdsTypeStatus
-from controlplane.quota import Quota, TenantUsage, make_limiter
-from controlplane.watch import Watcher
+from controlplane.admission.quota import Quota, TenantUsage, make_limiter
+from controlplane.admission.watch import Watcher
 from controlplane.xds.publisher import XdsPublisher
 from controlplane.xds.server import AdsServicer
 from controlplane.xds.snapshot import Snapshot, SnapshotCache

@@ -197,7 +197,7 @@ def header(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 @dataclass(frozen=True, slots=True)
 class TenantCharge:
-    """What an admitted tenant's request carries to its access-log entry and its client (controlplane/quota.py)."""
+    """What an admitted tenant's request carries to its access-log entry and its client (controlplane/admission/quota.py)."""
 
     tenant: str
     prompt_tokens: int

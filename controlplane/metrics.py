@@ -483,7 +483,7 @@ class SluiceMetrics:
             "sluice_store_fail_open", "Admissions made on this replica's own ledger while the store was unreachable "
             "(store.on_failure: open).", registry=r)
         self.store_up = Gauge("sluice_store_up", "1 while the shared store answers this replica.", registry=r)
-        # Tenants (controlplane/quota.py): the label is a configured tenant's name, so its cardinality is the config's.
+        # Tenants (controlplane/admission/quota.py): the label is a configured tenant's name, so its cardinality is the config's.
         self.ratelimit_decisions = Counter(
             "sluice_ratelimit_decisions", "Tenants' pre-charges by result: allowed, over_limit, concurrency, too_large "
             "(refused 429), store_error (the limiter's store did not answer; ratelimit.on_failure applied).",

@@ -14,8 +14,8 @@ from controlplane.core.model import Decision, Fleet, InferenceRequest, Ticket
 from controlplane.core.policy import Policy
 from controlplane.core.tenants import Tenant, Tenants, Usage
 from controlplane.metrics import SluiceMetrics
-from controlplane.quota import Charged, Refused, TenantUsage
-from controlplane.watch import Watcher
+from controlplane.admission.quota import Charged, Refused, TenantUsage
+from controlplane.admission.watch import Watcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,7 @@ class CheckPort(Protocol):
 
 
 class QuotaPort(Protocol):
-    """Tenants' budgets (controlplane/quota.py): the Check charges and gives back, the access log settles, the retry
+    """Tenants' budgets (controlplane/admission/quota.py): the Check charges and gives back, the access log settles, the retry
     redirector gives back before the retry's own charge."""
 
     async def charge(self, tenant: Tenant, request: InferenceRequest, charge_id: str) -> Charged | Refused: ...

@@ -51,7 +51,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from controlplane.authz import AuthorizationServicer
+from controlplane.servicers.authz import AuthorizationServicer
 from controlplane.config import TracingConfig
 from controlplane.core.admission import Outcome
 from controlplane.core.model import InferenceRequest, Verdict

@@ -309,7 +309,7 @@ class Reason(enum.Enum):
     STORE_UNAVAILABLE = "store_unavailable"
     """The shared store cannot be reached and ``store.on_failure`` is ``closed`` (controlplane/store/)."""
     RATELIMIT_UNAVAILABLE = "ratelimit_unavailable"
-    """The tenants' limiter cannot reach its store and ``ratelimit.on_failure`` is ``closed`` (controlplane/quota.py)."""
+    """The tenants' limiter cannot reach its store and ``ratelimit.on_failure`` is ``closed`` (controlplane/admission/quota.py)."""
 
 
 @dataclass(frozen=True, slots=True)

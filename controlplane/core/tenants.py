@@ -153,7 +153,7 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class ObservedResponse:
-    """What the access-log entry says about a charged request's response (``controlplane/accesslog.py`` reads it)."""
+    """What the access-log entry says about a charged request's response (``controlplane/servicers/accesslog.py`` reads it)."""
 
     prompt_estimate: int
     """The Check's prompt estimate (carried in the ext_authz metadata)."""

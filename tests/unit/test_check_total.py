@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.app import ControlPlane
-from controlplane.authz import AuthorizationServicer
+from controlplane.servicers.authz import AuthorizationServicer
 from controlplane.config import parse_config
 from controlplane.core.model import EngineSample, EngineView, Fleet, InferenceRequest, ServedModel
 from controlplane.core.request import (
@@ -262,7 +262,7 @@ async def test_failure_after_admission_gives_the_ticket_back(plane: ControlPlane
     def broken(outcome: Any) -> Any:
         raise RuntimeError("injected defect while answering")
 
-    monkeypatch.setattr("controlplane.authz._admit", broken)
+    monkeypatch.setattr("controlplane.servicers.authz._admit", broken)
     status, _, error = denial(await AuthorizationServicer(plane.service).Check(check_request(chat_body()), FakeContext(290.0)))
     assert (status, error["code"]) == (500, "internal_error")
     assert plane.ledger.admitted_total == 1 and plane.ledger.open_tickets() == 0, "the refused request kept its ticket"
@@ -271,7 +271,7 @@ async def test_failure_after_admission_gives_the_ticket_back(plane: ControlPlane
 async def test_queued_check_is_shed_as_overloaded_before_any_work(plane: ControlPlane,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     parsed: list[bytes] = []
-    monkeypatch.setattr("controlplane.authz.parse_request", lambda *a, **k: parsed.append(a[2]))
+    monkeypatch.setattr("controlplane.servicers.authz.parse_request", lambda *a, **k: parsed.append(a[2]))
     waited_two_seconds = FakeContext(plane.config.authz_timeout_s - 2.0)
     status, headers, error = denial(await AuthorizationServicer(plane.service).Check(check_request(chat_body()),
                                                                              waited_two_seconds))

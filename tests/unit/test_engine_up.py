@@ -14,7 +14,7 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineView
 from controlplane.core.policy import Policy
 from controlplane.metrics import SluiceMetrics
-from controlplane.observation import Observation
+from controlplane.observe.observation import Observation
 from controlplane.observe.poller import EnginePoller
 from tests.unit.test_route import engine
 

@@ -20,7 +20,7 @@ from typing import Any, cast
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from controlplane.admission_service import AdmissionService
+from controlplane.admission.service import AdmissionService
 from controlplane.config import load_config
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger

@@ -15,19 +15,19 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
-from controlplane.accesslog import AccessLogServicer, first_token
+from controlplane.servicers.accesslog import AccessLogServicer, first_token
 from controlplane.core.feedback import FirstToken, TtftSummary
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules, PromptTokenSummary, TokenRule
-from controlplane.admin import AdminServicer
-from controlplane.adminauth import AdminGuard, Token
+from controlplane.servicers.admin import AdminServicer
+from controlplane.servicers.adminauth import AdminGuard, Token
 from controlplane.core.model import (
     Decision, EngineSample, EngineView, Fleet, InferenceRequest, Reason, ServedModel, Ticket, Verdict,
 )
 from controlplane.core.policy import Policy
-from controlplane.httpendpoint import HttpEndpoint
+from controlplane.servicers.httpendpoint import HttpEndpoint
 from controlplane.metrics import SluiceMetrics
 from controlplane.ports import FloorResult, ReloadResult, StatusFacts
-from controlplane.watch import DecisionEvent, DecisionFeed, Watcher
+from controlplane.admission.watch import DecisionEvent, DecisionFeed, Watcher
 from sluice.admin.v1 import admin_pb2
 
 
@@ -351,7 +351,8 @@ def test_no_servicer_imports_the_wiring() -> None:
     import ast
     from pathlib import Path
 
-    for name in ("authz", "accesslog", "admin", "httpendpoint", "admission_service", "observation"):
+    for name in ("servicers/authz", "servicers/accesslog", "servicers/admin", "servicers/httpendpoint",
+                 "admission/service", "observe/observation"):
         tree = ast.parse((Path(__file__).resolve().parents[2] / "controlplane" / f"{name}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "controlplane.app" not in imported, name

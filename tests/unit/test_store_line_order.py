@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import pytest
 
-from controlplane.admission_service import AdmissionService
+from controlplane.admission.service import AdmissionService
 from controlplane.config import load_config
 from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
@@ -154,7 +154,7 @@ async def test_a_parked_request_shed_at_its_deadline_leaves_the_line() -> None:
 async def test_a_stray_member_of_this_replica_is_taken_out_of_the_line(monkeypatch: pytest.MonkeyPatch) -> None:
     # The backstop for any leak like the one above: a member this replica's lot does not hold (planted here) blocks the
     # line until the line audit takes it out; then the request parked behind it is admitted.
-    monkeypatch.setattr("controlplane.admission_service.LINE_AUDIT_S", 0.3)
+    monkeypatch.setattr("controlplane.admission.service.LINE_AUDIT_S", 0.3)
     state = MemoryState()
     store = MemoryStore(state, "r0")
     async with running(store, {"e": 1}, max_park_s=30.0) as svc:

@@ -14,7 +14,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
-from controlplane.accesslog import AccessLogServicer
+from controlplane.servicers.accesslog import AccessLogServicer
 from controlplane.config import ConfigError, RateLimitOnFailure, parse_config
 from controlplane.core.feedback import FirstToken
 from controlplane.core.model import InferenceRequest, Priority, Reason, Ticket, Verdict
@@ -25,7 +25,7 @@ from controlplane.core.tenants import (
     settled_usage, tenant_priority,
 )
 from controlplane.metrics import SluiceMetrics
-from controlplane.quota import Charged, Quota, Refused, make_limiter
+from controlplane.admission.quota import Charged, Quota, Refused, make_limiter
 from ratelimit import LimitKind, Limits
 from ratelimit.memory import MemoryRateLimiter
 

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from controlplane.app import ControlPlane
-from controlplane.authz import AuthorizationServicer
+from controlplane.servicers.authz import AuthorizationServicer
 from controlplane.config import DEFAULTS, ConfigError, TracingConfig, parse_config
 from controlplane.core.model import EngineSample, EngineView, ServedModel
 from controlplane.tracing import CHECK_SPAN, SCOPE, CheckTracing, TracedAuthorizationServicer

@@ -14,7 +14,7 @@ from controlplane.core.policy import Policy
 from controlplane.core.request import RequestError, parse_request, ttft_deadline
 from controlplane.edge import http_status
 from controlplane.ports import StatusFacts
-from controlplane.quota import TenantUsage
+from controlplane.admission.quota import TenantUsage
 from sluice.admin.v1 import admin_pb2
 
 

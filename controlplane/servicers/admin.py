@@ -1,6 +1,6 @@
 """``sluice.admin.v1.Admin``: what operators (and tests) read about the running control plane, and the changes they make.
 
-Every call passes the ``AdminGuard`` first (``controlplane/adminauth.py``): a change (reload, drain, undrain, floor) needs a
+Every call passes the ``AdminGuard`` first (``controlplane/servicers/adminauth.py``): a change (reload, drain, undrain, floor) needs a
 valid bearer token, a read one only with ``admin.require_token_for_reads``. Every accepted or refused change is one line of
 the audit log."""
 
@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from controlplane.adminauth import AdminGuard, audit
-from controlplane.admin_views import engine_proto, explain_proto, explain_request, status_proto, tenant_proto
+from controlplane.servicers.adminauth import AdminGuard, audit
+from controlplane.servicers.admin_views import engine_proto, explain_proto, explain_request, status_proto, tenant_proto
 from controlplane.policytext import policy_yaml
 from controlplane.core.decide import explain
 from controlplane.core.model import EngineView, Fleet, Priority

@@ -65,13 +65,13 @@ from controlplane.core.model import (
     Decision, EngineView, Fleet, InferenceRequest, QueueRule, Reason, Ticket, Verdict,
 )
 from controlplane.metrics import SluiceMetrics
-from controlplane.observation import Observation
+from controlplane.observe.observation import Observation
 from controlplane.ports import CheckSettings
 from controlplane.store.base import (
     LINE_CLASSES, Claim, EventKind, Refusal, Reserved, SharedClock, Store, StoreEvent, StoreUnavailable,
 )
 from controlplane.store.memory import MemoryStore
-from controlplane.watch import DecisionEvent, DecisionFeed
+from controlplane.admission.watch import DecisionEvent, DecisionFeed
 
 _T = TypeVar("_T")
 

@@ -48,7 +48,7 @@ from controlplane.core.request import RequestError, parse_request
 # The CheckResponse builders live at the edge, with every status and error code (edge.py).
 from controlplane.edge import Failure, TenantCharge, check_admit as _admit, check_deny as _deny, check_error as _error
 from controlplane.names import AVOID_PARAM, PRIORITY_HEADER
-from controlplane.quota import Refused
+from controlplane.admission.quota import Refused
 from ratelimit import ChargeIdInUse
 
 log = logging.getLogger("sluice.authz")
