@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import platform
 import re
@@ -12,6 +13,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
@@ -218,3 +220,73 @@ async def closed_loop(url: str, concurrency: int, seconds: float, body: dict[str
         started = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
         return done / (time.perf_counter() - started)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One target a bench checks, from what its run measured: met when ``measured >= bound`` (``at_least``) or
+    ``measured <= bound`` (not ``at_least``); a NaN measurement (nothing observed) is a miss."""
+
+    name: str
+    measured: float
+    bound: float
+    at_least: bool = True
+    unit: str = ""
+    """Printed after both figures ("tok/s", "ms", ""...)."""
+
+    @property
+    def met(self) -> bool:
+        if math.isnan(self.measured):
+            return False
+        return self.measured >= self.bound if self.at_least else self.measured <= self.bound
+
+    def line(self) -> str:
+        """``name: measured X unit (target >= Y unit): met`` (or ``**missed**``)."""
+        unit = f" {self.unit}" if self.unit else ""
+        return (f"{self.name}: measured {self.measured:.{_digits(self.measured)}f}{unit} (target "
+                f"{'>=' if self.at_least else '<='} {self.bound:.{_digits(self.bound)}f}{unit}): "
+                f"{'met' if self.met else '**missed**'}")
+
+
+def _digits(value: float) -> int:
+    """Decimals to print a figure with: integers as such, small figures with three, the rest with two."""
+    if math.isnan(value) or value == int(value):
+        return 0
+    return 3 if abs(value) < 1 else 2
+
+
+def verdicts(targets: Sequence[Target]) -> str:
+    """The targets as a markdown list, one verdict a line, then how many were met."""
+    met = sum(t.met for t in targets)
+    return "\n".join(f"- {t.line()}" for t in targets) + f"\n\n{met} of {len(targets)} targets met."
+
+
+def exit_code(targets: Sequence[Target]) -> int:
+    """0 when every target is met (and there is at least one), 1 otherwise."""
+    return 0 if targets and all(t.met for t in targets) else 1
+
+
+def sim_world(profiles: Iterable[str], output: str) -> str:
+    """What the simulated engines assume, in a paragraph for a report: ``output`` (the bench's output-length model, in
+    its words), then each profile's tokenizer, chunked prefill and context-dependent decode (``enginesim/profiles.py``),
+    and how they differ from sluice's estimator's priors."""
+    from enginesim.profiles import PROFILES
+
+    parts = []
+    for name in dict.fromkeys(profiles):
+        p = PROFILES[name]
+        parts.append(f"`{name}` {p.chars_per_token:g} characters a token, {p.template_tokens_per_message} template "
+                     f"tokens a message, chunked prefill of {p.prefill_chunk_tokens} tokens a step, decode "
+                     f"{p.decode_slowdown_per_1k_tokens:.1%} slower per 1,000 tokens of mean context")
+    return (f"Simulated world (`enginesim/profiles.py`): output lengths: {output} Tokenizer and engine model: "
+            + "; ".join(parts) + ". sluice's estimator assumes 4 characters a token, no template tokens, prefill "
+            "beside decode and context-free decode: it has to learn the difference from the engines' metrics.")
+
+
+ItemT = TypeVar("ItemT")
+
+
+def rotated_rounds(items: Sequence[ItemT], rounds: int) -> list[list[ItemT]]:
+    """Each round's order of ``items``: rotated by one more each round, so none always runs first or last (``bench
+    scale``'s ``round_orders`` for any sequence)."""
+    return [list(items[r % len(items):]) + list(items[:r % len(items)]) for r in range(rounds)]
