@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from enginesim.profiles import PROFILES
-from bench.t10 import best_assignment, even_split
+from bench.t10 import best_assignment, even_split, profile_box
 
 # Seed 000, "Per-box, measured directly against each vllm-primary": tok/s at 1 stream and at 2 streams (max_num_seqs).
 SEED_THOR = (18.18, 50.71)
@@ -24,12 +24,14 @@ def test_profiles_carry_the_seeds_measured_rates() -> None:
 
 
 def test_even_split_reproduces_the_seeds_ceiling() -> None:
-    assert even_split(4) == pytest.approx(SEED_EVEN_SPLIT_CEILING_4, abs=0.05)
+    assert even_split(4, profile_box("spark"), profile_box("thor")) == pytest.approx(SEED_EVEN_SPLIT_CEILING_4,
+                                                                                      abs=0.05)
 
 
 def test_best_assignment_is_never_worse_than_even_and_favours_the_fast_box() -> None:
+    spark, thor = profile_box("spark"), profile_box("thor")
     for burst in (4, 6, 8):
-        best, spark_share = best_assignment(burst)
-        assert best >= even_split(burst) - 1e-9
+        best, spark_share = best_assignment(burst, spark, thor)
+        assert best >= even_split(burst, spark, thor) - 1e-9
         assert spark_share >= burst // 2  # capacity-proportional: the faster box takes at least half
-    assert best_assignment(8)[0] > even_split(8)  # beyond fleet capacity, proportional beats even (the seed's point)
+    assert best_assignment(8, spark, thor)[0] > even_split(8, spark, thor)  # beyond fleet capacity, proportional beats even (the seed's point)
