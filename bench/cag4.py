@@ -206,6 +206,7 @@ def run_cag4_bench() -> int:
     world = sim_world(["v100pp2"], f"fixed, every request generates exactly its {MAX_TOKENS} tokens (`ignore_eos`, "
                       "seed 004's worst case).")
     body = f"""{__doc__}
+
 Run: simulator speed x{SPEED:g}: times are wall seconds, emulated seconds in brackets. Client mix: one aiohttp client,
 streamed chat completions (one user message of unique filler, `max_tokens` {MAX_TOKENS}, `ignore_eos`) on the schedule
 above, no `x-sluice-*` headers; sluice arms with `admission.max_park_seconds: 240`.
