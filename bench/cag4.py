@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter
 from typing import Any
 
 import aiohttp
@@ -53,8 +54,13 @@ async def _run_workload(base: str, stats_url: str) -> tuple[list[Result], list[t
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async def later(delay: float, tag: str, tokens: int) -> Result:
             await asyncio.sleep(delay)
-            return await stream_chat(session, base, tag, MODEL, unique_prompt(tokens), MAX_TOKENS, t0=t0,
-                                     ignore_eos=True)
+            started = time.perf_counter()
+            try:
+                return await stream_chat(session, base, tag, MODEL, unique_prompt(tokens), MAX_TOKENS, t0=t0,
+                                         ignore_eos=True)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # a stream cut mid-answer is a failure
+                return Result(tag, 599, started - t0, total_s=time.perf_counter() - started,
+                              headers={"error": type(exc).__name__})
 
         jobs = [later(0.0, "65k", LONG_TOKENS), later(0.05, "65k", LONG_TOKENS)]
         jobs += [later(0.1 + i * SHORT_GAP_S, "8k", SHORT_TOKENS) for i in range(SHORT_COUNT)]
@@ -80,15 +86,17 @@ async def _time_to_413(base: str, count: int = 20) -> list[float]:
 
 
 def _ttft_rows(results: list[Result]) -> list[str]:
+    """Per prompt size: TTFT p50 / p95 over the requests that produced a token, how many never did, parked time."""
     rows = []
     for tag in ("65k", "8k"):
         ttfts = [r.ttft_s for r in results if r.tag == tag and r.ttft_s is not None]
+        never = sum(1 for r in results if r.tag == tag and r.ttft_s is None)
         parked = [r.parked_ms / 1000 for r in results if r.tag == tag]
         if not ttfts:
-            rows.append(f"| {tag} | - | - | - |")
+            rows.append(f"| {tag} | - | - | {never} | - |")
             continue
         rows.append(f"| {tag} | {median(ttfts):.2f} s ({median(ttfts) * SPEED:.0f} s) | "
-                    f"{pct(ttfts, 95):.2f} s ({pct(ttfts, 95) * SPEED:.0f} s) | "
+                    f"{pct(ttfts, 95):.2f} s ({pct(ttfts, 95) * SPEED:.0f} s) | {never} | "
                     f"{median(parked):.2f} s / max {max(parked):.2f} s |")
     return rows
 
@@ -113,8 +121,14 @@ def served_in_full(results: list[Result]) -> int:
     return sum(1 for r in results if r.status == 200 and r.completion_tokens == MAX_TOKENS)
 
 
+def not_served(results: list[Result]) -> str:
+    """The requests not served in full, by status ("-" when none)."""
+    counts = Counter(r.status for r in results if r.status != 200 or r.completion_tokens != MAX_TOKENS)
+    return ", ".join(f"{status}: {n}" for status, n in sorted(counts.items())) or "-"
+
+
 def makespan_s(results: list[Result]) -> float:
-    """Wall seconds from the workload's start to its last answer's end."""
+    """Wall seconds from the workload's start to its last answer's end (a failure's too)."""
     return max((r.started + r.total_s for r in results), default=float("nan"))
 
 
@@ -153,7 +167,7 @@ def safety_cost(arms: dict[str, tuple[list[Result], dict[str, Any]]]) -> str:
     lines = []
     baselines = [label for label in arms if label not in SLUICE_ARMS]
     for what, figure in (("65k TTFT p50", lambda r: ttft_p50(r, "65k")), ("8k TTFT p50", lambda r: ttft_p50(r, "8k")),
-                         ("last request done", makespan_s)):
+                         ("last answer", makespan_s)):
         best = min(baselines, key=lambda a: figure(arms[a][0]))
         theirs = figure(arms[best][0])
         for label in SLUICE_ARMS:
@@ -161,7 +175,7 @@ def safety_cost(arms: dict[str, tuple[list[Result], dict[str, Any]]]) -> str:
             verb = "loses to" if mine > theirs else "beats or ties"
             lines.append(f"- {what}: {label} {mine:.2f} s {verb} the best other arm, {best}, {theirs:.2f} s "
                          f"({mine / theirs:.2f}x).")
-    head = "| arm | 65k TTFT p50 (s) | 8k TTFT p50 (s) | preemptions | last request done (s) |\n|---|---|---|---|---|\n"
+    head = "| arm | 65k TTFT p50 (s) | 8k TTFT p50 (s) | preemptions | last answer (s) |\n|---|---|---|---|---|\n"
     return (head + "\n".join(rows) + "\n\n" + "\n".join(lines))
 
 
@@ -181,6 +195,10 @@ def run_cag4_bench() -> int:
         results, samples = asyncio.run(_run_workload(envoy.base, url))
         arms[ENVOY_ARM] = (results, samples, sim_stats(url))
         envoy_config = envoy.bootstrap[envoy.bootstrap.index("    - name: engine"):]
+        counters = envoy.counters()
+        envoy_counters = ", ".join(f"`{k}` {counters.get(k, 0)}" for k in (
+            "upstream_rq_total", "upstream_rq_pending_total", "upstream_cx_overflow", "upstream_rq_cancelled",
+            "upstream_cx_destroy_local_with_active_rq", "upstream_rq_pending_overflow"))
     with bare_sim("v100pp2", SPEED) as url:
         results, samples = asyncio.run(_run_workload(url, url))
         arms[BYPASSED] = (results, samples, sim_stats(url))
@@ -191,13 +209,13 @@ def run_cag4_bench() -> int:
     plot = _plot({label.split(" (")[0].split(",")[0] + (" + backfill" if "backfill" in label else ""): samples
                   for label, (_, samples, _) in arms.items()})
     summary = "\n".join(
-        f"| {label} | {ok(results)} | {stats['preemptions']} | {stats['max_running_seen']} | "
+        f"| {label} | {ok(results)} | {not_served(results)} | {stats['preemptions']} | {stats['max_running_seen']} | "
         f"{max(s[1]['kv_usage'] for s in samples):.0%} |"
         for label, (results, samples, stats) in arms.items()
     )
     ttft = "\n\n".join(
         f"TTFT, {label} (parked time is the `x-sluice-parked-ms` header):\n\n"
-        f"| prompt | TTFT p50 | TTFT p95 | parked p50 / max |\n|---|---|---|---|\n"
+        f"| prompt | TTFT p50 | TTFT p95 | never started | parked p50 / max |\n|---|---|---|---|---|\n"
         + "\n".join(_ttft_rows(results))
         for label, (results, _, _) in arms.items()
     )
@@ -213,9 +231,11 @@ above, no `x-sluice-*` headers; sluice arms with `admission.max_park_seconds: 24
 
 {world}
 
-| arm | served in full | vllm:num_preemptions_total | max running | peak KV used |
-|---|---|---|---|---|
+| arm | served in full | not served (status: count) | vllm:num_preemptions_total | max running | peak KV used |
+|---|---|---|---|---|---|
 {summary}
+
+Status 599: the stream was cut before its last token (the client's error, not an HTTP status).
 
 ## Verdicts
 
@@ -242,6 +262,10 @@ Time to a 413 for a 2 MiB body through Envoy (20 requests): median {median(to_41
 
 ```yaml
 {envoy_config}```
+
+Its counters after the workload (admin `/stats`): {envoy_counters}. A 5xx a client got from this arm is Envoy's own
+answer (the simulated engine never answers one). A request that never produced a token counts as infinitely late in
+the cost table's TTFT p50; the TTFT tables give p50 / p95 over the requests that did, and how many did not.
 """
     path = write_report("cag4", "sluice bench cag4: seed 004's KV incident", body)
     print(body)

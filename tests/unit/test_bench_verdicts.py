@@ -92,6 +92,7 @@ def test_cag4_targets_check_preemptions_full_service_and_the_fast_413() -> None:
     assert [t.met for t in targets] == [True, True, False, False, True]
     assert not cag4.cag4_targets(arms, [1.0, 250.0])[-1].met
     assert cag4.ttft_p50(short, "8k") == math.inf and cag4.makespan_s(full) == 20.0
+    assert cag4.not_served(full) == "-" and cag4.not_served([*short, _result("8k", 1.0, 2.0, tokens=9)]) == "200: 1, 503: 1"
 
 
 def test_cag4_safety_cost_says_where_sluice_loses() -> None:
