@@ -1,7 +1,8 @@
 """``sluice bench cag4``: seed 004's incident on the ``v100pp2`` simulated engine (152,432 KV tokens, max_num_seqs 4,
-prefill 262 tok/s), through Envoy with sluice's admission and with admission bypassed (straight to the engine).
+prefill 262 tok/s), through Envoy with sluice's admission, through a plain Envoy that caps the engine's concurrency, and
+with admission bypassed (straight to the engine).
 
-Workload (same in both arms): two 65,536-token prompts at t=0, then eight 8,192-token prompts arriving every 0.3 s; every
+Workload (the same in every arm): two 65,536-token prompts at t=0, then eight 8,192-token prompts arriving every 0.3 s; every
 request asks for 4,096 tokens and generates all of them (``ignore_eos``: the seed's worst case) and streams. Two 65k requests plus two 8k ones at full length need 163,840 tokens: more KV than
 the engine has, so an engine left to itself preempts (recomputing a prompt from scratch), which is what the seed measured.
 Every prompt has a random head (``unique_prompt``): no two share a prefix, so the engine's prefix cache shares no KV
