@@ -74,7 +74,9 @@ def cpu_model() -> str:
 
 
 def commit() -> str:
-    """The checkout's commit, with ``+dirty`` when its tracked files have uncommitted changes ("unknown" outside git)."""
+    """The checkout's commit, with ``+dirty`` when its tracked files outside ``bench/results/`` have uncommitted changes
+    (a run rewrites its own reports and figures there before it writes the one that names the commit; "unknown"
+    outside git)."""
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
@@ -82,7 +84,8 @@ def commit() -> str:
         except OSError:
             return ""
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(top,exclude)bench/results")
+    return head + ("+dirty" if changed else "")
 
 
 def cpu_times(stat: str | None = None) -> tuple[int, ...]:
