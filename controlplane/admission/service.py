@@ -334,13 +334,7 @@ class AdmissionService:
             if first < at:
                 self._keep_first_park(request_id, first - self.shared.offset)
         except asyncio.CancelledError:
-            self._early.pop(request_id, None)
-            self._claims.pop(request_id, None)
-            where = self.core.where(request_id)
-            if self.core.cancel(request_id):
-                self.metrics.park_cancelled.inc()
-                self.metrics.parked_now.set(self.core.depth())
-                self._unpark_later(where, request_id)
+            self._withdraw(request_id, client_left=True)
             if admitted is not None and admitted.ticket is not None:  # admitted as its client left
                 self.release_ticket(admitted.ticket.ticket_id)
             raise
@@ -426,12 +420,7 @@ class AdmissionService:
             return await future
         except asyncio.CancelledError:
             self._parked.pop(request_id, None)
-            self._claims.pop(request_id, None)
-            where = self.core.where(request_id)
-            if self.core.cancel(request_id):
-                self.metrics.park_cancelled.inc()
-                self._unpark_later(where, request_id)
-            elif future.done() and not future.cancelled():
+            if not self._withdraw(request_id, client_left=True) and future.done() and not future.cancelled():
                 ticket = future.result().ticket
                 if ticket is not None:
                     # Admitted in the same instant the client left: Envoy never forwards it, so no log entry will come.
@@ -439,14 +428,24 @@ class AdmissionService:
             self.metrics.parked_now.set(self.core.depth())
             raise
 
-    def give_back(self, request_id: str, outcome: Outcome | None) -> None:
-        """A Check failed inside the control plane: whatever it holds (a place in the lot, a ticket) is returned."""
+    def _withdraw(self, request_id: str, client_left: bool) -> bool:
+        """Take a request out of the lot (and, once its park has landed, out of the line), with any answer or claim held
+        for it: its client left (``client_left``: counted as a cancelled park) or its Check failed. False when the lot
+        no longer held it (an admission or a shed got there first)."""
         self._early.pop(request_id, None)
         self._claims.pop(request_id, None)
         where = self.core.where(request_id)
-        if self.core.cancel(request_id):
-            self.metrics.parked_now.set(self.core.depth())
-            self._unpark_later(where, request_id)
+        if not self.core.cancel(request_id):
+            return False
+        if client_left:
+            self.metrics.park_cancelled.inc()
+        self.metrics.parked_now.set(self.core.depth())
+        self._unpark_later(where, request_id)
+        return True
+
+    def give_back(self, request_id: str, outcome: Outcome | None) -> None:
+        """A Check failed inside the control plane: whatever it holds (a place in the lot, a ticket) is returned."""
+        self._withdraw(request_id, client_left=False)
         if outcome is not None and outcome.ticket is not None:
             self.release_ticket(outcome.ticket.ticket_id)
 
