@@ -290,6 +290,5 @@ ItemT = TypeVar("ItemT")
 
 
 def rotated_rounds(items: Sequence[ItemT], rounds: int) -> list[list[ItemT]]:
-    """Each round's order of ``items``: rotated by one more each round, so none always runs first or last (``bench
-    scale``'s ``round_orders`` for any sequence)."""
+    """Each round's order of ``items``: rotated by one more each round, so none always runs first or last."""
     return [list(items[r % len(items):]) + list(items[:r % len(items)]) for r in range(rounds)]

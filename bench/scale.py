@@ -51,7 +51,7 @@ from controlplane.config import parse_config
 from bench.common import (
     cpu_seconds, cpu_times, envoy_cluster_total, median, paced, pct, stolen_share, write_report,
 )
-from bench.common import histogram_quantile
+from bench.common import histogram_quantile, rotated_rounds
 from bench.overhead import _histogram
 from bench.workload import gateway
 
@@ -254,14 +254,9 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def round_orders(sizes: tuple[str, ...], rounds: int) -> list[tuple[str, ...]]:
-    """Each round's order: the sizes rotated by one more each round, so no size always runs first or last."""
-    return [sizes[r % len(sizes):] + sizes[:r % len(sizes)] for r in range(rounds)]
-
-
 def run_scale_bench(sizes: tuple[str, ...] = SIZES, seconds: float = SECONDS, rounds: int = ROUNDS) -> int:
     segments: dict[str, list[dict[str, Any]]] = {size: [] for size in sizes}
-    for number, order in enumerate(round_orders(sizes, rounds), 1):
+    for number, order in enumerate(rotated_rounds(sizes, rounds), 1):
         for size in order:
             segment = run_segment(size, seconds / rounds)
             segments[size].append(segment)

@@ -11,7 +11,8 @@ import pytest
 
 from bench.common import cpu_seconds
 from bench.common import cpu_times, stolen_share
-from bench.scale import parse_sizes, round_orders, summarize
+from bench.common import rotated_rounds
+from bench.scale import parse_sizes, summarize
 
 
 def test_sizes_are_counts_or_counts_polled_at_an_interval() -> None:
@@ -38,8 +39,8 @@ def test_help_describes_the_options_instead_of_running() -> None:
 
 
 def test_rounds_interleave_the_sizes_in_an_order_rotated_each_round() -> None:
-    assert round_orders(("2", "200", "1000"), 4) == [("2", "200", "1000"), ("200", "1000", "2"), ("1000", "2", "200"),
-                                                     ("2", "200", "1000")]
+    assert rotated_rounds(("2", "200", "1000"), 4) == [["2", "200", "1000"], ["200", "1000", "2"],
+                                                       ["1000", "2", "200"], ["2", "200", "1000"]]
 
 
 def test_a_size_pools_its_rounds_latencies_and_sums_its_counts() -> None:
