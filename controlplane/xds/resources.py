@@ -2,8 +2,8 @@
 
 The listener carries the whole request path (DESIGN.md): strip client ``x-sluice-*`` headers (Lua, first filter) ->
 the body's model as a header (for the fail-open routes) -> the response reader (Lua, response side only: when an
-admitted stream's first token passed, and a tenant's streamed deltas and usage, for the access log) -> ext_authz (body up to ``max_request_bytes`` as raw bytes;
-larger bodies get 413 from Envoy before any Check) -> router. Its
+admitted stream's first token passed, its deltas and usage, for the access log) -> ext_authz (body up to
+``max_request_bytes`` as raw bytes; larger bodies get 413 from Envoy before any Check) -> router. Its
 access log goes to the control plane over gRPC ALS; that entry is the completion signal that releases a ticket.
 
 The listener never changes after start (an LDS change drains connections, SSE streams included): routing moves through RDS
@@ -55,7 +55,8 @@ AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 USAGE_NAMESPACE = "sluice.usage"
 """Dynamic metadata the Lua response filter writes: on an admitted stream ``first_token_us`` (when its first token passed
 Envoy, microseconds since the epoch); the engine's ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` when a
-usage object passes (a non-streaming body's, a tenant's stream's); on a tenant's response ``deltas``. The access log
+usage object passes (a non-streaming body's, a stream's with ``stream_options.include_usage``); ``deltas``, the content
+deltas a response carried. The access log
 reads them."""
 FIRST_TOKEN_KEY = "first_token_us"
 USAGE_PENDING_MAX_BYTES = 65536
@@ -175,13 +176,13 @@ end
 # and is never read). It reads body chunks as they pass (bodyChunks: Envoy does not buffer the stream for it). An event is
 # the text between blank lines; a non-streaming body is one event, read when the body ends.
 # - A stream (content-type text/event-stream): the moment the first event carrying a token passes (content, text,
-#   reasoning or a tool call), in microseconds since the epoch, is kept as ``first_token_us``; a request without a tenant
-#   stops reading there, so only the chunks up to its first token pass through Lua. A non-streaming response's first
-#   token is left to the access log (its whole body: the last upstream byte's time).
-# - The engine's usage object when one passes (a non-streaming body's; a tenant's last SSE chunk with
-#   stream_options.include_usage): the access log learns prompt tokens from it and settles a tenant's request with it.
-# - A tenant's request: the content deltas streamed so far too (written after each chunk that added some, so a client
-#   that leaves mid-stream is charged what it was sent).
+#   reasoning or a tool call), in microseconds since the epoch, is kept as ``first_token_us``. A non-streaming
+#   response's first token is left to the access log (its whole body: the last upstream byte's time).
+# - The engine's usage object when one passes (a non-streaming body's; a stream's last SSE chunk with
+#   stream_options.include_usage): the access log learns prompt tokens from it, reports the answer's length against
+#   the estimate and settles a tenant's request with it.
+# - The content deltas streamed so far (written after each chunk that added some, so a tenant's client that leaves
+#   mid-stream is charged what it was sent, and a stream without a usage object still has a length).
 _USAGE_LUA = f"""
 local NS = "{USAGE_NAMESPACE}"
 local MAX_PENDING = {USAGE_PENDING_MAX_BYTES}
@@ -203,7 +204,6 @@ function envoy_on_response(handle)
   if authz == nil or authz["ticket"] == nil then
     return
   end
-  local tenant = authz["tenant"] ~= nil
   local content_type = handle:headers():get("content-type")
   local streamed = content_type ~= nil and string.find(content_type, "text/event-stream", 1, true) ~= nil
   local waiting_first = streamed
@@ -218,10 +218,7 @@ function envoy_on_response(handle)
       put("{FIRST_TOKEN_KEY}", tonumber(handle:timestampString(EnvoyTimestampResolution.MICROSECOND)))
       waiting_first = false
     end
-    if not tenant and streamed then
-      return
-    end
-    if tenant and (string.find(text, '"content"%s*:%s*"[^"]') or string.find(text, '"text"%s*:%s*"[^"]')) then
+    if string.find(text, '"content"%s*:%s*"[^"]') or string.find(text, '"text"%s*:%s*"[^"]') then
       deltas = deltas + 1
     end
     local at = string.find(text, '"usage"%s*:%s*{{')
@@ -255,9 +252,6 @@ function envoy_on_response(handle)
       end
       if deltas ~= before then
         put("deltas", deltas)
-      end
-      if not tenant and streamed and not waiting_first then
-        return
       end
     end
   end

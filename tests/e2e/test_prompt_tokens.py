@@ -84,3 +84,22 @@ def test_learned_prompt_tokens_hold_a_token_budget_and_the_kv(tmp_path: Path) ->
         assert stats["preemptions"] == 0, stats
     finally:
         stack.close()
+
+
+def test_streams_without_a_tenant_teach_the_prompt_rule(tmp_path: Path) -> None:
+    """A client without a tenant that streams with ``stream_options.include_usage`` (as the openai client does when
+    asked) teaches the Check its engine's tokenizer: the Lua filter reads every admitted stream to its usage chunk."""
+    engines = [{"name": "thor", "sim": "thor", "max_num_seqs": 8, "sim_args": ["--chars-per-token", "1.3"]}]
+    stack = start_stack(engines, tmp_path, speed=40.0, admission={"prompt_tokens_min_samples": 10})
+    try:
+        for i in range(12):
+            body = {**chat("q" * (40 + 61 * i), max_tokens=3), "stream": True,
+                    "stream_options": {"include_usage": True}}
+            request = urllib.request.Request(stack.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                             headers={"content-type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                assert b'"prompt_tokens"' in response.read()
+        wait_for(lambda: stack.engines()["thor"].prompt_token_samples >= 12, timeout=10, what="12 streams counted")
+        assert abs(stack.engines()["thor"].prompt_chars_per_token - 1.3) < 0.05, stack.engines()["thor"]
+    finally:
+        stack.close()
