@@ -23,7 +23,7 @@ def _admission_settings(parser: argparse.ArgumentParser, items: list[str] | None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sluice bench", description=__doc__)
     p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "scale", "chaos",
-                                        "replicas", "ratelimit", "prefix"])
+                                        "replicas", "ratelimit", "prefix", "estimates"])
     p.add_argument("--engines", metavar="N|FILE",
                    help="observe: how many simulated engines to poll (default 1000); overhead, steady: a YAML file listing the "
                         "engines to front instead of a simulator (e.g. real llama.cpp servers, see rig/llama.py)")
@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.replicas import run_replicas_bench
 
         return run_replicas_bench(args.quick)
+    if args.scenario == "estimates":
+        from bench.estimates import run_estimates_bench
+
+        return run_estimates_bench()
     if args.scenario == "chaos":
         from bench.chaos import run_chaos_bench
 
