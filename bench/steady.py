@@ -569,7 +569,8 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
     s = cell.figures["sluice"]
     loads = [cell.figures[a].get("loadavg", float("nan")) for a in arms]
     reasons = ", ".join(f"{k} {n}" for k, n in s["reasons"].most_common())
-    reuse = (" Envoy and clairvoyant rows: the `open` cell's (identical requests; only sluice reads the header)."
+    reuse = (" Baseline (Envoy, EPP) and clairvoyant rows: the `open` cell's (identical requests; only sluice reads the "
+             "header)."
              if cell.mix == "deadline" else "")
     refills = [cell.figures[a].get("refill_ms") for a in arms]
     refill = "" if all(r is None for r in refills) else (
