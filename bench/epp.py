@@ -251,7 +251,8 @@ class Decision:
 
 
 def block_size_of(metrics: Mapping[str, EndpointMetrics]) -> int:
-    """``GetBlockSize`` with ``autoTune``: the first engine's reported block size, else ``DEFAULT_BLOCK_SIZE_TOKENS``."""
+    """``GetBlockSize`` with ``autoTune``: the first engine's reported block size, else
+    ``DEFAULT_BLOCK_SIZE_TOKENS``."""
     first = next(iter(metrics.values()), None)
     return first.block_size if first is not None and first.block_size > 0 else DEFAULT_BLOCK_SIZE_TOKENS
 

@@ -52,11 +52,11 @@ Arms (the same engines, one after another):
   prompt; a conversation's document): what a plain Envoy user could do to keep a prefix on one engine.
 - ``EPP``: the Gateway API Inference Extension's default endpoint picker (llm-d's EPP) reimplemented from its v1.5.0
   source (bench/epp.py, bench/epp_arm.py): every engine's ``/metrics`` scraped every 50 ms, each request sent to the
-  highest of 2 x queue score (``vllm:num_requests_waiting``, min-max normalised) + 2 x (1 - ``vllm:kv_cache_usage_perc``)
-  + 3 x prefix score (the share of the prompt's first 256 blocks of 64 characters its index says the engine holds: it
-  records each request's blocks for the engine it picked, an LRU of ``num_gpu_blocks`` entries per engine), ties at
-  random; no cap, no shedding. Its own asyncio proxy in the data path (no Envoy). The cache-aware baseline the field
-  deploys.
+  highest of 2 x queue score (``vllm:num_requests_waiting``, min-max normalised) + 2 x (1 -
+  ``vllm:kv_cache_usage_perc``) + 3 x prefix score (the share of the prompt's first 256 blocks of 64 characters its
+  index says the engine holds: it records each request's blocks for the engine it picked, an LRU of ``num_gpu_blocks``
+  entries per engine), ties at random; no cap, no shedding. Its own asyncio proxy in the data path (no Envoy). The
+  cache-aware baseline the field deploys.
 - ``oracle``: knows every engine's cache exactly: before each request the client asks every simulator
   (``POST /sim/cache``) how many of this prompt's tokens it holds right now and how many requests it runs and queues,
   and sends the request straight to the engine (no Envoy hop) holding the most among those with a free slot; when none
@@ -598,7 +598,8 @@ def kv_verdicts(cell: Cell) -> list[tuple[str, bool, str]]:
          + f"; p90 sluice {s['ttft_p90_all']:.2f} s, "
          + ", ".join(f"{n} {b['ttft_p90_all']:.2f} s" for n, b in base.items())),
         (f"hit rate >= the best baseline arm's ({best_hit})", s["hit"] >= base[best_hit]["hit"],
-         f"{s['hit']:.1%} vs {base[best_hit]['hit']:.1%}; " + ", ".join(f"{n} {b['hit']:.1%}" for n, b in base.items())),
+         f"{s['hit']:.1%} vs {base[best_hit]['hit']:.1%}; "
+         + ", ".join(f"{n} {b['hit']:.1%}" for n, b in base.items())),
     ]
 
 

@@ -43,10 +43,10 @@ Arms (in the same run, each cell's requests identical across arms):
   count and weighs each host by ``weight / (active + 1) ^ bias``).
 - ``EPP``: the Gateway API Inference Extension's default endpoint picker (llm-d's EPP) reimplemented from its v1.5.0
   source (bench/epp.py, bench/epp_arm.py): each engine's ``/metrics`` scraped every 50 ms (wall), each request sent to
-  the highest of 2 x queue score (``vllm:num_requests_waiting``, min-max normalised) + 2 x (1 - ``vllm:kv_cache_usage_perc``)
-  + 3 x its prefix score (always 0 here: no two prompts share a block), ties at random; no cap, no shedding. Its own
-  asyncio proxy in the data path instead of Envoy with an ``ext_proc`` hop. Not run against real engines
-  (``--engines``): llama.cpp exposes none of the vLLM gauges it scores.
+  the highest of 2 x queue score (``vllm:num_requests_waiting``, min-max normalised) + 2 x (1 -
+  ``vllm:kv_cache_usage_perc``) + 3 x its prefix score (always 0 here: no two prompts share a block), ties at random;
+  no cap, no shedding. Its own asyncio proxy in the data path instead of Envoy with an ``ext_proc`` hop. Not run
+  against real engines (``--engines``): llama.cpp exposes none of the vLLM gauges it scores.
 - ``clairvoyant``: the reference (bench/clairvoyant.py): it knows each request's true output length and the
   simulator's step rule, holds every request in one central queue and sends it straight to the engine (no Envoy) where
   it finishes first, never past an engine's slots or KV.
@@ -477,7 +477,8 @@ def verdict(cell: Cell) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class Judgement:
     """sluice in one cell against the clairvoyant arm and the best baseline arm, on TTFT p90 over every request (refused
-    or failed ones infinite): met when ``sluice <= CLAIRVOYANT_FACTOR x clairvoyant`` and ``sluice <= best baseline``."""
+    or failed ones infinite): met when ``sluice <= CLAIRVOYANT_FACTOR x clairvoyant`` and
+    ``sluice <= best baseline``."""
 
     sluice_p90: float
     clairvoyant_p90: float
@@ -551,7 +552,8 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
                     f"| {s['preemptions']} | {peak} |")
     def pf(ok: bool) -> str:
         return "PASS" if ok else "**MISS**"
-    line = (f"sluice / best baseline arm: TTFT p90 (every request) {v['p90_ratio']:.2f}x ({pf(v['p90_pass'])}), goodput "
+    line = (f"sluice / best baseline arm: TTFT p90 (every request) {v['p90_ratio']:.2f}x ({pf(v['p90_pass'])}), "
+            f"goodput "
             f"{v['good_ratio']:.2f}x ({pf(v['good_pass'])})")
     if v["overload_pass"] is not None:
         line += f", goodput >= 1.3x at 110%: {pf(v['overload_pass'])}"
@@ -569,8 +571,8 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
     s = cell.figures["sluice"]
     loads = [cell.figures[a].get("loadavg", float("nan")) for a in arms]
     reasons = ", ".join(f"{k} {n}" for k, n in s["reasons"].most_common())
-    reuse = (" Baseline (Envoy, EPP) and clairvoyant rows: the `open` cell's (identical requests; only sluice reads the "
-             "header)."
+    reuse = (" Baseline (Envoy, EPP) and clairvoyant rows: the `open` cell's (identical requests; only sluice reads "
+             "the header)."
              if cell.mix == "deadline" else "")
     refills = [cell.figures[a].get("refill_ms") for a in arms]
     refill = "" if all(r is None for r in refills) else (
@@ -789,7 +791,8 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                               f"{' / '.join(map(str, c.figures['sluice']['served']))})")
     verdict_lines = [f"{c.fleet}/{c.mix}/{c.level:.0%}/{c.arrival}: {'met' if j.met else 'missed'} (sluice TTFT p90 "
                      f"{_seconds(j.sluice_p90)} s = {_ratio(j.sluice_p90, j.clairvoyant_p90)} the clairvoyant arm's "
-                     f"{_seconds(j.clairvoyant_p90)} s; best baseline arm {j.best_baseline} {_seconds(j.best_baseline_p90)} s)."
+                     f"{_seconds(j.clairvoyant_p90)} s; best baseline arm {j.best_baseline} "
+                     f"{_seconds(j.best_baseline_p90)} s)."
                      + noise_note(c.figures) for c, j in judged]
     cap_lines, over_cap = [], []
     for c in cells:

@@ -113,7 +113,8 @@ def test_a_request_goes_where_its_prefix_is_cached_unless_that_engine_is_much_bu
     busy = {first.engine: idle(kv=1.0, waiting=5), other: idle(kv=0.0, waiting=0)}
     assert decide(chat(system, "three"), busy, index, rng).engine == other
     # A prompt shorter than one block has no prefix score: the emptier engine wins.
-    short = decide({"model": "cortex", "messages": [{"role": "user", "content": "hi"}]}, {first.engine: idle(kv=0.4), other: idle(kv=0.1)}, index, rng)
+    hi = {"model": "cortex", "messages": [{"role": "user", "content": "hi"}]}
+    short = decide(hi, {first.engine: idle(kv=0.4), other: idle(kv=0.1)}, index, rng)
     assert short.hashes == () and short.engine == other
 
 
