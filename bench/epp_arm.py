@@ -131,6 +131,7 @@ class EppProxy:
         self.in_flight += 1
         self.last_activity = time.monotonic()
         self.active.set()
+        answer: web.StreamResponse | None = None
         try:
             engine = decide(body, self.metrics, self.index, self.rng, self.weights).engine
             self.routed[engine] += 1
@@ -147,6 +148,8 @@ class EppProxy:
                 await answer.write_eof()
                 return answer
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if answer is not None and answer.prepared:  # the engine failed mid-stream: end the client's stream there
+                return answer
             return web.json_response({"error": {"message": f"upstream: {type(exc).__name__}"}}, status=502)
         finally:
             self.in_flight -= 1
