@@ -1,5 +1,5 @@
 """``sluice bench steady``: constant and Poisson arrivals at 50/80/95/110% of each fleet's *measured* capacity, sluice
-against the strongest plain-Envoy configurations, all in the same run on the same simulated engines.
+against the strongest plain-Envoy configurations and an EPP-like arm, all in the same run on the same simulated engines.
 
 Fleets (every engine serves ``cortex``): ``thor+spark`` (seed 000: thor and spark, 2 slots each) and ``mixed6`` (2 spark,
 2 thor, 2 v100pp2 with 4 slots each: three speeds, two slot counts).
@@ -41,6 +41,12 @@ Arms (in the same run, each cell's requests identical across arms):
   least_request.py): equal weights (the full scan picks the host with the fewest active requests), or the measured
   weights with ``active_request_bias`` 0, 1 (Envoy's default) and 2 (with unequal weights Envoy ignores the choice
   count and weighs each host by ``weight / (active + 1) ^ bias``).
+- ``EPP``: the Gateway API Inference Extension's default endpoint picker (llm-d's EPP) reimplemented from its v1.5.0
+  source (bench/epp.py, bench/epp_arm.py): each engine's ``/metrics`` scraped every 50 ms (wall), each request sent to
+  the highest of 2 x queue score (``vllm:num_requests_waiting``, min-max normalised) + 2 x (1 -
+  ``vllm:kv_cache_usage_perc``) + 3 x its prefix score (always 0 here: no two prompts share a block), ties at random;
+  no cap, no shedding. Its own asyncio proxy in the data path instead of Envoy with an ``ext_proc`` hop. Not run
+  against real engines (``--engines``): llama.cpp exposes none of the vLLM gauges it scores.
 - ``clairvoyant``: the reference (bench/clairvoyant.py): it knows each request's true output length and the
   simulator's step rule, holds every request in one central queue and sends it straight to the engine (no Envoy) where
   it finishes first, never past an engine's slots or KV.
@@ -53,9 +59,10 @@ second of the arrival window (a shed request is not good); shed = requests answe
 came after the client had waited more than ``LATE_SHED_S`` ("late": a refusal after a long wait is the worst answer)
 and the longest wait for a 503 ("max"); share = requests each engine served (its ``/sim/stats``);
 refill = how long a freed slot waited for its next request (``refill_gaps``, from each simulator's ``/sim/log``).
-Targets per cell: sluice's every-request TTFT p90 <= the lowest Envoy arm's, sluice's goodput >= the highest Envoy
-arm's (each "best" taken over every Envoy arm separately), and at 110% sluice's goodput >= 1.3x the best Envoy arm's.
-At 80% and 95% also: sluice's every-request TTFT p90 <= 1.25x the clairvoyant arm's (and <= the best Envoy arm's).
+Targets per cell: sluice's every-request TTFT p90 <= the lowest baseline arm's, sluice's goodput >= the highest
+baseline arm's (the baselines: every Envoy arm and the EPP arm; each "best" taken over them separately), and at 110%
+sluice's goodput >= 1.3x the best baseline arm's. At 80% and 95% also: sluice's every-request TTFT p90 <= 1.25x the
+clairvoyant arm's (and <= the best baseline arm's).
 Every arm is shown as a ratio of the clairvoyant arm (TTFT p90, goodput).
 
 ``--engines FILE`` (llama.cpp only): the one fleet is the engines a YAML file lists (as for ``sluice bench overhead``:
@@ -97,6 +104,8 @@ from bench.clairvoyant_arm import MEASURED, PREDICTED, ArmJob
 from bench.clairvoyant_arm import TAG as CLAIRVOYANT_TAG
 from bench.clairvoyant_arm import drive as drive_clairvoyant
 from bench.common import pct, pyplot, save_figure, write_report
+from bench.epp import SCRAPE_INTERVAL_S
+from bench.epp_arm import EppArm, describe, epp_arm
 from bench.least_request import LeastRequestArm, least_request_arm
 from bench.plain import PlainEnvoy, plain_envoy_arm
 from bench.workload import Result, gateway, sim_log, sim_stats, stream_chat, unique_prompt
@@ -138,7 +147,9 @@ LEAST_REQUEST_ARMS = (
 ``choice_count`` = the host count. ``b=1`` is Envoy's default bias set explicitly: with unequal weights it is
 ``LR+w+cap``'s policy, so the two rows differ only by the run's noise."""
 CAPPED = ("RR+w+cap", "LR+w+cap", *(a.name for a in LEAST_REQUEST_ARMS))
-BASELINES = ("RR", "LR", *CAPPED)
+EPP = "EPP"
+"""The EPP-like arm (bench/epp_arm.py): a baseline, not an Envoy arm (no Envoy counters, no cap)."""
+BASELINES = ("RR", "LR", *CAPPED, EPP)
 REFERENCE = CLAIRVOYANT_TAG
 ARMS = ("sluice", *BASELINES, REFERENCE)
 TARGET_LEVELS = (0.8, 0.95)
@@ -438,19 +449,19 @@ def noise_note(figures: Mapping[str, Mapping[str, Any]]) -> str:
             f"{_seconds(y)} s ({abs(x - y):.2f} s apart).")
 
 
-def best_envoy_arm(figures: Mapping[str, Mapping[str, Any]], key: str = "ttft_all_p90") -> str:
-    """The Envoy arm of a cell with the lowest ``key`` (NaN counts as worst; ties go to the earlier arm in
-    ``BASELINES``)."""
+def best_baseline_arm(figures: Mapping[str, Mapping[str, Any]], key: str = "ttft_all_p90") -> str:
+    """The baseline arm (an Envoy arm or the EPP arm) of a cell with the lowest ``key`` (NaN counts as worst; ties go
+    to the earlier arm in ``BASELINES``)."""
     present = [a for a in BASELINES if a in figures]
     return min(present, key=lambda a: math.inf if math.isnan(figures[a][key]) else figures[a][key])
 
 
 def verdict(cell: Cell) -> dict[str, Any]:
-    """The cell's targets against the best Envoy arm: sluice's TTFT p90 over every request (a refused one infinite) at
-    most the lowest Envoy arm's, its goodput at least the highest, and at 110% 1.3x that."""
+    """The cell's targets against the best baseline arm: sluice's TTFT p90 over every request (a refused one infinite)
+    at most the lowest baseline arm's, its goodput at least the highest, and at 110% 1.3x that."""
     base = {a: cell.figures[a] for a in BASELINES if a in cell.figures}
     s = cell.figures["sluice"]
-    best_p90_arm = best_envoy_arm(base)
+    best_p90_arm = best_baseline_arm(base)
     best_good_arm = max(base, key=lambda a: base[a]["goodput"])
     best_p90, best_good = base[best_p90_arm]["ttft_all_p90"], base[best_good_arm]["goodput"]
     out = {
@@ -465,13 +476,14 @@ def verdict(cell: Cell) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Judgement:
-    """sluice in one cell against the clairvoyant arm and the best Envoy arm, on TTFT p90 over every request (refused
-    or failed ones infinite): met when ``sluice <= CLAIRVOYANT_FACTOR x clairvoyant`` and ``sluice <= best Envoy``."""
+    """sluice in one cell against the clairvoyant arm and the best baseline arm, on TTFT p90 over every request (refused
+    or failed ones infinite): met when ``sluice <= CLAIRVOYANT_FACTOR x clairvoyant`` and
+    ``sluice <= best baseline``."""
 
     sluice_p90: float
     clairvoyant_p90: float
-    best_envoy: str
-    best_envoy_p90: float
+    best_baseline: str
+    best_baseline_p90: float
     beat_reference: tuple[str, ...]
     """Arms whose TTFT p90 is below the clairvoyant arm's: there it is no lower bound."""
 
@@ -485,12 +497,12 @@ class Judgement:
         return self.ratio <= CLAIRVOYANT_FACTOR
 
     @property
-    def at_most_best_envoy(self) -> bool:
-        return self.sluice_p90 <= self.best_envoy_p90
+    def at_most_best_baseline(self) -> bool:
+        return self.sluice_p90 <= self.best_baseline_p90
 
     @property
     def met(self) -> bool:
-        return self.within_reference and self.at_most_best_envoy
+        return self.within_reference and self.at_most_best_baseline
 
 
 def judge(figures: Mapping[str, Mapping[str, Any]], level: float) -> Judgement | None:
@@ -498,7 +510,7 @@ def judge(figures: Mapping[str, Mapping[str, Any]], level: float) -> Judgement |
     outside ``TARGET_LEVELS``, or no clairvoyant arm (real engines)."""
     if REFERENCE not in figures or not any(math.isclose(level, t) for t in TARGET_LEVELS):
         return None
-    best = best_envoy_arm(figures)
+    best = best_baseline_arm(figures)
     reference = figures[REFERENCE]["ttft_all_p90"]
     beat = tuple(a for a in figures if a != REFERENCE and figures[a]["ttft_all_p90"] < reference)
     return Judgement(figures["sluice"]["ttft_all_p90"], reference, best, figures[best]["ttft_all_p90"], beat)
@@ -540,14 +552,16 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
                     f"| {s['preemptions']} | {peak} |")
     def pf(ok: bool) -> str:
         return "PASS" if ok else "**MISS**"
-    line = (f"sluice / best Envoy arm: TTFT p90 (every request) {v['p90_ratio']:.2f}x ({pf(v['p90_pass'])}), goodput "
+    line = (f"sluice / best baseline arm: TTFT p90 (every request) {v['p90_ratio']:.2f}x ({pf(v['p90_pass'])}), "
+            f"goodput "
             f"{v['good_ratio']:.2f}x ({pf(v['good_pass'])})")
     if v["overload_pass"] is not None:
         line += f", goodput >= 1.3x at 110%: {pf(v['overload_pass'])}"
     j = judge(cell.figures, cell.level)
     if j is not None:
         line += (f". Against the clairvoyant arm: sluice's TTFT p90 {_ratio(j.sluice_p90, j.clairvoyant_p90)} of it "
-                 f"(target <= {CLAIRVOYANT_FACTOR:g}x), best Envoy arm {j.best_envoy} {_seconds(j.best_envoy_p90)} s: "
+                 f"(target <= {CLAIRVOYANT_FACTOR:g}x), best baseline arm {j.best_baseline} "
+                 f"{_seconds(j.best_baseline_p90)} s: "
                  f"**{'met' if j.met else 'missed'}**")
     if ref is not None and ref.get("prediction"):
         lo, mid, hi = ref["prediction"]
@@ -557,7 +571,8 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
     s = cell.figures["sluice"]
     loads = [cell.figures[a].get("loadavg", float("nan")) for a in arms]
     reasons = ", ".join(f"{k} {n}" for k, n in s["reasons"].most_common())
-    reuse = (" Envoy and clairvoyant rows: the `open` cell's (identical requests; only sluice reads the header)."
+    reuse = (" Baseline (Envoy, EPP) and clairvoyant rows: the `open` cell's (identical requests; only sluice reads "
+             "the header)."
              if cell.mix == "deadline" else "")
     refills = [cell.figures[a].get("refill_ms") for a in arms]
     refill = "" if all(r is None for r in refills) else (
@@ -655,6 +670,7 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
     cells: list[Cell] = []
     sections: list[str] = []
     configs: list[str] = []
+    epp_lines: list[str] = []
     calibration_lines: list[str] = []
     plan: list[tuple[str, list[dict[str, Any]], list[int], list[str]]] = []
     if engines_file is not None:
@@ -694,6 +710,11 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                     plain: dict[str, PlainEnvoy] = {"RR": rr, "LR": lr, "RR+w+cap": rrw, "LR+w+cap": lrw}
                     for lr_arm in LEAST_REQUEST_ARMS:
                         plain[lr_arm.name] = tuned.enter_context(least_request_arm(ports, lr_arm, weights, slots))
+                    baselines = {a: e.base for a, e in plain.items()}
+                    epp: EppArm | None = None
+                    if not _T.real:  # the EPP scores vLLM's gauges; llama.cpp has none of them
+                        epp = tuned.enter_context(epp_arm(dict(zip(names, urls)), seed=SEED))
+                        baselines[EPP] = epp.base
                     if mix != "deadline":
                         for arm, envoy in plain.items():
                             configs.append(f"#### {fleet}, {mix} bodies: `{arm}` (`envoy --concurrency "
@@ -708,14 +729,14 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                                              and c.level == level and c.arrival == arrival), None)
                                 arms = {"sluice": config["base_url"]}
                                 if twin is None:
-                                    arms.update({a: e.base for a, e in plain.items()})
+                                    arms.update(baselines)
                                     if known is not None:
                                         arms[REFERENCE] = ""
                                 else:
                                     cell.figures.update({a: twin.figures[a] for a in (*BASELINES, REFERENCE)
                                                          if a in twin.figures})
                             else:
-                                arms = {"sluice": config["base_url"], **{a: e.base for a, e in plain.items()}}
+                                arms = {"sluice": config["base_url"], **baselines}
                                 if known is not None:
                                     arms[REFERENCE] = ""
                             counters_before = {a: plain[a].counters() for a in CAPPED}
@@ -728,6 +749,8 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                                         cell.figures[a][k] = after.get(k, 0) - counters_before[a].get(k, 0)
                             cells.append(cell)
                             sections.append(_fmt_table(cell, slots, names))
+                    if epp is not None:
+                        epp_lines.append(_epp_line(fleet, mix, epp))
     elapsed = time.monotonic() - started
     verdicts = [(c, verdict(c)) for c in cells]
     summary = []
@@ -753,10 +776,10 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
         ref = c.figures[REFERENCE]
         limit_rows.append(
             f"| {c.fleet} | {c.mix} | {c.level:.0%} | {c.arrival} | {_seconds(j.sluice_p90)} | "
-            f"{_seconds(j.clairvoyant_p90)} | {_ratio(j.sluice_p90, j.clairvoyant_p90)} | {j.best_envoy} "
-            f"{_seconds(j.best_envoy_p90)} ({_ratio(j.best_envoy_p90, j.clairvoyant_p90)}) | "
+            f"{_seconds(j.clairvoyant_p90)} | {_ratio(j.sluice_p90, j.clairvoyant_p90)} | {j.best_baseline} "
+            f"{_seconds(j.best_baseline_p90)} ({_ratio(j.best_baseline_p90, j.clairvoyant_p90)}) | "
             f"{c.figures['sluice']['goodput']:.2f} / {ref['goodput']:.2f} | "
-            f"{'met' if j.within_reference else '**missed**'} | {'met' if j.at_most_best_envoy else '**missed**'} | "
+            f"{'met' if j.within_reference else '**missed**'} | {'met' if j.at_most_best_baseline else '**missed**'} | "
             f"{'met' if j.met else '**missed**'} |")
         if not j.met:
             limit_misses.append(where)
@@ -768,7 +791,8 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                               f"{' / '.join(map(str, c.figures['sluice']['served']))})")
     verdict_lines = [f"{c.fleet}/{c.mix}/{c.level:.0%}/{c.arrival}: {'met' if j.met else 'missed'} (sluice TTFT p90 "
                      f"{_seconds(j.sluice_p90)} s = {_ratio(j.sluice_p90, j.clairvoyant_p90)} the clairvoyant arm's "
-                     f"{_seconds(j.clairvoyant_p90)} s; best Envoy arm {j.best_envoy} {_seconds(j.best_envoy_p90)} s)."
+                     f"{_seconds(j.clairvoyant_p90)} s; best baseline arm {j.best_baseline} "
+                     f"{_seconds(j.best_baseline_p90)} s)."
                      + noise_note(c.figures) for c, j in judged]
     cap_lines, over_cap = [], []
     for c in cells:
@@ -816,11 +840,11 @@ changed{'' if not admission else ' except admission ' + ', '.join(f'`{k}: {v}`' 
 ## The limit: every cell at {' and '.join(f'{t:.0%}' for t in TARGET_LEVELS)} against the clairvoyant arm
 
 Target (issue 38 item 6, judged on this run's figures): sluice's TTFT p90 at most {CLAIRVOYANT_FACTOR:g}x the
-clairvoyant arm's, and at most the best Envoy arm's (the lowest p90 among {', '.join(f'`{a}`' for a in BASELINES)}). TTFT p90 here
+clairvoyant arm's, and at most the best baseline arm's (the lowest p90 among {', '.join(f'`{a}`' for a in BASELINES)}). TTFT p90 here
 counts every request, a refused (429/503) or failed one as infinite; the cells below show the served-only figures beside
 it. Goodput: requests served with TTFT within the SLO, per wall second of the arrival window.
 
-| fleet | mix | load | arrival | sluice TTFT p90 (s) | clairvoyant p90 (s) | sluice / clairvoyant | best Envoy arm p90 (s, / clairvoyant) | goodput sluice / clairvoyant | within {CLAIRVOYANT_FACTOR:g}x | <= best Envoy | verdict |
+| fleet | mix | load | arrival | sluice TTFT p90 (s) | clairvoyant p90 (s) | sluice / clairvoyant | best baseline arm p90 (s, / clairvoyant) | goodput sluice / clairvoyant | within {CLAIRVOYANT_FACTOR:g}x | <= best baseline | verdict |
 |---|---|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(limit_rows) or '| (no cell at these levels in this run) |'}
 
@@ -828,9 +852,9 @@ it. Goodput: requests served with TTFT within the SLO, per wall second of the ar
 
 {len(judged) - len(limit_misses)} of {len(judged)} cells meet the target.{_missed(limit_misses)}
 {_bound_note(not_bounds)}
-## Headline (every cell against the best Envoy arm of that cell, measured in the same run)
+## Headline (every cell against the best baseline arm of that cell, measured in the same run)
 
-| fleet | mix | load | arrival | sluice TTFT p90 served / every request (s) | best Envoy p90, every request (arm) | sluice goodput | best baseline goodput (arm) | goodput ratio | sluice served / shed | targets | max load avg |
+| fleet | mix | load | arrival | sluice TTFT p90 served / every request (s) | best baseline p90, every request (arm) | sluice goodput | best baseline goodput (arm) | goodput ratio | sluice served / shed | targets | max load avg |
 |---|---|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(summary)}
 
@@ -857,8 +881,8 @@ Each plain Envoy runs `envoy/bench-plain.yaml` (listener, route with `timeout: 0
 rendered (ports are this run's):
 
 {chr(10).join(configs)}
-"""
-    title = "sluice bench steady: sluice vs the best plain-Envoy arm at measured capacity"
+{_epp_section(epp_lines)}"""
+    title = "sluice bench steady: sluice vs the best baseline arm (plain Envoy, EPP) at measured capacity"
     path = write_report(report, title + (f" ({Path(engines_file).stem}, real engines)" if engines_file else ""), body)
     print(body[body.index("## Measured capacity"):body.index("## Cells")])
     print(f"report: {path}")
@@ -906,6 +930,28 @@ def _simulator_note(plan: list[tuple[str, list[dict[str, Any]], list[int], list[
               "computes the same length (and the prompt's tokens as the simulator counts them, from the profile's "
               "chars_per_token and template tokens) before it routes; no other arm sees it.", ""]
     return "\n".join(lines)
+
+
+def _epp_line(fleet: str, mix: str, epp: EppArm) -> str:
+    """What the EPP-like arm did over a fleet's cells of one mix: requests per engine and its measured scrape period."""
+    stats = epp.stats()
+    period = stats["period_ms"]
+    routed = ", ".join(f"{e} {n}" for e, n in sorted(stats["routed"].items()))
+    return (f"- {fleet}, {mix}: requests routed {routed or 'none'}; scrape period p50 {period['p50']:.0f} ms, p90 "
+            f"{period['p90']:.0f} ms, max {period['max']:.0f} ms over {stats['scrapes']} scrapes")
+
+
+def _epp_section(lines: list[str]) -> str:
+    if not lines:
+        return ""
+    return f"""
+## The EPP-like arm
+
+{describe()}. At simulator speed x{_T.speed:g} a {SCRAPE_INTERVAL_S * 1000:g} ms wall scrape period is \
+{SCRAPE_INTERVAL_S * 1000 * _T.speed:g} ms of emulated time.
+
+{chr(10).join(lines)}
+"""
 
 
 def _arm_part(bootstrap: str) -> str:

@@ -59,7 +59,7 @@ def test_targets_as_the_issue_states_them() -> None:
     assert all(ok for _, ok, _ in verdicts(control))
 
 
-def test_kv_pressure_targets_judge_sluice_against_the_oracle_its_old_self_and_the_best_envoy_arm() -> None:
+def test_kv_pressure_targets_judge_sluice_against_the_oracle_its_old_self_and_the_best_baseline_arm() -> None:
     def figures(hit: float, p50: float) -> dict[str, object]:
         return {"hit": hit, "ttft_p50_all": p50, "ttft_p90_all": 2 * p50}
 
@@ -69,12 +69,17 @@ def test_kv_pressure_targets_judge_sluice_against_the_oracle_its_old_self_and_th
     verdict = {what.split(" (")[0]: ok for what, ok, _ in verdicts(cell)}
     assert verdict == {"hit rate >= 0.9 x the pinning oracle's": True,
                        "TTFT p50 no worse than sluice without the affinity": True,
-                       "TTFT p50 <= the best Envoy arm's": True, "hit rate >= the best Envoy arm's": True}
+                       "TTFT p50 <= the best baseline arm's": True, "hit rate >= the best baseline arm's": True}
     # Ring beating sluice on TTFT is a miss, named; so is a hit rate under 0.9x the oracle's.
     cell.figures["ring"] = figures(0.7, 0.01)
     cell.figures["sluice"] = figures(0.8, 0.05)
     missed = [what for what, ok, _ in verdicts(cell) if not ok]
-    assert missed == ["hit rate >= 0.9 x the pinning oracle's", "TTFT p50 <= the best Envoy arm's (ring)"]
+    assert missed == ["hit rate >= 0.9 x the pinning oracle's", "TTFT p50 <= the best baseline arm's (ring)"]
+    # The EPP arm is a baseline too: a higher hit rate than sluice's is a miss, named.
+    cell.figures["ring"] = figures(0.7, 0.5)
+    cell.figures["EPP"] = figures(0.85, 0.3)
+    missed = [what for what, ok, _ in verdicts(cell) if not ok]
+    assert missed == ["hit rate >= 0.9 x the pinning oracle's", "hit rate >= the best baseline arm's (EPP)"]
 
 
 def test_a_failed_request_counts_as_never_answered_and_groups_are_followed() -> None:

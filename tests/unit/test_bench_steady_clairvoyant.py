@@ -124,13 +124,15 @@ def cell(sluice: float, clairvoyant: float, **envoy: float) -> dict[str, dict[st
     pytest.param(cell(1.2, 1.0, LR=1.3), True, "LR", id="within-1.25x-and-under-the-best-envoy-arm"),
     pytest.param(cell(1.3, 1.0, LR=1.4), False, "LR", id="over-1.25x-the-clairvoyant-arm"),
     pytest.param(cell(1.2, 1.0, LR=1.3, RR_w_cap=1.1), False, "RR+w+cap", id="judged-against-the-best-envoy-arm"),
+    pytest.param({**cell(1.2, 1.0, LR=1.3), **figures(EPP=1.1)}, False, "EPP", id="the-epp-arm-is-a-baseline-too"),
+    pytest.param({**cell(1.2, 1.0, LR=1.3), **figures(EPP=1.5)}, True, "LR", id="a-weaker-epp-arm-changes-nothing"),
     pytest.param(cell(math.inf, 1.0, LR=1.3), False, "LR", id="a-shed-tail-is-infinite-and-misses"),
 ])
-def test_the_verdict_uses_the_clairvoyant_arm_and_the_best_envoy_arm(figs: dict[str, dict[str, float]], met: bool,
+def test_the_verdict_uses_the_clairvoyant_arm_and_the_best_baseline_arm(figs: dict[str, dict[str, float]], met: bool,
                                                                       best: str) -> None:
     j = judge(figs, 0.95)
     assert j is not None
-    assert (j.met, j.best_envoy) == (met, best)
+    assert (j.met, j.best_baseline) == (met, best)
 
 
 def test_the_verdict_applies_at_80_and_95_percent_only_and_names_arms_under_the_reference() -> None:
