@@ -61,6 +61,7 @@ from controlplane.core.admission import PARK_CLASSES, AdmissionCore, Outcome, Pa
 from controlplane.core.decide import decide, shed
 from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary, end_to_end_error
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules
+from controlplane.core.tenants import Usage
 from controlplane.core.model import (
     Decision, EngineView, Fleet, InferenceRequest, QueueRule, Reason, Ticket, Verdict,
 )
@@ -551,6 +552,10 @@ class AdmissionService:
         if estimated > 0 and counted > 0:
             self.metrics.prompt_tokens_error.labels(ticket.model).observe(counted / estimated)
         self.core.observe_prompt_tokens(ticket.model, ticket.engine, shape, counted, estimated)
+
+    def settle_usage(self, ticket_id: str, usage: Usage) -> None:
+        """A finished request's real usage (the access log): its tenant's fair-share counter is corrected."""
+        self.core.settle_usage(ticket_id, usage.prompt_tokens, usage.completion_tokens)
 
     def ttft_summary(self, engine: str) -> TtftSummary:
         """What ``engine``'s recent requests' first tokens took (``sluice admin engines``)."""
