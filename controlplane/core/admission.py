@@ -18,7 +18,13 @@ forgets an engine that restarted (a counter went backwards) or was drained; a re
 an empty index (old hashes would never match again).
 
 Parking lot: per model, one FIFO per priority class (critical, then standard). The heads are tried in that order each wake;
-the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard). A head
+the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard).
+**Fair share** (``policy.fairness``, core/fairshare.py; on by default when tenants are configured): within a class the
+head is instead the oldest request of the tenant with the lowest virtual token counter (``_order``), every admission
+charges its tenant's counter with its estimate (``settle_usage`` corrects it from the access log, ``retract`` gives it
+back), and a tenant parking with nothing parked is lifted to the backlogged minimum; a fair wake admits with
+``QueueRule.CLASS`` (its order within the class is this lot's). "Ahead", "head" and "in its turn" below then mean the
+fair order (``_order``: the projection that charges each pick its estimate in turn); off, everything is as written. A head
 that waits although a slot is free (``Decision.idle_slot``: it finishes sooner on a busy engine, such as the one holding its
 prompt's prefix, or no free engine meets its deadline) does not hold the line for that slot: the wake passes it over (at
 most ``backfill_scan`` a wake), and an arrival whose every request ahead was last decided that way, with no slot freed
@@ -44,8 +50,9 @@ shape each) and, if that is past its bound, sheds it at once with the estimate a
   the requests served meet it and the others are told at once.
 
 A committed request is never shed for its bound again. It is served in its turn, before every request that parked after
-it (adaptive LIFO, below, reorders only a class none of whose requests is committed), except that a wake passes over a
-head that declines a free slot, as above. A committed request whose TTFT deadline passes is not shed either: its wakes
+it (adaptive LIFO, below, reorders only a class none of whose requests is committed; under fair share, before every
+later request of its own tenant, while a tenant with a lower counter may go first: fairshare.py says why that wait is
+bounded), except that a wake passes over a head that declines a free slot, as above. A committed request whose TTFT deadline passes is not shed either: its wakes
 decide it without the deadline, and its client gets the answer late rather than a 503 after its wait (a client for which
 a late answer is worthless closes the connection: the Check is cancelled and the request leaves the lot). What still
 answers a committed request without a slot: ``max_park_s`` (``park_timeout``, the backstop: a Check must be answered
@@ -740,7 +747,7 @@ class AdmissionCore:
         entries = list(queue)
         if not self.policy.fairness.enabled:
             return entries[::-1] if newest_first else entries
-        return service_order(entries, lambda p: _tenant_of(p.request), lambda t: self.fair.counter(model, t),
+        return service_order(entries, lambda p: _tenant_of(p.request), lambda t: self.fair.rank(model, t),
                              self._cost, newest_first)
 
     def _cost(self, parked: Parked) -> float:

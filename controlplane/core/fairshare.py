@@ -17,8 +17,12 @@ of different models are not the same work, and each model's line is served by it
   the model's backlogged tenants (those with a request parked), or, with none, to the counter of the tenant served last:
   idle time is not banked, so a tenant back from a quiet hour gets its share from now on, not the hour's worth.
 - **Pick.** Within a parking class the next request is the oldest parked one of the tenant with the lowest counter (ties:
-  the tenant whose next request parked first), ``service_order`` projects the whole class's order by charging each pick
-  its estimate in turn: the order a wake serves it in if nothing changes, and each request's place for shed-early.
+  the tenant served less, its counter without lifts; then the tenant whose next request parked first).
+  ``service_order`` projects the whole class's order by charging each pick its estimate in turn: the order a wake
+  serves it in if nothing changes, and each request's place for shed-early. The tie rule is what a light tenant gets
+  from being light: lifted level with a backlogged heavy one, it goes first, once (its charge then puts it behind);
+  with the paper's tie (arrival order) it would wait for the heavy tenant's oldest request at every return, a slot's
+  turnover more on every request (``bench fairness``: b's wait in the lot at p50 about twice as long).
 
 Requests without a tenant form one tenant, ``ANONYMOUS``. With one tenant the order is the parking order (FIFO).
 
@@ -125,6 +129,8 @@ class TenantCounters:
 
     def __init__(self) -> None:
         self._counters: dict[str, dict[str, float]] = {}
+        self._raw: dict[str, dict[str, float]] = {}
+        """The counters without lifts (weighted service alone): who has been served less, for ties."""
         self._served: dict[str, dict[str, float]] = {}
         self._last: dict[str, str] = {}
         """model -> the tenant charged last: a tenant that parks while none is backlogged is lifted to its counter."""
@@ -135,6 +141,10 @@ class TenantCounters:
 
     def counter(self, model: str, tenant: str) -> float:
         return self._counters.get(model, {}).get(tenant, 0.0)
+
+    def rank(self, model: str, tenant: str) -> tuple[float, float]:
+        """A tenant's place in the pick: its counter, then (ties) its weighted service without lifts."""
+        return self.counter(model, tenant), self._raw.get(model, {}).get(tenant, 0.0)
 
     def lift(self, model: str, tenant: str, backlogged: Iterable[str]) -> float:
         """``tenant`` becomes backlogged for ``model`` (it had nothing parked): its counter is raised to the lowest among
@@ -156,6 +166,8 @@ class TenantCounters:
         cost = share.cost(tenant, prompt_tokens, output_tokens)
         counters = self._counters.setdefault(model, {})
         counters[tenant] = counters.get(tenant, 0.0) + cost
+        raw = self._raw.setdefault(model, {})
+        raw[tenant] = raw.get(tenant, 0.0) + cost
         served = self._served.setdefault(model, {})
         served[tenant] = served.get(tenant, 0.0) + prompt_tokens + output_tokens
         self._last[model] = tenant
@@ -168,6 +180,7 @@ class TenantCounters:
         if charge is None:
             return False
         self._counters[charge.model][charge.tenant] -= charge.cost
+        self._raw[charge.model][charge.tenant] -= charge.cost
         self._served[charge.model][charge.tenant] -= charge.prompt_tokens + charge.output_tokens
         return True
 
@@ -194,6 +207,7 @@ class TenantCounters:
         cost = share.cost(charge.tenant, prompt_tokens, output_tokens)
         delta = cost - charge.cost
         self._counters[charge.model][charge.tenant] += delta
+        self._raw[charge.model][charge.tenant] += delta
         self._served[charge.model][charge.tenant] += prompt_tokens + output_tokens - charge.prompt_tokens \
             - charge.output_tokens
         return delta
@@ -206,16 +220,18 @@ class TenantCounters:
                 for m, t in sorted(keys)]
 
 
-_Entry = tuple[float, int, str]
+_Entry = tuple[float, float, int, str]
 _W = TypeVar("_W", bound=Waiting)
 
 
-def service_order(entries: Sequence[_W], tenant_of: Callable[[_W], str], counter_of: Callable[[str], float],
-                  cost_of: Callable[[_W], float], newest_first: bool = False) -> list[_W]:
+def service_order(entries: Sequence[_W], tenant_of: Callable[[_W], str],
+                  rank_of: Callable[[str], tuple[float, float]], cost_of: Callable[[_W], float],
+                  newest_first: bool = False) -> list[_W]:
     """The order a class's parked ``entries`` (in parking order) are served in by fair share: repeatedly the next
-    request of the tenant with the lowest counter (ties: the tenant whose next request parked first), that tenant's
-    counter then advanced by the request's estimated cost (``cost_of``, already over its weight). Within a tenant,
-    parking order (``newest_first``: newest first, for adaptive LIFO)."""
+    request of the tenant with the lowest rank (``rank_of``: its counter, then its service without lifts; last ties:
+    the tenant whose next request parked first), that tenant's counter and service then advanced by the request's
+    estimated cost (``cost_of``, already over its weight). Within a tenant, parking order (``newest_first``: newest
+    first, for adaptive LIFO)."""
     by_tenant: dict[str, list[_W]] = {}
     for entry in entries:
         by_tenant.setdefault(tenant_of(entry), []).append(entry)
@@ -227,16 +243,18 @@ def service_order(entries: Sequence[_W], tenant_of: Callable[[_W], str], counter
     heap: list[_Entry] = []
     at = {tenant: 0 for tenant in by_tenant}
     for tenant, queue in by_tenant.items():
-        heapq.heappush(heap, (counter_of(tenant), _tie(queue[0], newest_first), tenant))
+        counter, raw = rank_of(tenant)
+        heapq.heappush(heap, (counter, raw, _tie(queue[0], newest_first), tenant))
     out: list[_W] = []
     while heap:
-        counter, _, tenant = heapq.heappop(heap)
+        counter, raw, _, tenant = heapq.heappop(heap)
         queue = by_tenant[tenant]
         entry = queue[at[tenant]]
         out.append(entry)
         at[tenant] += 1
         if at[tenant] < len(queue):
-            heapq.heappush(heap, (counter + cost_of(entry), _tie(queue[at[tenant]], newest_first), tenant))
+            cost = cost_of(entry)
+            heapq.heappush(heap, (counter + cost, raw + cost, _tie(queue[at[tenant]], newest_first), tenant))
     return out
 
 

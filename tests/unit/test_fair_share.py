@@ -4,7 +4,9 @@ weights; off, the lot is FIFO exactly as before."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -20,6 +22,7 @@ from controlplane.core.model import (
 from controlplane.core.policy import Policy
 from controlplane.store.base import Claim
 from controlplane.store.memory import MemoryStore
+from tests.unit import test_replicas_properties as rp
 
 ENGINE = EngineView(
     name="one", url="", max_num_seqs=1, models=(ServedModel("m", 131_072),), version="1",
@@ -248,11 +251,15 @@ def test_service_order_projection() -> None:
         def __init__(self, rid: str, seq: int) -> None:
             self.request_id, self.seq = rid, seq
     entries = [E("a1", 1), E("a2", 2), E("a3", 3), E("b1", 4)]
-    counters = {"a": 0.0, "b": 150.0}
+    counters = {"a": (0.0, 0.0), "b": (150.0, 0.0)}
     order = service_order(entries, lambda e: e.request_id[0], counters.__getitem__, lambda e: 100.0)
     assert [e.request_id for e in order] == ["a1", "a2", "b1", "a3"]
     newest = service_order(entries, lambda e: e.request_id[0], counters.__getitem__, lambda e: 100.0, True)
     assert [e.request_id for e in newest] == ["a3", "a2", "b1", "a1"]
+    # equal counters: the tenant served less goes first (b, lifted level with a, has served nothing)
+    level = {"a": (100.0, 100.0), "b": (100.0, 0.0)}
+    assert [e.request_id for e in service_order(entries, lambda e: e.request_id[0], level.__getitem__,
+                                                lambda e: 100.0)] == ["b1", "a1", "a2", "a3"]
 
 
 # -- charges ------------------------------------------------------------------------------------------------------------
@@ -398,3 +405,65 @@ def test_admin_and_cli_show_the_shares() -> None:
     assert text.splitlines()[0].startswith("fair share: on")
     assert text.splitlines()[1].split() == ["MODEL", "TENANT", "WEIGHT", "COUNTER", "SERVED", "TOKENS", "WAITING"]
     assert text.splitlines()[3].split()[:3] == ["m", "a", "2"]
+
+
+# -- two replicas, fair share on: per-replica order, nothing stuck ------------------------------------------------------
+
+fair_op = st.one_of(
+    st.tuples(st.just("submit"), st.integers(0, 1), st.sampled_from([100, 2_000]), st.sampled_from([100, 1_000]),
+              st.sampled_from(["a", "b", None])),
+    st.tuples(st.just("release"), st.integers(0, 40), st.integers(0, 1)),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(fair_op, min_size=1, max_size=50))
+def test_two_fair_replicas_keep_caps_and_answer_every_check(ops: list[tuple[object, ...]]) -> None:
+    """Fair wakes admit with ``QueueRule.CLASS`` and leave no claims: with two replicas on one store every cap and KV
+    limit still holds, no replica waits for the other's line head, and every Check is answered once released."""
+    class FairReplicas(rp.Replicas):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = replace(self.config, policy=replace(self.config.policy, fairness=FairShare(enabled=True)))
+            self.services = [self._service(f"r{i}") for i in range(2)]
+
+        def check_invariants(self) -> None:  # caps and KV; the line's parking order is not fair share's
+            for engine, cap in rp.ENGINES.items():
+                assert len(self.state.by_engine.get(engine, set())) <= cap
+                assert self.state.kv.get(engine, 0) <= rp.CAPACITY * rp.WATERMARK
+
+    async def run() -> None:
+        world = FairReplicas()
+        await world.start()
+        try:
+            for kind, *args in ops:
+                if kind == "submit":
+                    replica, prompt, max_tokens, who = args
+                    service = world.services[int(str(replica))]
+                    rid = f"q{next(world.ids)}"
+                    request = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=int(str(prompt)),
+                                               max_tokens=int(str(max_tokens)), tenant=who if isinstance(who, str)
+                                               else None)
+
+                    async def check(service: object = service, rid: str = rid,
+                                    request: InferenceRequest = request) -> None:
+                        svc = service
+                        assert isinstance(svc, rp.AdmissionService)
+                        outcome = await svc.check(rid, request)
+                        if outcome.decision.verdict is Verdict.PARK:
+                            await svc.wait_parked(rid)
+                    world.checks[rid] = asyncio.create_task(check())
+                    await world.settle()
+                else:
+                    await world.release(int(str(args[0])), int(str(args[1])))
+            for _ in range(200):
+                if all(t.done() for t in world.checks.values()) and not world.state.tickets:
+                    break
+                await world.release(0, 0)
+            assert all(t.done() for t in world.checks.values()), "a Check was never answered"
+            for task in world.checks.values():
+                task.result()
+            assert not world.state.tickets and not any(world.state.lines.values())
+        finally:
+            await world.stop()
+    asyncio.run(run())
