@@ -52,9 +52,10 @@ shape each) and, if that is past its bound, sheds it at once with the estimate a
 A committed request is never shed for its bound again. It is served in its turn, before every request that parked after
 it (adaptive LIFO, below, reorders only a class none of whose requests is committed; under fair share, before every
 later request of its own tenant, while a tenant with a lower counter may go first: fairshare.py says why that wait is
-bounded), except that a wake passes over a head that declines a free slot, as above. A committed request whose TTFT deadline passes is not shed either: its wakes
-decide it without the deadline, and its client gets the answer late rather than a 503 after its wait (a client for which
-a late answer is worthless closes the connection: the Check is cancelled and the request leaves the lot). What still
+bounded), except that a wake passes over a head that declines a free slot, as above. A committed request whose TTFT
+deadline passes is not shed either: its wakes decide it without the deadline, and its client gets the answer late
+rather than a 503 after its wait (a client for which a late answer is worthless closes the connection: the Check is
+cancelled and the request leaves the lot). What still
 answers a committed request without a slot: ``max_park_s`` (``park_timeout``, the backstop: a Check must be answered
 before Envoy's times out; reaching it means the estimate that committed the request was wrong by that much, an engine
 stalled or answers ran far past their expected length), and a wake that finds the fleet can no longer serve it at all
