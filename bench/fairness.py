@@ -307,11 +307,15 @@ def run_fairness_bench() -> int:
         "",
         f"While a floods, every slot is taken and one frees every {1000 / capacity:.0f} ms on average (1 / "
         "capacity). Fair share decides who takes it: b, lifted level with a when it parks and served less, takes "
-        "the next one; a second request of b parked meanwhile waits for one of a's (equal weights alternate). b "
+        "the next one; a second request of b parked meanwhile waits for one of a's (equal weights alternate). b's "
+        "arrivals are Poisson: at its rate, several often come within 100 ms, and such a burst is served one b, "
+        "one a, so its last request waits about twice the burst's length in slot turnovers. That is fair share "
+        "working as specified (b is owed half of the slots while both wait, not more, and banks nothing from its "
+        "quiet moments); replaying this load in the core alone (one process, no Envoy) gives the same picture. b "
         "alone never waits for a slot, so b's TTFT with a flooding is b alone's plus that wait in the lot (the "
-        "parked column). A lot that only orders who goes next cannot take that wait away; holding a slot back for "
-        "a tenant below its share (the issue's reserved shares) or ending a's work (preemption) could. FIFO, for "
-        "contrast, makes b wait behind a's whole backlog, and sheds b with a.",
+        "parked column). A lot that only orders who goes next cannot take that wait away: a larger weight for b, "
+        "holding slots back for a tenant below its share (the issue's reserved shares) or ending a's work "
+        "(preemption) could. FIFO, for contrast, makes b wait behind a's whole backlog, and sheds b with a.",
         "",
         "## Fair-share gauges at the end of the last fair window",
         "",
