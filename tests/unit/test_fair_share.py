@@ -17,11 +17,9 @@ from controlplane.core.admission import AdmissionCore
 from controlplane.core.fairshare import ANONYMOUS, FairMode, FairShare, TenantCounters, service_order
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import (
-    EngineSample, EngineView, InferenceRequest, Priority, QueueRule, ServedModel, Ticket, Verdict,
+    EngineSample, EngineView, InferenceRequest, Priority, QueueRule, ServedModel, Verdict,
 )
 from controlplane.core.policy import Policy
-from controlplane.store.base import Claim
-from controlplane.store.memory import MemoryStore
 from tests.unit import test_replicas_properties as rp
 
 ENGINE = EngineView(
@@ -329,22 +327,6 @@ def test_a_fair_wake_admits_with_the_class_rule() -> None:
     off.now += 0.001
     off.core.release(off.running or "", off.now)
     assert [o.rule for o in off.core.wake(off.core.fleet([ENGINE], off.now), off.now)] == [QueueRule.OLDEST]
-
-
-async def test_the_store_admits_a_class_rule_head_that_is_not_the_oldest() -> None:
-    """``QueueRule.CLASS``: the store checks that no higher class is parked, not the order within the class."""
-    store = MemoryStore()
-    await store.open()
-    await store.park("m", 1, "old", 1.0)
-    await store.park("m", 1, "new", 2.0)
-
-    def claim(rid: str, rule: QueueRule, klass: int = 1) -> Claim:
-        return Claim(Ticket(rid, "one", "m", 3.0, 100.0, 10, 4.0), 4, None, queue=rule, klass=klass)
-    assert (await store.reserve(claim("new", QueueRule.OLDEST))).refusal is not None
-    assert (await store.reserve(claim("new", QueueRule.CLASS))).ok
-    await store.park("m", 0, "urgent", 2.5)
-    assert (await store.reserve(claim("old", QueueRule.CLASS))).refusal is not None  # a critical one waits
-    await store.close()
 
 
 # -- config -------------------------------------------------------------------------------------------------------------
