@@ -23,7 +23,7 @@ def _admission_settings(parser: argparse.ArgumentParser, items: list[str] | None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sluice bench", description=__doc__)
     p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "scale", "chaos",
-                                        "replicas", "ratelimit", "prefix", "estimates"])
+                                        "replicas", "ratelimit", "prefix", "estimates", "fairness"])
     p.add_argument("--engines", metavar="N|FILE",
                    help="observe: how many simulated engines to poll (default 1000); overhead, steady: a YAML file listing the "
                         "engines to front instead of a simulator (e.g. real llama.cpp servers, see rig/llama.py)")
@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.chaos import run_chaos_bench
 
         return run_chaos_bench()
+    if args.scenario == "fairness":
+        from bench.fairness import run_fairness_bench
+
+        return run_fairness_bench()
     if args.scenario == "ratelimit":
         from bench.ratelimit import run_ratelimit_bench
 

@@ -39,6 +39,7 @@ from controlplane.config import (
 )
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
+from controlplane.core.fairshare import TenantShare
 from controlplane.core.feedback import TtftSummary
 from controlplane.core.prompt_tokens import PromptTokenRules, PromptTokenSummary
 from controlplane.core.ledger import Ledger
@@ -110,7 +111,9 @@ class ControlPlane:
         self.metrics = SluiceMetrics(
             open_tickets=lambda: {p.config.name: self.ledger.open_tickets(p.config.name) for p in self.pollers},
             prefix_index=lambda: (self.admission.prefixes.held, self.admission.prefixes.limit_blocks),
-            engine_states=lambda: self.observation.engine_states())
+            engine_states=lambda: self.observation.engine_states(),
+            tenant_shares=lambda: [(self.observation.model_label(t.model), t.tenant, t.counter, t.served_tokens,
+                                    t.waiting) for t in self.admission.tenant_shares()])
         self.admission = AdmissionCore(config.policy, self.ledger, admit_stale=config.observe.on_stale is OnStale.OPEN,
                                        draw=random.random)
         self.observation = Observation(config, self.admission, self.metrics, clock, self._on_probe)
@@ -245,6 +248,10 @@ class ControlPlane:
 
     async def tenant_usage(self) -> tuple[TenantUsage, ...]:
         return await self.quota.usage()
+
+    def tenant_shares(self) -> list[TenantShare]:
+        """Each tenant's fair-share standing per model on this replica (core/fairshare.py)."""
+        return self.admission.tenant_shares()
 
     async def set_version_floor(self, pattern: str, version: str) -> FloorResult:
         """Set (empty ``version``: remove) one version floor, through the same door as a reload (``set_policy``)."""

@@ -44,6 +44,7 @@ import yaml
 
 from controlplane.core.model import Flavor, Priority
 from controlplane.core.policy import Box, ModelPolicy, Policy, version_key
+from controlplane.core.fairshare import FairMode, FairShare
 from controlplane.core.tenants import PRIORITY_RANK, Tenant, Tenants
 from ratelimit.config import parse_limits
 from controlplane.names import CLIENT_HEADERS, ENGINE_HEADER, TICKET_HEADER
@@ -491,7 +492,7 @@ AUTHZ_TIMEOUT_GRACE_S = 10.0
 #: Sections a running control plane can take from a reloaded file; the others shape processes, ports or Envoy's
 #: listener (changing the listener would drain every open stream) and need a restart. Engines added or removed by a
 #: reload reach Envoy over CDS/EDS; ``sluice up`` does not start or stop simulators for them.
-RELOADABLE = ("admission", "models", "version_floors", "boxes", "observe.on_stale", "engines", "tenants")
+RELOADABLE = ("admission", "models", "version_floors", "boxes", "observe.on_stale", "engines", "tenants", "fairness")
 
 
 @dataclass(frozen=True, slots=True)
@@ -538,7 +539,9 @@ _POLICY_PARTS = ("models", "version_floors", "boxes")
 def _section_value(config: Config, name: str) -> object:
     """What a reloadable section (a ``RELOADABLE`` name) holds in ``config``."""
     if name == "admission":
-        return replace(config.policy, models={}, version_floors=(), boxes=())
+        return replace(config.policy, models={}, version_floors=(), boxes=(), fairness=FairShare())
+    if name == "fairness":  # its own settings: whether it is on under ``auto`` and the weights follow ``tenants``
+        return replace(config.policy.fairness, enabled=False, weights={})
     if name in _POLICY_PARTS:
         return getattr(config.policy, name)
     section, _, attribute = name.partition(".")
@@ -604,6 +607,8 @@ DEFAULTS: dict[str, Any] = {
     "tracing": {f.name: f.default for f in fields(TracingConfig)},
     "ratelimit": {f.name: (f.default.value if isinstance(f.default, enum.Enum) else f.default)
                   for f in fields(RateLimitConfig)},
+    "fairness": {"enabled": FairShare().mode.value, "prompt_weight": FairShare().prompt_weight,
+                 "output_weight": FairShare().output_weight, "default_weight": FairShare().default_weight},
 }
 _POLICY_NAME = {"max_park_seconds": "max_park_s", "retry_after_min_seconds": "retry_after_min_s", "retry_after_max_seconds": "retry_after_max_s",
                 "serve_half_life_seconds": "serve_half_life_s",
@@ -870,6 +875,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     tenants = _parse_tenants(c, raw.get("tenants"))
     engines = _parse_engines(c, raw.get("engines"))
     policy = _parse_policy(c, raw, {e.name for e in engines})
+    policy = replace(policy, fairness=_parse_fairness(c, raw, tenants))
     if envoy.stream_idle_timeout_seconds < policy.max_park_s + 2 * AUTHZ_TIMEOUT_GRACE_S:
         c.problems.append(
             f"admission.max_park_seconds: must stay {2 * AUTHZ_TIMEOUT_GRACE_S:g} s below "
@@ -882,7 +888,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
                   ratelimit)
 
 
-_TENANT_FIELDS = {"keys", "priority", "limits", "models", "models_allowed"}
+_TENANT_FIELDS = {"keys", "priority", "limits", "models", "models_allowed", "weight"}
 _TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 """A tenant's name is a metrics label and a limiter key: short, and without ``/`` (which joins it to a model)."""
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -955,11 +961,33 @@ def _parse_tenants(c: _Checker, raw: Any) -> Tenants:
             for model in model_limits:
                 if model not in allowed:
                     c.problems.append(f"{path}.models.{model}: limits a model models_allowed does not allow")
+        weight = item.get("weight")
+        if weight is not None:
+            weight = float(c.number(f"{path}.weight", weight, minimum=0.001))
         tenants.append(Tenant(name, tuple(digests), default_class, max_class, limits, model_limits,
-                              frozenset(allowed) if allowed is not None else None))
+                              frozenset(allowed) if allowed is not None else None, weight))
     if len(c.problems) > before:
         return Tenants()
     return Tenants.of(tenants)
+
+
+def _parse_fairness(c: _Checker, raw: dict[str, Any], tenants: Tenants) -> FairShare:
+    """``fairness: {enabled: auto | true | false, prompt_weight, output_weight, default_weight}`` and each tenant's
+    ``weight`` (core/fairshare.py). ``auto`` (the default): on as soon as one tenant is configured."""
+    fs = c.section(raw, "fairness")
+    enabled = fs["enabled"]
+    if isinstance(enabled, bool):
+        mode = FairMode.ON if enabled else FairMode.OFF
+    else:
+        mode = c.choice("fairness.enabled", enabled, FairMode)
+    return FairShare(
+        enabled=mode is FairMode.ON or (mode is FairMode.AUTO and tenants.enabled),
+        mode=mode,
+        prompt_weight=float(c.number("fairness.prompt_weight", fs["prompt_weight"], minimum=0.001)),
+        output_weight=float(c.number("fairness.output_weight", fs["output_weight"], minimum=0)),
+        weights={name: t.weight for name, t in tenants.by_name.items() if t.weight is not None},
+        default_weight=float(c.number("fairness.default_weight", fs["default_weight"], minimum=0.001)),
+    )
 
 
 def _parse_replicas(c: _Checker, raw: Any, default_host: Any) -> tuple[ReplicaAddress, ...]:

@@ -130,6 +130,42 @@ class _PrefixIndex(Collector):
                                 "Bound on the prefix index's entries (admission.prefix_index_blocks).", value=limit)
 
 
+NO_TENANT_LABEL = "-"
+"""The ``tenant`` label of requests without a tenant (one tenant for fair share; no configured name can be ``-``)."""
+
+
+class _TenantShares(Collector):
+    """Fair share per model and tenant (core/fairshare.py), read from the admission core at scrape time: each tenant's
+    virtual token counter, the tokens served to it and its parked requests. Tenants are the config's, so the label's
+    cardinality is too (``-``: requests without a tenant)."""
+
+    def __init__(self, shares: Callable[[], Iterable[tuple[str, str, float, float, int]]]) -> None:
+        self._shares = shares
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["model", "tenant"]
+        counter = GaugeMetricFamily(
+            "sluice_tenant_fair_counter", "A tenant's virtual token counter for a model (weighted tokens served / its "
+            "weight; only differences between tenants matter): the lowest is served next within a class.", labels=labels)
+        served = GaugeMetricFamily(
+            "sluice_tenant_served_tokens", "Tokens (prompt + output) this replica's admissions served a tenant for a "
+            "model: the admission's estimate until the access log settles the real usage.", labels=labels)
+        waiting = GaugeMetricFamily("sluice_tenant_waiting_requests", "A tenant's requests parked for a model now.",
+                                    labels=labels)
+        rows: dict[tuple[str, str], tuple[float, float, int]] = {}
+        for model, tenant, value, tokens, parked in self._shares():
+            key = (model, tenant or NO_TENANT_LABEL)  # models no engine serves share the label "-": summed
+            before = rows.get(key, (0.0, 0.0, 0))
+            rows[key] = (before[0] + value, before[1] + tokens, before[2] + parked)
+        for (model, tenant), (value, tokens, parked) in sorted(rows.items()):
+            counter.add_metric([model, tenant], value)
+            served.add_metric([model, tenant], tokens)
+            waiting.add_metric([model, tenant], parked)
+        yield counter
+        yield served
+        yield waiting
+
+
 class _EventLoopTasks(Collector):
     """``sluice_event_loop_tasks``: ``len(asyncio.all_tasks())`` on the control plane's event loop at scrape time (a
     task leak shows as growth). The loop is the one the last in-loop scrape ran on (``/metrics`` is served on it); a
@@ -335,10 +371,12 @@ class EngineSeries:
 class SluiceMetrics:
     def __init__(self, open_tickets: Callable[[], dict[str, int]] = dict,
                  prefix_index: Callable[[], tuple[int, int]] = lambda: (0, 0),
-                 engine_states: Callable[[], Iterable[EngineState]] = tuple) -> None:
+                 engine_states: Callable[[], Iterable[EngineState]] = tuple,
+                 tenant_shares: Callable[[], Iterable[tuple[str, str, float, float, int]]] = tuple) -> None:
         r = self._instruments = CollectorRegistry()
         self._on_loop: tuple[Collector, ...] = (_OpenTickets(open_tickets), _EngineStates(engine_states),
-                                                _PrefixIndex(prefix_index), _EventLoopTasks())
+                                                _PrefixIndex(prefix_index), _EventLoopTasks(),
+                                                _TenantShares(tenant_shares))
         """Collectors that read event-loop state: called on the loop only."""
         self.registry = CollectorRegistry()
         """Everything (what tests and ``get_sample_value`` read): the instruments and the loop-side collectors."""

@@ -142,6 +142,22 @@ def tenants_table(response: admin_pb2.ListTenantsResponse) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
+def fair_share_table(fairness: admin_pb2.FairShare) -> str:
+    """Fair share's settings, then one row per model and tenant: its weight, virtual token counter (the lowest is
+    served next within a class), tokens served and requests parked on this replica."""
+    state = "on" if fairness.enabled else "off (FIFO)"
+    head = (f"fair share: {state} (fairness.enabled: {fairness.mode}); a counter adds prompt x "
+            f"{fairness.prompt_weight:g} + output x {fairness.output_weight:g} tokens / weight")
+    if not fairness.shares:
+        return head
+    rows = [("MODEL", "TENANT", "WEIGHT", "COUNTER", "SERVED TOKENS", "WAITING")]
+    for t in fairness.shares:
+        rows.append((t.model, t.tenant or "-", f"{t.weight:g}", f"{t.counter:.0f}", f"{t.served_tokens:.0f}",
+                     str(t.waiting)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return head + "\n" + "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -228,8 +244,9 @@ def run_admin(target: str, verb: str, *, as_json: bool, name: str | None = None,
             elif verb == "tenants":
                 tenants = stub.ListTenants(admin_pb2.ListTenantsRequest(), timeout=5)
                 text = (json.dumps(MessageToDict(tenants, always_print_fields_with_no_presence=True), indent=2)
-                        if as_json else tenants_table(tenants) if tenants.tenants
-                        else "no tenants configured: authentication is off")
+                        if as_json else (tenants_table(tenants) if tenants.tenants
+                                         else "no tenants configured: authentication is off")
+                        + "\n\n" + fair_share_table(tenants.fairness))
             elif verb == "engines":
                 engines = stub.ListEngines(admin_pb2.ListEnginesRequest(), timeout=5)
                 text = (json.dumps(MessageToDict(engines, always_print_fields_with_no_presence=True), indent=2)

@@ -19,6 +19,11 @@ offers: parks and unparks reach the store one at a time in the order they were m
 travel on different connections and land in any order), and a wake does not admit a request whose park has not landed
 yet (it is woken again when it lands; a shed meanwhile waits for its Check in ``_early``).
 
+**Fair share** (core/fairshare.py, decision 0015). With ``fairness`` on, a wake admits with ``QueueRule.CLASS``: the
+store checks only that no higher class is parked on any replica; the order within a class is this replica's lot's (its
+tenants' counters), so with several replicas each is fair among the requests it holds. No claims are left then (they
+would be admitted in the line's parking order).
+
 **Claims** (store/base.py). An admission the store refuses only because others are ahead in line (``QUEUED``) is left
 with the request's member: an arrival's goes with its ``park``, a woken head's stays from the refused ``reserve``, the
 heads a wake decided behind that one leave theirs in one call (``_leave_claims``), and, while another replica holds
@@ -61,6 +66,7 @@ from controlplane.core.admission import PARK_CLASSES, AdmissionCore, Outcome, Pa
 from controlplane.core.decide import decide, shed
 from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary, end_to_end_error
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules
+from controlplane.core.tenants import Usage
 from controlplane.core.model import (
     Decision, EngineView, Fleet, InferenceRequest, QueueRule, Reason, Ticket, Verdict,
 )
@@ -206,8 +212,11 @@ class AdmissionService:
             refusal = (await self._commit(outcome, claim, now)).refusal
             if refusal is None:
                 return outcome
-            queued = (outcome.decision, claim) if refusal is Refusal.QUEUED else None
-            if refusal is Refusal.QUEUED:
+            # Under fair share no claim is left: the store admits claims in the line's parking order, and each replica
+            # orders its own parked requests by its tenants' counters (``QueueRule.CLASS``; decision 0015).
+            fair = self.core.policy.fairness.enabled
+            queued = (outcome.decision, claim) if refusal is Refusal.QUEUED and not fair else None
+            if refusal is Refusal.QUEUED and not fair:
                 self._line_shared_until = now + LINE_SHARED_S
             if request.model is not None:
                 # The retracted admission freed its slot in the mirror: the line's head may fit now. Without this wake a
@@ -551,6 +560,10 @@ class AdmissionService:
         if estimated > 0 and counted > 0:
             self.metrics.prompt_tokens_error.labels(ticket.model).observe(counted / estimated)
         self.core.observe_prompt_tokens(ticket.model, ticket.engine, shape, counted, estimated)
+
+    def settle_usage(self, ticket_id: str, usage: Usage) -> None:
+        """A finished request's real usage (the access log): its tenant's fair-share counter is corrected."""
+        self.core.settle_usage(ticket_id, usage.prompt_tokens, usage.completion_tokens)
 
     def ttft_summary(self, engine: str) -> TtftSummary:
         """What ``engine``'s recent requests' first tokens took (``sluice admin engines``)."""

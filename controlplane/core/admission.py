@@ -18,7 +18,13 @@ forgets an engine that restarted (a counter went backwards) or was drained; a re
 an empty index (old hashes would never match again).
 
 Parking lot: per model, one FIFO per priority class (critical, then standard). The heads are tried in that order each wake;
-the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard). A head
+the first head that does not fit stops its model's wake (strict FIFO within a class, and critical before standard).
+**Fair share** (``policy.fairness``, core/fairshare.py; on by default when tenants are configured): within a class the
+head is instead the oldest request of the tenant with the lowest virtual token counter (``_order``), every admission
+charges its tenant's counter with its estimate (``settle_usage`` corrects it from the access log, ``retract`` gives it
+back), and a tenant parking with nothing parked is lifted to the backlogged minimum; a fair wake admits with
+``QueueRule.CLASS`` (its order within the class is this lot's). "Ahead", "head" and "in its turn" below then mean the
+fair order (``_order``: the projection that charges each pick its estimate in turn); off, everything is as written. A head
 that waits although a slot is free (``Decision.idle_slot``: it finishes sooner on a busy engine, such as the one holding its
 prompt's prefix, or no free engine meets its deadline) does not hold the line for that slot: the wake passes it over (at
 most ``backfill_scan`` a wake), and an arrival whose every request ahead was last decided that way, with no slot freed
@@ -44,10 +50,12 @@ shape each) and, if that is past its bound, sheds it at once with the estimate a
   the requests served meet it and the others are told at once.
 
 A committed request is never shed for its bound again. It is served in its turn, before every request that parked after
-it (adaptive LIFO, below, reorders only a class none of whose requests is committed), except that a wake passes over a
-head that declines a free slot, as above. A committed request whose TTFT deadline passes is not shed either: its wakes
-decide it without the deadline, and its client gets the answer late rather than a 503 after its wait (a client for which
-a late answer is worthless closes the connection: the Check is cancelled and the request leaves the lot). What still
+it (adaptive LIFO, below, reorders only a class none of whose requests is committed; under fair share, before every
+later request of its own tenant, while a tenant with a lower counter may go first: fairshare.py says why that wait is
+bounded), except that a wake passes over a head that declines a free slot, as above. A committed request whose TTFT
+deadline passes is not shed either: its wakes decide it without the deadline, and its client gets the answer late
+rather than a 503 after its wait (a client for which a late answer is worthless closes the connection: the Check is
+cancelled and the request leaves the lot). What still
 answers a committed request without a slot: ``max_park_s`` (``park_timeout``, the backstop: a Check must be answered
 before Envoy's times out; reaching it means the estimate that committed the request was wrong by that much, an engine
 stalled or answers ran far past their expected length), and a wake that finds the fleet can no longer serve it at all
@@ -83,6 +91,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
+from controlplane.core.fairshare import ANONYMOUS, TenantCounters, TenantShare, service_order
 from controlplane.core.decide import (
     clamp_retry_after, decide, deadline_text, earliest_fit, expected_start, retry_after, shed,
 )
@@ -97,6 +106,7 @@ from controlplane.core.policy import Policy
 from controlplane.core.prefix import PrefixIndex, restarted
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenBook
 from controlplane.core.route import ServeCounter, SessionMap
+from controlplane.core.tenants import EMBEDDINGS_PATH
 
 
 PARK_CLASSES = (Priority.CRITICAL, Priority.STANDARD)
@@ -178,6 +188,9 @@ class AdmissionCore:
         """Parked requests last decided to wait although a slot was free (``Decision.idle_slot``: waiting for a busy
         engine, or no free one meets the deadline): the ``_frees`` count they were decided at and the engine they wait
         for. An arrival may pass them while nothing has freed since (see ``check``), counting them ahead on theirs."""
+        self.fair = TenantCounters()
+        """Each tenant's virtual token counter per model (core/fairshare.py): charged at every admission here,
+        corrected by ``settle_usage``; the order of a class's wake while ``policy.fairness.enabled``."""
         self._frees = 0
         """Slots freed so far (releases, reaped and lapsed tickets, reloads): a freed slot may be what a passable request
         waits for, so it must be decided again (the wake that follows does) before anyone passes it."""
@@ -364,7 +377,11 @@ class AdmissionCore:
         ttft_bound = limit is not None and limit < self.policy.max_park_s
         longest = limit if ttft_bound and limit is not None else self.policy.max_park_s
         entry = Parked(request_id, request, now, now + longest, ttft_bound, next(self._park_seq))
-        early = self._too_late(entry, self.queued_ahead(model, request.priority) + ahead_elsewhere, fleet, now)
+        tenant = _tenant_of(request)
+        backlogged = self._backlogged(model)
+        if tenant not in backlogged:  # back in line after none of its requests waited: no idle time banked
+            self.fair.lift(model, tenant, backlogged)
+        early = self._too_late(entry, self._ahead_at_park(model, klass, entry) + ahead_elsewhere, fleet, now)
         if early is not None:  # it would start past its bound: told now, with when it would have started
             return Outcome(request_id, early)
         self._lot.setdefault(model, {c: deque() for c in PARK_CLASSES})[klass].append(entry)
@@ -398,6 +415,7 @@ class AdmissionCore:
         """Undo an admission the shared store refused: no ticket, no serve counted, none of the prompt blocks it noted
         (``restore`` puts a woken one back)."""
         if outcome.ticket is not None and self.ledger.retract(outcome.ticket.ticket_id) is not None:
+            self.fair.retract(outcome.ticket.ticket_id)
             self.serves.remove(outcome.ticket.engine, now)
             self.index.note_serve(outcome.ticket.engine)
             self.prefixes.remove(outcome.ticket.engine, outcome.noted)
@@ -445,6 +463,10 @@ class AdmissionCore:
         ticket = self.ledger.release(ticket_id, now)
         if ticket is not None:
             self._frees += 1
+            if completed:  # its settle (the access log's usage) comes next
+                self.fair.close(ticket_id)
+            else:  # no usage will come: its estimate stands
+                self.fair.forget(ticket_id)
         if ticket is not None and completed:
             # How long a slot of this model is held per request, as achieved (the overload bound scales with it).
             held = max(0.0, now - ticket.admitted_at)
@@ -530,10 +552,18 @@ class AdmissionCore:
                 # newest-first.
                 lifo = self._lifo(queue, now) and not any(self._committed(p, now) for p in queue)
                 passed = 0  # heads that will not take a free slot: left parked, passed over
+                passed_ids: set[str] = set()
                 waiting: Counter[str] = Counter()  # the engines the passed heads wait for (each takes a slot there first)
+                fair = self.policy.fairness.enabled
                 while passed < len(queue):
-                    at = len(queue) - 1 - passed if lifo else passed
-                    head = queue[at]
+                    order: list[Parked] | None = None
+                    if fair:  # the lowest counter's next request; the order moves with every admission's charge
+                        order = [p for p in self._order(model, queue, lifo) if p.request_id not in passed_ids]
+                        head = order[0]
+                        at = next(i for i, p in enumerate(queue) if p is head)
+                    else:
+                        at = len(queue) - 1 - passed if lifo else passed
+                        head = queue[at]
                     request = head.request
                     committed = self._committed(head, now)
                     if request.max_ttft_ms:
@@ -562,6 +592,7 @@ class AdmissionCore:
                         if decision.waits_for is not None:
                             waiting[decision.waits_for] += 1
                         passed += 1
+                        passed_ids.add(head.request_id)
                         continue
                     self._passable.pop(head.request_id, None)
                     if decision.verdict is Verdict.PARK:
@@ -569,13 +600,15 @@ class AdmissionCore:
                         if self.policy.backfill:
                             def refresh() -> None:
                                 current[0] = self.refreshed(current[0], now)
-                            out.extend(self._backfill(model, klass, head, fleet_of, refresh, now, lifo))
+                            out.extend(self._backfill(model, klass, head, fleet_of, refresh, now, lifo,
+                                                      None if order is None else order[1:]))
                         break
                     del queue[at]
                     del self._where[head.request_id]
                     if decision.verdict is Verdict.ADMIT:
                         # Past a passed-over head the line is not the store's to check (as backfill): that head stays.
-                        rule = QueueRule.NONE if passed else QueueRule.NEWEST if lifo else QueueRule.OLDEST
+                        rule = QueueRule.NONE if passed else QueueRule.CLASS if fair else \
+                            QueueRule.NEWEST if lifo else QueueRule.OLDEST
                         out.append(self._admit(head.request_id, head.request, decision, now, now - head.parked_at,
                                                rule, head))
                         current[0] = self.refreshed(current[0], now)
@@ -607,7 +640,7 @@ class AdmissionCore:
         for model, queues in list(self._lot.items()):
             ahead = 0
             for klass in PARK_CLASSES:
-                for parked in list(queues[klass]):
+                for parked in self._order(model, queues[klass]):
                     decision = None
                     if parked.request_id in due:
                         candidates = [e for e in fleet.engines if e.serves(model)]
@@ -681,7 +714,7 @@ class AdmissionCore:
     def _backfill_arrival(self, request: InferenceRequest, model: str, fleet: Fleet, now: float,
                           parked: Decision) -> Decision:
         """A new arrival behind parked requests may start at once if it finishes before every head ahead of it could."""
-        heads = [q[0] for k, q in self._lot.get(model, {}).items()
+        heads = [self._order(model, q)[0] for k, q in self._lot.get(model, {}).items()
                  if q and PARK_CLASSES.index(k) <= PARK_CLASSES.index(_class_of(request))]
         starts = [earliest_fit(h.request, fleet, self.policy, now) for h in heads]
         if not starts or any(s is None for s in starts):
@@ -707,18 +740,68 @@ class AdmissionCore:
         fraction = self.policy.lifo_deadline_fraction
         return waited_ms > limit or bool(deadline_ms and fraction and waited_ms > deadline_ms * fraction)
 
+    # -- fair share (core/fairshare.py) -------------------------------------------------------------------------------
+    def _order(self, model: str, queue: Iterable[Parked], newest_first: bool = False) -> list[Parked]:
+        """The order ``queue`` (one class of ``model``, in parking order) is served in: parking order (``newest_first``:
+        adaptive LIFO's), or with fair share on, the tenants' counters' (``fairshare.service_order``; within a tenant,
+        parking order or newest first)."""
+        entries = list(queue)
+        if not self.policy.fairness.enabled:
+            return entries[::-1] if newest_first else entries
+        return service_order(entries, lambda p: _tenant_of(p.request), lambda t: self.fair.rank(model, t),
+                             self._cost, newest_first)
+
+    def _cost(self, parked: Parked) -> float:
+        """What serving ``parked`` is expected to add to its tenant's counter."""
+        return self.policy.fairness.cost(_tenant_of(parked.request), *self._expected_tokens(parked.request))
+
+    def _expected_tokens(self, request: InferenceRequest) -> tuple[float, float]:
+        """A request's charge before it runs: its prompt estimate and its expected output (the model's learned mean,
+        else ``default_expected_output_tokens``, never past its ``max_tokens``; none for embeddings)."""
+        if request.path == EMBEDDINGS_PATH or request.model is None:
+            return float(request.prompt_tokens), 0.0
+        typical = self.output_lengths.expected(request.model) or float(self.policy.default_expected_output_tokens)
+        return float(request.prompt_tokens), min(typical, float(request.max_tokens)) if request.max_tokens else typical
+
+    def _backlogged(self, model: str) -> set[str]:
+        """The tenants with a request of ``model`` parked here."""
+        return {_tenant_of(p.request) for q in self._lot.get(model, {}).values() for p in q}
+
+    def _ahead_at_park(self, model: str, klass: Priority, entry: Parked) -> int:
+        """Requests served before ``entry`` if it parked now: every one of a higher class, and those of its class
+        before it in the class's order (all of them in parking order; under fair share, its place by the counters)."""
+        queues = self._lot.get(model, {})
+        higher = sum(len(queues.get(c, ())) for c in PARK_CLASSES[:PARK_CLASSES.index(klass)])
+        queue = list(queues.get(klass, ()))
+        if not self.policy.fairness.enabled:
+            return higher + len(queue)
+        return higher + next(i for i, p in enumerate(self._order(model, [*queue, entry])) if p is entry)
+
+    def settle_usage(self, ticket_id: str, prompt_tokens: int, completion_tokens: int) -> float | None:
+        """What a finished request really used (the access log): its tenant's counter is corrected from the estimate
+        it was charged at admission. None: no charge of that ticket here (another replica admitted it)."""
+        return self.fair.settle(ticket_id, prompt_tokens, completion_tokens, self.policy.fairness)
+
+    def tenant_shares(self) -> list[TenantShare]:
+        """Every tenant's counter, served tokens and parked requests, per model (admin, metrics)."""
+        waiting: Counter[tuple[str, str]] = Counter(
+            (model, _tenant_of(p.request)) for model, queues in self._lot.items() for q in queues.values() for p in q)
+        return self.fair.shares(waiting)
+
     def _backfill(self, model: str, klass: Priority, head: Parked, fleet_of: Callable[[], Fleet],
-                  refresh: Callable[[], None], now: float, lifo: bool = False) -> list[Outcome]:
+                  refresh: Callable[[], None], now: float, lifo: bool = False,
+                  behind: list[Parked] | None = None) -> list[Outcome]:
         """EASY backfilling behind a blocked head: admit a later request of the class that fits now and is expected to
         finish before the head could start, so the head's start is not pushed back (under adaptive LIFO the head is
-        the newest and "later" means older)."""
+        the newest and "later" means older; under fair share, ``behind``: the requests after the head in the fair
+        order)."""
         head_start = earliest_fit(head.request, fleet_of(), self.policy, now)
         if head_start is None:
             return []
         out = []
         queue = self._lot[model][klass]
-        order = list(reversed(queue)) if lifo else list(queue)
-        for parked in order[1:self.policy.backfill_scan + 1]:
+        order = (list(reversed(queue)) if lifo else list(queue))[1:] if behind is None else behind
+        for parked in order[:self.policy.backfill_scan]:
             decision = decide(parked.request, fleet_of(), self.policy, now, 0,
                               self.sessions.get(parked.request.session), self.draw(),
                               cached=self.expected_cached(parked.request),
@@ -742,6 +825,8 @@ class AdmissionCore:
         self.serves.add(decision.engine, now)
         self.index.note_serve(decision.engine)
         self.sessions.set(request.session, decision.engine)
+        self.fair.charge(ticket.ticket_id, request.model, _tenant_of(request), *self._expected_tokens(request),
+                         self.policy.fairness)
         noted = self.prefixes.note(decision.engine, request.prefix_blocks) if self.policy.prefix_routing else ()
         return Outcome(request_id, decision, ticket, parked_for, rule, parked, noted)
 
@@ -749,6 +834,10 @@ class AdmissionCore:
 def _without_deadline(request: InferenceRequest) -> InferenceRequest:
     """``request`` as if it had no TTFT deadline (a committed request whose deadline passed)."""
     return replace(request, max_ttft_ms=None, ttft_headroom_ms=0)
+
+
+def _tenant_of(request: InferenceRequest) -> str:
+    return request.tenant or ANONYMOUS
 
 
 def _class_of(request: InferenceRequest) -> Priority:

@@ -214,6 +214,9 @@ class QueueRule(enum.StrEnum):
     """A woken head in FIFO order: it must be the oldest of its class everywhere, and no higher class may be parked."""
     NEWEST = "newest"
     """A woken head under adaptive LIFO: it must be the newest of its class, and no higher class may be parked."""
+    CLASS = "class"
+    """A woken head picked by tenant fair share (core/fairshare.py): no higher class may be parked; its place within its
+    class is its replica's lot's to decide (the shared line keeps parking order, which fair share does not follow)."""
 
 
 class Priority(enum.StrEnum):
@@ -339,6 +342,8 @@ class InferenceRequest:
     """Affinity key (``x-sluice-session``)."""
     prefix_blocks: tuple[int, ...] = ()
     """Chained hashes of the canonically rendered prompt's blocks (core/prefix.py); empty when prefix routing is off."""
+    tenant: str | None = None
+    """The configured tenant whose key sent it (core/tenants.py); None: no tenant (one tenant for fair share)."""
 
     def planned_ttft_s(self) -> float | None:
         """The deadline decisions plan for, in seconds (the deadline less its headroom); None without a deadline."""

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from controlplane.core.fairshare import FairShare
+
 @dataclass(frozen=True, slots=True)
 class ModelPolicy:
     decode_floor_tokens_per_s: float | None = None
@@ -169,6 +171,9 @@ class Policy:
     version_floors: tuple[tuple[str, str], ...] = ()
     """(pattern, minimum version): a model whose id contains ``pattern`` (case-insensitive) needs engines at or above it."""
     boxes: tuple[Box, ...] = ()
+    fairness: FairShare = field(default_factory=FairShare)
+    """How a parking class is shared among tenants (core/fairshare.py; the ``fairness`` section and each tenant's
+    ``weight``). Off: the lot's order is FIFO (adaptive LIFO aside)."""
 
     def __post_init__(self) -> None:
         if type(self.models) is not MappingProxyType:

@@ -62,6 +62,9 @@ class Tenant:
     """Per model: the tenant's share of that model (a second scope on the same charge)."""
     models_allowed: frozenset[str] | None = None
     """None: every model."""
+    weight: float | None = None
+    """Its weight in fair share (core/fairshare.py; None: ``fairness.default_weight``): while backlogged, a tenant of
+    weight 2 is served twice the tokens of one of weight 1."""
 
     def __post_init__(self) -> None:
         if type(self.model_limits) is not MappingProxyType:

@@ -7,7 +7,9 @@ are counted and otherwise ignored. Envoy never gets a reply on this stream.
 Every admitted request's first token is timed here (``first_token``): the engine's TTFT as clients saw it, which the
 estimate's error and the TTFT feedback learn from (``CompletionPort.note_first_token``).
 
-A tenant's request (its entry's ext_authz metadata names the tenant) is also settled here: what it really used
+Every admitted request's usage, when its entry tells it, corrects its tenant's fair-share counter
+(``CompletionPort.settle_usage``, core/fairshare.py). A tenant's request (its entry's ext_authz metadata names the
+tenant) is also settled here: what it really used
 (``core/tenants.py``'s ``settled_usage``: the engine's ``usage`` object, else the prompt estimate plus the content
 deltas) comes from the ``sluice.usage`` metadata Envoy's Lua response filter wrote while the body streamed by
 (``xds/resources.py``), and replaces the pre-charge (``quota.py``).
@@ -88,8 +90,15 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
         ticket_id = authz["ticket"].string_value
         ticket = plane.release_ticket(ticket_id)
         plane.metrics.access_log_entries.labels("released" if ticket else "unknown_ticket").inc()
+        seen = self._observed(entry, authz)
+        usage = settled_usage(seen)
         if "tenant" in authz and self.quota is not None:
-            self._settle(entry, ticket_id, authz)
+            charged = "charged" in authz and authz["charged"].bool_value
+            self.quota.settle(authz["tenant"].string_value, ticket_id if charged else None, usage)
+        if usage.reported or "tenant" in authz or not (seen.reached_engine and seen.status < 400):
+            # What it really used (the deltas are counted for tenants' streams only): its tenant's fair-share counter
+            # is corrected from the admission's estimate. Else the estimate stands.
+            plane.settle_usage(ticket_id, usage)
         if ticket is not None:
             timing = first_token(entry)
             if timing is not None:
@@ -110,10 +119,10 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
         self.plane.note_prompt_tokens(ticket, shape, int(authz["prompt_tokens"].number_value),
                                       int(usage["prompt_tokens"].number_value))
 
-    def _settle(self, entry: Any, ticket_id: str, authz: Any) -> None:
-        """A tenant's finished request: its usage from the Lua filter's metadata (or the prompt estimate and the deltas
-        it counted), settled against its pre-charge when it had one."""
-        assert self.quota is not None
+    @staticmethod
+    def _observed(entry: Any, authz: Any) -> ObservedResponse:
+        """A finished request's response as its entry tells it: the Lua filter's usage metadata (the engine's usage
+        object, or the deltas it counted for a tenant's stream), the Check's prompt estimate, the status."""
         props = entry.common_properties
         usage = props.metadata.filter_metadata[USAGE_NAMESPACE].fields \
             if USAGE_NAMESPACE in props.metadata.filter_metadata else {}
@@ -121,14 +130,12 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
         def count(name: str) -> int | None:
             return int(usage[name].number_value) if name in usage else None
 
-        seen = ObservedResponse(
+        return ObservedResponse(
             prompt_estimate=int(authz["prompt_tokens"].number_value) if "prompt_tokens" in authz else 0,
             status=entry.response.response_code.value,
             reached_engine=props.HasField("time_to_last_upstream_tx_byte"),
             deltas=count("deltas") or 0, prompt_tokens=count("prompt_tokens"),
             completion_tokens=count("completion_tokens"), total_tokens=count("total_tokens"))
-        charged = "charged" in authz and authz["charged"].bool_value
-        self.quota.settle(authz["tenant"].string_value, ticket_id if charged else None, settled_usage(seen))
 
     def _note_engine_failure(self, entry: Any) -> None:
         """An engine that failed a request before its first byte leaves the candidates at once (``note_engine_failure``),

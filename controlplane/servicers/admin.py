@@ -13,7 +13,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from controlplane.servicers.adminauth import AdminGuard, audit
-from controlplane.servicers.admin_views import engine_proto, explain_proto, explain_request, status_proto, tenant_proto
+from controlplane.servicers.admin_views import (
+    engine_proto, explain_proto, explain_request, fair_share_proto, status_proto, tenant_proto,
+)
 from controlplane.policytext import policy_yaml
 from controlplane.core.decide import explain
 from controlplane.core.model import EngineView, Fleet, Priority
@@ -126,7 +128,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.ListTenantsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> admin_pb2.ListTenantsResponse:
         await self.guard.require(context, "ListTenants", mutating=False)
-        return admin_pb2.ListTenantsResponse(tenants=[tenant_proto(u) for u in await self.plane.tenant_usage()])
+        share = self.plane.policy.fairness
+        return admin_pb2.ListTenantsResponse(tenants=[tenant_proto(u, share) for u in await self.plane.tenant_usage()],
+                                             fairness=fair_share_proto(share, self.plane.tenant_shares()))
 
     def _engine(self, e: EngineView, fleet: Fleet, now: float) -> admin_pb2.Engine:
         model = e.models[0].model_id if e.models else None

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from controlplane.core.explain import EngineExplanation
+from controlplane.core.fairshare import FairShare, TenantShare
 from controlplane.core.feedback import TtftSummary
 from controlplane.core.prompt_tokens import PromptTokenRules, PromptTokenSummary
 from controlplane.core.fit import effective_load
@@ -138,12 +139,22 @@ def explain_proto(decision: Decision, ahead: int, explanations: Sequence[EngineE
     )
 
 
-def tenant_proto(usage: TenantUsage) -> admin_pb2.Tenant:
+def tenant_proto(usage: TenantUsage, share: FairShare = FairShare()) -> admin_pb2.Tenant:
     """A tenant and its limits as they stand; its key digests stay in the config (only their number is shown)."""
     t = usage.tenant
     return admin_pb2.Tenant(
-        name=t.name, keys=len(t.key_digests), default_priority=t.default_priority.value,
+        name=t.name, keys=len(t.key_digests), weight=share.weight(t.name), default_priority=t.default_priority.value,
         max_priority=t.max_priority.value, models_allowed=sorted(t.models_allowed or ()), error=usage.error,
         limits=[admin_pb2.TenantLimit(scope=s.key, kind=s.kind.value, limit=s.limit, remaining=s.remaining,
                                       used=s.limit - s.remaining, reset_seconds=round(s.reset_s, 3))
                 for s in usage.states])
+
+
+def fair_share_proto(share: FairShare, standings: Iterable[TenantShare]) -> admin_pb2.FairShare:
+    """Fair share's settings and every (model, tenant)'s standing on this replica (core/fairshare.py)."""
+    return admin_pb2.FairShare(
+        enabled=share.enabled, mode=share.mode.value, prompt_weight=share.prompt_weight,
+        output_weight=share.output_weight,
+        shares=[admin_pb2.TenantShare(model=t.model, tenant=t.tenant, weight=share.weight(t.tenant),
+                                      counter=round(t.counter, 1), served_tokens=round(t.served_tokens),
+                                      waiting=t.waiting) for t in standings])

@@ -218,7 +218,7 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
             return _Gate(request_id, parsed, Outcome(request_id, Decision(
                 Verdict.REJECT, Reason.MODEL_NOT_ALLOWED,
                 detail=f"This API key may not use the model {parsed.model!r}")))
-        parsed = replace(parsed, priority=tenant_priority(tenant, asked_priority, parsed.priority))
+        parsed = replace(parsed, priority=tenant_priority(tenant, asked_priority, parsed.priority), tenant=tenant.name)
         if len(request_id) > MAX_CHARGED_REQUEST_ID:  # a client's own x-request-id, too long to name a charge
             self._in_flight.discard(request_id)
             request_id = self._unique(uuid.uuid4().hex)

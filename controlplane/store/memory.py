@@ -206,7 +206,7 @@ class MemoryStore:
         if claim.queue is not QueueRule.NONE:
             higher = claim.klass if claim.queue is not QueueRule.ARRIVAL else claim.klass + 1
             queued = any(s.first(model, k) is not None for k in range(higher))
-            if not queued and claim.queue is not QueueRule.ARRIVAL:
+            if not queued and claim.queue not in (QueueRule.ARRIVAL, QueueRule.CLASS):
                 head = s.first(model, claim.klass, newest=claim.queue is QueueRule.NEWEST)
                 queued = head is not None and head != mine
             if queued:

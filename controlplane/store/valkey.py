@@ -222,7 +222,7 @@ if rule ~= 'none' then
   if rule == 'arrival' then higher = klass + 1 end
   local queued = false
   for k = 0, higher - 1 do if first(model, k, false) then queued = true break end end
-  if not queued and rule ~= 'arrival' then
+  if not queued and rule ~= 'arrival' and rule ~= 'class' then
     local head = first(model, klass, rule == 'newest')
     queued = head ~= nil and head ~= mine
   end

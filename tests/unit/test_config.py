@@ -136,6 +136,7 @@ def test_changed_sections_and_restarts_follow_reloadable() -> None:
         "observe.on_stale": {**ONE, "observe": {"on_stale": "closed"}},
         "engines": {"engines": [{"name": "a", "url": "http://127.0.0.1:2"}]},
         "tenants": {**ONE, "tenants": {"acme": {"keys": ["a" * 64]}}},
+        "fairness": {**ONE, "fairness": {"enabled": True}},
     }
     assert set(variants) == set(RELOADABLE)
     for name, raw in variants.items():

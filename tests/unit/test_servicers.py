@@ -18,6 +18,7 @@ from google.protobuf import duration_pb2, struct_pb2
 from controlplane.servicers.accesslog import AccessLogServicer, first_token
 from controlplane.core.feedback import FirstToken, TtftSummary
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules, PromptTokenSummary, TokenRule
+from controlplane.core.tenants import Usage
 from controlplane.servicers.admin import AdminServicer
 from controlplane.servicers.adminauth import AdminGuard, Token
 from controlplane.core.model import (
@@ -41,6 +42,7 @@ class FakeCompletions:
     failures: list[tuple[str, str]] = field(default_factory=list)
     first_tokens: list[tuple[str, FirstToken]] = field(default_factory=list)
     prompts: list[tuple[PromptShape, int, int]] = field(default_factory=list)
+    settled: list[tuple[str, Usage]] = field(default_factory=list)
 
     def release_ticket(self, ticket_id: str) -> Ticket | None:
         self.released.append(ticket_id)
@@ -57,6 +59,9 @@ class FakeCompletions:
 
     def note_prompt_tokens(self, ticket: Ticket, shape: PromptShape, estimated: int, counted: int) -> None:
         self.prompts.append((shape, estimated, counted))
+
+    def settle_usage(self, ticket_id: str, usage: Usage) -> None:
+        self.settled.append((ticket_id, usage))
 
 
 def entry(*, ticket: str | None, code: int, first_byte: bool, connect_failure: bool = False) -> Any:

@@ -150,6 +150,21 @@ async def test_newest_rule_serves_the_line_from_its_tail(stores: Factory) -> Non
     assert (await b.reserve(Claim(ticket("new"), cap=None, kv_limit=None, queue=QueueRule.NEWEST, klass=1))).ok
 
 
+async def test_class_rule_checks_higher_classes_not_the_order_within(stores: Factory) -> None:
+    """``QueueRule.CLASS`` (a fair-share wake, core/fairshare.py): any member of the line may go, on any replica, while
+    no higher class is parked anywhere; it leaves the line."""
+    a, b = stores("a"), stores("b")
+    await a.park("m", 1, "old", BASE)
+    await b.park("m", 1, "new", BASE)
+    assert (await b.reserve(Claim(ticket("new"), cap=None, kv_limit=None, queue=QueueRule.CLASS, klass=1))).ok
+    assert await a.members("m", 1) == ["old"] and await b.members("m", 1) == []
+    await b.park("m", 0, "urgent", BASE)
+    assert (await a.reserve(Claim(ticket("old"), cap=None, kv_limit=None, queue=QueueRule.CLASS, klass=1))).refusal \
+        is Refusal.QUEUED
+    assert (await b.reserve(Claim(ticket("urgent"), cap=None, kv_limit=None, queue=QueueRule.CLASS, klass=0))).ok
+    assert (await a.reserve(Claim(ticket("old"), cap=None, kv_limit=None, queue=QueueRule.CLASS, klass=1))).ok
+
+
 async def test_a_dead_replicas_parked_requests_stop_holding_the_line(stores: Factory) -> None:
     a, b = stores("a"), stores("b")
     await a.heartbeat(0.2)

@@ -210,6 +210,7 @@ async def test_an_unreachable_store_fails_open_or_closed(on_failure: str) -> Non
 class Completions:
     def __init__(self) -> None:
         self.metrics = SluiceMetrics()
+        self.settled: list[tuple[str, Usage]] = []
 
     def release_ticket(self, ticket_id: str) -> Ticket | None:
         return Ticket(ticket_id, "thor", "cortex", 0.0, 0.0)
@@ -225,6 +226,9 @@ class Completions:
 
     def note_prompt_tokens(self, ticket: Ticket, shape: PromptShape, estimated: int, counted: int) -> None:
         pass
+
+    def settle_usage(self, ticket_id: str, usage: Usage) -> None:
+        self.settled.append((ticket_id, usage))
 
 
 def _entry(ticket: str, usage: dict[str, float], *, charged: bool = True, code: int = 200) -> Any:

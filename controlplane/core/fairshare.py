@@ -1,0 +1,262 @@
+"""Tenant fair share inside a parking class: a virtual token counter per tenant (pure: no I/O, no clock).
+
+The Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), per model (tokens
+of different models are not the same work, and each model's line is served by its own engines):
+
+- **Charge.** A tenant's counter advances by the tokens it is served, weighted, over the tenant's weight::
+
+      counter[model][tenant] += (prompt_weight x prompt_tokens + output_weight x output_tokens) / weight(tenant)
+
+  At admission the request is charged its prompt estimate and its expected output (the model's learned mean answer,
+  else ``default_expected_output_tokens``, never more than its ``max_tokens``): a wake's next pick must already see
+  what the last one will cost. When the access log settles what it really used (the engine's ``usage``, or a tenant's
+  counted deltas), the counter is corrected by the difference (``settle``). An admission the shared store refuses is
+  taken back whole (``retract``); a ticket that closes without usage (a lapsed lease, an access-log entry without a
+  count) keeps its estimate.
+- **Lift.** A tenant that parks a request while it has none parked for that model is lifted to the lowest counter among
+  the model's backlogged tenants (those with a request parked), or, with none, to the counter of the tenant served last:
+  idle time is not banked, so a tenant back from a quiet hour gets its share from now on, not the hour's worth.
+- **Pick.** Within a parking class the next request is the oldest parked one of the tenant with the lowest counter (ties:
+  the tenant served less, its counter without lifts; then the tenant whose next request parked first).
+  ``service_order`` projects the whole class's order by charging each pick its estimate in turn: the order a wake
+  serves it in if nothing changes, and each request's place for shed-early. The tie rule is what a light tenant gets
+  from being light: lifted level with a backlogged heavy one, it goes first, once (its charge then puts it behind);
+  with the paper's tie (arrival order) it would wait for the heavy tenant's oldest request at every return, a slot's
+  turnover more on every request (``bench fairness``: b's wait in the lot at p50 about twice as long).
+
+Requests without a tenant form one tenant, ``ANONYMOUS``. With one tenant the order is the parking order (FIFO).
+
+**No starvation.** Among tenants: the lowest counter is served next and every pick raises its tenant's counter by a
+positive charge, while a lifted tenant starts at the backlogged minimum, not below it; so a backlogged tenant's counter
+is within one request's charge of the minimum after a bounded amount of others' service (the paper's bound: about
+``2 x (prompt_weight x prompt + output_weight x max_output)`` per other tenant), and its head is then picked. Within a
+tenant: its own requests in parking order. A pick that does not fit stops its class's wake (head-of-line, as FIFO),
+so a large request is not overtaken for ever by small ones of the same class; and ``max_park_s`` still answers every
+parked request.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol, TypeVar
+
+ANONYMOUS = ""
+"""The tenant of every request that names none (no tenant configured, or ``GET``-only paths): one tenant."""
+
+SETTLE_AFTER_RELEASE = 10_000
+"""Released tickets whose charge still waits for its settle (the access log releases a ticket before it settles it)."""
+
+
+class FairMode(enum.StrEnum):
+    """``fairness.enabled``."""
+
+    AUTO = "auto"
+    """On as soon as one tenant is configured (tenants are why fairness exists); off without tenants (every request is
+    one tenant's, so the order would be FIFO anyway)."""
+    ON = "on"
+    OFF = "off"
+    """The parking lot's order exactly as without this module: FIFO (adaptive LIFO aside)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FairShare:
+    """How the lot shares a class among tenants (the ``fairness`` config section and each tenant's ``weight``)."""
+
+    enabled: bool = False
+    """Resolved from ``mode`` (``auto``: whether tenants are configured)."""
+    mode: FairMode = FairMode.AUTO
+    prompt_weight: float = 1.0
+    """What a prompt token costs a counter (the paper: 1), > 0."""
+    output_weight: float = 2.0
+    """What an output token costs a counter (the paper: 2: decoding a token costs more than prefilling one), >= 0."""
+    weights: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    """Tenant -> weight (> 0; absent: ``default_weight``). A tenant of weight 2 is served twice the tokens of one of
+    weight 1 while both are backlogged."""
+    default_weight: float = 1.0
+    """The weight of a tenant without its own, and of ``ANONYMOUS``."""
+
+    def __post_init__(self) -> None:
+        if type(self.weights) is not MappingProxyType:
+            object.__setattr__(self, "weights", MappingProxyType(dict(self.weights)))
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, self.default_weight)
+
+    def cost(self, tenant: str, prompt_tokens: float, output_tokens: float) -> float:
+        """What serving these tokens adds to ``tenant``'s counter."""
+        return (self.prompt_weight * prompt_tokens + self.output_weight * output_tokens) / self.weight(tenant)
+
+
+class Waiting(Protocol):
+    """A parked request as the fair order reads it (``admission.Parked``)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def seq(self) -> int: ...
+
+
+@dataclass(slots=True)
+class _Charge:
+    model: str
+    tenant: str
+    prompt_tokens: float
+    output_tokens: float
+    cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class TenantShare:
+    """One tenant's standing for one model (``sluice admin tenants``, the metrics)."""
+
+    model: str
+    tenant: str
+    counter: float
+    """Its virtual token counter (weighted tokens / weight; only differences between tenants matter)."""
+    served_tokens: float
+    """Tokens served to it by this replica's admissions (prompt + output, unweighted; estimates until settled)."""
+    waiting: int = 0
+    """Its requests parked for the model on this replica."""
+
+
+class TenantCounters:
+    """The counters, by model then tenant, and the open charges that ``settle`` corrects."""
+
+    def __init__(self) -> None:
+        self._counters: dict[str, dict[str, float]] = {}
+        self._raw: dict[str, dict[str, float]] = {}
+        """The counters without lifts (weighted service alone): who has been served less, for ties."""
+        self._served: dict[str, dict[str, float]] = {}
+        self._last: dict[str, str] = {}
+        """model -> the tenant charged last: a tenant that parks while none is backlogged is lifted to its counter."""
+        self._open: dict[str, _Charge] = {}
+        """Charges of open tickets, by ticket id."""
+        self._closed: OrderedDict[str, _Charge] = OrderedDict()
+        """Charges of released tickets whose settle has not come (bounded by ``SETTLE_AFTER_RELEASE``)."""
+
+    def counter(self, model: str, tenant: str) -> float:
+        return self._counters.get(model, {}).get(tenant, 0.0)
+
+    def rank(self, model: str, tenant: str) -> tuple[float, float]:
+        """A tenant's place in the pick: its counter, then (ties) its weighted service without lifts."""
+        return self.counter(model, tenant), self._raw.get(model, {}).get(tenant, 0.0)
+
+    def lift(self, model: str, tenant: str, backlogged: Iterable[str]) -> float:
+        """``tenant`` becomes backlogged for ``model`` (it had nothing parked): its counter is raised to the lowest among
+        the ``backlogged`` tenants, or with none to the counter of the tenant charged last. Returns its counter."""
+        others = [self.counter(model, t) for t in backlogged if t != tenant]
+        if others:
+            floor = min(others)
+        elif model in self._last:
+            floor = self.counter(model, self._last[model])
+        else:
+            floor = 0.0
+        counters = self._counters.setdefault(model, {})
+        counters[tenant] = max(counters.get(tenant, 0.0), floor)
+        return counters[tenant]
+
+    def charge(self, ticket_id: str, model: str, tenant: str, prompt_tokens: float, output_tokens: float,
+               share: FairShare) -> float:
+        """An admission: ``tenant``'s counter advances by the request's estimated cost (returned)."""
+        cost = share.cost(tenant, prompt_tokens, output_tokens)
+        counters = self._counters.setdefault(model, {})
+        counters[tenant] = counters.get(tenant, 0.0) + cost
+        raw = self._raw.setdefault(model, {})
+        raw[tenant] = raw.get(tenant, 0.0) + cost
+        served = self._served.setdefault(model, {})
+        served[tenant] = served.get(tenant, 0.0) + prompt_tokens + output_tokens
+        self._last[model] = tenant
+        self._open[ticket_id] = _Charge(model, tenant, prompt_tokens, output_tokens, cost)
+        return cost
+
+    def retract(self, ticket_id: str) -> bool:
+        """An admission undone (the shared store refused it): its charge is taken back whole."""
+        charge = self._open.pop(ticket_id, None)
+        if charge is None:
+            return False
+        self._counters[charge.model][charge.tenant] -= charge.cost
+        self._raw[charge.model][charge.tenant] -= charge.cost
+        self._served[charge.model][charge.tenant] -= charge.prompt_tokens + charge.output_tokens
+        return True
+
+    def close(self, ticket_id: str) -> None:
+        """The ticket was released: its charge waits a while for its settle (the access log settles right after)."""
+        charge = self._open.pop(ticket_id, None)
+        if charge is None:
+            return
+        self._closed[ticket_id] = charge
+        while len(self._closed) > SETTLE_AFTER_RELEASE:
+            self._closed.popitem(last=False)
+
+    def forget(self, ticket_id: str) -> None:
+        """No usage will come (a lapsed lease): the estimate stands."""
+        self._open.pop(ticket_id, None)
+        self._closed.pop(ticket_id, None)
+
+    def settle(self, ticket_id: str, prompt_tokens: int, output_tokens: int, share: FairShare) -> float | None:
+        """What the request really used: its tenant's counter (and served tokens) are corrected from the estimate it
+        was charged. Returns the correction, or None if the ticket's charge is unknown here (another replica's)."""
+        charge = self._open.pop(ticket_id, None) or self._closed.pop(ticket_id, None)
+        if charge is None:
+            return None
+        cost = share.cost(charge.tenant, prompt_tokens, output_tokens)
+        delta = cost - charge.cost
+        self._counters[charge.model][charge.tenant] += delta
+        self._raw[charge.model][charge.tenant] += delta
+        self._served[charge.model][charge.tenant] += prompt_tokens + output_tokens - charge.prompt_tokens \
+            - charge.output_tokens
+        return delta
+
+    def shares(self, waiting: Mapping[tuple[str, str], int] | None = None) -> list[TenantShare]:
+        """Every (model, tenant) known here, by model then tenant, with how many wait (``waiting``)."""
+        waiting = waiting or {}
+        keys = {(m, t) for m, counters in self._counters.items() for t in counters} | set(waiting)
+        return [TenantShare(m, t, self.counter(m, t), self._served.get(m, {}).get(t, 0.0), waiting.get((m, t), 0))
+                for m, t in sorted(keys)]
+
+
+_Entry = tuple[float, float, int, str]
+_W = TypeVar("_W", bound=Waiting)
+
+
+def service_order(entries: Sequence[_W], tenant_of: Callable[[_W], str],
+                  rank_of: Callable[[str], tuple[float, float]], cost_of: Callable[[_W], float],
+                  newest_first: bool = False) -> list[_W]:
+    """The order a class's parked ``entries`` (in parking order) are served in by fair share: repeatedly the next
+    request of the tenant with the lowest rank (``rank_of``: its counter, then its service without lifts; last ties:
+    the tenant whose next request parked first), that tenant's counter and service then advanced by the request's
+    estimated cost (``cost_of``, already over its weight). Within a tenant, parking order (``newest_first``: newest
+    first, for adaptive LIFO)."""
+    by_tenant: dict[str, list[_W]] = {}
+    for entry in entries:
+        by_tenant.setdefault(tenant_of(entry), []).append(entry)
+    if len(by_tenant) <= 1:
+        return list(reversed(entries)) if newest_first else list(entries)
+    for queue in by_tenant.values():
+        if newest_first:
+            queue.reverse()
+    heap: list[_Entry] = []
+    at = {tenant: 0 for tenant in by_tenant}
+    for tenant, queue in by_tenant.items():
+        counter, raw = rank_of(tenant)
+        heapq.heappush(heap, (counter, raw, _tie(queue[0], newest_first), tenant))
+    out: list[_W] = []
+    while heap:
+        counter, raw, _, tenant = heapq.heappop(heap)
+        queue = by_tenant[tenant]
+        entry = queue[at[tenant]]
+        out.append(entry)
+        at[tenant] += 1
+        if at[tenant] < len(queue):
+            cost = cost_of(entry)
+            heapq.heappush(heap, (counter + cost, raw + cost, _tie(queue[at[tenant]], newest_first), tenant))
+    return out
+
+
+def _tie(entry: Waiting, newest_first: bool) -> int:
+    return -entry.seq if newest_first else entry.seq
