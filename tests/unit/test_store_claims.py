@@ -9,58 +9,11 @@ Liveness: a replica whose heartbeat lapsed is removed at once by ``reap``, its m
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import pytest
 
 from controlplane.store.base import Claim, EventKind, QueueRule, Refusal, Store, StoreEvent
-from controlplane.store.memory import MemoryState, MemoryStore
-from controlplane.store.valkey import ValkeyStore
-from controlplane.store.valkeyserver import ValkeyServer
-from tests.unit.test_store_contract import BASE, ticket, valkey  # noqa: F401  (valkey: the module's server fixture)
-
-_prefixes = itertools.count()
-
-
-@dataclass
-class Handles:
-    """Handles on ONE shared store: ``get`` one per replica id (opened once), ``new`` another handle of an id."""
-
-    make: Callable[[str], Store]
-    made: list[Store] = field(default_factory=list)
-    named: dict[str, Store] = field(default_factory=dict)
-
-    async def new(self, replica: str) -> Store:
-        store = self.make(replica)
-        await store.open()
-        self.made.append(store)
-        return store
-
-    async def get(self, replica: str) -> Store:
-        if replica not in self.named:
-            self.named[replica] = await self.new(replica)
-        return self.named[replica]
-
-
-@pytest.fixture(params=["memory", "valkey"])
-async def handles(request: pytest.FixtureRequest) -> AsyncIterator[Handles]:
-    if request.param == "memory":
-        state = MemoryState()
-
-        def make(replica: str) -> Store:
-            return MemoryStore(state, replica)
-    else:
-        server: ValkeyServer = request.getfixturevalue("valkey")
-        prefix = f"c{next(_prefixes)}"
-
-        def make(replica: str) -> Store:
-            return ValkeyStore(server.url, replica, prefix=prefix)
-    made = Handles(make)
-    yield made
-    for store in made.made:
-        await store.close()
+from tests.unit.sharedstore import BASE, Handles, handles, ticket, valkey  # noqa: F401  (fixtures)
 
 
 def claim(tid: str, queue: QueueRule = QueueRule.ARRIVAL, cap: int | None = None, fresh_s: float = 5.0,

