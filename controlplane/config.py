@@ -1100,6 +1100,8 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
                                        maximum=4096, integer=True)),
         prefix_max_replicas=int(c.number("admission.prefix_max_replicas", ad["prefix_max_replicas"], minimum=0,
                                          integer=True)),
+        prefix_load_headroom=float(c.number("admission.prefix_load_headroom", ad["prefix_load_headroom"],
+                                            minimum=0.0)),
         prefix_index_blocks=int(c.number("admission.prefix_index_blocks", ad["prefix_index_blocks"], minimum=0,
                                          integer=True)),
         prefix_eviction_charge=float(c.number("admission.prefix_eviction_charge", ad["prefix_eviction_charge"],

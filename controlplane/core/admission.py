@@ -224,6 +224,13 @@ class AdmissionCore:
         return {engine: int(blocks * per_block)
                 for engine, blocks in self.prefixes.displaced(request.prefix_blocks, held).items()}
 
+    def prefix_share(self, request: InferenceRequest) -> float:
+        """``request``'s prefix's share of recent admissions (prefix.py; 0: unknown, or prefix routing off): how many
+        engines it may occupy (decide.holders_limit)."""
+        if not request.prefix_blocks or not self.policy.prefix_routing:
+            return 0.0
+        return self.prefixes.share(request.prefix_blocks)
+
     def note_cache_view(self, view: EngineView) -> str | None:
         """A probe or an operator changed what is known of an engine: its KV capacity bounds its share of the prefix
         index; if it restarted (a cumulative counter went backwards) or is drained, it holds nothing any more. Returns
@@ -337,7 +344,7 @@ class AdmissionCore:
         decision = decide(request, fleet, self.policy, now, 0 if passing else ahead,
                           self.sessions.get(request.session), self.draw(), arriving=True,
                           cached=self.expected_cached(request), waiting=waiting,
-                          displaced=self.expected_displaced(request))
+                          displaced=self.expected_displaced(request), prefix_share=self.prefix_share(request))
         rule = QueueRule.NONE if passing else QueueRule.ARRIVAL
         if decision.verdict is Verdict.PARK and ahead and not passing and self.policy.backfill and model is not None:
             decision = self._backfill_arrival(request, model, fleet, now, decision)
@@ -577,14 +584,14 @@ class AdmissionCore:
                     decision = decide(request, fleet_of(), self.policy, now, 0,
                                       self.sessions.get(request.session), self.draw(), behind,
                                       cached=self.expected_cached(request), waiting=waiting,
-                          displaced=self.expected_displaced(request))
+                          displaced=self.expected_displaced(request), prefix_share=self.prefix_share(request))
                     if committed and decision.reason is Reason.TTFT_UNMEETABLE:
                         # Committed: its deadline no longer sheds it; it is served in its turn, late.
                         request = _without_deadline(request)
                         decision = decide(request, fleet_of(), self.policy, now, 0,
                                           self.sessions.get(request.session), self.draw(), behind,
                                           cached=self.expected_cached(request), waiting=waiting,
-                          displaced=self.expected_displaced(request))
+                          displaced=self.expected_displaced(request), prefix_share=self.prefix_share(request))
                     if decision.verdict is Verdict.PARK and decision.idle_slot and passed < self.policy.backfill_scan:
                         # A slot is free that it will not take (it waits for a busy engine that finishes it sooner, or
                         # no free engine meets its deadline): holding the line for it would idle that slot.
@@ -720,7 +727,8 @@ class AdmissionCore:
         if not starts or any(s is None for s in starts):
             return parked
         decision = decide(request, fleet, self.policy, now, 0, self.sessions.get(request.session), self.draw(),
-                          cached=self.expected_cached(request), displaced=self.expected_displaced(request))
+                          cached=self.expected_cached(request), displaced=self.expected_displaced(request),
+                          prefix_share=self.prefix_share(request))
         if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= min(s for s in starts if s is not None):
             return decision
         return parked
@@ -805,7 +813,8 @@ class AdmissionCore:
             decision = decide(parked.request, fleet_of(), self.policy, now, 0,
                               self.sessions.get(parked.request.session), self.draw(),
                               cached=self.expected_cached(parked.request),
-                              displaced=self.expected_displaced(parked.request))
+                              displaced=self.expected_displaced(parked.request),
+                              prefix_share=self.prefix_share(parked.request))
             if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= head_start:
                 queue.remove(parked)
                 del self._where[parked.request_id]

@@ -19,7 +19,9 @@ Candidates: engines serving the model, at or above its version floor, fresh (or 
 one exists: ``stale_fail_open``). With a TTFT deadline, a request that even an idle engine cannot prefill in time is shed
 (``ttft_unmeetable``); one that could start in time only after a slot frees parks (``ttft_deadline``) for at most as long as
 the deadline leaves room for prefill (both with each engine's expected cache hit subtracted). With
-``prefix_max_replicas`` R > 0, once R candidates hold the request's prefix (any expected hit), only they remain candidates.
+``prefix_max_replicas`` R > 0, once R candidates hold the request's prefix (any expected hit), only they remain candidates;
+with R = 0 the limit follows the prefix's load (``holders_limit``), and a request left with only busy holders waits for
+them without holding the line for other prefixes (``Decision.idle_slot``).
 Which fitting engine (or busy but faster one) gets the request is route.py's job.
 Nothing fits and nothing is worth waiting for: ``sheddable`` requests are shed (``saturated``), others park (the reason is
 the first blocking fit rule, or ``waiting_for_faster``). A request with parked requests ahead of it in its class or a higher
@@ -231,7 +233,7 @@ def decide(
     request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int = 0,
     affinity: str | None = None, pick: float = 0.5, behind: int = 0, arriving: bool = False,
     cached: Mapping[str, int] | None = None, waiting: Mapping[str, int] | None = None,
-    displaced: Mapping[str, int] | None = None,
+    displaced: Mapping[str, int] | None = None, prefix_share: float = 0.0,
 ) -> Decision:
     """Choose what happens to ``request`` (see the module docstring and route.py). ``queued_ahead``: parked requests of
     this model in this request's priority class or a higher one; ``affinity``: the engine the request's session used last;
@@ -239,7 +241,8 @@ def decide(
     model queued after this one (a woken head's backlog); ``cached``: prompt tokens each engine is expected to hold in
     its prefix cache (engines not named: none); ``waiting``: parked requests ahead of this one, passed over, that wait for
     each named engine (each takes one of its slots first); ``displaced``: prompt tokens of other prefixes each named
-    engine would evict to cache this prompt, charged in the choice (affinity.py)."""
+    engine would evict to cache this prompt, charged in the choice (affinity.py); ``prefix_share``: the request's
+    prefix's share of recent admissions (prefix.py), which bounds how many engines it may occupy (``holders_limit``)."""
     model = request.model
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, models=model_list(fleet))
@@ -248,7 +251,7 @@ def decide(
     displaced = displaced or _NONE_NAMED
     if fleet.index is not None:
         indexed = _indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind, arriving, cached, waiting,
-                           displaced)
+                           displaced, prefix_share)
         if indexed is not None:
             return indexed
     serving = [e for e in fleet.engines if e.serves(model) and not e.drained]
@@ -285,9 +288,12 @@ def decide(
     def hit(engine: EngineView) -> int:
         return cached_tokens(engine.name, request, cached)
 
-    if policy.prefix_max_replicas and cached:
+    narrowed = False  # only the prefix's holders remain: waiting for them does not hold the line for other prefixes
+    limit = holders_limit(policy, prefix_share, len(candidates))
+    if limit and cached:
         holders = [e for e in candidates if hit(e) > 0]
-        if len(holders) >= policy.prefix_max_replicas:
+        if len(holders) >= limit:
+            narrowed = len(holders) < len(candidates)
             candidates = holders  # the prefix occupies as many engines as it may: it waits for one of them
 
     deadline_s = request.planned_ttft_s()
@@ -355,7 +361,8 @@ def decide(
         detail = "; ".join(f"{name}: {', '.join(r.value for r in rs) or 'misses the deadline'}"
                            for name, rs in blocked.items())
         return _wait(request, candidates, fleet, policy, now, 0, first, detail, park_limit,
-                     idle_slot=idle_slot)
+                     idle_slot=idle_slot or narrowed,
+                     waits_for=min(estimates, key=lambda x: x.finish_s).engine.name if narrowed and estimates else None)
 
     admitted = _finish_soonest(request, estimates, free, fleet, policy, now, affinity, admitted_reason, arriving,
                                set_aside)
@@ -365,6 +372,17 @@ def decide(
     return _wait(request, candidates, fleet, policy, now, 0, Reason.WAITING_FOR_FASTER,
                  f"{best.engine.name} finishes in {best.finish_s:.1f} s after a {best.slot_wait_s:.1f} s wait",
                  park_limit, idle_slot=True, waits_for=best.engine.name)
+
+
+def holders_limit(policy: Policy, prefix_share: float, candidates: int) -> int:
+    """How many of ``candidates`` engines may hold a prefix before only its holders remain candidates (0: no limit):
+    ``prefix_max_replicas`` when set, else ``ceil(share x candidates x prefix_load_headroom)``, at least 1, for a prefix
+    whose share of recent admissions is known."""
+    if policy.prefix_max_replicas:
+        return policy.prefix_max_replicas
+    if prefix_share <= 0 or policy.prefix_load_headroom <= 0:
+        return 0
+    return max(1, math.ceil(prefix_share * candidates * policy.prefix_load_headroom - 1e-9))
 
 
 def _soonest(x: Estimate, fleet: Fleet) -> tuple[float, float, float, str]:
@@ -466,7 +484,7 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
              affinity: str | None, pick: float, behind: int, arriving: bool = False,
              cached: Mapping[str, int] = _NONE_NAMED,
              waiting: Mapping[str, int] = _NONE_NAMED,
-             displaced: Mapping[str, int] = _NONE_NAMED) -> Decision | None:
+             displaced: Mapping[str, int] = _NONE_NAMED, prefix_share: float = 0.0) -> Decision | None:
     """``decide`` on the fleet's index (fleetindex.py): the fit rules and the no-wait estimate of every candidate at once
     (numpy over the model's rows), then real ``Estimate`` objects only for the engines that can be chosen: the band (its
     weighted pick on a cumulative sum), or the soonest free slot, the busy engines whose no-wait lower bound could beat it,
@@ -496,9 +514,10 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
             at_row = rows.position.get(engine)
             if at_row is not None:
                 hit[at_row] = cached_tokens(engine, request, cached)
-        if policy.prefix_max_replicas:
+        limit = holders_limit(policy, prefix_share, int(candidate.sum()))
+        if limit:
             held = candidate & (hit > 0)
-            if int(held.sum()) >= policy.prefix_max_replicas:
+            if int(held.sum()) >= limit:
                 candidate = held
     if need > float(rows.kv_limit.max(where=candidate, initial=-math.inf)):
         return None  # context_length_exceeded (every candidate's KV known and too small): the full scan words the refusal

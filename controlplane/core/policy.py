@@ -134,8 +134,13 @@ class Policy:
     a Check's hashing work and on the size of a store event."""
     prefix_max_replicas: int = 0
     """How many engines a prefix may occupy: once this many candidates hold a request's prefix, only they are candidates
-    (the request waits for one rather than prefilling it on yet another engine). 0: no limit, the estimates decide when
-    spilling to a cold engine pays."""
+    (the request waits for one rather than prefilling it on yet another engine). 0: as many as its load needs
+    (``prefix_load_headroom``)."""
+    prefix_load_headroom: float = 2.0
+    """With ``prefix_max_replicas`` 0, a prefix may occupy ``ceil(share x candidates x headroom)`` engines (at least one),
+    ``share`` being its part of the model's recent admissions (prefix.py, ``share``): a system prompt one request in 32
+    carries stays on one engine of four, one that every request carries spreads over all of them. 0: no limit, the
+    estimates alone decide when spilling to a cold engine pays."""
     prefix_eviction_charge: float = 1.0
     """Capacity-aware prefix affinity (core/affinity.py): for a request whose prefix some engine holds, an engine that
     would evict other prompts' blocks to cache it is compared as if it finished this many times the prefill of what it

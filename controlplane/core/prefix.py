@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -127,8 +127,15 @@ def blocks_from_text(text: str) -> tuple[int, ...]:
         return ()
 
 
+RECENT_ADMISSIONS = 512
+"""Admissions whose first block ``PrefixIndex.share`` counts: a prefix's share of the recent traffic."""
+SHARE_MIN_ADMISSIONS = 32
+"""Below this many admissions noted, ``share`` is unknown (0): too few to tell a prefix's load."""
+
+
 class PrefixIndex:
-    """Per engine, the block hashes of the prompts sent to it (LRU, bounded); per hash, the engines holding it."""
+    """Per engine, the block hashes of the prompts sent to it (LRU, bounded); per hash, the engines holding it; the first
+    blocks of the last ``RECENT_ADMISSIONS`` prompts noted."""
 
     def __init__(self, limit_blocks: int) -> None:
         self.limit_blocks = limit_blocks
@@ -142,6 +149,8 @@ class PrefixIndex:
         """Every engine the index has heard of (its share of ``limit_blocks`` is per engine)."""
         self.held = 0
         """Entries (engine, block) held now."""
+        self._recent: deque[int] = deque()
+        self._recent_counts: Counter[int] = Counter()
 
     # -- what the engines are --------------------------------------------------------------------------------------
     def set_capacity(self, engine: str, blocks: int | None) -> None:
@@ -174,6 +183,7 @@ class PrefixIndex:
         if engine not in self._engines:
             self._engines.add(engine)
             self._trim_all()
+        self._count_root(blocks[0])
         lru = self._lru.setdefault(engine, OrderedDict())
         new = []
         for h in reversed(blocks):  # the head ends up most recent: tails are evicted first
@@ -248,6 +258,23 @@ class PrefixIndex:
         for engine in current:
             depth[engine] = matched
         return depth
+
+    def share(self, blocks: Sequence[int]) -> float:
+        """The share of the last ``RECENT_ADMISSIONS`` prompts noted (every admission with a block, this replica's and
+        those ``learn`` hears) that began with ``blocks``' first block; 0 when fewer than ``SHARE_MIN_ADMISSIONS`` were
+        noted, or ``blocks`` is empty."""
+        if not blocks or len(self._recent) < SHARE_MIN_ADMISSIONS:
+            return 0.0
+        return self._recent_counts.get(blocks[0], 0) / len(self._recent)
+
+    def _count_root(self, root: int) -> None:
+        if len(self._recent) >= RECENT_ADMISSIONS:
+            old = self._recent.popleft()
+            self._recent_counts[old] -= 1
+            if not self._recent_counts[old]:
+                del self._recent_counts[old]
+        self._recent.append(root)
+        self._recent_counts[root] += 1
 
     def blocks_of(self, engine: str) -> int:
         lru = self._lru.get(engine)

@@ -10,7 +10,7 @@ import pytest
 
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.affinity import displaced_blocks
-from controlplane.core.decide import decide
+from controlplane.core.decide import decide, holders_limit
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineSample, EngineView, InferenceRequest, ServedModel, Verdict
 from controlplane.core.policy import Policy
@@ -176,3 +176,44 @@ def test_an_arrival_waits_a_little_for_its_busy_engine_rather_than_evicting_a_gr
         assert out.decision.verdict is Verdict.PARK and out.decision.waits_for == "spark-a"
     else:
         assert out.decision.engine == "spark-b"
+
+
+def test_holders_limit_follows_the_prefix_share_of_admissions() -> None:
+    assert holders_limit(P, 0.0, 4) == 0  # share unknown: no limit
+    assert holders_limit(P, 1 / 32, 4) == 1  # one prompt in 32: one engine of four
+    assert holders_limit(P, 1 / 8, 4) == 1
+    assert holders_limit(P, 0.3, 4) == 3
+    assert holders_limit(P, 1.0, 4) == 8  # every request carries it: never narrowed
+    assert holders_limit(replace(P, prefix_max_replicas=2), 1.0, 4) == 2  # a fixed limit wins
+    assert holders_limit(replace(P, prefix_load_headroom=0.0), 1 / 32, 4) == 0
+
+
+def traffic(core: AdmissionCore, groups: str) -> None:
+    """The index notes one admission per group named (each group's prompt to spark-x, an engine the fleet lacks): what
+    the recent admissions carried."""
+    for group in groups:
+        core.prefixes.note("spark-x", ask(group).prefix_blocks)
+
+
+def test_a_prefix_with_a_small_share_waits_for_its_busy_holder_without_holding_the_line() -> None:
+    """thor holds group a and both its slots are taken; spark is free. Group a is one admission in 38 of the recent
+    traffic, so it stays on one engine: it parks for thor instead of prefilling on spark, and the park lets the line
+    pass (a free slot it will not take): an arrival of another group takes spark at once."""
+    views = [thor(running=2), spark()]
+    core = core_with(views, P, {"thor": ["a"], "spark": ["b"]})
+    traffic(core, "cdefghijklmnopqrst" * 2)
+    assert core.prefix_share(ask("a")) == pytest.approx(1 / 38)
+    out = core.check("r1", ask("a"), core.fleet(views, 0.0), 0.0)
+    assert out.decision.verdict is Verdict.PARK and out.decision.idle_slot and out.decision.waits_for == "thor"
+    other = core.check("r2", ask("z"), core.fleet(views, 0.01), 0.01)
+    assert other.decision.verdict is Verdict.ADMIT and other.decision.engine == "spark"
+
+
+def test_a_prefix_every_request_carries_spreads_over_the_free_engines() -> None:
+    """The same fleet, but every recent admission carried group a's prompt (one system prompt for the whole traffic):
+    its load needs every engine, so with thor full it takes spark's free slot."""
+    views = [thor(running=2), spark()]
+    core = core_with(views, P, {"thor": ["a"]})
+    traffic(core, "a" * 40)
+    out = core.check("r1", ask("a", "another"), core.fleet(views, 0.0), 0.0)
+    assert out.decision.verdict is Verdict.ADMIT and out.decision.engine == "spark"
