@@ -225,8 +225,8 @@ class AdmissionCore:
                 for engine, blocks in self.prefixes.displaced(request.prefix_blocks, held).items()}
 
     def prefix_share(self, request: InferenceRequest) -> float:
-        """``request``'s prefix's share of recent admissions (prefix.py; 0: unknown, or prefix routing off): how many
-        engines it may occupy (decide.holders_limit)."""
+        """``request``'s prefix's share of the requests that recently arrived here (prefix.py; 0: unknown, or prefix
+        routing off): how many engines it may occupy (decide.holders_limit)."""
         if not request.prefix_blocks or not self.policy.prefix_routing:
             return 0.0
         return self.prefixes.share(request.prefix_blocks)
@@ -336,6 +336,8 @@ class AdmissionCore:
         """A new request. ``Outcome.decision.verdict`` PARK means it is now in the lot under ``request_id``.
         ``ahead_elsewhere``: requests the shared store says are parked ahead of it on other replicas."""
         model = request.model
+        if request.prefix_blocks and self.policy.prefix_routing:
+            self.prefixes.arrived(request.prefix_blocks)
         ahead = (self.queued_ahead(model, request.priority) if model else 0) + ahead_elsewhere
         # Everyone parked ahead waits for a busy engine although a slot is free (they would not take it): the arrival is
         # decided as if first. It may take a free slot they refused, or park too (at the back, as ever).

@@ -242,7 +242,7 @@ def decide(
     its prefix cache (engines not named: none); ``waiting``: parked requests ahead of this one, passed over, that wait for
     each named engine (each takes one of its slots first); ``displaced``: prompt tokens of other prefixes each named
     engine would evict to cache this prompt, charged in the choice (affinity.py); ``prefix_share``: the request's
-    prefix's share of recent admissions (prefix.py), which bounds how many engines it may occupy (``holders_limit``)."""
+    prefix's share of recent arrivals (prefix.py), which bounds how many engines it may occupy (``holders_limit``)."""
     model = request.model
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, models=model_list(fleet))
@@ -377,7 +377,7 @@ def decide(
 def holders_limit(policy: Policy, prefix_share: float, candidates: int) -> int:
     """How many of ``candidates`` engines may hold a prefix before only its holders remain candidates (0: no limit):
     ``prefix_max_replicas`` when set, else ``ceil(share x candidates x prefix_load_headroom)``, at least 1, for a prefix
-    whose share of recent admissions is known."""
+    whose share of recent arrivals is known."""
     if policy.prefix_max_replicas:
         return policy.prefix_max_replicas
     if prefix_share <= 0 or policy.prefix_load_headroom <= 0:

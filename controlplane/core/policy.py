@@ -138,7 +138,7 @@ class Policy:
     (``prefix_load_headroom``)."""
     prefix_load_headroom: float = 2.0
     """With ``prefix_max_replicas`` 0, a prefix may occupy ``ceil(share x candidates x headroom)`` engines (at least one),
-    ``share`` being its part of the model's recent admissions (prefix.py, ``share``): a system prompt one request in 32
+    ``share`` being its part of the recent arrivals (prefix.py, ``share``): a system prompt one request in 32
     carries stays on one engine of four, one that every request carries spreads over all of them. 0: no limit, the
     estimates alone decide when spilling to a cold engine pays."""
     prefix_eviction_charge: float = 1.0

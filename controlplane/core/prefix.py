@@ -127,15 +127,15 @@ def blocks_from_text(text: str) -> tuple[int, ...]:
         return ()
 
 
-RECENT_ADMISSIONS = 512
-"""Admissions whose first block ``PrefixIndex.share`` counts: a prefix's share of the recent traffic."""
-SHARE_MIN_ADMISSIONS = 32
-"""Below this many admissions noted, ``share`` is unknown (0): too few to tell a prefix's load."""
+RECENT_ARRIVALS = 512
+"""Arrivals whose first block ``PrefixIndex.share`` counts: a prefix's share of the recent traffic."""
+SHARE_MIN_ARRIVALS = 32
+"""Below this many arrivals counted, ``share`` is unknown (0): too few to tell a prefix's load."""
 
 
 class PrefixIndex:
     """Per engine, the block hashes of the prompts sent to it (LRU, bounded); per hash, the engines holding it; the first
-    blocks of the last ``RECENT_ADMISSIONS`` prompts noted."""
+    blocks of the last ``RECENT_ARRIVALS`` prompts that arrived."""
 
     def __init__(self, limit_blocks: int) -> None:
         self.limit_blocks = limit_blocks
@@ -183,7 +183,6 @@ class PrefixIndex:
         if engine not in self._engines:
             self._engines.add(engine)
             self._trim_all()
-        self._count_root(blocks[0])
         lru = self._lru.setdefault(engine, OrderedDict())
         new = []
         for h in reversed(blocks):  # the head ends up most recent: tails are evicted first
@@ -260,15 +259,19 @@ class PrefixIndex:
         return depth
 
     def share(self, blocks: Sequence[int]) -> float:
-        """The share of the last ``RECENT_ADMISSIONS`` prompts noted (every admission with a block, this replica's and
-        those ``learn`` hears) that began with ``blocks``' first block; 0 when fewer than ``SHARE_MIN_ADMISSIONS`` were
-        noted, or ``blocks`` is empty."""
-        if not blocks or len(self._recent) < SHARE_MIN_ADMISSIONS:
+        """The share of the last ``RECENT_ARRIVALS`` prompts that ``arrived`` which began with ``blocks``' first block;
+        0 when fewer than ``SHARE_MIN_ARRIVALS`` arrived, or ``blocks`` is empty. Arrivals, not admissions: a burst of
+        one prefix raises its share while its requests still wait, so it may spread."""
+        if not blocks or len(self._recent) < SHARE_MIN_ARRIVALS:
             return 0.0
         return self._recent_counts.get(blocks[0], 0) / len(self._recent)
 
-    def _count_root(self, root: int) -> None:
-        if len(self._recent) >= RECENT_ADMISSIONS:
+    def arrived(self, blocks: Sequence[int]) -> None:
+        """A request with a prompt of ``blocks`` arrived (a Check, on this replica): counted for ``share``."""
+        if not blocks:
+            return
+        root = blocks[0]
+        if len(self._recent) >= RECENT_ARRIVALS:
             old = self._recent.popleft()
             self._recent_counts[old] -= 1
             if not self._recent_counts[old]:

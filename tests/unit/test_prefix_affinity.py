@@ -189,20 +189,19 @@ def test_holders_limit_follows_the_prefix_share_of_admissions() -> None:
 
 
 def traffic(core: AdmissionCore, groups: str) -> None:
-    """The index notes one admission per group named (each group's prompt to spark-x, an engine the fleet lacks): what
-    the recent admissions carried."""
+    """One arrival per group named: what the recent requests carried."""
     for group in groups:
-        core.prefixes.note("spark-x", ask(group).prefix_blocks)
+        core.prefixes.arrived(ask(group).prefix_blocks)
 
 
 def test_a_prefix_with_a_small_share_waits_for_its_busy_holder_without_holding_the_line() -> None:
-    """thor holds group a and both its slots are taken; spark is free. Group a is one admission in 38 of the recent
+    """thor holds group a and both its slots are taken; spark is free. Group a is one arrival in 37 of the recent
     traffic, so it stays on one engine: it parks for thor instead of prefilling on spark, and the park lets the line
     pass (a free slot it will not take): an arrival of another group takes spark at once."""
     views = [thor(running=2), spark()]
     core = core_with(views, P, {"thor": ["a"], "spark": ["b"]})
     traffic(core, "cdefghijklmnopqrst" * 2)
-    assert core.prefix_share(ask("a")) == pytest.approx(1 / 38)
+    assert core.prefix_share(ask("a")) == pytest.approx(0)  # only arrivals count; the index's notes do not
     out = core.check("r1", ask("a"), core.fleet(views, 0.0), 0.0)
     assert out.decision.verdict is Verdict.PARK and out.decision.idle_slot and out.decision.waits_for == "thor"
     other = core.check("r2", ask("z"), core.fleet(views, 0.01), 0.01)
@@ -216,4 +215,14 @@ def test_a_prefix_every_request_carries_spreads_over_the_free_engines() -> None:
     core = core_with(views, P, {"thor": ["a"]})
     traffic(core, "a" * 40)
     out = core.check("r1", ask("a", "another"), core.fleet(views, 0.0), 0.0)
+    assert out.decision.verdict is Verdict.ADMIT and out.decision.engine == "spark"
+
+
+def test_a_burst_of_one_prefix_raises_its_share_and_spreads_it() -> None:
+    """Shares count arrivals, not admissions: 20 requests of group a arriving after 36 of other groups make it a third
+    of the traffic, which needs more than one engine of two, so with thor full it takes spark's free slot."""
+    views = [thor(running=2), spark()]
+    core = core_with(views, P, {"thor": ["a"], "spark": ["b"]})
+    traffic(core, "cdefghijklmnopqrst" * 2 + "a" * 20)
+    out = core.check("r1", ask("a"), core.fleet(views, 0.0), 0.0)
     assert out.decision.verdict is Verdict.ADMIT and out.decision.engine == "spark"
