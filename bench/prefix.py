@@ -790,9 +790,9 @@ Fleet: ``spark-a``, ``spark-b`` (prefill 4,000 tok/s, decode 49 / 88 tok/s aggre
 ``thor-b`` (1,500 tok/s, 18 / 51 tok/s), 2 slots each, simulator speed x{SPEED}, each started with ``sluice sim
 --num-gpu-blocks {KV_BLOCKS}``: {KV_TOKENS:,} KV tokens per engine. Automatic prefix caching as vLLM V1 does it
 (enginesim/prefixcache.py: 16-token blocks, a finished request's blocks kept until their memory is needed, the least
-recently freed evicted first). Tokenizer: the simulator's default 4 characters a token and no chat-template tokens, the
-estimator's own prior (sluice learns prompt tokens only from tenants' usage, which this bench does not send), so this
-measures placement, not the token estimate.
+recently freed evicted first). Tokenizer and engine model: the simulator's defaults (3.3 characters a token, 5
+template tokens a message, chunked prefill of 2,048 tokens a step, decode slower as contexts grow: enginesim/profiles.py),
+which differ from the estimator's priors; sluice learns the prompt rule from the answers' usage (the bench asks for it).
 
 Client mix: {KV_GROUPS} groups, each with its own {KV_SYSTEM_TOKENS:,}-token system prompt ({KV_GROUPS} x
 {KV_SYSTEM_TOKENS:,} = {KV_ALL:,} tokens, {KV_RATIO:.1f}x one engine's KV); each request is one group's system prompt
@@ -811,9 +811,10 @@ pinned groups (every fourth), its prompts cached: what the fleet serves when eve
 
 Arms (the same engines, one after another):
 
-- ``sluice``: ``sluice up`` with its defaults: capacity-aware prefix affinity (``admission.prefix_eviction_charge`` 1).
-- ``sluice-before``: the same with ``prefix_eviction_charge: 0``, which decides as sluice did before the affinity
-  (finish-soonest with expected hits only).
+- ``sluice``: ``sluice up`` with its defaults: capacity-aware prefix affinity (``admission.prefix_eviction_charge`` 1)
+  and a prefix kept on as many engines as its share of the traffic needs (``admission.prefix_load_headroom`` 2).
+- ``sluice-before``: the same with ``prefix_eviction_charge: 0``: the eviction charge off (since fdeee82 the limit on
+  how many engines a prefix occupies, ``prefix_load_headroom``, is on in both arms).
 - ``pin``: the hit-rate reference, an oracle that pins groups to engines, {KV_PINNED} groups to each (group ``g`` to
   engine ``g mod 4``: as many as each KV holds beside two running requests) and sends each request straight to its
   group's engine (no Envoy hop), queueing there however busy it is. Its hit rate is about the best any placement
