@@ -45,6 +45,7 @@ import aiohttp
 from aiohttp import web
 
 from bench.common import free_port
+from rig.waits import wait_healthy
 from bench.epp import SCRAPE_INTERVAL_S, SOURCE, EndpointMetrics, PrefixIndex, Weights, decide, parse_metrics
 
 ENDPOINT_HEADER = "x-epp-endpoint"
@@ -219,15 +220,7 @@ def epp_arm(engines: Mapping[str, str], interval_s: float = SCRAPE_INTERVAL_S, s
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=1)
-                break
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("the EPP-like proxy did not start") from None
-                time.sleep(0.1)
+        wait_healthy(base, 15.0, alive=lambda: process.poll() is None)
         yield EppArm(base, describe(interval_s))
     finally:
         process.terminate()

@@ -23,6 +23,7 @@ import aiohttp
 import yaml
 
 from bench.common import free_port
+from rig.waits import wait_healthy
 from sluice.up import free_controlplane_ports, replicas_in
 
 
@@ -86,15 +87,7 @@ def bare_sim(profile: str, speed: float, name: str = "bare", flavor: str = "vllm
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        wait_healthy(url, 15.0, alive=lambda: sim.poll() is None)
         yield url
     finally:
         sim.send_signal(signal.SIGTERM)

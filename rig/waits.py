@@ -32,3 +32,21 @@ def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float 
             last = exc
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def wait_healthy(url: str, timeout: float = 15.0, alive: Callable[[], bool] | None = None) -> None:
+    """Poll ``url + "/health"`` until it answers. RuntimeError as soon as ``alive`` (the serving process, when given)
+    returns False; TimeoutError after ``timeout``."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).close()
+            return
+        except OSError as exc:
+            if alive is not None and not alive():
+                raise RuntimeError(f"{url} exited before answering /health") from exc
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url}/health did not answer within {timeout:g} s") from exc
+            time.sleep(0.05)
