@@ -231,7 +231,8 @@ class ControlPlane:
         return decide(request, self.fleet(now), self.config.policy, now, ahead,
                       self.admission.sessions.get(request.session), arriving=True,
                       cached=self.expected_cached(request),
-                      displaced=self.admission.expected_displaced(request)), ahead
+                      displaced=self.admission.expected_displaced(request),
+                      prefix_share=self.admission.prefix_share(request)), ahead
 
     def expected_cached(self, request: InferenceRequest) -> Mapping[str, int]:
         return self.admission.expected_cached(request)

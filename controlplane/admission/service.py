@@ -255,7 +255,8 @@ class AdmissionService:
         stops the line at it if they took the last one, and this replica's wake then decides it again."""
         core = self.core
         decision = decide(request, fleet, core.policy, now, 0, core.sessions.get(request.session), core.draw(),
-                          arriving=True, cached=core.expected_cached(request))
+                          arriving=True, cached=core.expected_cached(request),
+                          prefix_share=core.prefix_share(request))
         if decision.verdict is not Verdict.ADMIT or decision.engine is None or request.model is None:
             return None
         ticket = Ticket(request_id, decision.engine, request.model, now, now + core.ledger.lease_seconds,
