@@ -292,3 +292,40 @@ ItemT = TypeVar("ItemT")
 def rotated_rounds(items: Sequence[ItemT], rounds: int) -> list[list[ItemT]]:
     """Each round's order of ``items``: rotated by one more each round, so none always runs first or last."""
     return [list(items[r % len(items):]) + list(items[:r % len(items)]) for r in range(rounds)]
+
+
+# -- Prometheus expositions ----------------------------------------------------------------------------------------------
+def parse_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of metric ``name`` (exactly, e.g. ``sluice_store_seconds_bucket``) in a Prometheus exposition: its
+    labels and value."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, labels = head.partition("{")
+        if metric != name:
+            continue
+        out.append((dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)), float(value)))
+    return out
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(v for have, v in parse_samples(text, name) if all(have.get(k) == w for k, w in labels.items()))
+
+
+def histogram(text: str, name: str, **labels: str) -> dict[float, float]:
+    """A histogram's cumulative buckets (upper bound -> count), summed over the label sets that match ``labels``."""
+    out: dict[float, float] = {}
+    for have, value in parse_samples(text, name + "_bucket"):
+        if all(have.get(k) == w for k, w in labels.items()):
+            bound = float("inf") if have["le"] == "+Inf" else float(have["le"])
+            out[bound] = out.get(bound, 0.0) + value
+    return out
+
+
+def scrape(port: int) -> str:
+    """The Prometheus exposition a local control plane serves on ``port``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return str(response.read().decode())

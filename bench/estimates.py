@@ -27,16 +27,14 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import re
 import time
-import urllib.request
 from contextlib import ExitStack
 from typing import Any
 
 import aiohttp
 
-from bench.common import Target, closed_loop, exit_code, histogram_quantile, pct, rotated_rounds, sim_world, \
-    verdicts, write_report
+from bench.common import Target, closed_loop, exit_code, histogram, histogram_quantile, parse_samples, pct, \
+    rotated_rounds, scrape, sim_world, verdicts, write_report
 from bench.workload import Result, bare_sim, gateway, stream_chat, unique_prompt
 from enginesim.profiles import PROFILES
 
@@ -64,13 +62,13 @@ def mean_output() -> float:
     return sum(draw_output(rng) for _ in range(20_000)) / 20_000
 
 
-def scrape(port: int) -> dict[tuple[str, str], dict[float, float]]:
+def scrape_errors(port: int) -> dict[tuple[str, str], dict[float, float]]:
     """Every engine's cumulative buckets of the two error histograms: (kind, engine) -> upper bound -> count."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = scrape(port)
     out: dict[tuple[str, str], dict[float, float]] = {}
     for kind, name in HISTOGRAMS.items():
-        for m in re.finditer(rf'^{name}_bucket\{{engine="([^"]+)",le="([^"]+)"\}} (\S+)$', text, re.M):
-            out.setdefault((kind, m.group(1)), {})[float(m.group(2))] = float(m.group(3))
+        for have, _ in parse_samples(text, name + "_bucket"):
+            out[(kind, have["engine"])] = histogram(text, name, engine=have["engine"])
     return out
 
 
@@ -119,10 +117,10 @@ def run_estimates_bench() -> int:
                 port = g["controlplane"]["metrics_port"]
                 seed = SEED + int(level * 100)
                 warm = asyncio.run(drive(g["base_url"], level * fleet, WARM_S, seed))
-                before = scrape(port)
+                before = scrape_errors(port)
                 results = asyncio.run(drive(g["base_url"], level * fleet, WINDOW_S, seed + 1))
                 time.sleep(1.0)  # the access log's last entries
-                after = scrape(port)
+                after = scrape_errors(port)
                 ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
                 ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
                 cell: dict[Any, Any] = {"sent": len(results), "ok": len(ok), "ttft_p50": pct(ttfts, 50),

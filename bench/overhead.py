@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import statistics
 import time
 import urllib.request
@@ -44,7 +43,7 @@ import aiohttp
 import yaml
 
 from bench.common import (
-    Target, closed_loop, exit_code, histogram_quantile, latency_plot, median, pct, paced, rotated_rounds, sim_world,
+    Target, closed_loop, exit_code, histogram, histogram_quantile, latency_plot, median, pct, paced, rotated_rounds, sim_world,
     verdicts, write_report,
 )
 from bench.plain import plain_envoy
@@ -111,10 +110,7 @@ def _error_code(payload: bytes) -> str:
 
 def _histogram(metrics_url: str) -> dict[float, float]:
     text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    out = {}
-    for le, count in re.findall(r'sluice_authz_check_seconds_bucket\{le="([^"]+)"\} (\S+)', text):
-        out[float("inf") if le == "+Inf" else float(le)] = float(count)
-    return out
+    return histogram(text, "sluice_authz_check_seconds")
 
 
 def load_engines(path: str) -> list[dict[str, Any]]:

@@ -76,7 +76,8 @@ from google.protobuf import duration_pb2, struct_pb2, text_format
 from controlplane.config import parse_config
 from sluice.up import REPLICA_PORT_STRIDE as STRIDE, free_controlplane_ports
 from controlplane.xds.resources import AUTHZ_NAMESPACE
-from bench.common import cpu_seconds, free_port, histogram_quantile, median, paced, pct, wait_for, write_report
+from bench.common import (cpu_seconds, free_port, histogram, histogram_quantile, median, metric_sum, paced, parse_samples,
+                          pct, scrape, wait_for, write_report)
 from rig.upprocess import UpProcess
 
 ENGINES = 8
@@ -205,36 +206,6 @@ def fifo_order(rows: Sequence[tuple[float, float]], arrival_tolerance: float = 0
     return Fifo(len(rows), pairs, overtaken_pairs, overtaken, worst)
 
 
-def parse_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """Every sample of metric ``name`` (exactly, e.g. ``sluice_store_seconds_bucket``) in a Prometheus exposition: its
-    labels and value."""
-    out = []
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        metric, _, labels = head.partition("{")
-        if metric != name:
-            continue
-        out.append((dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)), float(value)))
-    return out
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    return sum(v for have, v in parse_samples(text, name) if all(have.get(k) == w for k, w in labels.items()))
-
-
-def histogram(text: str, name: str, **labels: str) -> dict[float, float]:
-    """A histogram's cumulative buckets (upper bound -> count), summed over the label sets that match ``labels``."""
-    out: dict[float, float] = {}
-    for have, value in parse_samples(text, name + "_bucket"):
-        if all(have.get(k) == w for k, w in labels.items()):
-            bound = float("inf") if have["le"] == "+Inf" else float(have["le"])
-            out[bound] = out.get(bound, 0.0) + value
-    return out
-
-
 def longest_gap(times: Sequence[float], start: float, end: float) -> float:
     """The longest stretch within [start, end] with none of ``times`` in it (seconds)."""
     inside = sorted(t for t in times if start <= t <= end)
@@ -243,11 +214,6 @@ def longest_gap(times: Sequence[float], start: float, end: float) -> float:
 
 
 # -- processes ----------------------------------------------------------------------------------------------------------
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return str(response.read().decode())
-
-
 class Fleet:
     """``ENGINES`` simulators, each on a port it bound itself (read from its log)."""
 

@@ -8,11 +8,8 @@ import random
 
 import pytest
 
-from bench.common import histogram_quantile
-from bench.replicas import (
-    ENVOY_CHECK_REQUEST, Fifo, _template, fifo_order, histogram, longest_gap, metric_sum,
-    parse_samples,
-)
+from bench.common import histogram, histogram_quantile, metric_sum, parse_samples
+from bench.replicas import ENVOY_CHECK_REQUEST, Fifo, _template, fifo_order, longest_gap
 
 
 def brute_force(rows: list[tuple[float, float]], arrival_tol: float, admission_tol: float) -> Fifo:

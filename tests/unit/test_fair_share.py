@@ -438,14 +438,7 @@ def test_two_fair_replicas_keep_caps_and_answer_every_check(ops: list[tuple[obje
                     await world.settle()
                 else:
                     await world.release(int(str(args[0])), int(str(args[1])))
-            for _ in range(200):
-                if all(t.done() for t in world.checks.values()) and not world.state.tickets:
-                    break
-                await world.release(0, 0)
-            assert all(t.done() for t in world.checks.values()), "a Check was never answered"
-            for task in world.checks.values():
-                task.result()
-            assert not world.state.tickets and not any(world.state.lines.values())
+            await world.drain()
         finally:
             await world.stop()
     asyncio.run(run())

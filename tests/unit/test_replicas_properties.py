@@ -129,6 +129,18 @@ class Replicas:
             self.services[via].release_ticket(open_ids[pick % len(open_ids)])
         await self.settle()
 
+    async def drain(self) -> None:
+        """Release whatever is open until every Check has its answer; then every Check was answered (none raised) and
+        the store holds no ticket and no line member."""
+        for _ in range(200):
+            if all(t.done() for t in self.checks.values()) and not self.state.tickets:
+                break
+            await self.release(0, 0)
+        assert all(t.done() for t in self.checks.values()), "a Check was never answered"
+        for task in self.checks.values():
+            task.result()
+        assert not self.state.tickets and not any(self.state.lines.values())
+
     async def settle(self) -> None:
         for _ in range(20):  # events, wakes and background store writes all run
             await asyncio.sleep(0)
@@ -172,14 +184,7 @@ def test_two_replicas_keep_caps_kv_and_line_order(ops: list[tuple[Any, ...]]) ->
                     await world.burst(*args)
                 else:
                     await world.release(*args)
-            for _ in range(200):  # drain: release whatever is open until every Check has its answer
-                if all(t.done() for t in world.checks.values()) and not world.state.tickets:
-                    break
-                await world.release(0, 0)
-            assert all(t.done() for t in world.checks.values()), "a Check was never answered"
-            for task in world.checks.values():
-                task.result()
-            assert not world.state.tickets and not any(world.state.lines.values())
+            await world.drain()
             assert all(not s.core.tickets() for s in world.services), "a mirror kept a released ticket"
             first, second = (s.core for s in world.services)
             for prompt, blocks in PROMPTS.items():
