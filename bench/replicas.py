@@ -923,7 +923,7 @@ def run_latency(stacks: Sequence[Stack], plan: Plan) -> list[Latency]:
         check_before = _merged(before[s.name], "sluice_authz_check_seconds")
         check_after = _merged(after, "sluice_authz_check_seconds")
         store_ms = {}
-        for op in ("reserve", "release", "park"):
+        for op in ("reserve", "release", "line"):
             b, a = _merged(before[s.name], "sluice_store_seconds", op=op), _merged(after, "sluice_store_seconds", op=op)
             calls = int(a.get(float("inf"), 0.0) - b.get(float("inf"), 0.0))
             if calls:

@@ -15,9 +15,10 @@ release wakes the parking lot. Releases reach the store in the background; until
 of the engine's tickets never brings that ticket back (``_releasing``).
 
 The shared line must order this replica's parked requests as its lot does, or each would wait for a head the other never
-offers: parks and unparks reach the store one at a time in the order they were made (``_in_line``; concurrent calls would
-travel on different connections and land in any order), and a wake does not admit a request whose park has not landed
-yet (it is woken again when it lands; a shed meanwhile waits for its Check in ``_early``).
+offers: parks and unparks reach the store in the order they were made, those asked for while one batch is on its way
+together in the next (``_in_line``; concurrent calls would travel on different connections and land in any order), and
+a wake does not admit a request whose park has not landed yet (it is woken again when it lands; a shed meanwhile waits
+for its Check in ``_early``).
 
 **Fair share** (core/fairshare.py, decision 0015). With ``fairness`` on, a wake admits with ``QueueRule.CLASS``: the
 store checks only that no higher class is parked on any replica; the order within a class is this replica's lot's (its
@@ -74,7 +75,8 @@ from controlplane.metrics import SluiceMetrics
 from controlplane.observe.observation import Observation
 from controlplane.ports import CheckSettings
 from controlplane.store.base import (
-    LINE_CLASSES, Claim, EventKind, Refusal, Reserved, SharedClock, Store, StoreEvent, StoreUnavailable,
+    LINE_CLASSES, Claim, EventKind, Landed, LineChange, Refusal, Reserved, SharedClock, Store, StoreEvent,
+    StoreUnavailable,
 )
 from controlplane.store.memory import MemoryStore
 from controlplane.admission.watch import DecisionEvent, DecisionFeed
@@ -96,6 +98,9 @@ STORE_UPKEEP_S = 0.5
 LINE_SHARED_S = 1.0
 """How long after a refusal for the line requests parked behind this replica's own are given claims (``_claim_behind``:
 a decision each, which a replica alone in its lines does not need: its wakes admit its heads in order)."""
+
+LINE_BATCH = 256
+"""At most this many parks and unparks go to the store in one call (``_write_lines``)."""
 
 assert len(PARK_CLASSES) == LINE_CLASSES, "the store keeps a line per parking class"
 
@@ -149,7 +154,10 @@ class AdmissionService:
         """Tickets admitted while the store was unreachable (``on_failure: open``)."""
         self.store_up = True
         self._line_lock = asyncio.Lock()
-        """Held for each park and unpark: they reach the store one at a time, in the order they were made."""
+        """Held while a batch of line changes is on its way (``_write_lines``), and by whatever must not overlap one."""
+        self._line_changes: list[tuple[LineChange, asyncio.Future[Landed | None]]] = []
+        """Parks and unparks waiting for the next batch, in the order they were asked for (``_in_line``)."""
+        self._line_writer: asyncio.Task[None] | None = None
         self._parking: set[str] = set()
         """Parked requests whose place in the shared line is not written yet (their ``park`` call is on its way)."""
         self._parks_awaited: set[str] = set()
@@ -295,12 +303,7 @@ class AdmissionService:
         assert reserved.refusal is not None
         self.metrics.store_refusals.labels(reserved.refusal.value).inc()
         self.core.retract(outcome, now)
-        for held in reserved.engine_tickets:  # the mirror catches up with what the store holds for that engine
-            # ... except tickets released lately: this replica's own (in flight or confirmed) or another's it heard of (the
-            # refusal may be read after the release although the store decided before it: a ticket learned again would
-            # hold a slot here until the idle probe or its lease reaps it).
-            if held.ticket_id not in self._releasing and held.ticket_id not in self._recently_released:
-                self.core.learn(self.shared.to_local(held), None, now)
+        self._learn_held(reserved)  # the mirror catches up with what the store holds for that engine
         return reserved
 
     async def _enter_line(self, request_id: str, request: InferenceRequest, parked_at: float,
@@ -308,80 +311,92 @@ class AdmissionService:
         """Write a request the core just parked (at ``parked_at``) into the shared line, with ``queued``'s claim when
         the store had refused its admission for the line alone. Until that write lands, a wake does not admit it
         (``_settle``): the store's line would not know it, and its late ``park`` would leave a member nobody removes at
-        the line's head. A client gone meanwhile takes the request out of the lot and, after its park, out of the line.
-        A request the store says parked earlier on another replica keeps that time (``_keep_first_park``).
+        the line's head. A client gone meanwhile takes the request out of the lot and, after its park, out of the line
+        (an offer admitted as it left gives its ticket back). A request the store says parked earlier on another
+        replica keeps that time (``_keep_first_park``).
 
         ``behind``: the core parked it only behind this replica's own requests, which may all have gone on their claims
-        already, their answers one event hop away (``queued``: the admission it would have first in line). It is then
-        first offered to the line as it is (a ``reserve`` as an arrival: the store admits on claims first, then checks
-        the line, atomically), in its turn for the line, so the line still takes this replica's requests in the lot's
-        order: admitted (returned) if nobody is ahead any more, parked (with its claim) if refused for the line."""
+        or their own offers already, their answers one event hop away (``queued``: the admission it would have first in
+        line). Its park is then first offered to the line as an arrival (``LineChange.offer``: the store admits on
+        claims first, then checks the line, atomically), in its turn for the line, so the line still takes this
+        replica's requests in the lot's order: admitted (returned) if nobody is ahead any more, parked (with its claim)
+        if refused for the line, parked without one if refused for the engine."""
         model = request.model
         assert model is not None
         klass = self.core.class_index(request)
         at = self.shared.offset + self.clock()
-        first = at
         claim = None
         if queued is not None and queued[1].fresh_s > 0 and self.core.where(request_id) is not None:
             decision, claim = queued
             self._claims[request_id] = _Pending(parked_at, {claim.ticket.admitted_at: decision})
-        admitted: Outcome | None = None
-
-        async def park() -> None:
-            nonlocal first, admitted, claim
-            if behind and queued is not None:
-                admitted, fits = await self._try_line(request_id, request, queued, parked_at)
-                if admitted is not None:
-                    return
-                if not fits:
-                    claim = None
-            first = await self.store.park(model, klass, request_id, at, claim)
+        offer = replace(queued[1], queue=QueueRule.ARRIVAL) if behind and queued is not None else None
         self._parking.add(request_id)
+        landing = self._in_line(LineChange(model, klass, request_id, at, claim, offer))
         try:
-            await self._in_line("park", park)
-            if admitted is not None:
-                return admitted
-            if first < at:
-                self._keep_first_park(request_id, first - self.shared.offset)
+            landed = await asyncio.shield(landing)
         except asyncio.CancelledError:
             self._withdraw(request_id, client_left=True)
-            if admitted is not None and admitted.ticket is not None:  # admitted as its client left
-                self.release_ticket(admitted.ticket.ticket_id)
+            if offer is not None:  # the change lands all the same: an offer admitted meanwhile is given back
+                landing.add_done_callback(lambda f: self._offer_landed_without_client(request, offer, f))
             raise
         finally:
             self._parking.discard(request_id)
             if model in self._parks_awaited:
                 self._parks_awaited.discard(model)
                 self.wake([model])
+        if landed is None:  # the store did not answer: parked here as it would have been
+            return None
+        if landed.offered is not None and queued is not None:
+            admitted = self._offer_landed(request_id, request, queued[0], offer, landed.offered)
+            if admitted is not None:
+                return admitted
+        first = landed.first_parked_at
+        if first is not None and first < at:
+            self._keep_first_park(request_id, first - self.shared.offset)
         return None
 
-    async def _try_line(self, request_id: str, request: InferenceRequest, queued: tuple[Decision, Claim],
-                        now: float) -> tuple[Outcome | None, bool]:
-        """``_enter_line``'s offer of a request parked behind this replica's own to the line as it is: its admission if
-        the store takes it (it leaves the lot; an answer a sweep gave it meanwhile, waiting in ``_early``, is dropped:
-        the admission wins), else whether its claim fits (a refusal for the line alone; a CAP or KV refusal teaches the
-        mirror the engine's tickets, as ``_commit``'s). The store not answering leaves it to park as it would have."""
-        decision, claim = queued
-        try:
-            reserved = await self._timed("reserve", self.store.reserve(replace(claim, queue=QueueRule.ARRIVAL)))
-        except StoreUnavailable:
-            return None, True
-        if not reserved.ok:
-            assert reserved.refusal is not None
-            self.metrics.store_refusals.labels(reserved.refusal.value).inc()
-            for held in reserved.engine_tickets:
-                if held.ticket_id not in self._releasing and held.ticket_id not in self._recently_released:
-                    self.core.learn(self.shared.to_local(held), None, now)
-            return None, reserved.refusal is Refusal.QUEUED
+    def _offer_landed(self, request_id: str, request: InferenceRequest, decision: Decision, offer: Claim | None,
+                      offered: Reserved) -> Outcome | None:
+        """A park offered as an arrival came back (``_enter_line``): admitted, the request leaves the lot and its
+        admission is returned (an answer a sweep gave it meanwhile, waiting in ``_early``, is dropped: the admission
+        wins); refused for the engine (CAP, KV), the mirror learns the engine's tickets, as ``_commit``'s refusals
+        teach it."""
+        assert offer is not None
+        if not offered.ok:
+            assert offered.refusal is not None
+            self.metrics.store_refusals.labels(offered.refusal.value).inc()
+            self._learn_held(offered)
+            return None
         self._early.pop(request_id, None)
         self._claims.pop(request_id, None)
         if not self.core.cancel(request_id) and request_id in self._settling:
             self._claimed_done.add(request_id)  # a wake holds it: its own admission of it is taken back
-        ticket = self.shared.to_local(claim.ticket)
+        ticket = self.shared.to_local(offer.ticket)
         self.core.learn(ticket, request.session, self.clock(), request.prefix_blocks)
         self._owned.add(request_id)
         self.metrics.parked_now.set(self.core.depth())
-        return Outcome(request_id, decision, ticket), True
+        return Outcome(request_id, decision, ticket)
+
+    def _offer_landed_without_client(self, request: InferenceRequest, offer: Claim,
+                                     landing: asyncio.Future[Landed | None]) -> None:
+        """An offered park whose client left before it landed: an admission it got is closed at once."""
+        landed = None if landing.cancelled() else landing.result()
+        if landed is None or landed.offered is None or not landed.offered.ok:
+            return
+        ticket = self.shared.to_local(offer.ticket)
+        self.core.learn(ticket, request.session, self.clock(), request.prefix_blocks)
+        self._owned.add(ticket.ticket_id)
+        self.release_ticket(ticket.ticket_id)
+
+    def _learn_held(self, refused: Reserved) -> None:
+        """A CAP or KV refusal's list of the engine's tickets, into the mirror, except tickets released lately: this
+        replica's own (in flight or confirmed) or another's it heard of (the refusal may be read after the release
+        although the store decided before it: a ticket learned again would hold a slot here until the idle probe or
+        its lease reaps it)."""
+        now = self.clock()
+        for held in refused.engine_tickets:
+            if held.ticket_id not in self._releasing and held.ticket_id not in self._recently_released:
+                self.core.learn(self.shared.to_local(held), None, now)
 
     def _keep_first_park(self, request_id: str, parked_at: float) -> None:
         """A request parked here whose Check Envoy asked again after the replica holding it went away (resources.py
@@ -402,21 +417,45 @@ class AdmissionService:
         log.debug("request %s parked again here after its replica went away; it first parked %.1f s ago", request_id,
                   self.clock() - parked_at)
 
-    async def _in_line(self, op: str, call: Callable[[], Awaitable[object]]) -> None:
-        """A park or unpark, made one at a time in the order they were asked for: concurrent calls would travel on
-        different connections of the store's client and land in any order, and the shared line would then disagree with
-        this replica's lot about who is first (each waiting for a head the other never offers). Skipped while the store
-        does not answer (the first failure says so at once, so later calls do not queue up behind timeouts)."""
-        async with self._line_lock:
-            if not self.store_up:
-                return
-            try:
-                await self._timed(op, call())
-            except StoreUnavailable as exc:
-                log.error("the shared store does not answer (%s); store.on_failure: %s", exc,
-                          self.config.store.on_failure.value)
-                self.store_up = False
-                self.metrics.store_up.set(0)
+    def _in_line(self, change: LineChange) -> asyncio.Future[Landed | None]:
+        """A park or unpark for the shared line; the future is what it did (None: the store did not answer; the first
+        failure says so at once, and later changes are skipped until the upkeep loop finds the store back). Changes
+        land in the order they were asked for: concurrent calls would travel on different connections of the store's
+        client and land in any order, and the shared line would then disagree with this replica's lot about who is
+        first (each waiting for a head the other never offers). Every change asked for while a batch is on its way
+        goes in the next one, in one round trip (``Store.change_lines``): a burst of parks costs one wait, not one
+        each, so requests parked behind each other do not queue for the store one at a time."""
+        future: asyncio.Future[Landed | None] = asyncio.get_running_loop().create_future()
+        self._line_changes.append((change, future))
+        if self._line_writer is None or self._line_writer.done():
+            self._line_writer = self._spawn(self._write_lines())
+        return future
+
+    async def _write_lines(self) -> None:
+        """Send the waiting line changes, at most ``LINE_BATCH`` a call, until none waits (under the line lock, which
+        the lot's put-back and the line audit hold too)."""
+        batch: list[tuple[LineChange, asyncio.Future[Landed | None]]] = []
+        try:
+            while self._line_changes:
+                async with self._line_lock:
+                    batch, self._line_changes = (self._line_changes[:LINE_BATCH], self._line_changes[LINE_BATCH:])
+                    landed: list[Landed | None] = [None] * len(batch)
+                    if self.store_up:
+                        try:
+                            landed = list(await self._timed("line", self.store.change_lines([c for c, _ in batch])))
+                        except StoreUnavailable as exc:
+                            log.error("the shared store does not answer (%s); store.on_failure: %s", exc,
+                                      self.config.store.on_failure.value)
+                            self.store_up = False
+                            self.metrics.store_up.set(0)
+                for (_, future), result in zip(batch, landed):
+                    if not future.done():
+                        future.set_result(result)
+                batch = []
+        finally:  # stopping: whoever still waits is told the store did not answer
+            for _, future in batch + self._line_changes:
+                if not future.done():
+                    future.set_result(None)
 
     async def wait_parked(self, request_id: str) -> Outcome:
         """Hold a parked Check until a wake admits it or its deadline sheds it; a cancelled Check leaves nothing."""
@@ -771,7 +810,7 @@ class AdmissionService:
 
             async def unpark() -> None:
                 try:
-                    await self._in_line("unpark", lambda: self.store.unpark(model, klass, request_id))
+                    await self._in_line(LineChange(model, klass, request_id, unpark=True))
                 finally:
                     self._unparking.discard(request_id)
             self._spawn(unpark())

@@ -124,6 +124,33 @@ class Reserved:
         return self.refusal is None
 
 
+@dataclass(frozen=True, slots=True)
+class LineChange:
+    """One change to a shared line, as ``Store.change_lines`` applies it: this replica's park of ``request_id`` in the
+    line ``(model, klass)`` (as ``Store.park``: ``at`` now in shared time, ``claim`` left with its member), or, with
+    ``unpark``, its removal (as ``Store.unpark``). ``offer``: the park is first offered as an arrival (``reserve`` with
+    it, its ``queue`` ``ARRIVAL``): admitted, the request does not park; refused for the line alone (``QUEUED``), it
+    parks with ``claim``; refused otherwise (CAP, KV, EXISTS), it parks without one."""
+
+    model: str
+    klass: int
+    request_id: str
+    at: float = 0.0
+    claim: Claim | None = None
+    offer: Claim | None = None
+    unpark: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    """What a ``LineChange`` did: a park's first-park time (``Store.park``'s answer; None when its offer was admitted
+    instead), its offer's answer (None without an offer), or whether an unpark took a member out (``left``)."""
+
+    first_parked_at: float | None = None
+    offered: Reserved | None = None
+    left: bool = False
+
+
 class EventKind(enum.StrEnum):
     ADMITTED = "admitted"
     RELEASED = "released"
@@ -190,6 +217,10 @@ class Store(Protocol):
         ``fresh_s`` (a request not in that line is skipped); then the line's heads go on their claims (Claims)."""
     async def unpark(self, model: str, klass: int, request_id: str) -> bool:
         """Take a request out of the line (its claim too); False if it was not there (admitted, or unparked before)."""
+    async def change_lines(self, changes: Sequence[LineChange]) -> list[Landed]:
+        """Apply ``changes`` in their order, each atomic against every replica's calls as ``park``, ``unpark`` and
+        ``reserve`` are, in one round trip; one ``Landed`` per change, in order. A batch the store fails midway raises
+        ``StoreUnavailable`` (the changes before the failure may have landed, as separate calls' would)."""
     async def members(self, model: str, klass: int) -> list[str]:
         """Request ids this replica holds in the line ``(model, klass)``, oldest first (the line audit's view)."""
     async def heartbeat(self, ttl_s: float) -> None:

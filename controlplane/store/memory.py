@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from controlplane.core.model import Ticket
 from controlplane.store.base import (
-    DEAD_FIRSTS_S, LINE_CLASSES, Claim, EventKind, QueueRule, Refusal, Reserved, StoreEvent, StoreState, member,
+    DEAD_FIRSTS_S, LINE_CLASSES, Claim, EventKind, Landed, LineChange, QueueRule, Refusal, Reserved, StoreEvent,
+    StoreState, member,
 )
 
 SESSION_TTL_S = 3600.0
@@ -290,6 +291,25 @@ class MemoryStore:
         self.state.publish(StoreEvent(EventKind.UNPARKED, self.replica_id, request_id, model=model))
         self.state.drain(model)
         return True
+
+    async def change_lines(self, changes: Sequence[LineChange]) -> list[Landed]:
+        out: list[Landed] = []
+        for change in changes:  # no call here suspends: the batch is atomic as a whole
+            if change.unpark:
+                out.append(Landed(left=await self.unpark(change.model, change.klass, change.request_id)))
+                continue
+            claim = change.claim
+            offered = None
+            if change.offer is not None:
+                offered = await self.reserve(change.offer)
+                if offered.ok:
+                    out.append(Landed(offered=offered))
+                    continue
+                if offered.refusal is not Refusal.QUEUED:
+                    claim = None
+            first = await self.park(change.model, change.klass, change.request_id, change.at, claim)
+            out.append(Landed(first, offered))
+        return out
 
     async def members(self, model: str, klass: int) -> list[str]:
         mine = member(self.replica_id, "")

@@ -43,7 +43,8 @@ from redis.exceptions import RedisError
 from controlplane.core.model import Ticket
 from controlplane.core.prefix import blocks_from_text, blocks_text
 from controlplane.store.base import (
-    DEAD_FIRSTS_S, LINE_CLASSES, Claim, EventKind, Refusal, Reserved, StoreEvent, StoreState, StoreUnavailable, member,
+    DEAD_FIRSTS_S, LINE_CLASSES, Claim, EventKind, Landed, LineChange, Refusal, Reserved, StoreEvent, StoreState,
+    StoreUnavailable, member,
 )
 
 log = logging.getLogger("sluice.store")
@@ -206,51 +207,92 @@ local function close(id, by)
 end
 """.replace("@CLASSES@", str(LINE_CLASSES)).replace("@DEAD_MS@", str(int(DEAD_FIRSTS_S * 1000)))
 
-# ARGV: prefix, ticket record (JSON array), cap (-1: none), kv limit (-1: none), queue rule, class, session,
+# The scripts that write an admission or a park, as functions of their arguments (``A``: as the scripts' ARGV), so
+# that ``offer`` runs both in one step.
+# reserve's A: prefix, ticket record (JSON array), cap (-1: none), kv limit (-1: none), queue rule, class, session,
 #       session ttl s, key grace s, the prompt's block hashes (hex, only passed on), claim fresh s, serve half-life s
-_RESERVE = _LIB + r"""
-local r = cjson.decode(ARGV[2])
-local id, engine, model, owner = r[1], r[2], r[3], r[9]
-local cap, kvlimit, rule, klass = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local session, fresh, hl = ARGV[7], tonumber(ARGV[11]), tonumber(ARGV[12])
-drain(model)
-if redis.call('EXISTS', p .. ':t:' .. id) == 1 then return {'exists'} end
-local mine = owner .. '|' .. id
-local q = model .. ':' .. klass
-if rule ~= 'none' then
-  local higher = klass
-  if rule == 'arrival' then higher = klass + 1 end
-  local queued = false
-  for k = 0, higher - 1 do if first(model, k, false) then queued = true break end end
-  if not queued and rule ~= 'arrival' and rule ~= 'class' then
-    local head = first(model, klass, rule == 'newest')
-    queued = head ~= nil and head ~= mine
-  end
-  if queued then
-    if rule == 'oldest' and fresh > 0 and redis.call('ZSCORE', p .. ':q:' .. q, mine) then
-      redis.call('HSET', p .. ':c:' .. q, mine, cjson.encode({r, cap, kvlimit, session, clock() + fresh, ARGV[10],
-                                                             tonumber(ARGV[8]), tonumber(ARGV[9]), hl}))
+# park's A: prefix, queue key suffix, replica, request id, now (shared time), model, claim (JSON, its fourth field
+#       fresh s; '' for none). Returns when the request first parked.
+_LINE_LIB = r"""
+local function reserve(A)
+  local r = cjson.decode(A[2])
+  local id, engine, model, owner = r[1], r[2], r[3], r[9]
+  local cap, kvlimit, rule, klass = tonumber(A[3]), tonumber(A[4]), A[5], tonumber(A[6])
+  local session, fresh, hl = A[7], tonumber(A[11]), tonumber(A[12])
+  drain(model)
+  if redis.call('EXISTS', p .. ':t:' .. id) == 1 then return {'exists'} end
+  local mine = owner .. '|' .. id
+  local q = model .. ':' .. klass
+  if rule ~= 'none' then
+    local higher = klass
+    if rule == 'arrival' then higher = klass + 1 end
+    local queued = false
+    for k = 0, higher - 1 do if first(model, k, false) then queued = true break end end
+    if not queued and rule ~= 'arrival' and rule ~= 'class' then
+      local head = first(model, klass, rule == 'newest')
+      queued = head ~= nil and head ~= mine
     end
-    return {'queued'}
+    if queued then
+      if rule == 'oldest' and fresh > 0 and redis.call('ZSCORE', p .. ':q:' .. q, mine) then
+        redis.call('HSET', p .. ':c:' .. q, mine, cjson.encode({r, cap, kvlimit, session, clock() + fresh, A[10],
+                                                               tonumber(A[8]), tonumber(A[9]), hl}))
+      end
+      return {'queued'}
+    end
   end
-end
-local why = fits(r, cap, kvlimit)
-if why then
-  local out = {why}
-  for _, tid in ipairs(redis.call('SMEMBERS', p .. ':e:' .. engine)) do
-    local t = record(tid)
-    if t then table.insert(out, cjson.encode(t)) end
+  local why = fits(r, cap, kvlimit)
+  if why then
+    local out = {why}
+    for _, tid in ipairs(redis.call('SMEMBERS', p .. ':e:' .. engine)) do
+      local t = record(tid)
+      if t then table.insert(out, cjson.encode(t)) end
+    end
+    return out
   end
-  return out
+  admit(r, session, A[8], tonumber(A[9]), hl)
+  if not leave(q, owner, id) then
+    local parked = redis.call('HGET', p .. ':qa:' .. q, id)
+    if parked then leave(q, string.match(parked, '^(.-)|'), id) end  -- parked by a replica its Check was retried after
+  end
+  publish('admitted', owner, A[2], session, A[10])
+  drain(model)
+  return {'ok'}
 end
-admit(r, session, ARGV[8], tonumber(ARGV[9]), hl)
-if not leave(q, owner, id) then
-  local parked = redis.call('HGET', p .. ':qa:' .. q, id)
-  if parked then leave(q, string.match(parked, '^(.-)|'), id) end  -- parked by a replica its Check was retried after
+local function park(A)
+  local q, me, rid, since = A[2], A[3], A[4], A[5]
+  local held = redis.call('HGET', p .. ':qa:' .. q, rid)
+  local moved = false
+  if held then
+    local replica, at = string.match(held, '^(.-)|(.*)$')
+    if replica ~= me and leave(q, replica, rid) then  -- its Check was asked again here: it keeps its first park time
+      since, moved = at, true
+      publish('unparked', me, rid, A[6])
+    end
+  end
+  if not moved then
+    local dead = redis.call('HGET', p .. ':qd:' .. q, rid)
+    if dead then  -- ... asked again after its replica was found dead
+      local replica, at = string.match(dead, '^(.-)|(.*)$')
+      if replica ~= me then since = at end
+      redis.call('HDEL', p .. ':qd:' .. q, rid)
+    end
+  end
+  local m = me .. '|' .. rid
+  redis.call('ZADD', p .. ':q:' .. q, redis.call('INCR', p .. ':seq'), m)
+  redis.call('HSET', p .. ':qa:' .. q, rid, me .. '|' .. since)
+  redis.call('SADD', p .. ':ml:' .. me, q)
+  if A[7] ~= '' then
+    local c = cjson.decode(A[7])
+    c[5] = clock() + tonumber(c[5])
+    redis.call('HSET', p .. ':c:' .. q, m, cjson.encode(c))
+  end
+  drain(A[6])
+  return since
 end
-publish('admitted', owner, ARGV[2], session, ARGV[10])
-drain(model)
-return {'ok'}
+"""
+
+_RESERVE = _LIB + _LINE_LIB + r"""
+return reserve(ARGV)
 """
 
 # ARGV: prefix, ticket id, by
@@ -283,36 +325,22 @@ return n
 
 # ARGV: prefix, queue key suffix, replica, request id, now (shared time), model, claim (JSON, its fourth field fresh s;
 #       '' for none). Returns when the request first parked.
-_PARK = _LIB + r"""
-local q, me, rid, since = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local held = redis.call('HGET', p .. ':qa:' .. q, rid)
-local moved = false
-if held then
-  local replica, at = string.match(held, '^(.-)|(.*)$')
-  if replica ~= me and leave(q, replica, rid) then  -- its Check was asked again here: it keeps its first park time
-    since, moved = at, true
-    publish('unparked', me, rid, ARGV[6])
-  end
-end
-if not moved then
-  local dead = redis.call('HGET', p .. ':qd:' .. q, rid)
-  if dead then  -- ... asked again after its replica was found dead
-    local replica, at = string.match(dead, '^(.-)|(.*)$')
-    if replica ~= me then since = at end
-    redis.call('HDEL', p .. ':qd:' .. q, rid)
-  end
-end
-local m = me .. '|' .. rid
-redis.call('ZADD', p .. ':q:' .. q, redis.call('INCR', p .. ':seq'), m)
-redis.call('HSET', p .. ':qa:' .. q, rid, me .. '|' .. since)
-redis.call('SADD', p .. ':ml:' .. me, q)
-if ARGV[7] ~= '' then
-  local c = cjson.decode(ARGV[7])
-  c[5] = clock() + tonumber(c[5])
-  redis.call('HSET', p .. ':c:' .. q, m, cjson.encode(c))
-end
-drain(ARGV[6])
-return since
+_PARK = _LIB + _LINE_LIB + r"""
+return park(ARGV)
+"""
+
+# ARGV: prefix, reserve's A[2..12], park's A[2..7]. Offers a park as an arrival (``reserve``); refused, parks it (with
+# its claim only when refused for the line alone). Returns {'ok'}, or {refusal, first park time, the engine's
+# tickets on a CAP or KV refusal...}.
+_OFFER = _LIB + _LINE_LIB + r"""
+local R, P = {ARGV[1]}, {ARGV[1]}
+for i = 2, 12 do R[i] = ARGV[i] end
+for i = 13, 18 do P[i - 11] = ARGV[i] end
+local out = reserve(R)
+if out[1] == 'ok' then return out end
+if out[1] ~= 'queued' then P[7] = '' end
+table.insert(out, 2, park(P))
+return out
 """
 
 # ARGV: prefix, queue key suffix, replica, model, then pairs of request id and claim (JSON, its fifth field fresh s)
@@ -459,8 +487,8 @@ class ValkeyStore:
         self._subscriber: aioredis.Redis = aioredis.Redis.from_url(url, socket_connect_timeout=timeout_s)
         self._scripts = {name: self.client.register_script(text) for name, text in (
             ("reserve", _RESERVE), ("release", _RELEASE), ("expire", _EXPIRE), ("restore", _RESTORE),
-            ("park", _PARK), ("unpark", _UNPARK), ("claim", _CLAIM), ("heartbeat", _HEARTBEAT), ("reap", _REAP),
-            ("open", _OPEN))}
+            ("park", _PARK), ("offer", _OFFER), ("unpark", _UNPARK), ("claim", _CLAIM), ("heartbeat", _HEARTBEAT),
+            ("reap", _REAP), ("open", _OPEN))}
         self._liveness: _Liveness | None = None
         self._listening = False
         self._expected: dict[str, Callable[[], None]] = {}
@@ -487,13 +515,15 @@ class ValkeyStore:
         await self.client.aclose()
         await self._subscriber.aclose()
 
+    def _reserve_args(self, claim: Claim) -> list[Any]:
+        """``reserve``'s arguments after the prefix (the scripts' ``reserve(A)``, A[2..12])."""
+        return [json.dumps(_record(claim.ticket, self.replica_id)), -1 if claim.cap is None else claim.cap,
+                -1 if claim.kv_limit is None else claim.kv_limit, claim.queue.value, claim.klass, claim.session or "",
+                int(self.session_ttl_s), TICKET_KEY_GRACE_S, blocks_text(claim.prefix_blocks), claim.fresh_s,
+                claim.serve_half_life_s]
+
     async def reserve(self, claim: Claim) -> Reserved:
-        t = claim.ticket
-        answer = await self._run(
-            "reserve", json.dumps(_record(t, self.replica_id)), -1 if claim.cap is None else claim.cap,
-            -1 if claim.kv_limit is None else claim.kv_limit, claim.queue.value, claim.klass, claim.session or "",
-            int(self.session_ttl_s), TICKET_KEY_GRACE_S, blocks_text(claim.prefix_blocks), claim.fresh_s,
-            claim.serve_half_life_s)
+        answer = await self._run("reserve", *self._reserve_args(claim))
         verdict = _text(answer[0])
         if verdict == "ok":
             return Reserved()
@@ -527,6 +557,43 @@ class ValkeyStore:
 
     async def unpark(self, model: str, klass: int, request_id: str) -> bool:
         return bool(await self._run("unpark", f"{model}:{klass}", self.replica_id, request_id, model))
+
+    async def change_lines(self, changes: Sequence[LineChange]) -> list[Landed]:
+        """One pipeline (one write, the answers read in order, on one connection: the changes land in their order),
+        each change one script: ``park``, ``unpark``, or ``offer`` (``reserve`` and, refused, ``park``, in one step)."""
+        if not changes:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for change in changes:
+            q = f"{change.model}:{change.klass}"
+            if change.unpark:
+                await self._scripts["unpark"](args=[self.prefix, q, self.replica_id, change.request_id, change.model],
+                                              client=pipe)
+                continue
+            claim = change.claim
+            held = "" if claim is None or claim.fresh_s <= 0 else _claim_text(claim, self.replica_id,
+                                                                             self.session_ttl_s)
+            park = [q, self.replica_id, change.request_id, repr(change.at), change.model, held]
+            if change.offer is None:
+                await self._scripts["park"](args=[self.prefix, *park], client=pipe)
+            else:
+                await self._scripts["offer"](args=[self.prefix, *self._reserve_args(change.offer), *park], client=pipe)
+        try:
+            answers = await pipe.execute()
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            raise _unavailable("change_lines", exc) from exc
+        out: list[Landed] = []
+        for change, answer in zip(changes, answers):
+            if change.unpark:
+                out.append(Landed(left=bool(answer)))
+            elif change.offer is None:
+                out.append(Landed(float(_text(answer))))
+            elif _text(answer[0]) == "ok":
+                out.append(Landed(offered=Reserved()))
+            else:
+                tickets = tuple(_ticket(json.loads(_text(x)))[0] for x in answer[2:])
+                out.append(Landed(float(_text(answer[1])), Reserved(Refusal(_text(answer[0])), tickets)))
+        return out
 
     async def members(self, model: str, klass: int) -> list[str]:
         mine = member(self.replica_id, "")

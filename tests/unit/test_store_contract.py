@@ -8,7 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
-from controlplane.store.base import Claim, EventKind, QueueRule, Refusal, Store, StoreEvent, StoreUnavailable
+from controlplane.store.base import (
+    Claim, EventKind, Landed, LineChange, QueueRule, Refusal, Reserved, Store, StoreEvent, StoreUnavailable,
+)
 from controlplane.store.valkey import ValkeyStore
 from controlplane.store.valkeyserver import ValkeyServer
 from tests.unit.sharedstore import BASE, Handles, handles, ticket, valkey  # noqa: F401  (fixtures)
@@ -189,6 +191,49 @@ async def test_an_admission_takes_its_request_out_of_the_line_whoever_parked_it(
     assert await a.members("m", 1) == []
     assert (await b.reserve(Claim(ticket("next"), cap=None, kv_limit=None, queue=QueueRule.ARRIVAL, klass=1))).ok
     assert await b.park("m", 1, "x", BASE + 3.0) == BASE + 3.0, "its first park time left with it"
+
+
+async def test_a_batch_of_line_changes_lands_in_order(stores: Factory) -> None:
+    """``change_lines``: parks and unparks in one call land in their order, as separate calls would."""
+    a, b = stores("a"), stores("b")
+    await b.park("m", 1, "theirs", BASE)
+    landed = await a.change_lines([LineChange("m", 1, "x", at=BASE + 1.0), LineChange("m", 1, "y", at=BASE + 2.0),
+                                   LineChange("m", 1, "x", unpark=True), LineChange("m", 1, "gone", unpark=True),
+                                   LineChange("m", 1, "x", at=BASE + 3.0)])
+    assert landed == [Landed(BASE + 1.0), Landed(BASE + 2.0), Landed(left=True), Landed(left=False), Landed(BASE + 3.0)]
+    assert await a.members("m", 1) == ["y", "x"], "x parked again after its unpark: at the back"
+    assert await a.change_lines([]) == []
+
+
+async def test_an_offered_park_is_admitted_when_nobody_is_ahead_and_it_fits(stores: Factory) -> None:
+    """A park offered as an arrival: admitted (not parked) when no line holds it and it fits; refused for the line, it
+    parks with its claim, which the store admits once the line ahead goes; refused for the cap, it parks without one
+    and the refusal carries the engine's tickets."""
+    a, b = stores("a"), stores("b")
+    offer = Claim(ticket("first"), cap=2, kv_limit=None, queue=QueueRule.ARRIVAL, klass=1)
+    landed = await a.change_lines([LineChange("m", 1, "first", at=BASE, offer=offer)])
+    assert landed == [Landed(offered=Reserved())]
+    assert await a.members("m", 1) == [] and [t.ticket_id for t, _ in (await a.load()).tickets] == ["first"]
+
+    await b.park("m", 1, "ahead", BASE)
+    claim = Claim(ticket("second"), cap=2, kv_limit=None, queue=QueueRule.OLDEST, klass=1, fresh_s=30.0)
+    queued, = await a.change_lines([LineChange("m", 1, "second", at=BASE + 1.0, claim=claim,
+                                               offer=Claim(ticket("second"), cap=2, kv_limit=None,
+                                                           queue=QueueRule.ARRIVAL, klass=1))])
+    assert queued == Landed(BASE + 1.0, Reserved(Refusal.QUEUED))
+    assert await a.members("m", 1) == ["second"]
+    assert await b.unpark("m", 1, "ahead") is True
+    assert await a.members("m", 1) == [], "its claim was admitted once the line ahead of it went"
+    assert sorted(t.ticket_id for t, _ in (await a.load()).tickets) == ["first", "second"]
+
+    full, = await a.change_lines([LineChange("m", 1, "third", at=BASE + 2.0, claim=claim,
+                                             offer=Claim(ticket("third"), cap=2, kv_limit=None,
+                                                         queue=QueueRule.ARRIVAL, klass=1))])
+    assert full.offered is not None and full.offered.refusal is Refusal.CAP and full.first_parked_at == BASE + 2.0
+    assert sorted(t.ticket_id for t in full.offered.engine_tickets) == ["first", "second"]
+    assert await a.members("m", 1) == ["third"]
+    assert (await a.release("first")) is not None
+    assert await a.members("m", 1) == ["third"], "parked without a claim: its replica's wake decides it again"
 
 
 async def test_restore_writes_back_only_what_is_missing(stores: Factory) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, cast
@@ -26,7 +26,7 @@ from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.metrics import SluiceMetrics
-from controlplane.store.base import Claim, Store
+from controlplane.store.base import Claim, Landed, LineChange, Store
 from controlplane.store.memory import MemoryState, MemoryStore
 from controlplane.store.valkey import ValkeyStore
 from controlplane.store.valkeyserver import ValkeyServer
@@ -67,6 +67,29 @@ class SlowParks(MemoryStore):
         return await super().park(model, klass, request_id, at, claim)
 
 
+class RoundTrips(MemoryStore):
+    """A memory store each of whose calls that change a line (``park``, ``change_lines``) takes ``round_trip_s`` (a
+    store across the network)."""
+
+    def __init__(self, state: MemoryState, round_trip_s: float) -> None:
+        super().__init__(state, "r0")
+        self.round_trip_s = round_trip_s
+        self.batching = False
+
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
+        if not self.batching:
+            await asyncio.sleep(self.round_trip_s)
+        return await super().park(model, klass, request_id, at, claim)
+
+    async def change_lines(self, changes: Sequence[LineChange]) -> list[Landed]:
+        await asyncio.sleep(self.round_trip_s)
+        self.batching = True
+        try:
+            return await super().change_lines(changes)
+        finally:
+            self.batching = False
+
+
 async def answer(svc: AdmissionService, request_id: str) -> Outcome:
     """A Check as the ext_authz handler makes it: decide, and wait in the lot when parked."""
     outcome = await svc.check(request_id, REQUEST)
@@ -96,6 +119,34 @@ async def test_parks_landing_out_of_order_do_not_deadlock_the_line() -> None:
         svc.release_ticket(first.ticket.ticket_id)
         second = await asyncio.wait_for(c, 1.0)
         assert second.ticket is not None, second.decision
+        assert line(state) == []
+
+
+async def test_requests_parked_together_reach_the_line_in_one_round_trip_and_in_order() -> None:
+    """30 requests park at once behind a full engine on a store 20 ms away: their parks go in a batch or two, not one
+    round trip each (0.6 s, during which every later arrival would park behind them); then they are admitted in the
+    order they parked."""
+    state = MemoryState()
+    store = RoundTrips(state, 0.02)
+    async with running(store, {"e": 1}, max_park_s=10.0) as svc:
+        a = await answer(svc, "a")
+        assert a.ticket is not None
+        order = [f"p{k:02d}" for k in range(30)]
+        started = time.monotonic()
+        waiting = [asyncio.create_task(answer(svc, r)) for r in order]
+        while len(line(state)) < 30 and time.monotonic() - started < 2.0:
+            await asyncio.sleep(0.005)
+        assert len(line(state)) == 30
+        assert time.monotonic() - started < 0.2, "one round trip each: 0.6 s"
+        admitted: list[str] = []
+        ticket = a.ticket
+        for task in asyncio.as_completed(waiting):
+            svc.release_ticket(ticket.ticket_id)
+            outcome = await asyncio.wait_for(task, 2.0)
+            assert outcome.ticket is not None, outcome.decision
+            admitted.append(outcome.request_id)
+            ticket = outcome.ticket
+        assert admitted == order
         assert line(state) == []
 
 
@@ -183,6 +234,11 @@ class RecordedParks(ValkeyStore):
     async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
         self.parks.append(request_id)
         return await super().park(model, klass, request_id, at, claim)
+
+    async def change_lines(self, changes: Sequence[LineChange]) -> list[Landed]:
+        landed = await super().change_lines(changes)
+        self.parks.extend(c.request_id for c, done in zip(changes, landed) if done.first_parked_at is not None)
+        return landed
 
 
 @pytest.fixture(scope="module")
