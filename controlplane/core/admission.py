@@ -682,7 +682,8 @@ class AdmissionCore:
         decode rate (an engine not measured yet and without an anchor: ``StartEstimate.known``)."""
         model = parked.request.model
         assert model is not None
-        start = expected_start(parked.request, fleet, self.policy, now, ahead, typical=model not in self._service_s)
+        start = expected_start(parked.request, fleet, self.policy, now, ahead, typical=model not in self._service_s,
+                               cached=self.expected_cached(parked.request))
         if not start.known:
             return None  # a guess from the policy's default rates: no grounds to refuse anyone
         wait = start.wait_s

@@ -104,13 +104,14 @@ class StartEstimate:
 
 
 def expected_start(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, ahead: int,
-                   typical: bool = False) -> StartEstimate:
+                   typical: bool = False, cached: Mapping[str, int] | None = None) -> StartEstimate:
     """When ``request`` is expected to start when ``ahead`` requests take a slot of its model before it (its place in
     line): the ``(ahead + 1)``-th slot to free among the engines that could serve it. A busy slot first frees when
     route.expected_frees says (the ``load - cap + 1``-th soonest of an engine's tickets opens its first slot; load the
     ledger holds no ticket for frees after one service), a free slot now; every slot is then held for one service of
     ``request``'s shape (prefill + expected output at the engine's full-batch rate, as route.slot_wait prices a
-    backlog) by the request that takes it, and frees again. Engines: serving the model, not drained, at its version
+    backlog; its prefill only the prompt tokens that engine is expected to hold uncached, ``cached`` as ``decide``'s) by
+    the request that takes it, and frees again. Engines: serving the model, not drained, at its version
     floor, fresh (or, failing open, stale ones); with a TTFT deadline, only those that could prefill the prompt within
     it. An engine without a known cap starts it now.
 
@@ -133,8 +134,11 @@ def expected_start(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
         return StartEstimate(math.inf, 0.0, False)
     out = expected_output_tokens(request, fleet, policy)
 
+    hits = cached or _NONE_NAMED
+
     def service_of(e: EngineView) -> float:
-        return max(_TINY, request.prompt_tokens / prefill_rate(e, model, fleet, policy)
+        computed = request.prompt_tokens - cached_tokens(e.name, request, hits)
+        return max(_TINY, computed / prefill_rate(e, model, fleet, policy)
                    + out / decode_rate(e, e.cap or 1, fleet, policy))
 
     slots_total, per_s = 0, 0.0

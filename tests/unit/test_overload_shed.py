@@ -12,6 +12,7 @@ from dataclasses import replace
 from collections import Counter
 
 from controlplane.core.admission import AdmissionCore
+from controlplane.core.decide import expected_start
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import Reason, Verdict
 from controlplane.core.policy import Policy
@@ -266,3 +267,21 @@ def test_tickets_admitted_on_the_default_rate_refuse_nobody_after_the_engine_is_
     woken = core.wake(core.fleet(measured, 0.6), 0.6)
     assert [o.decision.verdict for o in woken] == [Verdict.ADMIT]
     assert woken[0].decision.rates_measured and core.fleet(measured, 0.6).of("e").guessed_tickets == 0
+
+
+def test_a_line_behind_an_engine_that_holds_the_prompt_is_expected_to_move_at_the_cached_pace() -> None:
+    """The expected start of a request 3 places back in line on one busy slot: each request ahead holds the slot for one
+    service of the request's shape. When the engine holds the prompt's 8000-token prefix, that service is its decode
+    and the few tokens left to prefill, not 8 s of prefill: an estimate of a cold line would shed, at arrival, requests
+    the engine serves in time."""
+    core = learned()
+    views = [engine("e", seqs=1)]
+    request = chat(prompt=8040)
+    holder = core.check("holder", chat(), core.fleet(views, 0.0), 0.0)
+    assert holder.ticket is not None
+    fleet = core.fleet(views, 0.0)
+    cold = expected_start(request, fleet, POLICY, 0.0, 3)
+    warm = expected_start(request, fleet, POLICY, 0.0, 3, cached={"e": 8000})
+    first_free = expected_frees("e", fleet, 0.0)[0]
+    assert math.isclose(cold.wait_s, first_free + 3 * (8040 / 1000 + 111 / 20))
+    assert math.isclose(warm.wait_s, first_free + 3 * (40 / 1000 + 111 / 20))
