@@ -7,7 +7,8 @@ simulators (``max_running_seen`` is a maximum since start) and no stack's probes
 request is a chat completion with ``ignore_eos: true`` and a fixed ``max_tokens``, so its output length is exactly that.
 Admission settings: ``max_queue_depth: 4096`` (the default 64 would shed most of a 2000-request burst),
 ``lifo_after_ms: 0`` (adaptive LIFO off: FIFO is what is measured), ``wait_for_faster_margin: 1.0`` (identical engines;
-see ``WAIT_FOR_FASTER_MARGIN``); ``envoy.on_controlplane_failure: closed``.
+see ``WAIT_FOR_FASTER_MARGIN``); ``envoy.on_controlplane_failure: closed``; ``tickets.idle_reap_grace_seconds: 60``
+(``IDLE_REAP_GRACE_S``).
 
 - **Exactness** (1, 2 and 3 replicas): a burst of streamed requests sent at once. Reported: answers by status, each
   engine's ``max_running_seen`` against its cap, tickets left after the run (every replica's ``sluice_tickets_open`` once
@@ -280,6 +281,7 @@ class Stack(UpProcess):
             "envoy": {"listen_port": free_port(), "admin_port": free_port(), "on_controlplane_failure": "closed"},
             "engines": engines,
             "admission": {"max_queue_depth": 4096, "lifo_after_ms": 0, "wait_for_faster_margin": WAIT_FOR_FASTER_MARGIN},
+            "tickets": {"idle_reap_grace_seconds": IDLE_REAP_GRACE_S},
         }
         self.authz_timeout_s = parse_config(raw).authz_timeout_s
         work.mkdir(parents=True, exist_ok=True)
@@ -1078,6 +1080,10 @@ class Unasked:
 
 UNASKED_PARKED = 16
 UNASKED_WAIT_S = 10.0
+IDLE_REAP_GRACE_S = 60.0
+"""The stacks' ``tickets.idle_reap_grace_seconds`` (default 5): the unasked failover holds every slot with tickets no
+request stands behind, on idle engines, and filling them one Check at a time takes seconds on a loaded machine; with
+the default grace a probe reaped the first tickets before the victim's Checks came, and those were admitted."""
 
 
 def run_failover_unasked(stack: Stack, fleet: Fleet) -> Unasked:
@@ -1086,7 +1092,7 @@ def run_failover_unasked(stack: Stack, fleet: Fleet) -> Unasked:
     released through the first (an access-log entry each). The first replica's parked Checks can only be admitted once
     the store no longer counts the dead replica's members, which nobody asks for again, ahead of them. Run soon after
     the slots are taken: the engines are idle, and a probe would reap tickets older than
-    ``tickets.idle_reap_grace_seconds``."""
+    ``tickets.idle_reap_grace_seconds`` (``IDLE_REAP_GRACE_S`` here)."""
     import redis as redis_sync
 
     victim_name = f"controlplane-{stack.replicas - 1}"
