@@ -492,7 +492,8 @@ class AdmissionService:
         ticket = self.core.release(ticket_id, self.clock())
         if ticket is not None:
             self.metrics.engine(ticket.engine).tickets_released.inc()
-            self.wake([ticket.model])
+            # An adapter's slot freed may be what requests for other adapters of its engine wait for: wake them all.
+            self.wake(None if self.core.is_adapter(ticket.model) else [ticket.model])
         self._release_in_store(ticket_id)
         return ticket
 

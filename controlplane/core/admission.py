@@ -87,10 +87,11 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
+from controlplane.core.adapters import discovered_bases
 from controlplane.core.fairshare import ANONYMOUS, TenantCounters, TenantShare, service_order
 from controlplane.core.decide import (
     clamp_retry_after, decide, deadline_text, earliest_fit, expected_start, retry_after, shed,
@@ -191,6 +192,13 @@ class AdmissionCore:
         self.fair = TenantCounters()
         """Each tenant's virtual token counter per model (core/fairshare.py): charged at every admission here,
         corrected by ``settle_usage``; the order of a class's wake while ``policy.fairness.enabled``."""
+        self._adapter_bases: dict[str, str] = {}
+        """Adapter -> base model, as the engines' ``/v1/models`` name them (``note_view``)."""
+        self._adapters_view: Mapping[str, str] = MappingProxyType({})
+        self._adapter_recent: dict[str, dict[str, float]] = {}
+        """engine -> adapter -> when it was last admitted there (``ADAPTER_MEMORY`` per engine, oldest dropped)."""
+        self._recent_view: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+        """``_adapter_recent`` as fleets carry it (``Fleet.adapter_recent``), rebuilt when it changes."""
         self._frees = 0
         """Slots freed so far (releases, reaped and lapsed tickets, reloads): a freed slot may be what a passable request
         waits for, so it must be decided again (the wake that follows does) before anyone passes it."""
@@ -202,7 +210,8 @@ class AdmissionCore:
         recent, last = self._serves_at(now)
         return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
                      rates or RateTables(), recent, self.output_lengths.snapshot(), self.output_lengths.tails(now),
-                     last_served=last)
+                     last_served=last, adapters=MappingProxyType(discovered_bases(engines)),
+                     adapter_recent=self._recent_view)
 
     def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
         """Prompt tokens of ``request`` each engine is expected to hold in its prefix cache (engines holding none left
@@ -258,8 +267,18 @@ class AdmissionCore:
         return None
 
     def note_view(self, view: EngineView) -> None:
-        """The shell's latest view of an engine (probe, drain, failure, staleness flip): the index refreshes its rows."""
+        """The shell's latest view of an engine (probe, drain, failure, staleness flip): the index refreshes its rows,
+        and the adapters it lists with their base model join the fleet's (``Fleet.adapters``)."""
         self.index.update(self._corrected(view))
+        new = {m.model_id: m.parent for m in view.models
+               if m.parent and self._adapter_bases.get(m.model_id) != m.parent}
+        if new:
+            self._adapter_bases.update(new)
+            self._adapters_view = MappingProxyType(dict(self._adapter_bases))
+
+    def is_adapter(self, model: str) -> bool:
+        """Whether ``model`` is a LoRA adapter (listed with a parent by an engine, or configured)."""
+        return model in self._adapter_bases or model in self.policy.adapters.base_models
 
     def _corrected(self, view: EngineView) -> EngineView:
         factor = self.ttft.factor(view.name)
@@ -309,7 +328,7 @@ class AdmissionCore:
             rates or RateTables(), now, self.serves.half_life_s)
         recent, last = self._serves_at(now)
         return Fleet(engines, ledger, self.admit_stale, rates or RateTables(), recent, self.output_lengths.snapshot(),
-                     self.output_lengths.tails(now), index, last)
+                     self.output_lengths.tails(now), index, last, self._adapters_view, self._recent_view)
 
     def _serves_at(self, now: float) -> tuple[DecayedServes, LastServed]:
         """The serve counts as a fleet reads them, from one snapshot: decayed to ``now``, and when each engine was last
@@ -539,7 +558,7 @@ class AdmissionCore:
         recent, last = self._serves_at(now)
         return replace(fleet, ledger=MappingProxyType({e.name: self.ledger.view(e.name) for e in fleet.engines}),
                        recent_serves=recent, last_served=last, expected_output=self.output_lengths.snapshot(),
-                       output_tails=self.output_lengths.tails(now))
+                       output_tails=self.output_lengths.tails(now), adapter_recent=self._recent_view)
 
     def wake(self, fleet: Fleet, now: float, models: Iterable[str] | None = None) -> list[Outcome]:
         """Admit parked heads that fit ``fleet`` now, in order (the core refreshes the fleet after each admission)."""
@@ -826,6 +845,15 @@ class AdmissionCore:
                 refresh()
         return out
 
+    def _note_adapter(self, engine: str, adapter: str, now: float) -> None:
+        """``adapter`` was admitted to ``engine``: it is that engine's most recently used adapter."""
+        recent = self._adapter_recent.setdefault(engine, {})
+        recent.pop(adapter, None)
+        recent[adapter] = now
+        while len(recent) > ADAPTER_MEMORY:
+            del recent[next(iter(recent))]
+        self._recent_view = MappingProxyType({e: tuple(reversed(r)) for e, r in self._adapter_recent.items()})
+
     def _admit(self, request_id: str, request: InferenceRequest, decision: Decision, now: float,
                parked_for: float, rule: QueueRule = QueueRule.ARRIVAL, parked: Parked | None = None) -> Outcome:
         assert decision.engine is not None and request.model is not None
@@ -839,7 +867,13 @@ class AdmissionCore:
         self.fair.charge(ticket.ticket_id, request.model, _tenant_of(request), *self._expected_tokens(request),
                          self.policy.fairness)
         noted = self.prefixes.note(decision.engine, request.prefix_blocks) if self.policy.prefix_routing else ()
+        if self.is_adapter(request.model):
+            self._note_adapter(decision.engine, request.model, now)
         return Outcome(request_id, decision, ticket, parked_for, rule, parked, noted)
+
+
+ADAPTER_MEMORY = 64
+"""Adapters remembered per engine as recently admitted there (far more than any engine's slots)."""
 
 
 def _without_deadline(request: InferenceRequest) -> InferenceRequest:

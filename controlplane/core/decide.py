@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from controlplane.core import adapters
 from controlplane.core.affinity import charged_finish
 from controlplane.core.explain import EngineExplanation, earliest_fit, explain
 from controlplane.core.fit import context_tokens, effective_load, misfits, model_len, need_tokens
@@ -122,7 +123,7 @@ def expected_start(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
     finish rests on the policy's default rate)."""
     model = request.model
     assert model is not None
-    floor = policy.floor_for(model)
+    floor = policy.floor_for(model, adapters.base_of(model, fleet, policy.adapters.base_models))
     engines = [e for e in fleet.engines if e.serves(model) and not e.drained and meets_floor(e.version, floor)]
     fresh = [e for e in engines if not e.stale]
     engines = fresh or (engines if fleet.admit_stale else [])
@@ -254,12 +255,13 @@ def decide(
                            displaced, prefix_share)
         if indexed is not None:
             return indexed
-    serving = [e for e in fleet.engines if e.serves(model) and not e.drained]
-    if not serving and any(e.serves(model) for e in fleet.engines):
+    base = adapters.base_of(model, fleet, policy.adapters.base_models)
+    serving = [e for e in fleet.engines if e.serves(model) and not e.drained and (base is None or e.serves(base))]
+    if not serving and any(e.serves(model) and (base is None or e.serves(base)) for e in fleet.engines):
         return shed(Reason.NO_READY_ENGINE, f"every engine serving {model} is drained", policy.retry_after_max_s)
     if not serving:
         return refuse(RequestError(Reason.UNKNOWN_MODEL, f"The model `{model}` does not exist."))
-    floor = policy.floor_for(model)
+    floor = policy.floor_for(model, base)
     eligible = [e for e in serving if meets_floor(e.version, floor)]
     if not eligible:
         versions = ", ".join(f"{e.name}={e.version or 'unknown'}" for e in serving)
@@ -489,12 +491,14 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     (numpy over the model's rows), then real ``Estimate`` objects only for the engines that can be chosen: the band (its
     weighted pick on a cumulative sum), or the soonest free slot, the busy engines whose no-wait lower bound could beat it,
     and the session's engine. Returns the same decision as the full scan below, or None when the full scan must decide
-    (boxes, parked requests ahead, nothing fits now, an empty band, any refusal or shed). Expected cache hits become a
+    (boxes, LoRA adapters, parked requests ahead, nothing fits now, an empty band, any refusal or shed). Expected cache hits become a
     vector over the rows (only the engines the prefix index named are touched), and so do prefix affinity's eviction
     charges (``displaced``)."""
     index = fleet.index
     model = request.model
     if index is None or queued_ahead or policy.boxes or index.policy is not policy or index.admit_stale != fleet.admit_stale:
+        return None
+    if model in fleet.adapters or model in policy.adapters.base_models:  # adapter slots and swaps: the full scan
         return None
     rows = index.models.get(model)
     if rows is None:

@@ -11,13 +11,15 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
                    ``default_expected_output_tokens``; at most r.max_tokens (time only: KV still reserves max_tokens)
     cached       = prompt tokens e is expected to hold (core/prefix.py; 0 without a match), at most r.prompt_tokens - 1
     prefill      = (r.prompt_tokens - cached) / prefill_rate
+    swap         = for a LoRA adapter e is not expected to hold in a slot, ``adapters.swap_seconds`` (core/adapters.py;
+                   0 for a base model or a resident adapter)
     service      = prefill + out / decode_rate                               (one request of r's shape at batch n)
     k            = load - cap + 1 + ahead + behind: ``ahead`` the parked requests ahead of r waiting for e in particular
                    (admission.py), ``behind`` those queued after r; neither counts when cached > 0
                    (why: docs/decisions/0008-prefix-holder-no-backlog.md)
     slot_wait    = 0 if load < cap; else, with D = e's open tickets' expected finishes (soonest first):
                    D[k] - now when k <= |D|, else max(0, D[-1] - now) + ceil((k - |D|) / cap) x service
-    ttft(e)      = slot_wait + prefill + 1 / decode_rate                          (the first token is one step)
+    ttft(e)      = slot_wait + swap + prefill + 1 / decode_rate                   (the first token is one step)
     finish(e)    = ttft(e) + out / decode_rate
 
 **Without a deadline** r goes where ``finish`` is soonest, parking for a busy faster engine if need be
@@ -57,6 +59,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from controlplane.core import adapters
 from controlplane.core.fit import effective_load
 from controlplane.core.model import EngineView, Fleet, InferenceRequest
 from controlplane.core.output_length import MEMORYLESS
@@ -177,7 +180,9 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
         # guess for requests whose own lengths sluice cannot know).
         position = (int(load - cap + 1) if cap is not None else 1) + (0 if cached_tokens else behind + ahead)
         wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
-    ttft = wait + (prefill_s + 1.0 / rate) * engine.ttft_correction
+    known = adapters.known_adapters(fleet, policy.adapters)
+    swap = adapters.swap_s(engine, request.model, fleet, policy.adapters, known) if request.model in known else 0.0
+    ttft = wait + (swap + prefill_s + 1.0 / rate) * engine.ttft_correction
     return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in,
                     policy.prefix_eviction_charge * displaced_tokens / rate_in)
 

@@ -1,0 +1,100 @@
+"""LoRA adapters as the decision core sees them: which model an adapter belongs to, which engines have a slot for it,
+and what loading it costs. Pure.
+
+An adapter is a model with a base model (``/v1/models``' ``parent`` on the engines that list it, else the
+``adapters.models`` config). An engine with adapter slots (``slots``: ``engines[].max_loras``, else the ``max_lora`` its
+``lora_requests_info`` gauge reports) runs at most that many distinct adapters at once; a request for another adapter
+waits inside the engine until a slot's adapter has no running request (vLLM's scheduler), and loading it there stalls the
+engine's batch (a swap). For engine ``e`` and a request for adapter ``a``::
+
+    busy(e)      = the adapters of e's open tickets (the ledger: what sluice admitted there and has not seen finish)
+    blocked      : slots(e) known, a not in busy(e), |busy(e)| >= slots(e)        (fit.py: ``adapter_slots``)
+    resident(e)  = busy(e), then the adapters e reports running and waiting, then those sluice admitted there most
+                   recently (``Fleet.adapter_recent``), in that order, the first slots(e) of them (all, slots unknown)
+    swap_s(e, a) = 0 if a in resident(e), else ``adapters.swap_seconds``                    (route.py adds it to TTFT)
+
+``blocked`` reads the ledger alone, so it holds as an invariant of what sluice admits: no engine ever holds open
+tickets of more distinct adapters than it has slots, and no admitted request waits inside an engine for an adapter slot
+(tests/unit/test_adapter_properties.py). Traffic that bypasses sluice is not counted in ``busy``; it shows in
+``resident``, where it only moves the swap estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from controlplane.core.model import EngineView, Fleet
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterPolicy:
+    """The ``adapters`` config section."""
+
+    swap_s: float = 0.5
+    """Seconds a load of an adapter into an engine's slot is expected to add to a request's time to first token (the
+    prior: the batch stalls while the weights are copied in), >= 0."""
+    base_models: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Adapter -> its base model, for engines whose ``/v1/models`` does not name a parent (discovery wins where it
+    does)."""
+
+    def __post_init__(self) -> None:
+        if type(self.base_models) is not MappingProxyType:
+            object.__setattr__(self, "base_models", MappingProxyType(dict(self.base_models)))
+
+
+def base_of(model: str, fleet: Fleet, configured: Mapping[str, str]) -> str | None:
+    """``model``'s base model if it is an adapter (discovered first, then configured); None for a base model."""
+    return fleet.adapters.get(model) or configured.get(model)
+
+
+def discovered_bases(engines: tuple[EngineView, ...] | list[EngineView]) -> dict[str, str]:
+    """Adapter -> base model from the engines' model lists (the first engine naming a parent wins)."""
+    out: dict[str, str] = {}
+    for engine in engines:
+        for served in engine.models:
+            if served.parent and served.model_id not in out:
+                out[served.model_id] = served.parent
+    return out
+
+
+def busy(engine: EngineView, fleet: Fleet, adapters: Mapping[str, str]) -> tuple[str, ...]:
+    """Adapters with open tickets on ``engine`` (``adapters``: every known adapter -> its base)."""
+    return tuple(model for model, count in fleet.of(engine.name).open_by_model if count > 0 and model in adapters)
+
+
+def blocked(engine: EngineView, adapter: str, fleet: Fleet, adapters: Mapping[str, str]) -> bool:
+    """Every slot of ``engine`` is held by open tickets of other adapters: ``adapter`` could not start there now."""
+    slots = engine.adapter_slots
+    if slots is None:
+        return False
+    held = busy(engine, fleet, adapters)
+    return adapter not in held and len(held) >= slots
+
+
+def resident(engine: EngineView, fleet: Fleet, adapters: Mapping[str, str]) -> tuple[str, ...]:
+    """The adapters ``engine`` is expected to hold in its slots now (module docstring), most surely held first."""
+    order: dict[str, None] = dict.fromkeys(busy(engine, fleet, adapters))
+    sample = engine.sample
+    if sample is not None:
+        order.update(dict.fromkeys(sample.lora_running or ()))
+        order.update(dict.fromkeys(sample.lora_waiting or ()))
+    order.update(dict.fromkeys(fleet.adapter_recent.get(engine.name, ())))
+    held = tuple(order)
+    slots = engine.adapter_slots
+    return held[:slots] if slots is not None else held
+
+
+def swap_s(engine: EngineView, adapter: str, fleet: Fleet, policy: AdapterPolicy, adapters: Mapping[str, str]) -> float:
+    """Seconds of swap ``engine`` adds before ``adapter``'s first token: 0 when it is expected resident."""
+    return 0.0 if adapter in resident(engine, fleet, adapters) else policy.swap_s
+
+
+def known_adapters(fleet: Fleet, policy: AdapterPolicy) -> Mapping[str, str]:
+    """Every adapter the core knows of, with its base: configured, overridden by what engines report."""
+    if not policy.base_models:
+        return fleet.adapters
+    if not fleet.adapters:
+        return policy.base_models
+    return {**policy.base_models, **fleet.adapters}
