@@ -210,8 +210,7 @@ class AdmissionCore:
         recent, last = self._serves_at(now)
         return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
                      rates or RateTables(), recent, self.output_lengths.snapshot(), self.output_lengths.tails(now),
-                     last_served=last, adapters=MappingProxyType(discovered_bases(engines)),
-                     adapter_recent=self._recent_view)
+                     last_served=last, adapters=self._note_adapters(engines), adapter_recent=self._recent_view)
 
     def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
         """Prompt tokens of ``request`` each engine is expected to hold in its prefix cache (engines holding none left
@@ -270,11 +269,15 @@ class AdmissionCore:
         """The shell's latest view of an engine (probe, drain, failure, staleness flip): the index refreshes its rows,
         and the adapters it lists with their base model join the fleet's (``Fleet.adapters``)."""
         self.index.update(self._corrected(view))
-        new = {m.model_id: m.parent for m in view.models
-               if m.parent and self._adapter_bases.get(m.model_id) != m.parent}
+        self._note_adapters((view,))
+
+    def _note_adapters(self, views: Iterable[EngineView]) -> Mapping[str, str]:
+        """Adapters the views list with a base model join those known (``Fleet.adapters``); returns them all."""
+        new = {a: base for a, base in discovered_bases(tuple(views)).items() if self._adapter_bases.get(a) != base}
         if new:
             self._adapter_bases.update(new)
             self._adapters_view = MappingProxyType(dict(self._adapter_bases))
+        return self._adapters_view
 
     def is_adapter(self, model: str) -> bool:
         """Whether ``model`` is a LoRA adapter (listed with a parent by an engine, or configured)."""

@@ -348,6 +348,8 @@ def decide(
             longest = max(x.cached_tokens for x in band)
             if longest:  # the prompt where it is cached: good enough anyway, and its prefill costs nothing
                 band = [x for x in band if x.cached_tokens == longest]
+            least_swap = min(x.swap_s for x in band)
+            band = [x for x in band if x.swap_s == least_swap]  # the adapter where it is loaded: no batch stalls
             throughput = {x.engine.name: capacity_throughput(x.engine, fleet, policy) for x in band}
             chosen = weighted_pick(band, fleet.recent_serves, pick, throughput,
                                    policy.band_ttft_grain_fraction * deadline_s)
@@ -416,7 +418,8 @@ def _spread(estimates: list[Estimate], candidates: list[EngineView], fleet: Flee
 
 def _near_tie(soonest: Estimate, pool: list[Estimate], fleet: Fleet, policy: Policy, now: float) -> Estimate:
     """Near ties (route.py): among ``pool``'s free slots finishing within ``near_tie_fraction`` of ``soonest`` (the
-    soonest of them), the ones expected to hold the most of the prompt (a hit also spares the fleet a prefill); of more
+    soonest of them), the ones expected to hold the most of the prompt (a hit also spares the fleet a prefill), then of
+    those the ones that need no LoRA adapter swap (a load stalls the engine's batch and evicts another adapter); of more
     than ``near_tie_max_engines`` of them, the warm ones (admitted to within ``near_tie_warm_seconds``), or, none being,
     the first ``near_tie_max_engines`` by name; then the fewest recent admissions per unit of capacity, then
     ``_soonest``'s order."""
@@ -428,6 +431,8 @@ def _near_tie(soonest: Estimate, pool: list[Estimate], fleet: Fleet, policy: Pol
         return soonest
     longest = max(x.cached_tokens for x in tied)
     tied = [x for x in tied if x.cached_tokens == longest]
+    least_swap = min(x.swap_s for x in tied)
+    tied = [x for x in tied if x.swap_s == least_swap]
     if policy.near_tie_max_engines and len(tied) > policy.near_tie_max_engines:
         since = now - policy.near_tie_warm_seconds
         warm = [x for x in tied if fleet.last_served.get(x.engine.name, -math.inf) >= since]

@@ -29,7 +29,8 @@ its ``slot_wait`` is at most ``max_wait_for_faster_services`` of r's service the
 free slot would redo when the busy one holds more of the prompt (``waits_too_long``); else the soonest free slot
 (``work_conserving``; docs/decisions/0009). Near ties (decide._near_tie): free slots within ``near_tie_fraction`` of
 the soonest free finish are equal; the likeliest prefix holder wins, then the fewest recent serves per unit of
-``capacity_throughput``, then the soonest (0004). Warm near ties: past ``near_tie_max_engines`` tied slots, only the
+``capacity_throughput``, then the soonest (0004); an adapter request's tied slots are first narrowed to those that need
+no swap, as its band is (a load stalls the engine's whole batch and evicts another adapter; 0017). Warm near ties: past ``near_tie_max_engines`` tied slots, only the
 engines admitted to within ``near_tie_warm_seconds`` (none: the first that many by name) stay tied (0005). Fair-share
 spread (``max_share_over_capacity``, off; decide._spread): an engine with at least ``1 + ratio x total x its part of
 the candidates' capacity_throughput`` recent admissions is set aside unless it holds part of the prompt or no engine
@@ -45,7 +46,8 @@ floor; the pick is weighted by ``band_weight`` ``c / (1 + recent serves / c) x (
 keeps its engine while it is in the band; without a deadline, while it is within the work-conserving margin.
 
 **Prefix cache.** An expected hit is prefill the engine skips: it enters ``ttft`` and ``finish`` and nothing else. In
-the band, after the session's engine, the members expected to hold the longest prefix are preferred; a hot prefix
+the band, after the session's engine, the members expected to hold the longest prefix are preferred (then, for an
+adapter, those that need no swap); a hot prefix
 spills to another engine when that finishes sooner (with a deadline, when the holders leave the band), at most
 ``prefix_max_replicas`` engines (decide.py). An admission credited with a hit reports ``prefix_cache``. When KV is
 short, an engine that would evict other prompts to cache this one is charged for it in the choice, not in the
@@ -80,6 +82,8 @@ class Estimate:
     """Prompt tokens the engine is expected to hold in its prefix cache (its prefill here left them out)."""
     prefill_rate: float = 0.0
     """Prompt tokens per second this estimate prefilled at."""
+    swap_s: float = 0.0
+    """Seconds of LoRA adapter load the estimate includes (core/adapters.py): 0 where the adapter is expected loaded."""
     displaced_s: float = 0.0
     """Prefix affinity's charge (affinity.py): seconds of prefill the fleet would redo for the cached prompt blocks this
     placement evicts, times ``prefix_eviction_charge``. Only the choice among engines adds it; ``ttft_s`` and
@@ -183,7 +187,7 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
     known = adapters.known_adapters(fleet, policy.adapters)
     swap = adapters.swap_s(engine, request.model, fleet, policy.adapters, known) if request.model in known else 0.0
     ttft = wait + (swap + prefill_s + 1.0 / rate) * engine.ttft_correction
-    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in,
+    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in, swap,
                     policy.prefix_eviction_charge * displaced_tokens / rate_in)
 
 

@@ -150,3 +150,15 @@ def test_no_admitted_request_waits_inside_an_engine_for_an_adapter_slot(ops: lis
     woken = core.wake(core.fleet(views, now), now)
     check_invariant()
     assert all(o.decision.verdict is not Verdict.PARK for o in woken)
+
+
+def test_a_near_tie_keeps_the_adapter_where_it_is_loaded() -> None:
+    """A swap far smaller than the near-tie margin still decides the tie: spreading by recent serves would load the
+    adapter on a second engine, stalling its batch and evicting another adapter."""
+    small = Policy(default_max_tokens=100, adapters=AdapterPolicy(swap_s=0.01))
+    warm, cold = engine("warm"), engine("cold")
+    base = fleet(warm, cold, recent={"warm": ("sql",)})
+    busy_warm = Fleet(base.engines, base.ledger, adapters=base.adapters, adapter_recent=base.adapter_recent,
+                      recent_serves={"warm": 50.0})
+    assert decide(ask("sql"), busy_warm, small, now=0.0).engine == "warm"
+    assert decide(ask(BASE), busy_warm, small, now=0.0).engine == "cold"  # a base request spreads as before
