@@ -616,7 +616,8 @@ DEFAULTS: dict[str, Any] = {
                   for f in fields(RateLimitConfig)},
     "fairness": {"enabled": FairShare().mode.value, "prompt_weight": FairShare().prompt_weight,
                  "output_weight": FairShare().output_weight, "default_weight": FairShare().default_weight},
-    "adapters": {"swap_seconds": AdapterPolicy().swap_s, "models": {}},
+    "adapters": {"swap_seconds": AdapterPolicy().swap_s, "swap_min_samples": AdapterPolicy().swap_min_samples,
+                 "models": {}},
 }
 _POLICY_NAME = {"max_park_seconds": "max_park_s", "retry_after_min_seconds": "retry_after_min_s", "retry_after_max_seconds": "retry_after_max_s",
                 "serve_half_life_seconds": "serve_half_life_s",
@@ -999,7 +1000,7 @@ def _parse_fairness(c: _Checker, raw: dict[str, Any], tenants: Tenants) -> FairS
 
 
 def _parse_adapters(c: _Checker, raw: dict[str, Any]) -> AdapterPolicy:
-    """``adapters: {swap_seconds, models: {adapter: base model}}`` (core/adapters.py). An adapter is not a base model
+    """``adapters: {swap_seconds, swap_min_samples, models: {adapter: base model}}`` (core/adapters.py). An adapter is not a base model
     of another adapter, and not its own base."""
     ad = c.section(raw, "adapters")
     swap = float(c.number("adapters.swap_seconds", ad["swap_seconds"], minimum=0, maximum=600))
@@ -1019,7 +1020,8 @@ def _parse_adapters(c: _Checker, raw: dict[str, Any]) -> AdapterPolicy:
     for adapter, base in bases.items():
         if base in bases:
             c.problems.append(f"adapters.models.{adapter}: its base {base!r} is itself an adapter")
-    return AdapterPolicy(swap_s=swap, base_models=bases)
+    samples = int(c.number("adapters.swap_min_samples", ad["swap_min_samples"], minimum=1, integer=True))
+    return AdapterPolicy(swap_s=swap, base_models=bases, swap_min_samples=samples)
 
 
 def _parse_replicas(c: _Checker, raw: Any, default_host: Any) -> tuple[ReplicaAddress, ...]:

@@ -11,7 +11,12 @@ engine's batch (a swap). For engine ``e`` and a request for adapter ``a``::
     blocked      : slots(e) known, a not in busy(e), |busy(e)| >= slots(e)        (fit.py: ``adapter_slots``)
     resident(e)  = busy(e), then the adapters e reports running and waiting, then those sluice admitted there most
                    recently (``Fleet.adapter_recent``), in that order, the first slots(e) of them (all, slots unknown)
-    swap_s(e, a) = 0 if a in resident(e), else ``adapters.swap_seconds``                    (route.py adds it to TTFT)
+    swap_s(e, a) = 0 if a in resident(e), else swap(e)                                       (route.py adds it to TTFT)
+    swap(e)      = the median of e's last ``SWAP_SAMPLES`` measured swaps once it has ``adapters.swap_min_samples``,
+                   else ``adapters.swap_seconds`` (the prior)
+    measured swap of a cold request (one whose admission priced a swap) = its streamed TTFT at the engine (the access
+                   log) - (its expected TTFT - the swap it priced), at least 0: what the load added to the rest of
+                   the estimate (``SwapBook``)
 
 ``blocked`` reads the ledger alone, so it holds as an invariant of what sluice admits: no engine ever holds open
 tickets of more distinct adapters than it has slots, and no admitted request waits inside an engine for an adapter slot
@@ -21,6 +26,8 @@ tickets of more distinct adapters than it has slots, and no admitted request wai
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -38,6 +45,8 @@ class AdapterPolicy:
     base_models: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """Adapter -> its base model, for engines whose ``/v1/models`` does not name a parent (discovery wins where it
     does)."""
+    swap_min_samples: int = 5
+    """Measured swaps an engine needs before its own median replaces the prior, >= 1."""
 
     def __post_init__(self) -> None:
         if type(self.base_models) is not MappingProxyType:
@@ -87,8 +96,53 @@ def resident(engine: EngineView, fleet: Fleet, adapters: Mapping[str, str]) -> t
 
 
 def swap_s(engine: EngineView, adapter: str, fleet: Fleet, policy: AdapterPolicy, adapters: Mapping[str, str]) -> float:
-    """Seconds of swap ``engine`` adds before ``adapter``'s first token: 0 when it is expected resident."""
-    return 0.0 if adapter in resident(engine, fleet, adapters) else policy.swap_s
+    """Seconds of swap ``engine`` adds before ``adapter``'s first token: 0 when it is expected resident, else its
+    learned swap (``Fleet.adapter_swap_s``) or the prior."""
+    if adapter in resident(engine, fleet, adapters):
+        return 0.0
+    return fleet.adapter_swap_s.get(engine.name, policy.swap_s)
+
+
+SWAP_SAMPLES = 32
+"""Measured swaps kept per engine (the newest)."""
+
+
+class SwapBook:
+    """Each engine's measured swaps (module docstring), and the medians fleets carry (``Fleet.adapter_swap_s``)."""
+
+    def __init__(self, min_samples: int) -> None:
+        self.min_samples = max(1, min_samples)
+        self._samples: dict[str, deque[float]] = {}
+        self._learned: Mapping[str, float] = MappingProxyType({})
+
+    def observe(self, engine: str, ttft_s: float, expected_ttft_s: float, priced_swap_s: float) -> float:
+        """A cold request's streamed TTFT at ``engine`` against its estimate, which priced ``priced_swap_s``: returns
+        the swap measured (>= 0)."""
+        measured = max(0.0, ttft_s - (expected_ttft_s - priced_swap_s))
+        samples = self._samples.setdefault(engine, deque(maxlen=SWAP_SAMPLES))
+        samples.append(measured)
+        if len(samples) >= self.min_samples:
+            self._learned = MappingProxyType({**self._learned, engine: statistics.median(samples)})
+        return measured
+
+    def configure(self, min_samples: int) -> None:
+        """A reload: the medians are recomputed under the new minimum."""
+        self.min_samples = max(1, min_samples)
+        self._learned = MappingProxyType({e: statistics.median(v) for e, v in self._samples.items()
+                                          if len(v) >= self.min_samples})
+
+    def forget(self, engine: str) -> None:
+        """The engine restarted: its history says nothing of the new process."""
+        self._samples.pop(engine, None)
+        if engine in self._learned:
+            self._learned = MappingProxyType({e: v for e, v in self._learned.items() if e != engine})
+
+    def learned(self) -> Mapping[str, float]:
+        """engine -> its median measured swap, for engines with enough samples."""
+        return self._learned
+
+    def samples(self, engine: str) -> int:
+        return len(self._samples.get(engine, ()))
 
 
 def known_adapters(fleet: Fleet, policy: AdapterPolicy) -> Mapping[str, str]:

@@ -86,12 +86,12 @@ carries a Retry-After. A woken head's TTFT deadline counts from its arrival.
 from __future__ import annotations
 
 import itertools
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from controlplane.core.adapters import discovered_bases
+from controlplane.core.adapters import SwapBook, discovered_bases
 from controlplane.core.fairshare import ANONYMOUS, TenantCounters, TenantShare, service_order
 from controlplane.core.decide import (
     clamp_retry_after, decide, deadline_text, earliest_fit, expected_start, retry_after, shed,
@@ -199,6 +199,11 @@ class AdmissionCore:
         """engine -> adapter -> when it was last admitted there (``ADAPTER_MEMORY`` per engine, oldest dropped)."""
         self._recent_view: Mapping[str, tuple[str, ...]] = MappingProxyType({})
         """``_adapter_recent`` as fleets carry it (``Fleet.adapter_recent``), rebuilt when it changes."""
+        self.swaps = SwapBook(policy.adapters.swap_min_samples)
+        """Each engine's measured adapter swaps (core/adapters.py): fleets carry their medians."""
+        self._cold: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+        """Ticket -> (engine, expected TTFT, swap priced) of admissions that priced a swap, until their first token is
+        timed (at most ``COLD_TICKETS``, oldest dropped: a ticket whose first token is never timed is forgotten)."""
         self._frees = 0
         """Slots freed so far (releases, reaped and lapsed tickets, reloads): a freed slot may be what a passable request
         waits for, so it must be decided again (the wake that follows does) before anyone passes it."""
@@ -210,7 +215,8 @@ class AdmissionCore:
         recent, last = self._serves_at(now)
         return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
                      rates or RateTables(), recent, self.output_lengths.snapshot(), self.output_lengths.tails(now),
-                     last_served=last, adapters=self._note_adapters(engines), adapter_recent=self._recent_view)
+                     last_served=last, adapters=self._note_adapters(engines), adapter_recent=self._recent_view,
+                     adapter_swap_s=self.swaps.learned())
 
     def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
         """Prompt tokens of ``request`` each engine is expected to hold in its prefix cache (engines holding none left
@@ -259,6 +265,7 @@ class AdmissionCore:
             self._refresh_corrected([view.name])
         if why == "restart":
             self.prompt_tokens.forget(view.name)
+            self.swaps.forget(view.name)
         if view.drained:
             why = "drained"
         if why is not None and self.prefixes.forget(view.name):
@@ -291,6 +298,15 @@ class AdmissionCore:
         """A served request's prompt as its engine counted it (``usage.prompt_tokens``) and as the Check estimated it:
         the model's token rule learns (prompt_tokens.py); later Checks estimate with it."""
         self.prompt_tokens.observe(model, engine, shape, counted, estimated)
+
+    def observe_first_token(self, ticket_id: str, ttft_s: float) -> float | None:
+        """A streamed request's TTFT at its engine (the access log): if its admission priced an adapter swap, the swap
+        it really cost is learned for that engine (``SwapBook``) and returned; None otherwise."""
+        cold = self._cold.pop(ticket_id, None)
+        if cold is None:
+            return None
+        engine, expected, priced = cold
+        return self.swaps.observe(engine, ttft_s, expected, priced)
 
     def observe_ttft(self, engine: str, ratio: float, now: float) -> None:
         """A served stream's measured TTFT (its first token, from the access log) over the decision's estimate: the engine's
@@ -331,7 +347,8 @@ class AdmissionCore:
             rates or RateTables(), now, self.serves.half_life_s)
         recent, last = self._serves_at(now)
         return Fleet(engines, ledger, self.admit_stale, rates or RateTables(), recent, self.output_lengths.snapshot(),
-                     self.output_lengths.tails(now), index, last, self._adapters_view, self._recent_view)
+                     self.output_lengths.tails(now), index, last, self._adapters_view, self._recent_view,
+                     self.swaps.learned())
 
     def _serves_at(self, now: float) -> tuple[DecayedServes, LastServed]:
         """The serve counts as a fleet reads them, from one snapshot: decayed to ``now``, and when each engine was last
@@ -542,6 +559,7 @@ class AdmissionCore:
         self._refresh_corrected(self.ttft.configure(policy.ttft_correction_gain, policy.ttft_correction_max,
                                                     policy.ttft_correction_half_life_s, policy.ttft_correction_min))
         self.prompt_tokens.configure(policy.chars_per_token, policy.prompt_tokens_min_samples)
+        self.swaps.configure(policy.adapters.swap_min_samples)
         self._frees += 1  # what a parked request would take may have changed: decide it again before passing it
 
     def record_output(self, model: str, completion_tokens: int) -> None:
@@ -561,7 +579,8 @@ class AdmissionCore:
         recent, last = self._serves_at(now)
         return replace(fleet, ledger=MappingProxyType({e.name: self.ledger.view(e.name) for e in fleet.engines}),
                        recent_serves=recent, last_served=last, expected_output=self.output_lengths.snapshot(),
-                       output_tails=self.output_lengths.tails(now), adapter_recent=self._recent_view)
+                       output_tails=self.output_lengths.tails(now), adapter_recent=self._recent_view,
+                       adapter_swap_s=self.swaps.learned())
 
     def wake(self, fleet: Fleet, now: float, models: Iterable[str] | None = None) -> list[Outcome]:
         """Admit parked heads that fit ``fleet`` now, in order (the core refreshes the fleet after each admission)."""
@@ -872,9 +891,15 @@ class AdmissionCore:
         noted = self.prefixes.note(decision.engine, request.prefix_blocks) if self.policy.prefix_routing else ()
         if self.is_adapter(request.model):
             self._note_adapter(decision.engine, request.model, now)
+        if decision.swap_s > 0:
+            self._cold[ticket.ticket_id] = (decision.engine, decision.expected_ttft_s, decision.swap_s)
+            while len(self._cold) > COLD_TICKETS:
+                self._cold.popitem(last=False)
         return Outcome(request_id, decision, ticket, parked_for, rule, parked, noted)
 
 
+COLD_TICKETS = 4096
+"""Admissions that priced a swap remembered until their first token is timed."""
 ADAPTER_MEMORY = 64
 """Adapters remembered per engine as recently admitted there (far more than any engine's slots)."""
 

@@ -716,6 +716,7 @@ def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: 
         Verdict.ADMIT, reason, engine=chosen.engine.name, reserved_tokens=need_tokens(request, policy),
         expected_done_at=now + chosen.finish_s, expected_ttft_s=chosen.ttft_s, cached_tokens=chosen.cached_tokens,
         decode_tokens_per_s=chosen.decode_rate, rates_measured=decode_rate_known(chosen.engine, fleet),
+        swap_s=chosen.swap_s,
         detail=f"expected TTFT {chosen.ttft_s:.2f} s, finish {chosen.finish_s:.2f} s, load "
                f"{effective_load(chosen.engine, fleet):g}{hit}",
     )

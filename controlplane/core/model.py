@@ -405,6 +405,8 @@ class Decision:
     them)."""
     waits_for: str | None = None
     """PARK ``waiting_for_faster``: the busy engine the request waits for (requests passing it count it ahead there)."""
+    swap_s: float = 0.0
+    """ADMIT: the LoRA adapter swap the estimate priced on the chosen engine (0: expected loaded, or a base model)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -547,6 +549,8 @@ class Fleet:
     """LoRA adapter -> its base model, as the engines' model lists name them (core/adapters.py)."""
     adapter_recent: Mapping[str, tuple[str, ...]] = field(default_factory=_empty)
     """engine -> the adapters sluice admitted there, most recent first (what its slots probably hold)."""
+    adapter_swap_s: Mapping[str, float] = field(default_factory=_empty)
+    """engine -> its learned adapter swap in seconds (core/adapters.py, ``SwapBook``); missing: the policy's prior."""
 
     def __post_init__(self) -> None:
         # Two type checks when the caller handed over proxies (every Fleet the control plane builds per Check does).

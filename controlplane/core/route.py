@@ -11,8 +11,9 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
                    ``default_expected_output_tokens``; at most r.max_tokens (time only: KV still reserves max_tokens)
     cached       = prompt tokens e is expected to hold (core/prefix.py; 0 without a match), at most r.prompt_tokens - 1
     prefill      = (r.prompt_tokens - cached) / prefill_rate
-    swap         = for a LoRA adapter e is not expected to hold in a slot, ``adapters.swap_seconds`` (core/adapters.py;
-                   0 for a base model or a resident adapter)
+    swap         = for a LoRA adapter e is not expected to hold in a slot, e's learned swap or ``adapters.swap_seconds``
+                   (core/adapters.py; 0 for a base model or a resident adapter; never scaled by the TTFT correction,
+                   which learns the rest of the estimate)
     service      = prefill + out / decode_rate                               (one request of r's shape at batch n)
     k            = load - cap + 1 + ahead + behind: ``ahead`` the parked requests ahead of r waiting for e in particular
                    (admission.py), ``behind`` those queued after r; neither counts when cached > 0
@@ -186,7 +187,7 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
         wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
     known = adapters.known_adapters(fleet, policy.adapters)
     swap = adapters.swap_s(engine, request.model, fleet, policy.adapters, known) if request.model in known else 0.0
-    ttft = wait + (swap + prefill_s + 1.0 / rate) * engine.ttft_correction
+    ttft = wait + swap + (prefill_s + 1.0 / rate) * engine.ttft_correction
     return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in, swap,
                     policy.prefix_eviction_charge * displaced_tokens / rate_in)
 

@@ -57,7 +57,8 @@ def status_proto(facts: StatusFacts, fleet: Fleet) -> admin_pb2.GetStatusRespons
 
 def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
                  medians: tuple[float | None, float | None], ttfts: TtftSummary,
-                 prompts: PromptTokenSummary | None, adapter_policy: AdapterPolicy | None = None) -> admin_pb2.Engine:
+                 prompts: PromptTokenSummary | None, adapter_policy: AdapterPolicy | None = None,
+                 swap_samples: int = 0) -> admin_pb2.Engine:
     s = e.sample
     known = adapters.known_adapters(fleet, adapter_policy or AdapterPolicy())
     return admin_pb2.Engine(
@@ -101,6 +102,8 @@ def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
         adapters_running=list(s.lora_running or ()) if s else [],
         adapters_waiting=list(s.lora_waiting or ()) if s else [],
         adapters_loaded=list(adapters.resident(e, fleet, known)),
+        adapter_swap_seconds=fleet.adapter_swap_s.get(e.name, (adapter_policy or AdapterPolicy()).swap_s),
+        adapter_swap_samples=swap_samples,
     )
 
 

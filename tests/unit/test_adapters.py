@@ -162,3 +162,28 @@ def test_a_near_tie_keeps_the_adapter_where_it_is_loaded() -> None:
                       recent_serves={"warm": 50.0})
     assert decide(ask("sql"), busy_warm, small, now=0.0).engine == "warm"
     assert decide(ask(BASE), busy_warm, small, now=0.0).engine == "cold"  # a base request spreads as before
+
+
+def test_an_engines_swap_is_learned_from_its_cold_requests_first_tokens() -> None:
+    """Each cold request's TTFT less the rest of its estimate is one measured swap; the engine's median replaces the
+    prior once it has ``swap_min_samples`` of them, and the estimates use it (never scaled by the TTFT correction)."""
+    policy = Policy(default_max_tokens=100, adapters=AdapterPolicy(swap_s=2.0, swap_min_samples=3))
+    core = AdmissionCore(policy, Ledger(lease_seconds=1000))
+    views = [engine("e", slots=1)]
+    first = core.check("r1", ask("sql"), core.fleet(views, 0.0), 0.0)
+    assert first.decision.swap_s == 2.0 and first.ticket is not None
+    rest = first.decision.expected_ttft_s - 2.0
+    assert core.observe_first_token(first.ticket.ticket_id, rest + 0.3) == 0.3
+    assert core.observe_first_token(first.ticket.ticket_id, 9.0) is None  # one observation a ticket
+    core.release(first.ticket.ticket_id, 1.0)
+    for i, measured in enumerate((0.5, 0.2), start=2):
+        model = ("chat", "sql")[i % 2]  # alternate: each request finds the other adapter in the one slot
+        outcome = core.check(f"r{i}", ask(model), core.fleet(views, float(i)), float(i))
+        assert outcome.ticket is not None and outcome.decision.swap_s == 2.0
+        core.observe_first_token(outcome.ticket.ticket_id, outcome.decision.expected_ttft_s - 2.0 + measured)
+        core.release(outcome.ticket.ticket_id, float(i))
+    f = core.fleet(views, 5.0)
+    assert f.adapter_swap_s == {"e": 0.3}  # the median of 0.3, 0.5, 0.2
+    again = core.check("r9", ask("chat"), f, 5.0)
+    assert again.decision.swap_s == 0.3
+    assert core.fleet([engine("other")], 5.0).adapter_swap_s.get("other") is None  # others keep the prior
