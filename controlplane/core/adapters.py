@@ -12,11 +12,12 @@ engine's batch (a swap). For engine ``e`` and a request for adapter ``a``::
     resident(e)  = busy(e), then the adapters e reports running and waiting, then those sluice admitted there most
                    recently (``Fleet.adapter_recent``), in that order, the first slots(e) of them (all, slots unknown)
     swap_s(e, a) = 0 if a in resident(e), else swap(e)                                       (route.py adds it to TTFT)
-    swap(e)      = the median of e's last ``SWAP_SAMPLES`` measured swaps once it has ``adapters.swap_min_samples``,
-                   else ``adapters.swap_seconds`` (the prior)
-    measured swap of a cold request (one whose admission priced a swap) = its streamed TTFT at the engine (the access
-                   log) - (its expected TTFT - the swap it priced), at least 0: what the load added to the rest of
-                   the estimate (``SwapBook``)
+    swap(e)      = max(0, median(cold residuals) - median(warm residuals)) over e's last ``SWAP_SAMPLES`` of each,
+                   once it has ``adapters.swap_min_samples`` of each; else ``adapters.swap_seconds`` (the prior)
+    residual     = an adapter request's streamed TTFT at the engine (the access log) - (its expected TTFT - the swap
+                   its admission priced): cold when it priced one, warm when not. The warm median is the estimate's
+                   own error on that engine, which the cold one carries too; their difference is what loads add
+                   (``SwapBook``)
 
 ``blocked`` reads the ledger alone, so it holds as an invariant of what sluice admits: no engine ever holds open
 tickets of more distinct adapters than it has slots, and no admitted request waits inside an engine for an adapter slot
@@ -108,41 +109,52 @@ SWAP_SAMPLES = 32
 
 
 class SwapBook:
-    """Each engine's measured swaps (module docstring), and the medians fleets carry (``Fleet.adapter_swap_s``)."""
+    """Each engine's TTFT residuals of cold and warm adapter requests (module docstring), and the swaps fleets carry
+    (``Fleet.adapter_swap_s``)."""
 
     def __init__(self, min_samples: int) -> None:
         self.min_samples = max(1, min_samples)
-        self._samples: dict[str, deque[float]] = {}
+        self._cold: dict[str, deque[float]] = {}
+        self._warm: dict[str, deque[float]] = {}
         self._learned: Mapping[str, float] = MappingProxyType({})
 
     def observe(self, engine: str, ttft_s: float, expected_ttft_s: float, priced_swap_s: float) -> float:
-        """A cold request's streamed TTFT at ``engine`` against its estimate, which priced ``priced_swap_s``: returns
-        the swap measured (>= 0)."""
-        measured = max(0.0, ttft_s - (expected_ttft_s - priced_swap_s))
-        samples = self._samples.setdefault(engine, deque(maxlen=SWAP_SAMPLES))
-        samples.append(measured)
-        if len(samples) >= self.min_samples:
-            self._learned = MappingProxyType({**self._learned, engine: statistics.median(samples)})
-        return measured
+        """An adapter request's streamed TTFT at ``engine`` against its estimate, which priced ``priced_swap_s`` (0:
+        warm): records its residual and returns it."""
+        residual = ttft_s - (expected_ttft_s - priced_swap_s)
+        book = self._cold if priced_swap_s > 0 else self._warm
+        book.setdefault(engine, deque(maxlen=SWAP_SAMPLES)).append(residual)
+        swap = self._swap(engine)
+        if swap is not None:
+            self._learned = MappingProxyType({**self._learned, engine: swap})
+        return residual
+
+    def _swap(self, engine: str) -> float | None:
+        cold, warm = self._cold.get(engine, ()), self._warm.get(engine, ())
+        if len(cold) < self.min_samples or len(warm) < self.min_samples:
+            return None
+        return max(0.0, statistics.median(cold) - statistics.median(warm))
 
     def configure(self, min_samples: int) -> None:
-        """A reload: the medians are recomputed under the new minimum."""
+        """A reload: the swaps are recomputed under the new minimum."""
         self.min_samples = max(1, min_samples)
-        self._learned = MappingProxyType({e: statistics.median(v) for e, v in self._samples.items()
-                                          if len(v) >= self.min_samples})
+        learned = {e: self._swap(e) for e in self._cold}
+        self._learned = MappingProxyType({e: v for e, v in learned.items() if v is not None})
 
     def forget(self, engine: str) -> None:
         """The engine restarted: its history says nothing of the new process."""
-        self._samples.pop(engine, None)
+        self._cold.pop(engine, None)
+        self._warm.pop(engine, None)
         if engine in self._learned:
             self._learned = MappingProxyType({e: v for e, v in self._learned.items() if e != engine})
 
     def learned(self) -> Mapping[str, float]:
-        """engine -> its median measured swap, for engines with enough samples."""
+        """engine -> its measured swap, for engines with enough samples of both kinds."""
         return self._learned
 
     def samples(self, engine: str) -> int:
-        return len(self._samples.get(engine, ()))
+        """Cold requests timed on ``engine`` (among its last ``SWAP_SAMPLES``)."""
+        return len(self._cold.get(engine, ()))
 
 
 def known_adapters(fleet: Fleet, policy: AdapterPolicy) -> Mapping[str, str]:

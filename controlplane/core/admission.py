@@ -201,9 +201,9 @@ class AdmissionCore:
         """``_adapter_recent`` as fleets carry it (``Fleet.adapter_recent``), rebuilt when it changes."""
         self.swaps = SwapBook(policy.adapters.swap_min_samples)
         """Each engine's measured adapter swaps (core/adapters.py): fleets carry their medians."""
-        self._cold: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
-        """Ticket -> (engine, expected TTFT, swap priced) of admissions that priced a swap, until their first token is
-        timed (at most ``COLD_TICKETS``, oldest dropped: a ticket whose first token is never timed is forgotten)."""
+        self._timed: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+        """Ticket -> (engine, expected TTFT, swap priced) of adapter requests, until their first token is timed (at
+        most ``TIMED_TICKETS``, oldest dropped: a ticket whose first token is never timed is forgotten)."""
         self._frees = 0
         """Slots freed so far (releases, reaped and lapsed tickets, reloads): a freed slot may be what a passable request
         waits for, so it must be decided again (the wake that follows does) before anyone passes it."""
@@ -300,12 +300,13 @@ class AdmissionCore:
         self.prompt_tokens.observe(model, engine, shape, counted, estimated)
 
     def observe_first_token(self, ticket_id: str, ttft_s: float) -> float | None:
-        """A streamed request's TTFT at its engine (the access log): if its admission priced an adapter swap, the swap
-        it really cost is learned for that engine (``SwapBook``) and returned; None otherwise."""
-        cold = self._cold.pop(ticket_id, None)
-        if cold is None:
+        """A streamed request's TTFT at its engine (the access log): for an adapter request, its residual against the
+        estimate is recorded for that engine's swap (``SwapBook``: cold if a swap was priced, else warm) and returned;
+        None for any other request."""
+        timed = self._timed.pop(ticket_id, None)
+        if timed is None:
             return None
-        engine, expected, priced = cold
+        engine, expected, priced = timed
         return self.swaps.observe(engine, ttft_s, expected, priced)
 
     def observe_ttft(self, engine: str, ratio: float, now: float) -> None:
@@ -891,15 +892,15 @@ class AdmissionCore:
         noted = self.prefixes.note(decision.engine, request.prefix_blocks) if self.policy.prefix_routing else ()
         if self.is_adapter(request.model):
             self._note_adapter(decision.engine, request.model, now)
-        if decision.swap_s > 0:
-            self._cold[ticket.ticket_id] = (decision.engine, decision.expected_ttft_s, decision.swap_s)
-            while len(self._cold) > COLD_TICKETS:
-                self._cold.popitem(last=False)
+        if self.is_adapter(request.model):
+            self._timed[ticket.ticket_id] = (decision.engine, decision.expected_ttft_s, decision.swap_s)
+            while len(self._timed) > TIMED_TICKETS:
+                self._timed.popitem(last=False)
         return Outcome(request_id, decision, ticket, parked_for, rule, parked, noted)
 
 
-COLD_TICKETS = 4096
-"""Admissions that priced a swap remembered until their first token is timed."""
+TIMED_TICKETS = 4096
+"""Adapter admissions remembered until their first token is timed."""
 ADAPTER_MEMORY = 64
 """Adapters remembered per engine as recently admitted there (far more than any engine's slots)."""
 

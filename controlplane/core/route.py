@@ -14,6 +14,10 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
     swap         = for a LoRA adapter e is not expected to hold in a slot, e's learned swap or ``adapters.swap_seconds``
                    (core/adapters.py; 0 for a base model or a resident adapter; never scaled by the TTFT correction,
                    which learns the rest of the estimate)
+    stall        = swap x (min(load, cap) + evicts): a load stalls e's whole batch, so every request already there is
+                   that much later, and when e's slots are all taken it evicts an adapter whose next request there
+                   loads it again (``evicts`` 1; 0 while a slot is free or the slots are unknown); charged in the
+                   choice (affinity.charged_finish), not in r's own estimate
     service      = prefill + out / decode_rate                               (one request of r's shape at batch n)
     k            = load - cap + 1 + ahead + behind: ``ahead`` the parked requests ahead of r waiting for e in particular
                    (admission.py), ``behind`` those queued after r; neither counts when cached > 0
@@ -85,6 +89,8 @@ class Estimate:
     """Prompt tokens per second this estimate prefilled at."""
     swap_s: float = 0.0
     """Seconds of LoRA adapter load the estimate includes (core/adapters.py): 0 where the adapter is expected loaded."""
+    stall_s: float = 0.0
+    """What that load costs beyond this request, charged in the choice only (``stall`` in the module docstring)."""
     displaced_s: float = 0.0
     """Prefix affinity's charge (affinity.py): seconds of prefill the fleet would redo for the cached prompt blocks this
     placement evicts, times ``prefix_eviction_charge``. Only the choice among engines adds it; ``ttft_s`` and
@@ -188,7 +194,12 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
     known = adapters.known_adapters(fleet, policy.adapters)
     swap = adapters.swap_s(engine, request.model, fleet, policy.adapters, known) if request.model in known else 0.0
     ttft = wait + swap + (prefill_s + 1.0 / rate) * engine.ttft_correction
-    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in, swap,
+    stall = 0.0
+    if swap:
+        slots = engine.adapter_slots
+        evicts = 1 if slots is not None and len(adapters.resident(engine, fleet, known)) >= slots else 0
+        stall = swap * ((min(load, cap) if cap is not None else load) + evicts)
+    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in, swap, stall,
                     policy.prefix_eviction_charge * displaced_tokens / rate_in)
 
 

@@ -4,6 +4,9 @@ interleavings, no admitted request ever waits inside an engine for an adapter sl
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -164,26 +167,47 @@ def test_a_near_tie_keeps_the_adapter_where_it_is_loaded() -> None:
     assert decide(ask(BASE), busy_warm, small, now=0.0).engine == "cold"  # a base request spreads as before
 
 
-def test_an_engines_swap_is_learned_from_its_cold_requests_first_tokens() -> None:
-    """Each cold request's TTFT less the rest of its estimate is one measured swap; the engine's median replaces the
-    prior once it has ``swap_min_samples`` of them, and the estimates use it (never scaled by the TTFT correction)."""
-    policy = Policy(default_max_tokens=100, adapters=AdapterPolicy(swap_s=2.0, swap_min_samples=3))
+def test_an_engines_swap_is_learned_from_its_cold_and_warm_first_tokens() -> None:
+    """Each adapter request's TTFT less the rest of its estimate is a residual: cold when its admission priced a swap,
+    warm otherwise. The engine's swap is the cold median over the warm one (the estimate's own error cancels) once it
+    has ``swap_min_samples`` of each; the estimates then use it, outside the TTFT correction."""
+    policy = Policy(default_max_tokens=100, adapters=AdapterPolicy(swap_s=2.0, swap_min_samples=2))
     core = AdmissionCore(policy, Ledger(lease_seconds=1000))
     views = [engine("e", slots=1)]
-    first = core.check("r1", ask("sql"), core.fleet(views, 0.0), 0.0)
-    assert first.decision.swap_s == 2.0 and first.ticket is not None
-    rest = first.decision.expected_ttft_s - 2.0
-    assert core.observe_first_token(first.ticket.ticket_id, rest + 0.3) == 0.3
-    assert core.observe_first_token(first.ticket.ticket_id, 9.0) is None  # one observation a ticket
-    core.release(first.ticket.ticket_id, 1.0)
-    for i, measured in enumerate((0.5, 0.2), start=2):
-        model = ("chat", "sql")[i % 2]  # alternate: each request finds the other adapter in the one slot
-        outcome = core.check(f"r{i}", ask(model), core.fleet(views, float(i)), float(i))
-        assert outcome.ticket is not None and outcome.decision.swap_s == 2.0
-        core.observe_first_token(outcome.ticket.ticket_id, outcome.decision.expected_ttft_s - 2.0 + measured)
-        core.release(outcome.ticket.ticket_id, float(i))
-    f = core.fleet(views, 5.0)
-    assert f.adapter_swap_s == {"e": 0.3}  # the median of 0.3, 0.5, 0.2
-    again = core.check("r9", ask("chat"), f, 5.0)
-    assert again.decision.swap_s == 0.3
-    assert core.fleet([engine("other")], 5.0).adapter_swap_s.get("other") is None  # others keep the prior
+    now = 0.0
+
+    def serve(model: str, residual: float, priced: float) -> None:
+        nonlocal now
+        now += 1.0
+        outcome = core.check(f"r{now}", ask(model), core.fleet(views, now), now)
+        assert outcome.ticket is not None and outcome.decision.swap_s == priced
+        rest = outcome.decision.expected_ttft_s - priced
+        assert core.observe_first_token(outcome.ticket.ticket_id, rest + residual) == pytest.approx(residual)
+        assert core.observe_first_token(outcome.ticket.ticket_id, 9.0) is None  # one observation a ticket
+        core.release(outcome.ticket.ticket_id, now)
+
+    serve("sql", 0.9, 2.0)   # cold: the one slot held nothing
+    serve("sql", 0.2, 0.0)   # warm
+    serve("chat", 0.7, 2.0)  # cold: evicts sql
+    assert core.fleet(views, now).adapter_swap_s == {}  # one warm residual is not enough yet
+    serve("chat", 0.4, 0.0)  # warm
+    f = core.fleet(views, now)
+    assert f.adapter_swap_s["e"] == pytest.approx(0.8 - 0.3)
+    assert core.check("next", ask("sql"), f, now).decision.swap_s == pytest.approx(0.5)
+    assert core.fleet([engine("other")], now).adapter_swap_s.get("other") is None  # others keep the prior
+
+
+def test_a_swap_is_charged_for_the_requests_it_stalls() -> None:
+    """A load stalls the engine's whole batch: the choice charges the swap once per request already there, so a busy
+    engine without the adapter loses to an idle one without it, though their own estimates for the request tie."""
+    busy = replace(engine("busy"), sample=EngineSample(0.0, running=3, waiting=0, kv_usage=0.0,
+                                                       kv_capacity_tokens=100_000))
+    idle = engine("idle")
+    f = fleet(busy, idle)
+    x = estimate(busy, ask("sql"), True, f, P, 0.0)
+    assert x.swap_s == 2.0 and x.stall_s == 2.0 * 3
+    assert estimate(idle, ask("sql"), True, f, P, 0.0).stall_s == 0.0
+    # Its one slot holds another adapter: loading this one evicts it, and its next request there reloads it.
+    full = fleet(busy, idle, recent={"busy": ("chat",)})
+    assert estimate(busy, ask("sql"), True, full, P, 0.0).stall_s == 2.0 * (3 + 1)
+    assert estimate(busy, ask(BASE), True, f, P, 0.0).stall_s == 0.0
