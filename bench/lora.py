@@ -112,10 +112,10 @@ def draw_jobs(rate: float, warm: float, window: float, seed: int) -> list[Job]:
         math.log(OUT_MEDIAN), 0.5)))), t >= warm) for t in times]
 
 
-async def _send(session: aiohttp.ClientSession, base: str, job: Job, t0: float) -> Result:
+async def _send(http: aiohttp.ClientSession, base: str, job: Job, t0: float) -> Result:
     await asyncio.sleep(max(0.0, t0 + job.at - time.perf_counter()))
     try:
-        return await stream_chat(session, base, job.adapter, job.adapter, unique_prompt(PROMPT_TOKENS), MAX_TOKENS,
+        return await stream_chat(http, base, job.adapter, job.adapter, unique_prompt(PROMPT_TOKENS), MAX_TOKENS,
                                  {ADAPTER_HEADER: job.adapter}, t0, extra={"sim_output_tokens": job.output_tokens})
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return Result(job.adapter, 0, job.at)
@@ -128,9 +128,9 @@ def _swaps(urls: dict[str, str]) -> int:
 async def run_segment(base: str, jobs: list[Job], urls: dict[str, str], warm: float) -> dict[str, Any]:
     """Send ``jobs``; the figures of those arriving in the window (see the module docstring)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+                                     timeout=aiohttp.ClientTimeout(total=600)) as http:
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(_send(session, base, job, t0)) for job in jobs]
+        tasks = [asyncio.create_task(_send(http, base, job, t0)) for job in jobs]
         await asyncio.sleep(max(0.0, t0 + warm - time.perf_counter()))
         before = await asyncio.to_thread(_swaps, urls)
         results = await asyncio.gather(*tasks)
@@ -156,17 +156,17 @@ async def calibrate(urls: dict[str, str]) -> float:
         stop_at = time.perf_counter() + CAL_S
         rng = random.Random(url)
 
-        async def worker(session: aiohttp.ClientSession) -> None:
+        async def worker(http: aiohttp.ClientSession) -> None:
             nonlocal done
             while time.perf_counter() < stop_at:
                 tokens = max(1, round(rng.lognormvariate(math.log(OUT_MEDIAN), 0.5)))
-                result = await stream_chat(session, url, "cal", MODEL, unique_prompt(PROMPT_TOKENS), MAX_TOKENS,
+                result = await stream_chat(http, url, "cal", MODEL, unique_prompt(PROMPT_TOKENS), MAX_TOKENS,
                                            extra={"sim_output_tokens": tokens})
                 done += result.status == 200
 
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             started = time.perf_counter()
-            await asyncio.gather(*(worker(session) for _ in range(SEQS)))
+            await asyncio.gather(*(worker(http) for _ in range(SEQS)))
             return done / (time.perf_counter() - started)
 
     rates = await asyncio.gather(*(one(url) for url in urls.values()))

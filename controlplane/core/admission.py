@@ -892,7 +892,6 @@ class AdmissionCore:
         noted = self.prefixes.note(decision.engine, request.prefix_blocks) if self.policy.prefix_routing else ()
         if self.is_adapter(request.model):
             self._note_adapter(decision.engine, request.model, now)
-        if self.is_adapter(request.model):
             self._timed[ticket.ticket_id] = (decision.engine, decision.expected_ttft_s, decision.swap_s)
             while len(self._timed) > TIMED_TICKETS:
                 self._timed.popitem(last=False)

@@ -496,9 +496,9 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     (numpy over the model's rows), then real ``Estimate`` objects only for the engines that can be chosen: the band (its
     weighted pick on a cumulative sum), or the soonest free slot, the busy engines whose no-wait lower bound could beat it,
     and the session's engine. Returns the same decision as the full scan below, or None when the full scan must decide
-    (boxes, LoRA adapters, parked requests ahead, nothing fits now, an empty band, any refusal or shed). Expected cache hits become a
-    vector over the rows (only the engines the prefix index named are touched), and so do prefix affinity's eviction
-    charges (``displaced``)."""
+    (boxes, LoRA adapters, parked requests ahead, nothing fits now, an empty band, any refusal or shed). Expected cache
+    hits become a vector over the rows (only the engines the prefix index named are touched), and so do prefix
+    affinity's eviction charges (``displaced``)."""
     index = fleet.index
     model = request.model
     if index is None or queued_ahead or policy.boxes or index.policy is not policy or index.admit_stale != fleet.admit_stale:
