@@ -21,7 +21,7 @@ engine's batch (a swap). For engine ``e`` and a request for adapter ``a``::
 
 ``blocked`` reads the ledger alone, so it holds as an invariant of what sluice admits: no engine ever holds open
 tickets of more distinct adapters than it has slots, and no admitted request waits inside an engine for an adapter slot
-(tests/unit/test_adapter_properties.py). Traffic that bypasses sluice is not counted in ``busy``; it shows in
+(tests/unit/test_adapters.py). Traffic that bypasses sluice is not counted in ``busy``; it shows in
 ``resident``, where it only moves the swap estimate.
 """
 
@@ -47,7 +47,7 @@ class AdapterPolicy:
     """Adapter -> its base model, for engines whose ``/v1/models`` does not name a parent (discovery wins where it
     does)."""
     swap_min_samples: int = 5
-    """Measured swaps an engine needs before its own median replaces the prior, >= 1."""
+    """Cold and warm adapter requests (each) an engine needs timed before its measured swap replaces the prior, >= 1."""
 
     def __post_init__(self) -> None:
         if type(self.base_models) is not MappingProxyType:
@@ -105,7 +105,7 @@ def swap_s(engine: EngineView, adapter: str, fleet: Fleet, policy: AdapterPolicy
 
 
 SWAP_SAMPLES = 32
-"""Measured swaps kept per engine (the newest)."""
+"""Residuals kept per engine and kind (cold, warm), the newest."""
 
 
 class SwapBook:
