@@ -23,7 +23,7 @@ def _admission_settings(parser: argparse.ArgumentParser, items: list[str] | None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sluice bench", description=__doc__)
     p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "scale", "chaos",
-                                        "replicas", "ratelimit", "prefix", "estimates", "fairness"])
+                                        "replicas", "ratelimit", "prefix", "estimates", "fairness", "lora"])
     p.add_argument("--engines", metavar="N|FILE",
                    help="observe: how many simulated engines to poll (default 1000); overhead, steady: a YAML file listing the "
                         "engines to front instead of a simulator (e.g. real llama.cpp servers, see rig/llama.py)")
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open); replicas: a "
                    "400-request burst through 1 and 2 replicas, shorter windows (about a minute and a half); ratelimit: "
                    "shorter windows and a tenth of the limiter's charges; prefix: the system workload at 90%%, shorter "
-                   "windows, no two-replica arm")
+                   "windows, no two-replica arm; lora: loads 60%% and 95%%, one round, shorter windows")
     p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable (a run "
                    "narrowed by --fleet, --mix, --level or --admission reports to steady-partial.md)")
     p.add_argument("--stream", action="store_true", help="overhead: streamed 32-token answers instead of one-token "
@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.chaos import run_chaos_bench
 
         return run_chaos_bench()
+    if args.scenario == "lora":
+        from bench.lora import run_lora_bench
+
+        return run_lora_bench(args.quick)
     if args.scenario == "fairness":
         from bench.fairness import run_fairness_bench
 

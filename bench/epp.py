@@ -37,6 +37,13 @@ df9f8909fe06fe2dfd4a6fc0bd0c01a0acabf849, 2026-04-18), the last release that car
   off by default) rejects only sheddable requests (priority < 0) when the pool is saturated; requests without an
   ``InferenceObjective`` have priority 0, so the default EPP never sheds: every request is routed.
 
+- LoRA (not in the default profile; ``bench lora`` adds it): ``lora-affinity-scorer`` as llm-d's EPP has it
+  (llm-d/llm-d-router ``pkg/epp/framework/plugins/scheduling/scorer/loraaffinity``; the same scorer was in
+  ``pkg/epp/scheduling/framework/plugins/scorer`` of the GIE before the move): 1 when the requested model is among the
+  engine's active adapters, 0.8 when the union of its active and waiting adapters is below ``max_lora``, 0.6 when it is
+  only waiting, else 0; the sets and ``max_lora`` come from ``vllm:lora_requests_info`` (the series with the newest
+  value, ``core-metrics-extractor``).
+
 Where this departs from the real one, and why: the hash is BLAKE2b-64 rather than xxhash64 (no xxhash here; any 64-bit
 hash with negligible collisions gives the same matches); the chat bytes are Python's compact ``json.dumps`` of the
 messages as sent rather than Go's re-marshalled structs (the same text up to escaping, which shifts block boundaries
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 from collections import OrderedDict
@@ -77,6 +85,8 @@ class Weights:
     queue: float = 2.0
     kv_cache: float = 2.0
     prefix: float = 3.0
+    lora: float = 0.0
+    """``lora-affinity-scorer`` (0: not in the profile, the default)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +103,12 @@ class EndpointMetrics:
     """``vllm:cache_config_info{block_size}`` in tokens; 0 when absent."""
     num_gpu_blocks: int = 0
     """``vllm:cache_config_info{num_gpu_blocks}``; 0 when absent."""
+    active_adapters: frozenset[str] = frozenset()
+    """``vllm:lora_requests_info{running_lora_adapters}`` of the newest series."""
+    waiting_adapters: frozenset[str] = frozenset()
+    """``...{waiting_lora_adapters}``."""
+    max_adapters: int = 0
+    """``...{max_lora}``; 0 when absent."""
 
 
 def _gauge(text: str, name: str) -> float | None:
@@ -112,9 +128,20 @@ def parse_metrics(text: str) -> EndpointMetrics:
         value = labels.get(key, "")
         return int(value) if value.isdigit() else 0
 
+    lora: dict[str, str] = {}
+    newest = -math.inf
+    for block, value in re.findall(r"^vllm:lora_requests_info\{([^}]*)\} (\S+)$", text, re.M):
+        if float(value) > newest:
+            newest, lora = float(value), dict(re.findall(r'(\w+)="([^"]*)"', block))
+
+    def names(key: str) -> frozenset[str]:
+        return frozenset(n for n in lora.get(key, "").split(",") if n)
+
+    slots = lora.get("max_lora", "")
     return EndpointMetrics(int(_gauge(text, "vllm:num_requests_waiting") or 0),
                            int(_gauge(text, "vllm:num_requests_running") or 0), kv or 0.0,
-                           whole("block_size"), whole("num_gpu_blocks"))
+                           whole("block_size"), whole("num_gpu_blocks"), names("running_lora_adapters"),
+                           names("waiting_lora_adapters"), int(slots) if slots.isdigit() else 0)
 
 
 def user_input(body: Mapping[str, Any]) -> bytes | None:
@@ -220,18 +247,35 @@ def prefix_scores(matched: Mapping[str, int], total: int, engines: Iterable[str]
     return {e: matched.get(e, 0) / total if total else 0.0 for e in engines}
 
 
+def lora_affinity_scores(model: str, metrics: Mapping[str, EndpointMetrics]) -> dict[str, float]:
+    """``lora-affinity-scorer``: 1 active, 0.8 room for one more adapter, 0.6 waiting, else 0."""
+    out: dict[str, float] = {}
+    for e, m in metrics.items():
+        if model in m.active_adapters:
+            out[e] = 1.0
+        elif len(m.active_adapters | m.waiting_adapters) < m.max_adapters:
+            out[e] = 0.8
+        elif model in m.waiting_adapters:
+            out[e] = 0.6
+        else:
+            out[e] = 0.0
+    return out
+
+
 def _clamp(x: float) -> float:
     return min(1.0, max(0.0, x))
 
 
 def weighted_scores(metrics: Mapping[str, EndpointMetrics], matched: Mapping[str, int], total: int,
-                    weights: Weights = Weights()) -> dict[str, float]:
-    """Each engine's ``sum(weight x clamp(score, 0, 1))`` over the three default scorers."""
+                    weights: Weights = Weights(), model: str = "") -> dict[str, float]:
+    """Each engine's ``sum(weight x clamp(score, 0, 1))`` over the three default scorers (and the LoRA one when
+    weighted)."""
     queue = queue_scores({e: m.waiting for e, m in metrics.items()})
     kv = kv_cache_scores({e: m.kv_usage for e, m in metrics.items()})
     prefix = prefix_scores(matched, total, metrics)
+    lora = lora_affinity_scores(model, metrics) if weights.lora else {}
     return {e: weights.queue * _clamp(queue[e]) + weights.kv_cache * _clamp(kv[e])
-            + weights.prefix * _clamp(prefix[e]) for e in metrics}
+            + weights.prefix * _clamp(prefix[e]) + weights.lora * _clamp(lora.get(e, 0.0)) for e in metrics}
 
 
 def pick(scores: Mapping[str, float], rng: random.Random) -> str:
@@ -267,7 +311,7 @@ def decide(body: Mapping[str, Any], metrics: Mapping[str, EndpointMetrics], inde
     hashes = (hash_prompt(model, data, block_size_of(metrics), cache_salt=salt if isinstance(salt, str) else "")
               if data is not None else ())
     matched = index.matches(hashes)
-    scores = weighted_scores(metrics, matched, len(hashes), weights)
+    scores = weighted_scores(metrics, matched, len(hashes), weights, model)
     engine = pick(scores, rng)
     index.add(hashes, engine, metrics[engine].num_gpu_blocks)
     return Decision(engine, hashes, matched, scores)

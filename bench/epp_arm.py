@@ -192,7 +192,9 @@ def describe(interval_s: float = SCRAPE_INTERVAL_S, weights: Weights = Weights()
     """The arm's configuration in one line, for the reports."""
     return (f"`EPP`: the default endpoint picker of {SOURCE} reimplemented (bench/epp.py, bench/epp_arm.py): "
             f"`queue-scorer` x{weights.queue:g} + `kv-cache-utilization-scorer` x{weights.kv_cache:g} + "
-            f"`prefix-cache-scorer` x{weights.prefix:g}, `max-score-picker` (random among ties), no filter, no "
+            f"`prefix-cache-scorer` x{weights.prefix:g}"
+            + (f" + `lora-affinity-scorer` x{weights.lora:g}" if weights.lora else "")
+            + ", `max-score-picker` (random among ties), no filter, no "
             f"shedding; `/metrics` scraped every {interval_s * 1000:g} ms wall per engine; prefix index: 64-bit "
             "chained hashes of the prompt's JSON in blocks of 4 x `block_size` characters (at most 256 blocks), an "
             "LRU per engine of `num_gpu_blocks` entries; its own asyncio proxy process in the data path (no Envoy)")
@@ -211,17 +213,19 @@ class EppArm:
 
 
 @contextmanager
-def epp_arm(engines: Mapping[str, str], interval_s: float = SCRAPE_INTERVAL_S, seed: int = 0) -> Iterator[EppArm]:
+def epp_arm(engines: Mapping[str, str], interval_s: float = SCRAPE_INTERVAL_S, seed: int = 0,
+            lora_weight: float = 0.0) -> Iterator[EppArm]:
     """A running EPP-like proxy (its own process) in front of ``engines`` (name -> base URL), ready when yielded (at
-    most 15 s, else RuntimeError), stopped on the way out."""
+    most 15 s, else RuntimeError), stopped on the way out. ``lora_weight``: the ``lora-affinity-scorer``'s weight."""
     port = free_port()
     command = [sys.executable, "-m", "bench.epp_arm", "--port", str(port), "--interval-ms", f"{interval_s * 1000:g}",
-               "--seed", str(seed), *(f"--engine={name}={url}" for name, url in engines.items())]
+               "--seed", str(seed), "--lora-weight", f"{lora_weight:g}",
+               *(f"--engine={name}={url}" for name, url in engines.items())]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, 15.0, alive=lambda: process.poll() is None)
-        yield EppArm(base, describe(interval_s))
+        yield EppArm(base, describe(interval_s, Weights(lora=lora_weight)))
     finally:
         process.terminate()
         try:
@@ -237,12 +241,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--interval-ms", type=float, default=SCRAPE_INTERVAL_S * 1000,
                    help="metrics scrape period per engine, wall ms (the EPP's default 50)")
     p.add_argument("--seed", type=int, default=0, help="the picker's tie-breaking random seed")
+    p.add_argument("--lora-weight", type=float, default=0.0,
+                   help="weight of the lora-affinity-scorer (0, the default profile: not used)")
     args = p.parse_args(argv)
     engines = dict(item.split("=", 1) for item in args.engine)
     if args.interval_ms <= 0:
         p.error("--interval-ms must be positive")
-    web.run_app(application(EppProxy(engines, args.interval_ms / 1000, args.seed)), host="127.0.0.1", port=args.port,
-                print=None, access_log=None)
+    weights = Weights(lora=args.lora_weight)
+    web.run_app(application(EppProxy(engines, args.interval_ms / 1000, args.seed, weights)), host="127.0.0.1",
+                port=args.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,9 @@ class ControlPlane:
     def prompt_summary(self, model: str, engine: str) -> PromptTokenSummary:
         return self.service.core.prompt_tokens.summary(model, engine)
 
+    def swap_samples(self, engine: str) -> int:
+        return self.service.core.swaps.samples(engine)
+
     @property
     def prompt_rules(self) -> PromptTokenRules:
         return self.service.prompt_rules

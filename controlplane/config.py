@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from controlplane.core.adapters import AdapterPolicy
 from controlplane.core.model import Flavor, Priority
 from controlplane.core.policy import Box, ModelPolicy, Policy, version_key
 from controlplane.core.fairshare import FairMode, FairShare
@@ -484,6 +485,8 @@ class EngineConfig:
     """Operator's anchor for one request's decode rate on this engine, used until measured."""
     sim_model: str | None = None
     """Model id a simulator serves instead of its profile's."""
+    max_loras: int | None = None
+    """LoRA adapter slots (vLLM's ``--max-loras``), >= 1; None: what the engine's ``lora_requests_info`` reports."""
 
 
 AUTHZ_TIMEOUT_GRACE_S = 10.0
@@ -492,7 +495,8 @@ AUTHZ_TIMEOUT_GRACE_S = 10.0
 #: Sections a running control plane can take from a reloaded file; the others shape processes, ports or Envoy's
 #: listener (changing the listener would drain every open stream) and need a restart. Engines added or removed by a
 #: reload reach Envoy over CDS/EDS; ``sluice up`` does not start or stop simulators for them.
-RELOADABLE = ("admission", "models", "version_floors", "boxes", "observe.on_stale", "engines", "tenants", "fairness")
+RELOADABLE = ("admission", "models", "version_floors", "boxes", "observe.on_stale", "engines", "tenants", "fairness",
+              "adapters")
 
 
 @dataclass(frozen=True, slots=True)
@@ -539,7 +543,10 @@ _POLICY_PARTS = ("models", "version_floors", "boxes")
 def _section_value(config: Config, name: str) -> object:
     """What a reloadable section (a ``RELOADABLE`` name) holds in ``config``."""
     if name == "admission":
-        return replace(config.policy, models={}, version_floors=(), boxes=(), fairness=FairShare())
+        return replace(config.policy, models={}, version_floors=(), boxes=(), fairness=FairShare(),
+                       adapters=AdapterPolicy())
+    if name == "adapters":
+        return config.policy.adapters
     if name == "fairness":  # its own settings: whether it is on under ``auto`` and the weights follow ``tenants``
         return replace(config.policy.fairness, enabled=False, weights={})
     if name in _POLICY_PARTS:
@@ -609,6 +616,8 @@ DEFAULTS: dict[str, Any] = {
                   for f in fields(RateLimitConfig)},
     "fairness": {"enabled": FairShare().mode.value, "prompt_weight": FairShare().prompt_weight,
                  "output_weight": FairShare().output_weight, "default_weight": FairShare().default_weight},
+    "adapters": {"swap_seconds": AdapterPolicy().swap_s, "swap_min_samples": AdapterPolicy().swap_min_samples,
+                 "models": {}},
 }
 _POLICY_NAME = {"max_park_seconds": "max_park_s", "retry_after_min_seconds": "retry_after_min_s", "retry_after_max_seconds": "retry_after_max_s",
                 "serve_half_life_seconds": "serve_half_life_s",
@@ -875,7 +884,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
     tenants = _parse_tenants(c, raw.get("tenants"))
     engines = _parse_engines(c, raw.get("engines"))
     policy = _parse_policy(c, raw, {e.name for e in engines})
-    policy = replace(policy, fairness=_parse_fairness(c, raw, tenants))
+    policy = replace(policy, fairness=_parse_fairness(c, raw, tenants), adapters=_parse_adapters(c, raw))
     if envoy.stream_idle_timeout_seconds < policy.max_park_s + 2 * AUTHZ_TIMEOUT_GRACE_S:
         c.problems.append(
             f"admission.max_park_seconds: must stay {2 * AUTHZ_TIMEOUT_GRACE_S:g} s below "
@@ -988,6 +997,31 @@ def _parse_fairness(c: _Checker, raw: dict[str, Any], tenants: Tenants) -> FairS
         weights={name: t.weight for name, t in tenants.by_name.items() if t.weight is not None},
         default_weight=float(c.number("fairness.default_weight", fs["default_weight"], minimum=0.001)),
     )
+
+
+def _parse_adapters(c: _Checker, raw: dict[str, Any]) -> AdapterPolicy:
+    """``adapters: {swap_seconds, swap_min_samples, models: {adapter: base model}}`` (core/adapters.py). An adapter is not a base model
+    of another adapter, and not its own base."""
+    ad = c.section(raw, "adapters")
+    swap = float(c.number("adapters.swap_seconds", ad["swap_seconds"], minimum=0, maximum=600))
+    models = ad["models"] or {}
+    bases: dict[str, str] = {}
+    if not isinstance(models, dict):
+        c.problems.append("adapters.models: must be a mapping of adapter -> base model")
+        models = {}
+    for adapter, base in models.items():
+        if not isinstance(adapter, str) or not adapter or not isinstance(base, str) or not base:
+            c.problems.append(f"adapters.models.{adapter}: must name its base model, got {base!r}")
+            continue
+        if base == adapter:
+            c.problems.append(f"adapters.models.{adapter}: an adapter cannot be its own base model")
+            continue
+        bases[adapter] = base
+    for adapter, base in bases.items():
+        if base in bases:
+            c.problems.append(f"adapters.models.{adapter}: its base {base!r} is itself an adapter")
+    samples = int(c.number("adapters.swap_min_samples", ad["swap_min_samples"], minimum=1, integer=True))
+    return AdapterPolicy(swap_s=swap, base_models=bases, swap_min_samples=samples)
 
 
 def _parse_replicas(c: _Checker, raw: Any, default_host: Any) -> tuple[ReplicaAddress, ...]:
@@ -1162,7 +1196,7 @@ def _parse_policy(c: _Checker, raw: dict[str, Any], engine_names: set[str]) -> P
 
 
 _ENGINE_FIELDS = {"name", "url", "max_num_seqs", "models", "sim", "speed", "flavor", "chip_class", "sim_flavor",
-                  "prefill_tokens_per_s", "decode_tokens_per_s", "sim_model"}
+                  "prefill_tokens_per_s", "decode_tokens_per_s", "sim_model", "max_loras"}
 
 
 def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
@@ -1185,6 +1219,9 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
         seqs = item.get("max_num_seqs")
         if seqs is not None:
             seqs = int(c.number(f"{path}.max_num_seqs", seqs, minimum=1, integer=True))
+        loras = item.get("max_loras")
+        if loras is not None:
+            loras = int(c.number(f"{path}.max_loras", loras, minimum=1, integer=True))
         models = item.get("models", [])
         if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
             c.problems.append(f"{path}.models: must be a list of model ids")
@@ -1209,7 +1246,7 @@ def _parse_engines(c: _Checker, raw: Any) -> tuple[EngineConfig, ...]:
             sim_model = None
         engines.append(EngineConfig(
             name, url, host, port, seqs, tuple(models), sim, speed, flavor, chip_class, sim_flavor,
-            prefill_tokens_per_s=anchors[0], decode_tokens_per_s=anchors[1], sim_model=sim_model,
+            prefill_tokens_per_s=anchors[0], decode_tokens_per_s=anchors[1], sim_model=sim_model, max_loras=loras,
         ))
     return tuple(engines)
 

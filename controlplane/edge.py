@@ -122,6 +122,7 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Reason.KV_NEED: _OK,
     Reason.BOX_POOL: _OK,
     Reason.QUALITY_CAP: _OK,
+    Reason.ADAPTER_SLOTS: _OK,
     Reason.QUEUED_BEHIND: _OK,
     Reason.WAITING_FOR_FASTER: _OK,
     Reason.TTFT_DEADLINE: _OK,

@@ -16,6 +16,14 @@ Automatic prefix caching (prefixcache.py): a request scheduled from the queue sh
 with and prefills only the rest; the prompt blocks it fills are registered; freed cached blocks stay cached, counted as free
 (``kv_usage`` does not include them, as in vLLM), until a block is needed and none was never used: then the least
 recently freed is evicted. ``free_blocks`` is every block that can be allocated (never used + cached and free).
+
+LoRA adapters, like vLLM V1 with ``--enable-lora --max-loras N`` (``max_loras`` > 0): the engine has ``max_loras`` adapter
+slots on the GPU. A request for an adapter is scheduled only if its adapter is resident, or a slot is free, or a resident
+adapter no running request uses can be evicted (the least recently used one goes); otherwise it stays in the queue and
+later requests whose adapter can run pass it (vLLM's scheduler skips it for that step). Loading an adapter into a slot is a
+swap: it stalls the whole batch for ``lora_swap_s`` emulated seconds (the model runner activates adapters before the
+step's forward pass), counted in ``swaps``. A resident adapter stays resident until it is evicted, so the distinct
+adapters of the running set never exceed ``max_loras``.
 """
 
 from __future__ import annotations
@@ -62,6 +70,10 @@ class SimRequest:
     """Prompt blocks already looked at for registration (hits included)."""
     cached_tokens: int | None = None
     """Prompt tokens found in the prefix cache when the request was first scheduled (``usage.prompt_tokens_details``)."""
+    adapter: str | None = None
+    """The LoRA adapter the request runs with; None: the base model."""
+    swapped: bool = False
+    """Whether its adapter had to be loaded into a slot when it was first scheduled (a cold request)."""
 
     def __post_init__(self) -> None:
         self.prefill_left = self.prompt_tokens
@@ -88,7 +100,10 @@ class SimRequest:
 
 
 class Batcher:
-    def __init__(self, profile: Profile, metrics_time_scale: float = 1.0) -> None:
+    def __init__(self, profile: Profile, metrics_time_scale: float = 1.0, *, max_loras: int = 0,
+                 lora_swap_s: float = 0.0) -> None:
+        if max_loras < 0 or lora_swap_s < 0:
+            raise ValueError("max_loras and lora_swap_s must be >= 0")
         self.profile = profile
         self.metrics_time_scale = metrics_time_scale
         """Published durations = emulated durations x this (1 / speed: a sped-up simulator reports wall-clock time,
@@ -110,6 +125,16 @@ class Batcher:
         """Decode time summed over requests: each emitted token adds its step (llama.cpp's tokens_predicted_seconds)."""
         self.inter_token = Hist(LATENCY_BUCKETS)
         """One observation per emitted token: the step that produced it (vLLM/SGLang inter-token latency)."""
+        self.max_loras = max_loras
+        """Adapter slots on the GPU (vLLM's ``--max-loras``); 0: LoRA is off and every request runs the base model."""
+        self.lora_swap_s = lora_swap_s
+        """Emulated seconds a load into a slot stalls the batch."""
+        self.resident: dict[str, float] = {}
+        """Adapters in the slots -> when a request last used them (emulated seconds), least recently used first."""
+        self.swaps = 0
+        """Adapters loaded into a slot, ever (every load, the first of each adapter included)."""
+        self._stall = 0.0
+        """Swap time the next step still has to spend before it computes anything."""
 
     # -- queue changes -------------------------------------------------------------------------------------------------
     def submit(self, request: SimRequest) -> None:
@@ -138,13 +163,63 @@ class Batcher:
 
     # -- one step ------------------------------------------------------------------------------------------------------
     def schedule(self, now: float) -> None:
+        """Move queued requests into the running set, in order, while a sequence slot and a block are free; a request
+        whose adapter can get no slot is passed over (it keeps its place)."""
+        skipped: list[SimRequest] = []
         while self.waiting and len(self.running) < self.profile.max_num_seqs and self.free_blocks > 0:
             request = self.waiting.popleft()
+            if not self._take_adapter_slot(request, now):
+                skipped.append(request)
+                continue
             if request.prefill_started_at is None:
                 request.prefill_started_at = now
             self._look_up_prefix(request)
             self.running.append(request)
+        self.waiting.extendleft(reversed(skipped))
         self.max_running_seen = max(self.max_running_seen, len(self.running))
+
+    def running_adapters(self) -> list[str]:
+        """The distinct adapters of the running requests, in the order they were scheduled."""
+        return list(dict.fromkeys(r.adapter for r in self.running if r.adapter is not None))
+
+    def waiting_adapters(self) -> list[str]:
+        """The distinct adapters of the queued requests, in queue order."""
+        return list(dict.fromkeys(r.adapter for r in self.waiting if r.adapter is not None))
+
+    def load_adapter(self, adapter: str, now: float) -> bool:
+        """Put ``adapter`` in a slot now (vLLM's ``add_lora`` activates what it loads), evicting the least recently used
+        idle one if the slots are full; a load stalls the next step. False when every slot is held by a running request
+        (it loads when a request first needs it)."""
+        if adapter in self.resident:
+            self.resident[adapter] = now
+            return True
+        busy = set(self.running_adapters())
+        if len(self.resident) >= self.max_loras:
+            idle = [a for a in self.resident if a not in busy]
+            if not idle:
+                return False
+            del self.resident[idle[0]]
+        self.resident[adapter] = now
+        self.swaps += 1
+        self._stall += self.lora_swap_s
+        return True
+
+    def unload_adapter(self, adapter: str) -> None:
+        """Free its slot (requests already running with it finish as they are)."""
+        self.resident.pop(adapter, None)
+
+    def _take_adapter_slot(self, request: SimRequest, now: float) -> bool:
+        """Whether ``request`` may run now as far as adapter slots go; loads its adapter when it has to."""
+        if request.adapter is None:
+            return True
+        if request.adapter in self.resident:
+            self.resident.pop(request.adapter)
+            self.resident[request.adapter] = now  # most recently used last
+            return True
+        if not self.load_adapter(request.adapter, now):
+            return False
+        request.swapped = request.swapped or request.prefill_started_at is None
+        return True
 
     def plan_step(self) -> float:
         """Emulated seconds the next step takes (0 when there is nothing to run). With chunked prefill a step that
@@ -155,10 +230,10 @@ class Batcher:
             step = self._decode_step(decoding)
             if self.profile.prefill_chunk_tokens:
                 step += min(prefill, self.profile.prefill_chunk_tokens) / self.profile.prefill_tokens_per_s
-            return step
+            return self._stall + step
         if not prefill:
-            return 0.0
-        return min(MAX_PREFILL_STEP_S, prefill / self.profile.prefill_tokens_per_s)
+            return self._stall
+        return self._stall + min(MAX_PREFILL_STEP_S, prefill / self.profile.prefill_tokens_per_s)
 
     def _decode_step(self, decoding: list[SimRequest]) -> float:
         """One decode step of ``decoding``: the profile's per-request rate, slowed by their mean context."""
@@ -169,11 +244,17 @@ class Batcher:
         return step
 
     def apply_step(self, duration: float, now: float) -> None:
-        """Advance every running request by one step of ``duration`` emulated seconds ending at ``now``."""
+        """Advance every running request by one step of ``duration`` emulated seconds ending at ``now``; a pending
+        adapter swap takes its time out of the step first."""
         for request in self.running:
             request.emitted.clear()
+        stall = min(self._stall, duration)
+        self._stall -= stall
+        work = duration - stall
         decoding = [r for r in self.running if r.prefill_left == 0]
-        prefill_s = duration - self._decode_step(decoding) if decoding and self.profile.prefill_chunk_tokens else duration
+        if decoding and stall and work <= 0:
+            return  # the whole step went to loading adapters: nothing was computed
+        prefill_s = work - self._decode_step(decoding) if decoding and self.profile.prefill_chunk_tokens else work
         budget = self.profile.prefill_tokens_per_s * max(0.0, prefill_s)
         for request in [r for r in self.running if r.prefill_left > 0]:
             if budget <= 0:

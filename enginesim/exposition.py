@@ -6,6 +6,10 @@ same simulated engine.
   deprecated ``gpu_cache_usage_perc``), ``cache_config_info`` with ``engine``, the prefix cache's
   ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens) and the newer
   ``request_prefill_kv_computed_tokens`` histogram (prompt tokens a request computed, cache hits excluded).
+- LoRA (both vLLM dialects, only with adapter slots): ``lora_requests_info`` with the labels ``max_lora``,
+  ``waiting_lora_adapters``, ``running_lora_adapters`` (comma-joined names) and no ``model_name``/``engine``, its value the
+  Unix time it was last set (``set_to_current_time``); one series per label set ever recorded, as prometheus_client keeps
+  every child of a labelled gauge (vLLM V1 ``PrometheusStatLogger.record``).
 - ``vllm-v0``: no ``engine`` label, ``gpu_cache_usage_perc`` only, ``num_requests_swapped``.
 - ``sglang`` (0.5-style): ``sglang:`` names; gauges repeated for two tensor-parallel ranks, as a TP=2 server does;
   ``cached_tokens_total`` and ``cache_hit_rate`` for its prefix cache.
@@ -97,6 +101,14 @@ class SimCollector(Collector):
         self.model = model
         self.b = batcher
         self.stats = stats
+        self.lora_series: dict[tuple[str, str, str], float] = {}
+        """``(max_lora, waiting_lora_adapters, running_lora_adapters)`` -> Unix time that label set was last recorded."""
+
+    def record_lora(self, wall_now: float) -> None:
+        """After an engine step: set the series of the current running and waiting adapters to ``wall_now``."""
+        if self.b.max_loras:
+            key = (str(self.b.max_loras), ",".join(self.b.waiting_adapters()), ",".join(self.b.running_adapters()))
+            self.lora_series[key] = wall_now
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         if self.flavor.vllm:
@@ -145,6 +157,12 @@ class SimCollector(Collector):
                 "gpu_memory_utilization": "0.9", "num_gpu_blocks": str(p.num_gpu_blocks), "sliding_window": "None",
                 **({"engine": "0"} if v1 else {})}
         yield _gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", info, 1)
+        if b.max_loras:
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            for key, stamp in self.lora_series.items():
+                lora.add_metric(list(key), stamp)
+            yield lora
 
     def _sglang(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         b, st, p = self.b, self.stats, self.b.profile

@@ -32,6 +32,18 @@ lognormal (profiles.py; seeded per simulator, so a run replays) unless ``sim_out
 ``ignore_eos: true`` (vLLM's sampling parameter) generates exactly the limit. ``output_model="max_tokens"`` (constructor, or
 the profile's field) restores the simulator's old behaviour for every request: exactly ``max_tokens``, 64 when absent.
 
+LoRA adapters, like vLLM with ``--enable-lora --max-loras N --lora-modules name=path ...`` (``max_loras`` > 0, batcher.py
+for the slots and the swap): ``/v1/models`` lists each registered adapter after the base model as vLLM's
+``OpenAIServingModels.show_available_models`` does (``id`` the adapter's name, ``root`` its path, ``parent`` the base
+model, no ``max_model_len``); a request naming an adapter runs with it (its response's ``model`` is the adapter);
+``/metrics`` carries ``vllm:lora_requests_info{max_lora, waiting_lora_adapters, running_lora_adapters}`` as vLLM V1's
+``PrometheusStatLogger`` does: after every engine step the series of that step's labels (adapters comma-joined) is set to
+the current Unix time, and every series ever set stays, so the newest value is the current state. With
+``runtime_lora_updating`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) ``POST /v1/load_lora_adapter``
+``{"lora_name", "lora_path"}`` registers an adapter and puts it in a slot (200, a plain-text success line; 400 when a field
+is missing or the name is already loaded) and ``POST /v1/unload_lora_adapter`` ``{"lora_name"}`` removes it (404 when
+unknown); without it those paths do not exist (404). ``/sim/stats`` counts ``lora_swaps`` and lists ``resident_adapters``.
+
 ``speed`` is emulated seconds per wall second: ``--speed 20`` runs the engine twenty times faster than the profile's rates.
 ``/metrics`` publishes wall-clock durations (what a real engine that fast would report), so the control plane learns rates
 it can compare with real deadlines; ``/sim/log`` and ``/sim/stats`` are in emulated time, for benchmarks.
@@ -83,10 +95,16 @@ class EngineSimulator:
         self, profile: Profile, *, name: str, speed: float = 1.0, model: str | None = None, flavor: str = "vllm-v1",
         output_model: str | None = None, seed: int | None = None, headers_at_first_token: bool = False,
         chars_per_token: float | None = None, template_tokens_per_message: int | None = None,
+        max_loras: int = 0, lora_swap_s: float = 0.0, lora_modules: dict[str, str] | None = None,
+        runtime_lora_updating: bool = False,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
+        if (lora_modules or runtime_lora_updating) and not max_loras:
+            raise ValueError("LoRA adapters need max_loras >= 1 (vLLM's --enable-lora --max-loras)")
         dialect = Dialect.of(flavor)
+        if max_loras and not dialect.vllm:
+            raise ValueError("LoRA adapters are simulated for the vllm flavours only")
         if output_model is not None and output_model not in OUTPUT_MODELS:
             raise ValueError(f"unknown output model {output_model!r}; known: {', '.join(OUTPUT_MODELS)}")
         if model:
@@ -107,7 +125,10 @@ class EngineSimulator:
         """False (the default, as vLLM's ``StreamingResponse``): a stream's headers go out as soon as the request is
         accepted, before its prefill; True: they wait for the first token (time to first byte is then the TTFT)."""
         self.flavor = dialect
-        self.batcher = Batcher(profile, metrics_time_scale=1.0 / speed)
+        self.batcher = Batcher(profile, metrics_time_scale=1.0 / speed, max_loras=max_loras, lora_swap_s=lora_swap_s)
+        self.adapters: dict[str, str] = dict(lora_modules or {})
+        """Registered LoRA adapters (name -> path), in registration order: what ``/v1/models`` lists after the base."""
+        self.runtime_lora_updating = runtime_lora_updating
         self.stats = RequestStats()
         self.collector = SimCollector(dialect, profile.model, self.batcher, self.stats)
         self.metrics_fault = MetricsFault.OK
@@ -144,6 +165,7 @@ class EngineSimulator:
                 b.apply_step(planned, last)
                 self._deliver()
                 b.schedule(last)
+                self.collector.record_lora(time.time())
                 planned = b.plan_step()
 
     def _deliver(self) -> None:
@@ -172,6 +194,9 @@ class EngineSimulator:
         else:
             app.router.add_get("/props", self.props)
             app.router.add_get("/slots", self.slots)
+        if self.flavor.vllm and self.runtime_lora_updating:
+            app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/sim/log", self.sim_log)
         app.router.add_get("/sim/stats", self.sim_stats)
         app.router.add_post("/sim/fault", self.sim_fault)
@@ -237,7 +262,43 @@ class EngineSimulator:
             entry = {"id": p.model, "object": "model", "created": int(self._t0),
                      "owned_by": "vllm" if self.flavor.vllm else "sglang", "root": p.model,
                      "parent": None, "max_model_len": p.max_model_len, "permission": []}
-        return web.json_response({"object": "list", "data": [entry]})
+        cards = [entry] + [
+            {"id": name, "object": "model", "created": int(self._t0), "owned_by": "vllm", "root": path,
+             "parent": p.model, "max_model_len": None, "permission": []}
+            for name, path in self.adapters.items()
+        ]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime LoRA loading: register the adapter and activate it in a slot (a swap)."""
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return _error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if name in self.adapters:
+            return _error(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
+        self.adapters[name] = path
+        self.batcher.load_adapter(name, self.now())
+        self._wake.set()
+        log.info("loaded LoRA adapter %s from %s on %s", name, path, self.name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime LoRA unloading: the adapter is no longer served and leaves its slot."""
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            return _error(400, "either 'lora_name' and 'lora_int_id' needs to be provided.", "InvalidUserInput")
+        if name not in self.adapters:
+            return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self.adapters[name]
+        self.batcher.unload_adapter(name)
+        log.info("unloaded LoRA adapter %s on %s", name, self.name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         if self.metrics_fault is MetricsFault.HANG:
@@ -275,6 +336,10 @@ class EngineSimulator:
                 "prefix_cache_hits": b.prefix.hits,
                 "cached_blocks": b.prefix.cached_blocks,
                 "prefix_cache_evictions": b.prefix.evictions,
+                "max_loras": b.max_loras,
+                "lora_swaps": b.swaps,
+                "resident_adapters": list(b.resident),
+                "adapters": list(self.adapters),
             }
         )
 
@@ -301,21 +366,24 @@ class EngineSimulator:
         body = await _json_object(request)
         if isinstance(body, web.Response):
             return body
-        if body.get("model") != self.profile.model:
-            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model_not_found")
+        model = body.get("model")
+        if model != self.profile.model and (not isinstance(model, str) or model not in self.adapters):
+            return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model_not_found")
+        adapter = model if model != self.profile.model else None
         text, prompt_tokens = _prompt(body, chat=chat, profile=self.profile)
         planned = self.plan_output(body, prompt_tokens)
         if isinstance(planned, web.Response):
             return planned
         max_tokens, output_tokens = planned
         sim_request = SimRequest(uuid.uuid4().hex, prompt_tokens, max_tokens, arrived_at=self.now(),
-                                 output_tokens=output_tokens,
+                                 output_tokens=output_tokens, adapter=adapter,
                                  block_hashes=self._blocks(text, prompt_tokens))
         entry: dict[str, Any] = {
             "id": sim_request.request_id,
             "engine": self.name,
             "path": request.path,
             "model": body["model"],
+            "adapter": adapter,
             "stream": bool(body.get("stream")),
             "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens,
@@ -368,6 +436,7 @@ class EngineSimulator:
         finally:
             entry["completion_tokens"] = sim_request.generated
             entry["cached_tokens"] = sim_request.cached_tokens or 0
+            entry["adapter_swapped"] = sim_request.swapped
             entry["finished_at"] = self.now()
             entry["ttft_s"] = (
                 sim_request.first_token_at - sim_request.arrived_at if sim_request.first_token_at is not None else None
@@ -444,7 +513,7 @@ class EngineSimulator:
             "id": cid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
-            "model": self.profile.model,
+            "model": r.adapter or self.profile.model,
             "choices": [choice],
             "usage": self._usage(r),
         }
@@ -456,8 +525,8 @@ class EngineSimulator:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            payload: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": self.profile.model,
-                                       "choices": choices}
+            payload: dict[str, Any] = {"id": cid, "object": obj, "created": created,
+                                       "model": r.adapter or self.profile.model, "choices": choices}
             if include_usage:
                 payload["usage"] = usage
             return b"data: " + json.dumps(payload).encode() + b"\n\n"
@@ -522,15 +591,30 @@ LISTENING = "listening on http://{host}:{port}"
 """The line ``serve`` prints (stdout, flushed) once it accepts connections: the port it bound, ``--port 0`` included."""
 
 
+def parse_lora_modules(specs: list[str]) -> dict[str, str]:
+    """``name=path`` items (vLLM's ``--lora-modules`` short form) as a mapping; ValueError for an item without both."""
+    modules: dict[str, str] = {}
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules takes name=path, not {spec!r}")
+        modules[name] = path
+    return modules
+
+
 def serve(
     profile: Profile, *, name: str, host: str, port: int, speed: float, model: str | None = None, flavor: str = "vllm-v1",
     output_model: str | None = None, seed: int | None = None, headers_at_first_token: bool = False,
     chars_per_token: float | None = None, template_tokens_per_message: int | None = None,
+    max_loras: int = 0, lora_swap_s: float = 0.0, lora_modules: dict[str, str] | None = None,
+    runtime_lora_updating: bool = False,
 ) -> None:
     """Serve until SIGINT/SIGTERM. ``port`` 0 binds any free port; either way the bound one is printed (``LISTENING``)."""
     sim = EngineSimulator(profile, name=name, speed=speed, model=model, flavor=flavor, output_model=output_model,
                           seed=seed, headers_at_first_token=headers_at_first_token, chars_per_token=chars_per_token,
-                          template_tokens_per_message=template_tokens_per_message)
+                          template_tokens_per_message=template_tokens_per_message, max_loras=max_loras,
+                          lora_swap_s=lora_swap_s, lora_modules=lora_modules,
+                          runtime_lora_updating=runtime_lora_updating)
     asyncio.run(_serve(sim, host, port))
 
 

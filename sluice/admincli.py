@@ -66,11 +66,18 @@ def _tokens(n: int) -> str:
     return f"{n / 1000:.0f}k" if n >= 10000 else str(n)
 
 
+def _adapters(e: admin_pb2.Engine) -> str:
+    """Loaded adapters over slots (``sql,chat/4``); ``-`` for an engine without adapters."""
+    if not e.adapter_slots and not e.adapters_loaded:
+        return "-"
+    return f"{','.join(e.adapters_loaded) or 'none'}/{e.adapter_slots or '?'}"
+
+
 def engines_table(response: admin_pb2.ListEnginesResponse) -> str:
     header = ("ENGINE", "FLAVOR", "VERSION", "STATE", "MODELS", "RUN", "WAIT", "KV", "KV CAP", "CAP", "TICKETS", "LOAD",
               "GEN TOK/S", "DECODE/REQ", "PREFILL MED", "TTFT P50", "TTFT P90", "TTFT ERR", "TTFT CORR", "E2E ERR",
               "CHARS/TOK",
-              "TPL/MSG", "PROMPT ERR", "PROBE AGE", "DEGRADED")
+              "TPL/MSG", "PROMPT ERR", "ADAPTERS", "PROBE AGE", "DEGRADED")
     rows = [header]
     for e in response.engines:
         state = "stale" if e.stale else ("ready" if e.ready else "no models")
@@ -89,6 +96,7 @@ def engines_table(response: admin_pb2.ListEnginesResponse) -> str:
             _num(e.end_to_end_estimate_error_median, "{:.2f}x"),
             _num(e.prompt_chars_per_token, "{:.2f}"), _num(e.prompt_template_tokens_per_message, "{:.1f}"),
             _num(e.prompt_tokens_error_median, "{:.2f}x"),
+            _adapters(e),
             _num(e.last_probe_age_seconds, "{:.1f}s"),
             ",".join(e.missing_gauges) or "no",
         ))

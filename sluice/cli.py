@@ -101,6 +101,15 @@ def main(argv: list[str] | None = None) -> int:
                         "profile's, 0.015)")
     p.add_argument("--template-tokens", type=int,
                    help="chat template tokens counted for each message (default: the profile's, 5)")
+    p.add_argument("--max-loras", type=int, default=0,
+                   help="adapter slots (vLLM's --enable-lora --max-loras); 0 (default): LoRA off")
+    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                   help="adapters of the served model registered at start (vLLM's --lora-modules)")
+    p.add_argument("--lora-swap-s", type=float, default=0.2,
+                   help="emulated seconds a load into an adapter slot stalls the batch (default 0.2)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     p.add_argument("--headers-at-first-token", action="store_true",
                    help="hold a stream's headers until its first token (default: send them at once, as vLLM does)")
 
@@ -152,10 +161,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "sim":
         from enginesim.profiles import PROFILES
-        from enginesim.server import serve
+        from enginesim.server import parse_lora_modules, serve
 
         if args.profile not in PROFILES:
             parser.error(f"unknown profile {args.profile!r}; known: {', '.join(sorted(PROFILES))}")
+        try:
+            lora_modules = parse_lora_modules(args.lora_modules)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if args.max_loras < 0 or args.lora_swap_s < 0:
+            parser.error("--max-loras and --lora-swap-s must be >= 0")
+        if (lora_modules or args.allow_runtime_lora_updating) and not args.max_loras:
+            parser.error("--lora-modules and --allow-runtime-lora-updating need --max-loras >= 1")
         from dataclasses import replace
 
         overrides = {field: value for field, value in (
@@ -166,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         serve(profile, name=args.name or args.profile, host=args.host, port=args.port,
               speed=args.speed, model=args.model, flavor=args.flavor, output_model=args.output_model, seed=args.seed,
               headers_at_first_token=args.headers_at_first_token, chars_per_token=args.chars_per_token,
-              template_tokens_per_message=args.template_tokens)
+              template_tokens_per_message=args.template_tokens, max_loras=args.max_loras,
+              lora_swap_s=args.lora_swap_s, lora_modules=lora_modules,
+              runtime_lora_updating=args.allow_runtime_lora_updating)
         return 0
     if args.command == "controlplane":
         if args.additions:

@@ -531,7 +531,8 @@ class AdmissionService:
         ticket = self.core.release(ticket_id, self.clock())
         if ticket is not None:
             self.metrics.engine(ticket.engine).tickets_released.inc()
-            self.wake([ticket.model])
+            # An adapter's slot freed may be what requests for other adapters of its engine wait for: wake them all.
+            self.wake(None if self.core.is_adapter(ticket.model) else [ticket.model])
         self._release_in_store(ticket_id)
         return ticket
 
@@ -574,6 +575,8 @@ class AdmissionService:
         series.ttft_seconds.observe(timing.engine_s)
         self.metrics.gateway_seconds.observe(timing.gateway_s)
         measured = timing.streamed and ticket.expected_ttft_s > 0 and timing.engine_s > 0
+        if measured:
+            self.core.observe_first_token(ticket.ticket_id, timing.engine_s)
         ratio = timing.engine_s / ticket.expected_ttft_s if measured else None
         whole = end_to_end_error(timing, ticket.expected_ttft_s, ticket.decode_tokens_per_s)
         self.recent_ttfts.record(ticket.engine, timing.engine_s, ratio, whole)

@@ -86,11 +86,12 @@ carries a Retry-After. A woken head's TTFT deadline counts from its arrival.
 from __future__ import annotations
 
 import itertools
-from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
+from controlplane.core.adapters import SwapBook, discovered_bases
 from controlplane.core.fairshare import ANONYMOUS, TenantCounters, TenantShare, service_order
 from controlplane.core.decide import (
     clamp_retry_after, decide, deadline_text, earliest_fit, expected_start, retry_after, shed,
@@ -191,6 +192,18 @@ class AdmissionCore:
         self.fair = TenantCounters()
         """Each tenant's virtual token counter per model (core/fairshare.py): charged at every admission here,
         corrected by ``settle_usage``; the order of a class's wake while ``policy.fairness.enabled``."""
+        self._adapter_bases: dict[str, str] = {}
+        """Adapter -> base model, as the engines' ``/v1/models`` name them (``note_view``)."""
+        self._adapters_view: Mapping[str, str] = MappingProxyType({})
+        self._adapter_recent: dict[str, dict[str, float]] = {}
+        """engine -> adapter -> when it was last admitted there (``ADAPTER_MEMORY`` per engine, oldest dropped)."""
+        self._recent_view: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+        """``_adapter_recent`` as fleets carry it (``Fleet.adapter_recent``), rebuilt when it changes."""
+        self.swaps = SwapBook(policy.adapters.swap_min_samples)
+        """Each engine's measured adapter swaps (core/adapters.py): fleets carry their medians."""
+        self._timed: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+        """Ticket -> (engine, expected TTFT, swap priced) of adapter requests, until their first token is timed (at
+        most ``TIMED_TICKETS``, oldest dropped: a ticket whose first token is never timed is forgotten)."""
         self._frees = 0
         """Slots freed so far (releases, reaped and lapsed tickets, reloads): a freed slot may be what a passable request
         waits for, so it must be decided again (the wake that follows does) before anyone passes it."""
@@ -202,7 +215,8 @@ class AdmissionCore:
         recent, last = self._serves_at(now)
         return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
                      rates or RateTables(), recent, self.output_lengths.snapshot(), self.output_lengths.tails(now),
-                     last_served=last)
+                     last_served=last, adapters=self._note_adapters(engines), adapter_recent=self._recent_view,
+                     adapter_swap_s=self.swaps.learned())
 
     def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
         """Prompt tokens of ``request`` each engine is expected to hold in its prefix cache (engines holding none left
@@ -251,6 +265,7 @@ class AdmissionCore:
             self._refresh_corrected([view.name])
         if why == "restart":
             self.prompt_tokens.forget(view.name)
+            self.swaps.forget(view.name)
         if view.drained:
             why = "drained"
         if why is not None and self.prefixes.forget(view.name):
@@ -258,8 +273,22 @@ class AdmissionCore:
         return None
 
     def note_view(self, view: EngineView) -> None:
-        """The shell's latest view of an engine (probe, drain, failure, staleness flip): the index refreshes its rows."""
+        """The shell's latest view of an engine (probe, drain, failure, staleness flip): the index refreshes its rows,
+        and the adapters it lists with their base model join the fleet's (``Fleet.adapters``)."""
         self.index.update(self._corrected(view))
+        self._note_adapters((view,))
+
+    def _note_adapters(self, views: Iterable[EngineView]) -> Mapping[str, str]:
+        """Adapters the views list with a base model join those known (``Fleet.adapters``); returns them all."""
+        new = {a: base for a, base in discovered_bases(tuple(views)).items() if self._adapter_bases.get(a) != base}
+        if new:
+            self._adapter_bases.update(new)
+            self._adapters_view = MappingProxyType(dict(self._adapter_bases))
+        return self._adapters_view
+
+    def is_adapter(self, model: str) -> bool:
+        """Whether ``model`` is a LoRA adapter (listed with a parent by an engine, or configured)."""
+        return model in self._adapter_bases or model in self.policy.adapters.base_models
 
     def _corrected(self, view: EngineView) -> EngineView:
         factor = self.ttft.factor(view.name)
@@ -269,6 +298,16 @@ class AdmissionCore:
         """A served request's prompt as its engine counted it (``usage.prompt_tokens``) and as the Check estimated it:
         the model's token rule learns (prompt_tokens.py); later Checks estimate with it."""
         self.prompt_tokens.observe(model, engine, shape, counted, estimated)
+
+    def observe_first_token(self, ticket_id: str, ttft_s: float) -> float | None:
+        """A streamed request's TTFT at its engine (the access log): for an adapter request, its residual against the
+        estimate is recorded for that engine's swap (``SwapBook``: cold if a swap was priced, else warm) and returned;
+        None for any other request."""
+        timed = self._timed.pop(ticket_id, None)
+        if timed is None:
+            return None
+        engine, expected, priced = timed
+        return self.swaps.observe(engine, ttft_s, expected, priced)
 
     def observe_ttft(self, engine: str, ratio: float, now: float) -> None:
         """A served stream's measured TTFT (its first token, from the access log) over the decision's estimate: the engine's
@@ -309,7 +348,8 @@ class AdmissionCore:
             rates or RateTables(), now, self.serves.half_life_s)
         recent, last = self._serves_at(now)
         return Fleet(engines, ledger, self.admit_stale, rates or RateTables(), recent, self.output_lengths.snapshot(),
-                     self.output_lengths.tails(now), index, last)
+                     self.output_lengths.tails(now), index, last, self._adapters_view, self._recent_view,
+                     self.swaps.learned())
 
     def _serves_at(self, now: float) -> tuple[DecayedServes, LastServed]:
         """The serve counts as a fleet reads them, from one snapshot: decayed to ``now``, and when each engine was last
@@ -520,6 +560,7 @@ class AdmissionCore:
         self._refresh_corrected(self.ttft.configure(policy.ttft_correction_gain, policy.ttft_correction_max,
                                                     policy.ttft_correction_half_life_s, policy.ttft_correction_min))
         self.prompt_tokens.configure(policy.chars_per_token, policy.prompt_tokens_min_samples)
+        self.swaps.configure(policy.adapters.swap_min_samples)
         self._frees += 1  # what a parked request would take may have changed: decide it again before passing it
 
     def record_output(self, model: str, completion_tokens: int) -> None:
@@ -539,7 +580,8 @@ class AdmissionCore:
         recent, last = self._serves_at(now)
         return replace(fleet, ledger=MappingProxyType({e.name: self.ledger.view(e.name) for e in fleet.engines}),
                        recent_serves=recent, last_served=last, expected_output=self.output_lengths.snapshot(),
-                       output_tails=self.output_lengths.tails(now))
+                       output_tails=self.output_lengths.tails(now), adapter_recent=self._recent_view,
+                       adapter_swap_s=self.swaps.learned())
 
     def wake(self, fleet: Fleet, now: float, models: Iterable[str] | None = None) -> list[Outcome]:
         """Admit parked heads that fit ``fleet`` now, in order (the core refreshes the fleet after each admission)."""
@@ -827,6 +869,15 @@ class AdmissionCore:
                 refresh()
         return out
 
+    def _note_adapter(self, engine: str, adapter: str, now: float) -> None:
+        """``adapter`` was admitted to ``engine``: it is that engine's most recently used adapter."""
+        recent = self._adapter_recent.setdefault(engine, {})
+        recent.pop(adapter, None)
+        recent[adapter] = now
+        while len(recent) > ADAPTER_MEMORY:
+            del recent[next(iter(recent))]
+        self._recent_view = MappingProxyType({e: tuple(reversed(r)) for e, r in self._adapter_recent.items()})
+
     def _admit(self, request_id: str, request: InferenceRequest, decision: Decision, now: float,
                parked_for: float, rule: QueueRule = QueueRule.ARRIVAL, parked: Parked | None = None) -> Outcome:
         assert decision.engine is not None and request.model is not None
@@ -840,7 +891,18 @@ class AdmissionCore:
         self.fair.charge(ticket.ticket_id, request.model, _tenant_of(request), *self._expected_tokens(request),
                          self.policy.fairness)
         noted = self.prefixes.note(decision.engine, request.prefix_blocks) if self.policy.prefix_routing else ()
+        if self.is_adapter(request.model):
+            self._note_adapter(decision.engine, request.model, now)
+            self._timed[ticket.ticket_id] = (decision.engine, decision.expected_ttft_s, decision.swap_s)
+            while len(self._timed) > TIMED_TICKETS:
+                self._timed.popitem(last=False)
         return Outcome(request_id, decision, ticket, parked_for, rule, parked, noted)
+
+
+TIMED_TICKETS = 4096
+"""Adapter admissions remembered until their first token is timed."""
+ADAPTER_MEMORY = 64
+"""Adapters remembered per engine as recently admitted there (far more than any engine's slots)."""
 
 
 def _without_deadline(request: InferenceRequest) -> InferenceRequest:

@@ -57,5 +57,6 @@ def displaced_blocks(prompt_blocks: int, held: int, room: int) -> int:
 
 def charged_finish(x: Estimate) -> float:
     """The key the choice among engines compares: the estimated finish plus the eviction charge
-    (``Estimate.displaced_s``, 0 for an engine that evicts nothing)."""
-    return x.finish_s + x.displaced_s
+    (``Estimate.displaced_s``, 0 for an engine that evicts nothing) plus the adapter swap's stall of the requests the
+    engine already runs (``Estimate.stall_s``, route.py; 0 without a swap)."""
+    return x.finish_s + x.displaced_s + x.stall_s

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from controlplane.core import adapters
 from controlplane.core.affinity import charged_finish
 from controlplane.core.explain import EngineExplanation, earliest_fit, explain
 from controlplane.core.fit import context_tokens, effective_load, misfits, model_len, need_tokens
@@ -123,7 +124,7 @@ def expected_start(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
     finish rests on the policy's default rate)."""
     model = request.model
     assert model is not None
-    floor = policy.floor_for(model)
+    floor = policy.floor_for(model, adapters.base_of(model, fleet, policy.adapters.base_models))
     engines = [e for e in fleet.engines if e.serves(model) and not e.drained and meets_floor(e.version, floor)]
     fresh = [e for e in engines if not e.stale]
     engines = fresh or (engines if fleet.admit_stale else [])
@@ -258,12 +259,13 @@ def decide(
                            displaced, prefix_share)
         if indexed is not None:
             return indexed
-    serving = [e for e in fleet.engines if e.serves(model) and not e.drained]
-    if not serving and any(e.serves(model) for e in fleet.engines):
+    base = adapters.base_of(model, fleet, policy.adapters.base_models)
+    serving = [e for e in fleet.engines if e.serves(model) and not e.drained and (base is None or e.serves(base))]
+    if not serving and any(e.serves(model) and (base is None or e.serves(base)) for e in fleet.engines):
         return shed(Reason.NO_READY_ENGINE, f"every engine serving {model} is drained", policy.retry_after_max_s)
     if not serving:
         return refuse(RequestError(Reason.UNKNOWN_MODEL, f"The model `{model}` does not exist."))
-    floor = policy.floor_for(model)
+    floor = policy.floor_for(model, base)
     eligible = [e for e in serving if meets_floor(e.version, floor)]
     if not eligible:
         versions = ", ".join(f"{e.name}={e.version or 'unknown'}" for e in serving)
@@ -350,6 +352,8 @@ def decide(
             longest = max(x.cached_tokens for x in band)
             if longest:  # the prompt where it is cached: good enough anyway, and its prefill costs nothing
                 band = [x for x in band if x.cached_tokens == longest]
+            least_swap = min(x.swap_s for x in band)
+            band = [x for x in band if x.swap_s == least_swap]  # the adapter where it is loaded: no batch stalls
             throughput = {x.engine.name: capacity_throughput(x.engine, fleet, policy) for x in band}
             chosen = weighted_pick(band, fleet.recent_serves, pick, throughput,
                                    policy.band_ttft_grain_fraction * deadline_s)
@@ -418,7 +422,8 @@ def _spread(estimates: list[Estimate], candidates: list[EngineView], fleet: Flee
 
 def _near_tie(soonest: Estimate, pool: list[Estimate], fleet: Fleet, policy: Policy, now: float) -> Estimate:
     """Near ties (route.py): among ``pool``'s free slots finishing within ``near_tie_fraction`` of ``soonest`` (the
-    soonest of them), the ones expected to hold the most of the prompt (a hit also spares the fleet a prefill); of more
+    soonest of them), the ones expected to hold the most of the prompt (a hit also spares the fleet a prefill), then of
+    those the ones that need no LoRA adapter swap (a load stalls the engine's batch and evicts another adapter); of more
     than ``near_tie_max_engines`` of them, the warm ones (admitted to within ``near_tie_warm_seconds``), or, none being,
     the first ``near_tie_max_engines`` by name; then the fewest recent admissions per unit of capacity, then
     ``_soonest``'s order."""
@@ -430,6 +435,8 @@ def _near_tie(soonest: Estimate, pool: list[Estimate], fleet: Fleet, policy: Pol
         return soonest
     longest = max(x.cached_tokens for x in tied)
     tied = [x for x in tied if x.cached_tokens == longest]
+    least_swap = min(x.swap_s for x in tied)
+    tied = [x for x in tied if x.swap_s == least_swap]
     if policy.near_tie_max_engines and len(tied) > policy.near_tie_max_engines:
         since = now - policy.near_tie_warm_seconds
         warm = [x for x in tied if fleet.last_served.get(x.engine.name, -math.inf) >= since]
@@ -493,12 +500,14 @@ def _indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float
     (numpy over the model's rows), then real ``Estimate`` objects only for the engines that can be chosen: the band (its
     weighted pick on a cumulative sum), or the soonest free slot, the busy engines whose no-wait lower bound could beat it,
     and the session's engine. Returns the same decision as the full scan below, or None when the full scan must decide
-    (boxes, parked requests ahead, nothing fits now, an empty band, any refusal or shed). Expected cache hits become a
-    vector over the rows (only the engines the prefix index named are touched), and so do prefix affinity's eviction
-    charges (``displaced``)."""
+    (boxes, LoRA adapters, parked requests ahead, nothing fits now, an empty band, any refusal or shed). Expected cache
+    hits become a vector over the rows (only the engines the prefix index named are touched), and so do prefix
+    affinity's eviction charges (``displaced``)."""
     index = fleet.index
     model = request.model
     if index is None or queued_ahead or policy.boxes or index.policy is not policy or index.admit_stale != fleet.admit_stale:
+        return None
+    if model in fleet.adapters or model in policy.adapters.base_models:  # adapter slots and swaps: the full scan
         return None
     rows = index.models.get(model)
     if rows is None:
@@ -711,6 +720,7 @@ def _admit(request: InferenceRequest, chosen: Estimate, reason: Reason, policy: 
         Verdict.ADMIT, reason, engine=chosen.engine.name, reserved_tokens=need_tokens(request, policy),
         expected_done_at=now + chosen.finish_s, expected_ttft_s=chosen.ttft_s, cached_tokens=chosen.cached_tokens,
         decode_tokens_per_s=chosen.decode_rate, rates_measured=decode_rate_known(chosen.engine, fleet),
+        swap_s=chosen.swap_s,
         detail=f"expected TTFT {chosen.ttft_s:.2f} s, finish {chosen.finish_s:.2f} s, load "
                f"{effective_load(chosen.engine, fleet):g}{hit}",
     )

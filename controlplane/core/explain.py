@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from controlplane.core import adapters
 from controlplane.core.fit import effective_load, misfits
 from controlplane.core.model import Fleet, InferenceRequest, Reason
 from controlplane.core.policy import Policy, meets_floor
@@ -33,7 +34,7 @@ def explain(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float,
     ``cached``: the prefix index's expected hits for this request, as ``decide`` gets them."""
     cached = cached or {}
     assert request.model is not None
-    floor = policy.floor_for(request.model)
+    floor = policy.floor_for(request.model, adapters.base_of(request.model, fleet, policy.adapters.base_models))
     blocked = {e.name: misfits(e, request, fleet, policy) for e in fleet.engines if e.serves(request.model)}
     pressure = any(blocked.values())
     out = []
@@ -52,7 +53,7 @@ def earliest_fit(request: InferenceRequest, fleet: Fleet, policy: Policy, now: f
     its tickets soonest first until no fit rule blocks; the soonest engine's time (``now`` if one fits already). None when
     no candidate frees up within its open tickets (backfill then has no bound to respect)."""
     assert request.model is not None
-    floor = policy.floor_for(request.model)
+    floor = policy.floor_for(request.model, adapters.base_of(request.model, fleet, policy.adapters.base_models))
     best: float | None = None
     for engine in fleet.engines:
         if not engine.serves(request.model) or engine.drained or not meets_floor(engine.version, floor):

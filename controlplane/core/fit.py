@@ -15,6 +15,8 @@ Pure. A candidate **fits** when none of these holds (each is a named ``Reason``)
                   the model's kv_bytes_per_token, an unknown rate priced at the largest configured one) when the box
                   has a byte budget, else in tokens
     quality_cap : open tickets of this model on the engine >= floor(solo decode rate x quality_overcommit / decode floor)
+    adapter_slots: the request is for a LoRA adapter the engine's open tickets do not use, and open tickets of other
+                  adapters hold every adapter slot it has (core/adapters.py, ``blocked``)
 
 A gauge an engine does not report (``None``) skips the rule that needs it. ``load`` takes the larger of the probe and the
 ledger because each sees what the other cannot: the probe sees traffic that bypasses sluice, the ledger what the probe has
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import math
 
+from controlplane.core import adapters
 from controlplane.core.model import EngineView, Fleet, InferenceRequest, Reason
 from controlplane.core.policy import Policy
 
@@ -112,4 +115,8 @@ def misfits(engine: EngineView, request: InferenceRequest, fleet: Fleet, policy:
     q_cap = quality_cap(engine, request.model, fleet, policy)
     if q_cap is not None and fleet.of(engine.name).open_for(request.model) >= q_cap:
         out.append(Reason.QUALITY_CAP)
+    if engine.adapter_slots is not None:
+        known = adapters.known_adapters(fleet, policy.adapters)
+        if request.model in known and adapters.blocked(engine, request.model, fleet, known):
+            out.append(Reason.ADAPTER_SLOTS)
     return tuple(out)

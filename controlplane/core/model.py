@@ -91,6 +91,12 @@ class EngineSample:
     """Prompt tokens the engine looked up in its prefix cache (vLLM ``prefix_cache_queries``, SGLang prompt tokens)."""
     prefix_cache_hits_total: float | None = None
     """Prompt tokens it found there and did not prefill (vLLM ``prefix_cache_hits``, SGLang ``cached_tokens``)."""
+    lora_max: int | None = None
+    """Adapter slots the engine reports (vLLM ``lora_requests_info``'s ``max_lora``: its ``--max-loras``)."""
+    lora_running: tuple[str, ...] | None = None
+    """Adapters of the requests it runs, as of its last recorded step (None: it reports no LoRA state)."""
+    lora_waiting: tuple[str, ...] | None = None
+    """Adapters of the requests queued inside it."""
 
     @property
     def queue(self) -> float | None:
@@ -164,6 +170,8 @@ class EngineView:
     ttft_correction: float = 1.0
     """What the engine's own part of a TTFT estimate (prefill and first token) is multiplied by: its measured TTFTs
     against the estimates (core/feedback.py; the core sets it, 1 until the access log shows the engine slower)."""
+    max_loras: int | None = None
+    """Configured adapter slots (``engines[].max_loras``; vLLM's ``--max-loras``); None: what the engine reports."""
 
     def serves(self, model: str) -> bool:
         return any(m.model_id == model for m in self.models)
@@ -171,6 +179,13 @@ class EngineView:
     @property
     def ready(self) -> bool:
         return not self.stale and bool(self.models)
+
+    @property
+    def adapter_slots(self) -> int | None:
+        """LoRA adapter slots: configured, else the ``max_lora`` the engine reports, else unknown (no slot rule)."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return self.sample.lora_max if self.sample is not None else None
 
     @property
     def cap(self) -> int | None:
@@ -293,6 +308,8 @@ class Reason(enum.Enum):
     KV_NEED = "kv_need"
     BOX_POOL = "box_pool"
     QUALITY_CAP = "quality_cap"
+    ADAPTER_SLOTS = "adapter_slots"
+    """Every LoRA adapter slot of the engine is held by open tickets of other adapters (core/adapters.py)."""
     # why a request waits although something may fit
     QUEUED_BEHIND = "queued_behind"
     WAITING_FOR_FASTER = "waiting_for_faster"
@@ -388,6 +405,8 @@ class Decision:
     them)."""
     waits_for: str | None = None
     """PARK ``waiting_for_faster``: the busy engine the request waits for (requests passing it count it ahead there)."""
+    swap_s: float = 0.0
+    """ADMIT: the LoRA adapter swap the estimate priced on the chosen engine (0: expected loaded, or a base model)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -526,6 +545,12 @@ class Fleet:
     fleets carry one; ``decide`` then chooses among hundreds of candidates without estimating each). None: full scan."""
     last_served: Mapping[str, float] = field(default_factory=_empty)
     """engine -> when it was last admitted to (warm near ties, ``Policy.near_tie_max_engines``); missing: never."""
+    adapters: Mapping[str, str] = field(default_factory=_empty)
+    """LoRA adapter -> its base model, as the engines' model lists name them (core/adapters.py)."""
+    adapter_recent: Mapping[str, tuple[str, ...]] = field(default_factory=_empty)
+    """engine -> the adapters sluice admitted there, most recent first (what its slots probably hold)."""
+    adapter_swap_s: Mapping[str, float] = field(default_factory=_empty)
+    """engine -> its learned adapter swap in seconds (core/adapters.py, ``SwapBook``); missing: the policy's prior."""
 
     def __post_init__(self) -> None:
         # Two type checks when the caller handed over proxies (every Fleet the control plane builds per Check does).

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from controlplane.core.adapters import AdapterPolicy
 from controlplane.core.fairshare import FairShare
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +180,8 @@ class Policy:
     fairness: FairShare = field(default_factory=FairShare)
     """How a parking class is shared among tenants (core/fairshare.py; the ``fairness`` section and each tenant's
     ``weight``). Off: the lot's order is FIFO (adaptive LIFO aside)."""
+    adapters: AdapterPolicy = field(default_factory=AdapterPolicy)
+    """LoRA adapters (the ``adapters`` section; core/adapters.py): their base models and the swap prior."""
 
     def __post_init__(self) -> None:
         if type(self.models) is not MappingProxyType:
@@ -187,9 +190,11 @@ class Policy:
     def model(self, model_id: str) -> ModelPolicy:
         return self.models.get(model_id, _NO_MODEL_POLICY)  # (not a new ModelPolicy per call: every Check asks)
 
-    def floor_for(self, model_id: str) -> str | None:
-        """The strictest floor among patterns matching ``model_id`` (None: no floor)."""
-        matches = [v for pattern, v in self.version_floors if pattern.lower() in model_id.lower()]
+    def floor_for(self, model_id: str, base: str | None = None) -> str | None:
+        """The strictest floor among patterns matching ``model_id`` or, for an adapter, its ``base`` model (a floor on
+        the base covers its adapters); None: no floor."""
+        ids = [model_id.lower()] + ([base.lower()] if base else [])
+        matches = [v for pattern, v in self.version_floors if any(pattern.lower() in i for i in ids)]
         return max(matches, key=version_key) if matches else None
 
     def box_of(self, engine: str) -> Box | None:

@@ -11,13 +11,20 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
                    ``default_expected_output_tokens``; at most r.max_tokens (time only: KV still reserves max_tokens)
     cached       = prompt tokens e is expected to hold (core/prefix.py; 0 without a match), at most r.prompt_tokens - 1
     prefill      = (r.prompt_tokens - cached) / prefill_rate
+    swap         = for a LoRA adapter e is not expected to hold in a slot, e's learned swap or ``adapters.swap_seconds``
+                   (core/adapters.py; 0 for a base model or a resident adapter; never scaled by the TTFT correction,
+                   which learns the rest of the estimate)
+    stall        = swap x (min(load, cap) + evicts): a load stalls e's whole batch, so every request already there is
+                   that much later, and when e's slots are all taken it evicts an adapter whose next request there
+                   loads it again (``evicts`` 1; 0 while a slot is free or the slots are unknown); charged in the
+                   choice (affinity.charged_finish), not in r's own estimate
     service      = prefill + out / decode_rate                               (one request of r's shape at batch n)
     k            = load - cap + 1 + ahead + behind: ``ahead`` the parked requests ahead of r waiting for e in particular
                    (admission.py), ``behind`` those queued after r; neither counts when cached > 0
                    (why: docs/decisions/0008-prefix-holder-no-backlog.md)
     slot_wait    = 0 if load < cap; else, with D = e's open tickets' expected finishes (soonest first):
                    D[k] - now when k <= |D|, else max(0, D[-1] - now) + ceil((k - |D|) / cap) x service
-    ttft(e)      = slot_wait + prefill + 1 / decode_rate                          (the first token is one step)
+    ttft(e)      = slot_wait + swap + prefill + 1 / decode_rate                   (the first token is one step)
     finish(e)    = ttft(e) + out / decode_rate
 
 **Without a deadline** r goes where ``finish`` is soonest, parking for a busy faster engine if need be
@@ -27,7 +34,8 @@ its ``slot_wait`` is at most ``max_wait_for_faster_services`` of r's service the
 free slot would redo when the busy one holds more of the prompt (``waits_too_long``); else the soonest free slot
 (``work_conserving``; docs/decisions/0009). Near ties (decide._near_tie): free slots within ``near_tie_fraction`` of
 the soonest free finish are equal; the likeliest prefix holder wins, then the fewest recent serves per unit of
-``capacity_throughput``, then the soonest (0004). Warm near ties: past ``near_tie_max_engines`` tied slots, only the
+``capacity_throughput``, then the soonest (0004); an adapter request's tied slots are first narrowed to those that need
+no swap, as its band is (a load stalls the engine's whole batch and evicts another adapter; 0017). Warm near ties: past ``near_tie_max_engines`` tied slots, only the
 engines admitted to within ``near_tie_warm_seconds`` (none: the first that many by name) stay tied (0005). Fair-share
 spread (``max_share_over_capacity``, off; decide._spread): an engine with at least ``1 + ratio x total x its part of
 the candidates' capacity_throughput`` recent admissions is set aside unless it holds part of the prompt or no engine
@@ -43,7 +51,8 @@ floor; the pick is weighted by ``band_weight`` ``c / (1 + recent serves / c) x (
 keeps its engine while it is in the band; without a deadline, while it is within the work-conserving margin.
 
 **Prefix cache.** An expected hit is prefill the engine skips: it enters ``ttft`` and ``finish`` and nothing else. In
-the band, after the session's engine, the members expected to hold the longest prefix are preferred; a hot prefix
+the band, after the session's engine, the members expected to hold the longest prefix are preferred (then, for an
+adapter, those that need no swap); a hot prefix
 spills to another engine when that finishes sooner (with a deadline, when the holders leave the band), at most
 ``prefix_max_replicas`` engines (decide.py). An admission credited with a hit reports ``prefix_cache``. When KV is
 short, an engine that would evict other prompts to cache this one is charged for it in the choice, not in the
@@ -57,6 +66,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from controlplane.core import adapters
 from controlplane.core.fit import effective_load
 from controlplane.core.model import EngineView, Fleet, InferenceRequest
 from controlplane.core.output_length import MEMORYLESS
@@ -77,6 +87,10 @@ class Estimate:
     """Prompt tokens the engine is expected to hold in its prefix cache (its prefill here left them out)."""
     prefill_rate: float = 0.0
     """Prompt tokens per second this estimate prefilled at."""
+    swap_s: float = 0.0
+    """Seconds of LoRA adapter load the estimate includes (core/adapters.py): 0 where the adapter is expected loaded."""
+    stall_s: float = 0.0
+    """What that load costs beyond this request, charged in the choice only (``stall`` in the module docstring)."""
     displaced_s: float = 0.0
     """Prefix affinity's charge (affinity.py): seconds of prefill the fleet would redo for the cached prompt blocks this
     placement evicts, times ``prefix_eviction_charge``. Only the choice among engines adds it; ``ttft_s`` and
@@ -177,8 +191,15 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
         # guess for requests whose own lengths sluice cannot know).
         position = (int(load - cap + 1) if cap is not None else 1) + (0 if cached_tokens else behind + ahead)
         wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
-    ttft = wait + (prefill_s + 1.0 / rate) * engine.ttft_correction
-    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in,
+    known = adapters.known_adapters(fleet, policy.adapters)
+    swap = adapters.swap_s(engine, request.model, fleet, policy.adapters, known) if request.model in known else 0.0
+    ttft = wait + swap + (prefill_s + 1.0 / rate) * engine.ttft_correction
+    stall = 0.0
+    if swap:
+        slots = engine.adapter_slots
+        evicts = 1 if slots is not None and len(adapters.resident(engine, fleet, known)) >= slots else 0
+        stall = swap * ((min(load, cap) if cap is not None else load) + evicts)
+    return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in, swap, stall,
                     policy.prefix_eviction_charge * displaced_tokens / rate_in)
 
 

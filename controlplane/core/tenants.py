@@ -9,7 +9,8 @@ What a tenant decides, in the order the Check applies it:
 
 1. **Who**: the key's digest names exactly one tenant (config validation refuses a digest listed twice); an unknown or
    missing key is refused 401 ``invalid_api_key``.
-2. **Which models**: ``models_allowed`` (absent: every model); another model is refused 403 ``model_not_allowed``.
+2. **Which models**: ``models_allowed`` (absent: every model); another model is refused 403 ``model_not_allowed``. A LoRA
+   adapter is a model of its own here: allowing its base model does not allow it (core/adapters.py).
 3. **Which class**: a request without ``x-sluice-priority`` gets the tenant's ``default``; one that asks for a class
    above the tenant's ``max`` gets ``max`` (capped, not refused: the request is still fine at its allowed class).
 4. **What budget**: the limiter scopes the charge draws on: the tenant's own (key ``<tenant>``) and, when its

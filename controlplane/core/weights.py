@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from controlplane.core.fit import effective_load
+from controlplane.core import adapters
 from controlplane.core.model import EngineView, Fleet
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.route import capacity_throughput, decode_rate
@@ -26,7 +27,8 @@ SCALE = 1000
 
 
 def _eligible(engine: EngineView, model: str, fleet: Fleet, policy: Policy) -> bool:
-    return (engine.serves(model) and not engine.drained and meets_floor(engine.version, policy.floor_for(model))
+    return (engine.serves(model) and not engine.drained and meets_floor(engine.version, policy.floor_for(
+        model, adapters.base_of(model, fleet, policy.adapters.base_models)))
             and (not engine.stale or fleet.admit_stale))
 
 

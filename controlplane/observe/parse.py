@@ -10,7 +10,10 @@ Rules (../shared/docs/engine-metrics.md, learned from other routers' breakages):
   ``inter_token_latency_seconds`` before ``time_per_output_token_seconds``);
 - vLLM data-parallel ``engine`` series: running and waiting are summed, KV usage is the max;
 - SGLang: one tensor-parallel (and pipeline) rank, the ``priority=""`` total, data-parallel ranks summed (KV: max);
-- ``*_created`` series are ignored; histograms contribute their ``_sum`` and ``_count`` for rates between polls.
+- ``*_created`` series are ignored; histograms contribute their ``_sum`` and ``_count`` for rates between polls;
+- vLLM's ``lora_requests_info`` keeps one series per label set it ever recorded, its value the Unix time it was last set
+  (``set_to_current_time``): the series with the largest value is the current state (``max_lora``, and the adapters
+  running and waiting, comma-joined), the others are history.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ _PREFIXES = (("vllm:", Flavor.VLLM), ("sglang:", Flavor.SGLANG), ("llamacpp:", F
 
 
 def _wanted_samples() -> frozenset[str]:
-    names: set[str] = {"vllm:cache_config_info"}
+    names: set[str] = {"vllm:cache_config_info", LORA_INFO}
     for spec in SPECS.values():
         for group in (spec.running, spec.waiting, spec.kv_usage, spec.kv_used_tokens, spec.kv_capacity_tokens,
                       spec.preemptions, spec.prompt_tokens, spec.generation_tokens, spec.decode_counters or (),
@@ -128,6 +131,10 @@ def _wanted_samples() -> frozenset[str]:
             names.add(histogram + "_bucket")
     return frozenset(names)
 
+
+LORA_INFO = "vllm:lora_requests_info"
+"""vLLM's LoRA gauge (V0 0.6.4+, V1 0.8.0+; ``vllm/v1/metrics/loggers.py``): labels ``max_lora``,
+``waiting_lora_adapters``, ``running_lora_adapters``; present only when the engine runs with ``--enable-lora``."""
 
 _WANTED = _wanted_samples()
 
@@ -367,6 +374,22 @@ def _vllm_capacity(series: Series) -> int | None:
     return None
 
 
+def _adapters(text: str) -> tuple[str, ...]:
+    return tuple(name for name in text.split(",") if name)
+
+
+def lora_state(series: Series) -> tuple[int | None, tuple[str, ...] | None, tuple[str, ...] | None]:
+    """``(max_lora, running adapters, waiting adapters)`` from the newest ``lora_requests_info`` series (the largest
+    value: the time it was last set); all None when the engine exposes none (LoRA off, or no step recorded yet)."""
+    samples = [(labels, value) for labels, value in series.get(LORA_INFO, ()) if value == value]
+    if not samples:
+        return None, None, None
+    labels, _ = max(samples, key=lambda s: s[1])
+    slots = labels.get("max_lora", "")
+    return (int(slots) if slots.isdigit() and int(slots) > 0 else None,
+            _adapters(labels.get("running_lora_adapters", "")), _adapters(labels.get("waiting_lora_adapters", "")))
+
+
 def missing_gauges(series: Series, flavor: Flavor) -> tuple[str, ...]:
     """Required load gauges this text lacks (an alias counts: vLLM's old ``gpu_cache_usage_perc`` serves for KV)."""
     spec = SPECS[flavor]
@@ -415,6 +438,7 @@ def sample_from_series(series: Series, taken_at: float, flavor: Flavor | None) -
         prefill_tokens = _pick(flavor, series, spec.prefill_counters[:1])
         prefill_seconds = _pick(flavor, series, spec.prefill_counters[1:])
     output_tokens, finished = _histogram(flavor, series, spec.output_length_histograms)
+    lora_max, lora_running, lora_waiting = lora_state(series) if flavor is Flavor.VLLM else (None, None, None)
     return EngineSample(
         taken_at=taken_at,
         finished_requests_total=finished,
@@ -435,4 +459,7 @@ def sample_from_series(series: Series, taken_at: float, flavor: Flavor | None) -
         prefill_counts_cached=prefill_counts_cached,
         prefix_cache_queries_total=_pick(flavor, series, spec.prefix_cache_queries),
         prefix_cache_hits_total=_pick(flavor, series, spec.prefix_cache_hits),
+        lora_max=lora_max,
+        lora_running=lora_running,
+        lora_waiting=lora_waiting,
     )

@@ -122,6 +122,7 @@ class EnginePoller:
             chip_class=engine.chip_class,
             anchor_prefill_tokens_per_s=engine.prefill_tokens_per_s,
             anchor_decode_tokens_per_s=engine.decode_tokens_per_s,
+            max_loras=engine.max_loras,
         )
         self._previous: EngineSample | None = None
         """The last good probe's sample, whole: the next probe's rates are taken against it."""

@@ -136,4 +136,5 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         model = e.models[0].model_id if e.models else None
         medians = self.plane.medians(model, e.chip_class) if model else (None, None)
         return engine_proto(e, fleet, now, self.plane.open_tickets(e.name), medians, self.plane.ttft_summary(e.name),
-                            self.plane.prompt_summary(model, e.name) if model else None)
+                            self.plane.prompt_summary(model, e.name) if model else None, self.plane.policy.adapters,
+                            self.plane.swap_samples(e.name))

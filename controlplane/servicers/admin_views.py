@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 
+from controlplane.core import adapters
+from controlplane.core.adapters import AdapterPolicy
 from controlplane.core.explain import EngineExplanation
 from controlplane.core.fairshare import FairShare, TenantShare
 from controlplane.core.feedback import TtftSummary
@@ -55,8 +57,10 @@ def status_proto(facts: StatusFacts, fleet: Fleet) -> admin_pb2.GetStatusRespons
 
 def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
                  medians: tuple[float | None, float | None], ttfts: TtftSummary,
-                 prompts: PromptTokenSummary | None) -> admin_pb2.Engine:
+                 prompts: PromptTokenSummary | None, adapter_policy: AdapterPolicy | None = None,
+                 swap_samples: int = 0) -> admin_pb2.Engine:
     s = e.sample
+    known = adapters.known_adapters(fleet, adapter_policy or AdapterPolicy())
     return admin_pb2.Engine(
         name=e.name,
         url=e.url,
@@ -94,6 +98,12 @@ def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
         prompt_template_tokens_per_message=prompts.rule.per_message if prompts else -1.0,
         prompt_token_samples=prompts.samples if prompts else 0,
         prompt_tokens_error_median=_or_unknown(prompts.error_median if prompts else None),
+        adapter_slots=e.adapter_slots or 0,
+        adapters_running=list(s.lora_running or ()) if s else [],
+        adapters_waiting=list(s.lora_waiting or ()) if s else [],
+        adapters_loaded=list(adapters.resident(e, fleet, known)),
+        adapter_swap_seconds=fleet.adapter_swap_s.get(e.name, (adapter_policy or AdapterPolicy()).swap_s),
+        adapter_swap_samples=swap_samples,
     )
 
 

@@ -137,6 +137,7 @@ def test_changed_sections_and_restarts_follow_reloadable() -> None:
         "engines": {"engines": [{"name": "a", "url": "http://127.0.0.1:2"}]},
         "tenants": {**ONE, "tenants": {"acme": {"keys": ["a" * 64]}}},
         "fairness": {**ONE, "fairness": {"enabled": True}},
+        "adapters": {**ONE, "adapters": {"models": {"acme-sql": "m"}}},
     }
     assert set(variants) == set(RELOADABLE)
     for name, raw in variants.items():
@@ -195,3 +196,25 @@ def test_envoys_worker_threads_are_configurable_and_reach_its_command_line_and_t
         with pytest.raises(ConfigError) as caught:
             parse_config({**ONE, "envoy": {"concurrency": bad}})
         assert [p.split(":")[0] for p in caught.value.problems] == ["envoy.concurrency"]
+
+
+def test_adapters_and_adapter_slots_are_configured_and_checked() -> None:
+    config = parse_config({"engines": [{"name": "a", "url": "http://127.0.0.1:1", "max_loras": 4}],
+                           "adapters": {"swap_seconds": 0.8, "models": {"acme-sql": "llama-8b"}}})
+    assert config.engines[0].max_loras == 4
+    assert config.policy.adapters.swap_s == 0.8
+    assert dict(config.policy.adapters.base_models) == {"acme-sql": "llama-8b"}
+    default = parse_config(ONE)
+    assert default.engines[0].max_loras is None and default.policy.adapters.swap_s == 0.5
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"engines": [{"name": "a", "url": "http://127.0.0.1:1", "max_loras": 0}],
+                      "adapters": {"swap_seconds": -1, "speed": 2,
+                                   "models": {"x": "x", "y": "z", "z": "base", "w": 3}}})
+    assert sorted(caught.value.problems) == [
+        "adapters.models.w: must name its base model, got 3",
+        "adapters.models.x: an adapter cannot be its own base model",
+        "adapters.models.y: its base 'z' is itself an adapter",
+        "adapters.speed: unknown field",
+        "adapters.swap_seconds: must be >= 0 and <= 600, got -1",
+        "engines[0].max_loras: must be >= 1, got 0",
+    ]

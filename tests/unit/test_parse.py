@@ -33,7 +33,7 @@ def _fixture(name: str) -> str:
          ()),
         ("vllm-0.7.x-aibrix-runtime-docs-excerpt.prom", Flavor.VLLM,
          EngineSample(1.0, running=0, waiting=0, kv_usage=0, kv_capacity_tokens=81767 * 16, preemptions_total=0,
-                      prompt_tokens_total=148, generation_tokens_total=955),
+                      prompt_tokens_total=148, generation_tokens_total=955, lora_running=(), lora_waiting=()),
          ()),
         # A V1 fragment with only the new KV name: the load gauges are unknown (never 0) and the engine is degraded. Its
         # prefix-cache counters are read under both names (queries new, hits the deprecated gpu_ one).
@@ -138,3 +138,37 @@ def test_no_engine_metrics_at_all() -> None:
     series = read_series("# TYPE process_open_fds gauge\nprocess_open_fds 12\n")
     assert detect_flavor(series) is None
     assert parse_metrics("process_open_fds 12\n", taken_at=3) == EngineSample(3)
+
+
+def test_vllm_lora_state_is_the_newest_series() -> None:
+    """vLLM keeps every label set its LoRA gauge ever recorded, each valued the Unix time it was last set: the newest
+    is now. ``max_lora`` 0 (the real capture above) is no slot count."""
+    text = """# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",waiting_lora_adapters="legal"} 1.7650e+09
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="chat",waiting_lora_adapters=""} 1.7651e+09
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""} 1.7649e+09
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+"""
+    sample = parse_metrics(text, taken_at=1.0)
+    assert (sample.lora_max, sample.lora_running, sample.lora_waiting) == (4, ("chat",), ())
+    assert parse_metrics(text.replace("1.7651e+09", "1.7640e+09"), 1.0).lora_running == ("sql", "chat")
+    assert parse_metrics(text.replace("1.7651e+09", "1.7640e+09"), 1.0).lora_waiting == ("legal",)
+    without = parse_metrics('vllm:num_requests_running{engine="0",model_name="m"} 1.0\n', 1.0)
+    assert (without.lora_max, without.lora_running) == (None, None)
+
+
+def test_the_simulators_lora_gauge_reads_back() -> None:
+    from enginesim.batcher import Batcher, SimRequest
+    from enginesim.exposition import RequestStats, SimCollector, render
+    from enginesim.profiles import PROFILES
+
+    batcher = Batcher(PROFILES["spark"], max_loras=2, lora_swap_s=0.1)
+    collector = SimCollector("vllm-v1", "cortex", batcher, RequestStats())
+    for i, adapter in enumerate(("a", "b", "c")):
+        batcher.submit(SimRequest(str(i), prompt_tokens=10, max_tokens=5, arrived_at=0, adapter=adapter))
+    batcher.schedule(0.0)
+    collector.record_lora(1_765_000_000.0)
+    sample = parse_metrics(render(collector).decode(), taken_at=1.0)
+    assert (sample.lora_max, sample.lora_running, sample.lora_waiting) == (2, ("a", "b"), ("c",))

@@ -192,6 +192,9 @@ class FakeAdmin:
     def prompt_summary(self, model: str, engine: str) -> PromptTokenSummary:
         return PromptTokenSummary(TokenRule(1 / 1.3, 7.0, 40), 40, 1.02)
 
+    def swap_samples(self, engine: str) -> int:
+        return 0
+
     @property
     def prompt_rules(self) -> PromptTokenRules:
         return PromptTokenRules(TokenRule(0.25))

@@ -1,0 +1,166 @@
+"""LoRA adapters as the decision core sees them: which model an adapter belongs to, which engines have a slot for it,
+and what loading it costs. Pure.
+
+An adapter is a model with a base model (``/v1/models``' ``parent`` on the engines that list it, else the
+``adapters.models`` config). An engine with adapter slots (``slots``: ``engines[].max_loras``, else the ``max_lora`` its
+``lora_requests_info`` gauge reports) runs at most that many distinct adapters at once; a request for another adapter
+waits inside the engine until a slot's adapter has no running request (vLLM's scheduler), and loading it there stalls the
+engine's batch (a swap). For engine ``e`` and a request for adapter ``a``::
+
+    busy(e)      = the adapters of e's open tickets (the ledger: what sluice admitted there and has not seen finish)
+    blocked      : slots(e) known, a not in busy(e), |busy(e)| >= slots(e)        (fit.py: ``adapter_slots``)
+    resident(e)  = busy(e), then the adapters e reports running and waiting, then those sluice admitted there most
+                   recently (``Fleet.adapter_recent``), in that order, the first slots(e) of them (all, slots unknown)
+    swap_s(e, a) = 0 if a in resident(e), else swap(e)                                       (route.py adds it to TTFT)
+    swap(e)      = max(0, median(cold residuals) - median(warm residuals)) over e's last ``SWAP_SAMPLES`` of each,
+                   once it has ``adapters.swap_min_samples`` of each; else ``adapters.swap_seconds`` (the prior)
+    residual     = an adapter request's streamed TTFT at the engine (the access log) - (its expected TTFT - the swap
+                   its admission priced): cold when it priced one, warm when not. The warm median is the estimate's
+                   own error on that engine, which the cold one carries too; their difference is what loads add
+                   (``SwapBook``)
+
+``blocked`` reads the ledger alone, so it holds as an invariant of what sluice admits: no engine ever holds open
+tickets of more distinct adapters than it has slots, and no admitted request waits inside an engine for an adapter slot
+(tests/unit/test_adapters.py). Traffic that bypasses sluice is not counted in ``busy``; it shows in
+``resident``, where it only moves the swap estimate.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from controlplane.core.model import EngineView, Fleet
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterPolicy:
+    """The ``adapters`` config section."""
+
+    swap_s: float = 0.5
+    """Seconds a load of an adapter into an engine's slot is expected to add to a request's time to first token (the
+    prior: the batch stalls while the weights are copied in), >= 0."""
+    base_models: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Adapter -> its base model, for engines whose ``/v1/models`` does not name a parent (discovery wins where it
+    does)."""
+    swap_min_samples: int = 5
+    """Cold and warm adapter requests (each) an engine needs timed before its measured swap replaces the prior, >= 1."""
+
+    def __post_init__(self) -> None:
+        if type(self.base_models) is not MappingProxyType:
+            object.__setattr__(self, "base_models", MappingProxyType(dict(self.base_models)))
+
+
+def base_of(model: str, fleet: Fleet, configured: Mapping[str, str]) -> str | None:
+    """``model``'s base model if it is an adapter (discovered first, then configured); None for a base model."""
+    return fleet.adapters.get(model) or configured.get(model)
+
+
+def discovered_bases(engines: tuple[EngineView, ...] | list[EngineView]) -> dict[str, str]:
+    """Adapter -> base model from the engines' model lists (the first engine naming a parent wins)."""
+    out: dict[str, str] = {}
+    for engine in engines:
+        for served in engine.models:
+            if served.parent and served.model_id not in out:
+                out[served.model_id] = served.parent
+    return out
+
+
+def busy(engine: EngineView, fleet: Fleet, adapters: Mapping[str, str]) -> tuple[str, ...]:
+    """Adapters with open tickets on ``engine`` (``adapters``: every known adapter -> its base)."""
+    return tuple(model for model, count in fleet.of(engine.name).open_by_model if count > 0 and model in adapters)
+
+
+def blocked(engine: EngineView, adapter: str, fleet: Fleet, adapters: Mapping[str, str]) -> bool:
+    """Every slot of ``engine`` is held by open tickets of other adapters: ``adapter`` could not start there now."""
+    slots = engine.adapter_slots
+    if slots is None:
+        return False
+    held = busy(engine, fleet, adapters)
+    return adapter not in held and len(held) >= slots
+
+
+def resident(engine: EngineView, fleet: Fleet, adapters: Mapping[str, str]) -> tuple[str, ...]:
+    """The adapters ``engine`` is expected to hold in its slots now (module docstring), most surely held first."""
+    order: dict[str, None] = dict.fromkeys(busy(engine, fleet, adapters))
+    sample = engine.sample
+    if sample is not None:
+        order.update(dict.fromkeys(sample.lora_running or ()))
+        order.update(dict.fromkeys(sample.lora_waiting or ()))
+    order.update(dict.fromkeys(fleet.adapter_recent.get(engine.name, ())))
+    held = tuple(order)
+    slots = engine.adapter_slots
+    return held[:slots] if slots is not None else held
+
+
+def swap_s(engine: EngineView, adapter: str, fleet: Fleet, policy: AdapterPolicy, adapters: Mapping[str, str]) -> float:
+    """Seconds of swap ``engine`` adds before ``adapter``'s first token: 0 when it is expected resident, else its
+    learned swap (``Fleet.adapter_swap_s``) or the prior."""
+    if adapter in resident(engine, fleet, adapters):
+        return 0.0
+    return fleet.adapter_swap_s.get(engine.name, policy.swap_s)
+
+
+SWAP_SAMPLES = 32
+"""Residuals kept per engine and kind (cold, warm), the newest."""
+
+
+class SwapBook:
+    """Each engine's TTFT residuals of cold and warm adapter requests (module docstring), and the swaps fleets carry
+    (``Fleet.adapter_swap_s``)."""
+
+    def __init__(self, min_samples: int) -> None:
+        self.min_samples = max(1, min_samples)
+        self._cold: dict[str, deque[float]] = {}
+        self._warm: dict[str, deque[float]] = {}
+        self._learned: Mapping[str, float] = MappingProxyType({})
+
+    def observe(self, engine: str, ttft_s: float, expected_ttft_s: float, priced_swap_s: float) -> float:
+        """An adapter request's streamed TTFT at ``engine`` against its estimate, which priced ``priced_swap_s`` (0:
+        warm): records its residual and returns it."""
+        residual = ttft_s - (expected_ttft_s - priced_swap_s)
+        book = self._cold if priced_swap_s > 0 else self._warm
+        book.setdefault(engine, deque(maxlen=SWAP_SAMPLES)).append(residual)
+        swap = self._swap(engine)
+        if swap is not None:
+            self._learned = MappingProxyType({**self._learned, engine: swap})
+        return residual
+
+    def _swap(self, engine: str) -> float | None:
+        cold, warm = self._cold.get(engine, ()), self._warm.get(engine, ())
+        if len(cold) < self.min_samples or len(warm) < self.min_samples:
+            return None
+        return max(0.0, statistics.median(cold) - statistics.median(warm))
+
+    def configure(self, min_samples: int) -> None:
+        """A reload: the swaps are recomputed under the new minimum."""
+        self.min_samples = max(1, min_samples)
+        learned = {e: self._swap(e) for e in self._cold}
+        self._learned = MappingProxyType({e: v for e, v in learned.items() if v is not None})
+
+    def forget(self, engine: str) -> None:
+        """The engine restarted: its history says nothing of the new process."""
+        self._cold.pop(engine, None)
+        self._warm.pop(engine, None)
+        if engine in self._learned:
+            self._learned = MappingProxyType({e: v for e, v in self._learned.items() if e != engine})
+
+    def learned(self) -> Mapping[str, float]:
+        """engine -> its measured swap, for engines with enough samples of both kinds."""
+        return self._learned
+
+    def samples(self, engine: str) -> int:
+        """Cold requests timed on ``engine`` (among its last ``SWAP_SAMPLES``)."""
+        return len(self._cold.get(engine, ()))
+
+
+def known_adapters(fleet: Fleet, policy: AdapterPolicy) -> Mapping[str, str]:
+    """Every adapter the core knows of, with its base: configured, overridden by what engines report."""
+    if not policy.base_models:
+        return fleet.adapters
+    if not fleet.adapters:
+        return policy.base_models
+    return {**policy.base_models, **fleet.adapters}
