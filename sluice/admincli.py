@@ -120,7 +120,24 @@ def explanation_text(r: admin_pb2.ExplainDecisionResponse) -> str:
                      _num(e.finish_estimate_s, "{:.2f}s"), ",".join(e.misfits) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
-    return f"{head}\n{r.detail}\n\n{table}"
+    return f"{head}\n{r.detail}\n\n{table}\n\n{fair_standing_text(r.fairness)}"
+
+
+def fair_standing_text(f: admin_pb2.FairStanding) -> str:
+    """Why the request would wait in its class if it parked now: its tenant's counter and who goes first."""
+    tenant = f.tenant or "(no tenant)"
+    if not f.enabled:
+        return (f"fair share off: its class is FIFO; {f.ahead_in_class} of its class and {f.ahead_in_higher_classes} "
+                f"of higher classes parked ahead ({tenant}'s counter {f.counter:.0f})")
+    lines = [f"fair share: {tenant}'s counter {f.counter:.0f}" + (" (lifted to the backlogged minimum)" if f.lifted
+                                                                      else "")
+             + f"; {f.ahead_in_class} of its class ahead, {f.ahead_in_higher_classes} of higher classes"]
+    if f.tenants_ahead:
+        rows = [("AHEAD", "COUNTER", "REQUESTS")]
+        rows += [(a.tenant or "-", f"{a.counter:.0f}", str(a.requests)) for a in f.tenants_ahead]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
 
 
 def tenants_table(response: admin_pb2.ListTenantsResponse) -> str:

@@ -91,7 +91,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from controlplane.core.fairshare import ANONYMOUS, TenantCounters, TenantShare, service_order
+from controlplane.core.fairshare import (
+    ANONYMOUS, FairStanding, TenantAhead, TenantCounters, TenantShare, service_order,
+)
 from controlplane.core.decide import (
     clamp_retry_after, decide, deadline_text, earliest_fit, expected_start, retry_after, shed,
 )
@@ -786,6 +788,34 @@ class AdmissionCore:
         if not self.policy.fairness.enabled:
             return higher + len(queue)
         return higher + next(i for i, p in enumerate(self._order(model, [*queue, entry])) if p is entry)
+
+    def fair_standing(self, request: InferenceRequest) -> FairStanding:
+        """Where ``request`` would stand if it parked now, nothing changed (``sluice admin explain``): its tenant's
+        counter (lifted as ``_park`` would lift it), the requests of higher classes, and those of its class the fair
+        order (``_order``) serves before it, by tenant. Fair share off: parking order, every request parked before it
+        ahead (the counters are still shown)."""
+        model = request.model
+        assert model is not None
+        klass, tenant = _class_of(request), _tenant_of(request)
+        queues = self._lot.get(model, {})
+        higher = sum(len(queues.get(c, ())) for c in PARK_CLASSES[:PARK_CLASSES.index(klass)])
+        backlogged = self._backlogged(model)
+        counter = self.fair.counter(model, tenant)
+        lifted = counter if tenant in backlogged else self.fair.lifted(model, tenant, backlogged)
+        queue = list(queues.get(klass, ()))
+        entry = Parked("", request, 0.0, 0.0, seq=max((p.seq for p in queue), default=0) + 1)
+
+        def rank(t: str) -> tuple[float, float]:
+            c, raw = self.fair.rank(model, t)
+            return (lifted, raw) if t == tenant else (c, raw)
+
+        order = service_order([*queue, entry], lambda p: _tenant_of(p.request), rank, self._cost) \
+            if self.policy.fairness.enabled else [*queue, entry]
+        at = next(i for i, p in enumerate(order) if p is entry)
+        before = Counter(_tenant_of(p.request) for p in order[:at])
+        ahead = tuple(sorted((TenantAhead(t, lifted if t == tenant else self.fair.counter(model, t), n)
+                              for t, n in before.items()), key=lambda a: (a.counter, a.tenant)))
+        return FairStanding(tenant, lifted, lifted > counter, sum(before.values()), higher, ahead)
 
     def settle_usage(self, ticket_id: str, prompt_tokens: int, completion_tokens: int) -> float | None:
         """What a finished request really used (the access log): its tenant's counter is corrected from the estimate

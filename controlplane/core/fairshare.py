@@ -124,6 +124,35 @@ class TenantShare:
     """Its requests parked for the model on this replica."""
 
 
+@dataclass(frozen=True, slots=True)
+class TenantAhead:
+    """A tenant with requests served before the one explained (``FairStanding``)."""
+
+    tenant: str
+    counter: float
+    """Its virtual token counter now."""
+    requests: int
+    """How many of its requests go first."""
+
+
+@dataclass(frozen=True, slots=True)
+class FairStanding:
+    """Why a request would wait under fair share if it parked now (``sluice admin explain``): its tenant's counter and
+    the tenants whose requests the projected order (``service_order``) serves before it in its class."""
+
+    tenant: str
+    counter: float
+    """Its tenant's counter as it would park: lifted to the backlogged minimum if none of its requests waits."""
+    lifted: bool
+    """The counter was raised by the lift (its tenant had nothing parked and stood below the backlogged minimum)."""
+    ahead_in_class: int
+    """Requests of its class served before it (its own tenant's older ones included)."""
+    ahead_in_higher_classes: int
+    """Requests of higher classes parked here: all served before it, whatever the counters."""
+    tenants_ahead: tuple[TenantAhead, ...] = ()
+    """Each tenant with requests before it in its class, lowest counter first."""
+
+
 class TenantCounters:
     """The counters, by model then tenant, and the open charges that ``settle`` corrects."""
 
@@ -146,9 +175,10 @@ class TenantCounters:
         """A tenant's place in the pick: its counter, then (ties) its weighted service without lifts."""
         return self.counter(model, tenant), self._raw.get(model, {}).get(tenant, 0.0)
 
-    def lift(self, model: str, tenant: str, backlogged: Iterable[str]) -> float:
-        """``tenant`` becomes backlogged for ``model`` (it had nothing parked): its counter is raised to the lowest among
-        the ``backlogged`` tenants, or with none to the counter of the tenant charged last. Returns its counter."""
+    def lifted(self, model: str, tenant: str, backlogged: Iterable[str]) -> float:
+        """The counter ``tenant`` would have for ``model`` if it became backlogged now (``lift``), nothing changed:
+        ``max(its counter, the lowest among the other backlogged tenants)``, or with none backlogged, ``max(its
+        counter, the counter of the tenant charged last)``."""
         others = [self.counter(model, t) for t in backlogged if t != tenant]
         if others:
             floor = min(others)
@@ -156,9 +186,14 @@ class TenantCounters:
             floor = self.counter(model, self._last[model])
         else:
             floor = 0.0
-        counters = self._counters.setdefault(model, {})
-        counters[tenant] = max(counters.get(tenant, 0.0), floor)
-        return counters[tenant]
+        return max(self.counter(model, tenant), floor)
+
+    def lift(self, model: str, tenant: str, backlogged: Iterable[str]) -> float:
+        """``tenant`` becomes backlogged for ``model`` (it had nothing parked): its counter is raised to the lowest among
+        the ``backlogged`` tenants, or with none to the counter of the tenant charged last. Returns its counter."""
+        value = self.lifted(model, tenant, backlogged)
+        self._counters.setdefault(model, {})[tenant] = value
+        return value
 
     def charge(self, ticket_id: str, model: str, tenant: str, prompt_tokens: float, output_tokens: float,
                share: FairShare) -> float:

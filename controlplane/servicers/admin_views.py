@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterable, Sequence
 
 from controlplane.core.explain import EngineExplanation
-from controlplane.core.fairshare import FairShare, TenantShare
+from controlplane.core.fairshare import FairShare, FairStanding, TenantShare
 from controlplane.core.feedback import TtftSummary
 from controlplane.core.prompt_tokens import PromptTokenRules, PromptTokenSummary
 from controlplane.core.fit import effective_load
@@ -120,10 +120,20 @@ def explain_request(request: admin_pb2.ExplainDecisionRequest, priority: Priorit
         "POST", "/v1/chat/completions", request.model, prompt_tokens=prompt_tokens,
         max_tokens=request.max_tokens or None, priority=priority, max_ttft_ms=max_ttft_ms,
         ttft_headroom_ms=headroom_ms, session=request.session or None, prefix_blocks=blocks,
+        tenant=request.tenant or None,
     )
 
 
-def explain_proto(decision: Decision, ahead: int, explanations: Sequence[EngineExplanation]) -> admin_pb2.ExplainDecisionResponse:
+def fair_standing_proto(standing: FairStanding, enabled: bool) -> admin_pb2.FairStanding:
+    return admin_pb2.FairStanding(
+        enabled=enabled, tenant=standing.tenant, counter=round(standing.counter, 1), lifted=standing.lifted,
+        ahead_in_class=standing.ahead_in_class, ahead_in_higher_classes=standing.ahead_in_higher_classes,
+        tenants_ahead=[admin_pb2.TenantAhead(tenant=a.tenant, counter=round(a.counter, 1), requests=a.requests)
+                       for a in standing.tenants_ahead])
+
+
+def explain_proto(decision: Decision, ahead: int, explanations: Sequence[EngineExplanation],
+                  fairness: admin_pb2.FairStanding | None = None) -> admin_pb2.ExplainDecisionResponse:
     engines = [
         admin_pb2.EngineExplanation(
             name=x.name, serves_model=x.serves_model, meets_version_floor=x.meets_floor, stale=x.stale,
@@ -135,7 +145,7 @@ def explain_proto(decision: Decision, ahead: int, explanations: Sequence[EngineE
     return admin_pb2.ExplainDecisionResponse(
         verdict=decision.verdict.value, reason=decision.reason.value, engine=decision.engine or "",
         status=http_status(decision), retry_after_s=decision.retry_after_s or 0, detail=decision.detail,
-        queued_ahead=ahead, engines=engines,
+        queued_ahead=ahead, engines=engines, fairness=fairness,
     )
 
 
