@@ -79,10 +79,15 @@ class FairShare:
     weight 1 while both are backlogged."""
     default_weight: float = 1.0
     """The weight of a tenant without its own, and of ``ANONYMOUS``."""
+    reserved: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    """Tenant -> its reserved share of each model's slots (``tenants.NAME.reserved_share``, (0, 1], adding up to at
+    most 1; core/reserve.py). Applied whether or not ``enabled``."""
 
     def __post_init__(self) -> None:
         if type(self.weights) is not MappingProxyType:
             object.__setattr__(self, "weights", MappingProxyType(dict(self.weights)))
+        if type(self.reserved) is not MappingProxyType:
+            object.__setattr__(self, "reserved", MappingProxyType(dict(self.reserved)))
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, self.default_weight)
@@ -165,6 +170,8 @@ class TenantCounters:
         """model -> the tenant charged last: a tenant that parks while none is backlogged is lifted to its counter."""
         self._open: dict[str, _Charge] = {}
         """Charges of open tickets, by ticket id."""
+        self._running: dict[str, dict[str, int]] = {}
+        """model -> tenant -> its open tickets here (``_open`` counted): reserved shares' ``running``."""
         self._closed: OrderedDict[str, _Charge] = OrderedDict()
         """Charges of released tickets whose settle has not come (bounded by ``SETTLE_AFTER_RELEASE``)."""
 
@@ -207,11 +214,27 @@ class TenantCounters:
         served[tenant] = served.get(tenant, 0.0) + prompt_tokens + output_tokens
         self._last[model] = tenant
         self._open[ticket_id] = _Charge(model, tenant, prompt_tokens, output_tokens, cost)
+        running = self._running.setdefault(model, {})
+        running[tenant] = running.get(tenant, 0) + 1
         return cost
+
+    def running(self, model: str) -> Mapping[str, int]:
+        """Each tenant's open tickets of ``model`` admitted here (released, retracted, lapsed or settled: no longer)."""
+        return self._running.get(model, {})
+
+    def _opened(self, ticket_id: str) -> _Charge | None:
+        """Take ``ticket_id``'s charge out of the open ones (and its tenant's running count)."""
+        charge = self._open.pop(ticket_id, None)
+        if charge is not None:
+            running = self._running[charge.model]
+            running[charge.tenant] -= 1
+            if not running[charge.tenant]:
+                del running[charge.tenant]
+        return charge
 
     def retract(self, ticket_id: str) -> bool:
         """An admission undone (the shared store refused it): its charge is taken back whole."""
-        charge = self._open.pop(ticket_id, None)
+        charge = self._opened(ticket_id)
         if charge is None:
             return False
         self._counters[charge.model][charge.tenant] -= charge.cost
@@ -221,7 +244,7 @@ class TenantCounters:
 
     def close(self, ticket_id: str) -> None:
         """The ticket was released: its charge waits a while for its settle (the access log settles right after)."""
-        charge = self._open.pop(ticket_id, None)
+        charge = self._opened(ticket_id)
         if charge is None:
             return
         self._closed[ticket_id] = charge
@@ -230,13 +253,13 @@ class TenantCounters:
 
     def forget(self, ticket_id: str) -> None:
         """No usage will come (a lapsed lease): the estimate stands."""
-        self._open.pop(ticket_id, None)
+        self._opened(ticket_id)
         self._closed.pop(ticket_id, None)
 
     def settle(self, ticket_id: str, prompt_tokens: int, output_tokens: int, share: FairShare) -> float | None:
         """What the request really used: its tenant's counter (and served tokens) are corrected from the estimate it
         was charged. Returns the correction, or None if the ticket's charge is unknown here (another replica's)."""
-        charge = self._open.pop(ticket_id, None) or self._closed.pop(ticket_id, None)
+        charge = self._opened(ticket_id) or self._closed.pop(ticket_id, None)
         if charge is None:
             return None
         cost = share.cost(charge.tenant, prompt_tokens, output_tokens)
