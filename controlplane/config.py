@@ -541,8 +541,8 @@ def _section_value(config: Config, name: str) -> object:
     """What a reloadable section (a ``RELOADABLE`` name) holds in ``config``."""
     if name == "admission":
         return replace(config.policy, models={}, version_floors=(), boxes=(), fairness=FairShare())
-    if name == "fairness":  # its own settings: whether it is on under ``auto`` and the weights follow ``tenants``
-        return replace(config.policy.fairness, enabled=False, weights={})
+    if name == "fairness":  # its own settings: on under ``auto``, the weights and shares follow ``tenants``
+        return replace(config.policy.fairness, enabled=False, weights={}, reserved={})
     if name in _POLICY_PARTS:
         return getattr(config.policy, name)
     section, _, attribute = name.partition(".")

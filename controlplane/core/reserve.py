@@ -47,8 +47,8 @@ from controlplane.core.model import Fleet
 
 
 def slots(fleet: Fleet, model: str) -> tuple[int, int]:
-    """``(slots, free)`` of ``model``'s fleet: engines that serve it, are not drained, have a known cap and are not stale
-    (unless the fleet admits stale engines)."""
+    """``(slots, free)`` of ``model``'s fleet: engines that serve it, are not drained, have a known cap and are not
+    stale (unless the fleet admits stale engines)."""
     total = free = 0
     for engine in fleet.engines:
         cap = engine.cap
