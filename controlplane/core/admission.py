@@ -505,12 +505,16 @@ class AdmissionCore:
         reaped = self.ledger.reap_idle(engine, taken_at, idle_grace_s) if idle else []
         self.ledger.note_probe(engine, taken_at)
         self._frees += bool(reaped)
+        for ticket in reaped:  # no longer running (reserved shares); a late settle still finds its charge
+            self.fair.close(ticket.ticket_id)
         return reaped
 
     def expire_leases(self, now: float) -> list[Ticket]:
         """Tickets whose lease ran out (their access-log entry never came): closed and returned."""
         expired = self.ledger.expire(now)
         self._frees += bool(expired)
+        for ticket in expired:  # no longer running (reserved shares); a late settle still finds its charge
+            self.fair.close(ticket.ticket_id)
         return expired
 
     def set_policy(self, policy: Policy, admit_stale: bool) -> None:

@@ -104,11 +104,12 @@ def test_config_default_reserves_nothing() -> None:
 class Fleet4:
     """One engine of ``slots`` slots; every release wakes the lot. Tracks who runs what."""
 
-    def __init__(self, reserved: dict[str, float], fair: bool = False, slots: int = 4, kv: int = 1_000_000) -> None:
+    def __init__(self, reserved: dict[str, float], fair: bool = False, slots: int = 4, kv: int = 1_000_000,
+                 lease_s: float = 3600) -> None:
         p = Policy(fairness=FairShare(enabled=fair, reserved=reserved), shed_decision_s=1000.0,
                    overload_shed_after_ms=0, max_park_s=1000.0, max_queue_depth=10_000, lifo_after_ms=0,
                    default_expected_output_tokens=100, default_max_tokens=100)
-        self.core = AdmissionCore(p, Ledger(lease_seconds=3600))
+        self.core = AdmissionCore(p, Ledger(lease_seconds=lease_s))
         self.engine = EngineView(name="e", url="", max_num_seqs=slots, models=(ServedModel("m", 131_072),),
                                  version="1", sample=EngineSample(0.0, running=0, waiting=0, kv_usage=0.0,
                                                                   kv_capacity_tokens=kv),
@@ -227,6 +228,21 @@ def test_a_free_slot_held_for_a_tenant_parks_an_arrival_with_its_reason() -> Non
     held = w.submit("a", Priority.CRITICAL)
     assert w.reasons[held] is Reason.RESERVED_SHARE and held not in w.running
     assert [o.request_id for o in w.core.wake(w.fleet(), w.now) if o.ticket is not None][0] == parked
+
+
+def test_a_lapsed_lease_or_a_reaped_ticket_no_longer_runs() -> None:
+    """Tickets closed without their access-log entry (lease run out, reaped by an idle probe) leave the tenant's running
+    count: its reserved slots are owed again while it has work waiting."""
+    w = Fleet4({"b": 0.5}, lease_s=10)
+    first, second = w.submit("b"), w.submit("b")
+    assert dict(w.core.fair.running("m")) == {"b": 2}
+    w.now = 11.0
+    assert {t.ticket_id for t in w.core.expire_leases(w.now)} == {first, second}
+    assert dict(w.core.fair.running("m")) == {}
+    third = w.submit("b")
+    w.now = 12.0
+    assert [t.ticket_id for t in w.core.note_probe("e", w.now, idle=True, idle_grace_s=0.5)] == [third]
+    assert dict(w.core.fair.running("m")) == {}
 
 
 # -- the properties -----------------------------------------------------------------------------------------------------
