@@ -132,6 +132,9 @@ def fair_standing_text(f: admin_pb2.FairStanding) -> str:
     lines = [f"fair share: {tenant}'s counter {f.counter:.0f}" + (" (lifted to the backlogged minimum)" if f.lifted
                                                                       else "")
              + f"; {f.ahead_in_class} of its class ahead, {f.ahead_in_higher_classes} of higher classes"]
+    if f.held_slots:
+        held = ", ".join(f"{t or '-'} {n}" for t, n in sorted(f.held_slots.items()))
+        lines.append(f"held for reserved shares: {held} slot(s)")
     if f.tenants_ahead:
         rows = [("AHEAD", "COUNTER", "REQUESTS")]
         rows += [(a.tenant or "-", f"{a.counter:.0f}", str(a.requests)) for a in f.tenants_ahead]
@@ -167,10 +170,10 @@ def fair_share_table(fairness: admin_pb2.FairShare) -> str:
             f"{fairness.prompt_weight:g} + output x {fairness.output_weight:g} tokens / weight")
     if not fairness.shares:
         return head
-    rows = [("MODEL", "TENANT", "WEIGHT", "COUNTER", "SERVED TOKENS", "WAITING")]
+    rows = [("MODEL", "TENANT", "WEIGHT", "RESERVED", "COUNTER", "SERVED TOKENS", "WAITING")]
     for t in fairness.shares:
-        rows.append((t.model, t.tenant or "-", f"{t.weight:g}", f"{t.counter:.0f}", f"{t.served_tokens:.0f}",
-                     str(t.waiting)))
+        rows.append((t.model, t.tenant or "-", f"{t.weight:g}", f"{t.reserved_share:g}" if t.reserved_share else "-",
+                     f"{t.counter:.0f}", f"{t.served_tokens:.0f}", str(t.waiting)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return head + "\n" + "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 

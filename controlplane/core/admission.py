@@ -807,11 +807,12 @@ class AdmissionCore:
             return higher + len(queue)
         return higher + next(i for i, p in enumerate(self._order(model, [*queue, entry])) if p is entry)
 
-    def fair_standing(self, request: InferenceRequest) -> FairStanding:
+    def fair_standing(self, request: InferenceRequest, fleet: Fleet, now: float) -> FairStanding:
         """Where ``request`` would stand if it parked now, nothing changed (``sluice admin explain``): its tenant's
-        counter (lifted as ``_park`` would lift it), the requests of higher classes, and those of its class the fair
-        order (``_order``) serves before it, by tenant. Fair share off: parking order, every request parked before it
-        ahead (the counters are still shown)."""
+        counter (lifted as ``_park`` would lift it), the requests of higher classes, those of its class the fair
+        order (``_order``) serves before it, by tenant, and the slots held for other tenants' reserved shares
+        (``owed``). Fair share off: parking order, every request parked before it ahead (the counters are still
+        shown)."""
         model = request.model
         assert model is not None
         klass, tenant = _class_of(request), _tenant_of(request)
@@ -833,7 +834,8 @@ class AdmissionCore:
         before = Counter(_tenant_of(p.request) for p in order[:at])
         ahead = tuple(sorted((TenantAhead(t, lifted if t == tenant else self.fair.counter(model, t), n)
                               for t, n in before.items()), key=lambda a: (a.counter, a.tenant)))
-        return FairStanding(tenant, lifted, lifted > counter, sum(before.values()), higher, ahead)
+        held = {t: n for t, n in self.owed(model, fleet, now).items() if t != tenant}
+        return FairStanding(tenant, lifted, lifted > counter, sum(before.values()), higher, ahead, held)
 
     # -- reserved shares (core/reserve.py) -----------------------------------------------------------------------------
     def owed(self, model: str, fleet: Fleet, now: float, skipped: Iterable[str] = ()) -> dict[str, int]:

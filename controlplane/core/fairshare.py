@@ -156,6 +156,9 @@ class FairStanding:
     """Requests of higher classes parked here: all served before it, whatever the counters."""
     tenants_ahead: tuple[TenantAhead, ...] = ()
     """Each tenant with requests before it in its class, lowest counter first."""
+    held_slots: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """Slots held back now for other tenants' reserved shares (core/reserve.py: ``owed``): tenant -> slots; a request
+    of its tenant takes a free slot only if one is left beyond them all. Its own tenant's are not held from it."""
 
 
 class TenantCounters:

@@ -75,7 +75,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         decision, ahead = self.plane.decide_for(inference, now)
         fleet = self.plane.fleet(now)
         cached = self.plane.expected_cached(inference)
-        standing = fair_standing_proto(self.plane.fair_standing(inference), self.plane.policy.fairness.enabled)
+        standing = fair_standing_proto(self.plane.fair_standing(inference, now), self.plane.policy.fairness.enabled)
         return explain_proto(decision, ahead, explain(inference, fleet, self.plane.policy, now, cached), standing)
 
     async def ReloadConfig(  # noqa: N802

@@ -385,8 +385,9 @@ def test_admin_and_cli_show_the_shares() -> None:
         ("", 1.0, 0), ("a", 2.0, 1), ("b", 1.0, 1)]
     text = fair_share_table(proto)
     assert text.splitlines()[0].startswith("fair share: on")
-    assert text.splitlines()[1].split() == ["MODEL", "TENANT", "WEIGHT", "COUNTER", "SERVED", "TOKENS", "WAITING"]
-    assert text.splitlines()[3].split()[:3] == ["m", "a", "2"]
+    assert text.splitlines()[1].split() == ["MODEL", "TENANT", "WEIGHT", "RESERVED", "COUNTER", "SERVED", "TOKENS",
+                                            "WAITING"]
+    assert text.splitlines()[3].split()[:4] == ["m", "a", "2", "-"]
 
 
 # -- explain: why a request would wait ------------------------------------------------------------------------------------
@@ -420,7 +421,7 @@ def test_fair_standing_says_who_goes_first(enabled: bool, who: str | None, prior
                                           want: tuple[object, ...]) -> None:
     lot = _flooded(enabled)
     before = lot.core.tenant_shares()
-    s = lot.core.fair_standing(chat(who, priority=priority))
+    s = lot.core.fair_standing(chat(who, priority=priority), lot.core.fleet([ENGINE], lot.now), lot.now)
     assert (s.tenant, s.counter, s.lifted, s.ahead_in_class, s.ahead_in_higher_classes,
             [(a.tenant, a.counter, a.requests) for a in s.tenants_ahead]) == want
     assert lot.core.tenant_shares() == before  # explaining changes nothing
@@ -430,11 +431,13 @@ def test_explain_text_names_the_counters() -> None:
     from controlplane.servicers.admin_views import fair_standing_proto
     from sluice.admincli import fair_standing_text
     lot = _flooded()
-    text = fair_standing_text(fair_standing_proto(lot.core.fair_standing(chat("a")), True))
+    text = fair_standing_text(fair_standing_proto(lot.core.fair_standing(chat("a"), lot.core.fleet([ENGINE], lot.now), lot.now), True))
     assert text.splitlines()[0] == "fair share: a's counter 600; 4 of its class ahead, 1 of higher classes"
     assert [line.split() for line in text.splitlines()[1:]] == [["AHEAD", "COUNTER", "REQUESTS"], ["a", "600", "3"],
                                                                 ["b", "600", "1"]]
-    off = fair_standing_text(fair_standing_proto(_flooded(False).core.fair_standing(chat(None)), False))
+    off_lot = _flooded(False)
+    off = fair_standing_text(fair_standing_proto(
+        off_lot.core.fair_standing(chat(None), off_lot.core.fleet([ENGINE], off_lot.now), off_lot.now), False))
     assert off.startswith("fair share off: its class is FIFO; 4 of its class and 1 of higher classes parked ahead")
 
 

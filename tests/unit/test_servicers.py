@@ -209,10 +209,10 @@ class FakeAdmin:
     def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
         return {"thor": 64 * len(request.prefix_blocks)}  # as if thor held every block of the prompt
 
-    def fair_standing(self, request: InferenceRequest) -> FairStanding:
-        """As if ``a`` flooded: two of its requests, counter 900, before any other tenant's."""
+    def fair_standing(self, request: InferenceRequest, now: float) -> FairStanding:
+        """As if ``a`` flooded: two of its requests, counter 900, before any other tenant's; one slot held for c."""
         ahead = () if request.tenant == "a" else (TenantAhead("a", 900.0, 2),)
-        return FairStanding(request.tenant or "", 900.0, request.tenant != "a", 2, 0, ahead)
+        return FairStanding(request.tenant or "", 900.0, request.tenant != "a", 2, 0, ahead, {"c": 1})
 
     async def reload(self, path: str | None) -> ReloadResult:
         self.reloads.append(path)
@@ -278,6 +278,7 @@ async def test_admin_reports_what_its_port_says() -> None:
     assert (why.fairness.tenant, why.fairness.counter, why.fairness.lifted, why.fairness.ahead_in_class) == (
         "b", 900.0, True, 2)
     assert [(a.tenant, a.requests) for a in why.fairness.tenants_ahead] == [("a", 2)]
+    assert dict(why.fairness.held_slots) == {"c": 1}
     body = '{"messages": [{"role": "user", "content": "%s"}]}' % ("x" * 1000)  # 1007 rendered characters: 3 blocks
     why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", body_json=body),  # type: ignore[arg-type]
                                       FakeContext())
