@@ -841,8 +841,9 @@ class AdmissionCore:
     def owed(self, model: str, fleet: Fleet, now: float, skipped: Iterable[str] = ()) -> dict[str, int]:
         """Slots held back now for each tenant with a reserved share (``reserve.owed``): those with a request of
         ``model`` parked whose next one (class order, then the class's order) fits some engine now, running fewer
-        than their reserved slots (no more than they have parked); ``skipped`` tenants hold nothing (a wake found
-        ``decide`` would not admit them)."""
+        than their reserved slots (no more than they have parked). Holding nothing: ``skipped`` tenants (a wake found
+        ``decide`` would not admit them), and one whose next request was last decided to wait although a slot was
+        free (``_passable``, no slot freed since: it waits for a busy engine, so the free slot is not its)."""
         shares = self.policy.fairness.reserved
         queues = self._lot.get(model)
         if not shares or not queues:
@@ -855,7 +856,9 @@ class AdmissionCore:
             if reserve.reserved_slots(shares.get(tenant, 0.0), total) <= running.get(tenant, 0):
                 continue
             head = self._next_of(model, tenant)
-            if head is not None and earliest_fit(head.request, fleet, self.policy, now) == now:
+            if head is None or self._passable.get(head.request_id, (-1, None))[0] == self._frees:
+                continue  # it declined a free slot (waits for a busy engine) and none has freed since
+            if earliest_fit(head.request, fleet, self.policy, now) == now:
                 holding[tenant] = parked[tenant]
         return reserve.owed(shares, total, running, holding)
 
@@ -906,6 +909,8 @@ class AdmissionCore:
                               prefix_share=self.prefix_share(request))
             if decision.verdict is not Verdict.ADMIT:
                 skipped.add(_tenant_of(head.request))
+                if decision.verdict is Verdict.PARK and decision.idle_slot:  # as the wake notes a head it passes
+                    self._passable[head.request_id] = (self._frees, decision.waits_for)
                 continue
             queues[klass].remove(head)
             del self._where[head.request_id]

@@ -9,7 +9,8 @@ configured or reported) and are not stale unless ``observe.on_stale: open``::
     reserved(U)    = floor(reserved_share(U) x slots)
     owed(U)        = min(parked(U), max(0, reserved(U) - running(U)))
                                           if U holds work: its next request of the model parked (class order, then
-                                          the class's order) fits some engine now; parked(U): its requests parked
+                                          the class's order) fits some engine now and was not last decided to wait
+                                          for a busy engine while a slot was free; parked(U): its requests parked
                    = 0                    otherwise: its slots are lent out
     T may take a slot  <=>  free - 1 >= sum of owed(U) over every U != T                       (``may_take``)
 
