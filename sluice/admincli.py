@@ -126,15 +126,15 @@ def explanation_text(r: admin_pb2.ExplainDecisionResponse) -> str:
 def fair_standing_text(f: admin_pb2.FairStanding) -> str:
     """Why the request would wait in its class if it parked now: its tenant's counter and who goes first."""
     tenant = f.tenant or "(no tenant)"
+    held = ", ".join(f"{t or '-'} {n}" for t, n in sorted(f.held_slots.items()))
+    held_line = [f"held for reserved shares: {held} slot(s)"] if held else []
     if not f.enabled:
-        return (f"fair share off: its class is FIFO; {f.ahead_in_class} of its class and {f.ahead_in_higher_classes} "
-                f"of higher classes parked ahead ({tenant}'s counter {f.counter:.0f})")
+        return "\n".join([f"fair share off: its class is FIFO; {f.ahead_in_class} of its class and "
+                          f"{f.ahead_in_higher_classes} of higher classes parked ahead ({tenant}'s counter "
+                          f"{f.counter:.0f})", *held_line])
     lines = [f"fair share: {tenant}'s counter {f.counter:.0f}" + (" (lifted to the backlogged minimum)" if f.lifted
                                                                       else "")
-             + f"; {f.ahead_in_class} of its class ahead, {f.ahead_in_higher_classes} of higher classes"]
-    if f.held_slots:
-        held = ", ".join(f"{t or '-'} {n}" for t, n in sorted(f.held_slots.items()))
-        lines.append(f"held for reserved shares: {held} slot(s)")
+             + f"; {f.ahead_in_class} of its class ahead, {f.ahead_in_higher_classes} of higher classes", *held_line]
     if f.tenants_ahead:
         rows = [("AHEAD", "COUNTER", "REQUESTS")]
         rows += [(a.tenant or "-", f"{a.counter:.0f}", str(a.requests)) for a in f.tenants_ahead]

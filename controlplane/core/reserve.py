@@ -21,8 +21,9 @@ request of the owed tenants (highest class first, then the class's order) is dec
 it (it passes the line: ``QueueRule.NONE``, as a backfill does); a tenant whose request ``decide`` does not admit holds
 nothing for the rest of that wake. The rest of the wake then runs as without reservations.
 
-Invariants. **Held**: a slot never goes to another tenant while a tenant with a fitting request parked runs fewer than
-its reserved slots and no more than ``owed`` slots are free. **Work-conserving**: a tenant without parked work holds
+Invariants. **Held**: while the owed tenants are owed ``H`` slots in all, any other tenant takes a free slot only if
+more than ``H`` are free (``may_take``), and a wake gives the free slots to the owed tenants first (among themselves:
+class order, then the class's order). **Work-conserving**: a tenant without parked work holds
 nothing, and neither does one whose next request fits no engine (KV, a drained fleet): a free slot that the held
 tenant could not use goes to whoever can. Lending is not revoked: a tenant coming back from idle gets its reserved
 slots as the borrowers' requests finish (each release goes to it first), never by stopping a running request.
