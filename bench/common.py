@@ -253,7 +253,7 @@ class Target:
 
 def _digits(value: float) -> int:
     """Decimals to print a figure with: integers as such, small figures with three, the rest with two."""
-    if math.isnan(value) or value == int(value):
+    if not math.isfinite(value) or value == int(value):  # nan, inf (a shed request's TTFT over a finite one)
         return 0
     return 3 if abs(value) < 1 else 2
 

@@ -1,22 +1,33 @@
-"""``sluice bench fairness``: two tenants on one model, one flooding inside its rate limits; FIFO against fair share.
+"""``sluice bench fairness``: two and then eight tenants on one model, one flooding inside its rate limits; FIFO against
+fair share, and fair share with a reserved share.
 
 World: ``sluice up`` (Envoy, the Check, the access log) in front of ``ENGINES`` simulated ``spark`` engines at speed
-x``SPEED`` (2 slots each), tenants ``a`` and ``b`` configured with keys and rate limits well above what they send
-(``LIMIT_HEADROOM`` x: the limiter refuses nothing, so what is measured is the parking lot's order). Every request is
-the same shape: a ``PROMPT_TOKENS``-token prompt with a random head (no shared prefix) and exactly ``OUTPUT_TOKENS``
-output tokens (``ignore_eos``), streamed, no ``x-sluice-*`` header (both tenants' default class, standard).
+x``SPEED`` (2 slots each), tenants ``a``, ``b`` and ``l1``..``l6`` configured with keys and rate limits well above
+what they send (``LIMIT_HEADROOM`` x: the limiter refuses nothing, so what is measured is the parking lot's order).
+Every request is the same shape: a ``PROMPT_TOKENS``-token prompt with a random head (no shared prefix) and exactly
+``OUTPUT_TOKENS`` output tokens (``ignore_eos``), streamed, no ``x-sluice-*`` header (every tenant's default class,
+standard).
 
 Capacity: a calibration through the gateway (one tenant, closed loop at ``CAL_CONCURRENCY_PER_SLOT`` x the slots, for
 ``CAL_S`` s after ``WARMUP_S`` s) in completed requests per second. Load, as the issue asks, relative to it:
 - ``b`` steady at 30% of capacity (Poisson arrivals);
-- ``a`` flooding at 5x its usual share: its usual is taken as 18% of capacity (the two together at 48% on a normal
-  day), so the flood is 90%, and the offered load 120% (the top of the issue's 80-120% range).
+- two tenants: ``a`` flooding at 5x its usual share: its usual is taken as 18% of capacity (the two together at 48% on
+  a normal day), so the flood is 90%, and the offered load 120% (the top of the issue's 80-120% range);
+- eight tenants: ``b`` as before, six light tenants ``l1``..``l6`` steady at 4% each, and ``a`` flooding at 5x a usual
+  13% (65%): 119% offered.
 
 Arms, each a fresh ``sluice up`` on the same engines' settings, in rotated order each round (``rotated_rounds``), the
-same arrival times in every arm of a round (seeded per round):
+same arrival times in every arm of a round and workload (seeded per round):
 - ``b alone``: ``b``'s arrivals only (its reference TTFT);
 - ``fifo``: both tenants, ``fairness.enabled: false`` (the parking lot as before fair share: FIFO per class);
-- ``fair``: both tenants, ``fairness.enabled: true`` (the default with tenants configured).
+- ``fair``: both tenants, ``fairness.enabled: true`` (the default with tenants configured);
+- ``fair reserved``: as ``fair``, ``b`` with ``reserved_share: 0.5`` (2 of the 4 slots held for it while it has work
+  waiting, core/reserve.py);
+- ``fair 2 replicas``: as ``fair``, ``sluice up --replicas 2 --store valkey`` (Envoy spreads the Checks over two
+  control planes on one Valkey): each replica is fair among the requests it holds, with counters of its own (the
+  issue's per-replica fair queue, as the anchors run it; exact across replicas is not built);
+- ``8 no flood``: the eight tenants' arrivals without ``a``'s (the reference TTFT of ``b`` and the light tenants);
+- ``8 fifo``, ``8 fair``: the eight tenants, FIFO or fair share.
 Each window sends ``WARMUP_S`` s of traffic that is not measured (the control plane learns the engines' rates and the
 answers' lengths), then ``WINDOW_S`` s that are.
 
@@ -29,12 +40,13 @@ Jain's index (over served tokens per weight, equal weights here): ``(sum x)^2 / 
 tenants' offered token rates): a tenant asking less than its share is owed its demand, not the share (the issue's
 "among backlogged tenants": ``b`` at 30% is not backlogged under fair share, so its allocation is its demand).
 
-Targets (the issue's, for two tenants on one replica):
-- ``b``'s TTFT p90 (every request) with ``a`` flooding, fair arm, <= 1.25x ``b`` alone's;
-- work-conserving: the fair arm's throughput >= 0.95x the FIFO arm's;
-- Jain's index of the fair arm >= 0.95.
-The FIFO arm's figures are printed beside them (the problem fair share solves). The two-replica arms of the issue (fair
-with 2 replicas, a per-replica fair queue) and the eight-tenant run are not in this bench yet.
+Targets (the issue's, on one replica), for two tenants (fair, and fair with b's reserved share) and for eight (fair):
+- ``b``'s TTFT p90 (every request) with ``a`` flooding <= 1.25x ``b``'s without the flood;
+- work-conserving: throughput >= 0.95x the FIFO arm's of the same workload;
+- Jain's index >= 0.95.
+The FIFO arms' and the per-replica arm's figures are printed beside them. The issue's arm "fair with 2 replicas",
+exact across replicas (counters and the fair line in the store), is not built: today's two replicas are the per-replica
+arm.
 """
 
 from __future__ import annotations
@@ -67,13 +79,41 @@ ROUNDS = 2
 CAL_S = 8.0
 CAL_CONCURRENCY_PER_SLOT = 3
 LIMIT_HEADROOM = 4.0
-KEYS = {"a": "sk-bench-fair-a", "b": "sk-bench-fair-b"}
-ARMS = ("b alone", "fifo", "fair")
+LIGHT = tuple(f"l{i}" for i in range(1, 7))
+LIGHT_SHARE = 0.04
+A_USUAL_SHARE_8 = 0.13
+RESERVED_B = 0.5
+KEYS = {t: f"sk-bench-fair-{t}" for t in ("a", "b", *LIGHT)}
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    workload: str
+    """``2`` or ``8``: whose arrivals (``rates``)."""
+    tenants: tuple[str, ...]
+    fair: bool = True
+    reserved: float = 0.0
+    """``b``'s reserved_share."""
+    replicas: int = 1
+
+
+ARMS = (
+    Arm("b alone", "2", ("b",)),
+    Arm("fifo", "2", ("a", "b"), fair=False),
+    Arm("fair", "2", ("a", "b")),
+    Arm("fair reserved", "2", ("a", "b"), reserved=RESERVED_B),
+    Arm("fair 2 replicas", "2", ("a", "b"), replicas=2),
+    Arm("8 no flood", "8", ("b", *LIGHT)),
+    Arm("8 fifo", "8", ("a", "b", *LIGHT), fair=False),
+    Arm("8 fair", "8", ("a", "b", *LIGHT)),
+)
 SEED = 42
 
 
-def tenants_config(rates: dict[str, float]) -> dict[str, Any]:
-    """Both tenants, each with limits ``LIMIT_HEADROOM`` x what it sends (requests, tokens per minute, concurrency)."""
+def tenants_config(rates: dict[str, float], reserved_b: float = 0.0) -> dict[str, Any]:
+    """Every tenant, each with limits ``LIMIT_HEADROOM`` x what it sends (requests, tokens per minute, concurrency);
+    ``reserved_b``: ``b``'s reserved share (0: none)."""
     from controlplane.core.tenants import key_digest
 
     out: dict[str, Any] = {}
@@ -82,6 +122,8 @@ def tenants_config(rates: dict[str, float]) -> dict[str, Any]:
         out[name] = {"keys": [key_digest(key)], "limits": {
             "requests_per_minute": int(per_min), "tokens_per_minute": int(per_min * (PROMPT_TOKENS + OUTPUT_TOKENS + 64)),
             "concurrent_requests": 10_000}}
+        if name == "b" and reserved_b:
+            out[name]["reserved_share"] = reserved_b
     return out
 
 
@@ -203,9 +245,11 @@ def _shares(metrics_url: str) -> list[str]:
             if re.match(r"sluice_tenant_(fair_counter|served_tokens|waiting_requests)\{", line)]
 
 
-def run_window(arm: str, plan: list[Sent], rates: dict[str, float], figures: ArmFigures) -> None:
-    fairness = {"enabled": arm != "fifo"}
-    with gateway(engines(), tenants=tenants_config(rates), fairness=fairness) as config:
+def run_window(arm: Arm, plan: list[Sent], rates: dict[str, float], figures: ArmFigures) -> None:
+    fairness = {"enabled": arm.fair}
+    up_args = () if arm.replicas == 1 else ("--replicas", str(arm.replicas), "--store", "valkey")
+    with gateway(engines(), up_args=up_args, tenants=tenants_config(rates, arm.reserved),
+                 fairness=fairness) as config:
         base = config["base_url"]
         t0 = time.perf_counter() + WARMUP_S + 0.5
         asyncio.run(_send(base, plan, t0))
@@ -225,25 +269,31 @@ def run_fairness_bench() -> int:
         capacity = asyncio.run(_calibrate(config["base_url"], slots))
     print(f"capacity: {capacity:.2f} requests/s ({slots} slots, {PROMPT_TOKENS} + {OUTPUT_TOKENS} tokens each)",
           flush=True)
-    rates = {"a": FLOOD * A_USUAL_SHARE * capacity, "b": B_SHARE * capacity}
-    figures = {arm: ArmFigures(arm) for arm in ARMS}
+    workloads = {
+        "2": {"a": FLOOD * A_USUAL_SHARE * capacity, "b": B_SHARE * capacity},
+        "8": {"a": FLOOD * A_USUAL_SHARE_8 * capacity, "b": B_SHARE * capacity,
+              **{t: LIGHT_SHARE * capacity for t in LIGHT}},
+    }
+    figures = {arm.name: ArmFigures(arm.name) for arm in ARMS}
     for round_, order in enumerate(rotated_rounds(ARMS, ROUNDS)):
-        rng = random.Random(SEED + round_)
-        arrivals = {t: poisson(rate, WARMUP_S + WINDOW_S, rng) for t, rate in sorted(rates.items())}
+        arrivals = {}
+        for name, rates in workloads.items():
+            rng = random.Random(f"{SEED}-{round_}-{name}")
+            arrivals[name] = {t: poisson(rate, WARMUP_S + WINDOW_S, rng) for t, rate in sorted(rates.items())}
         for arm in order:
-            tenants = ("b",) if arm == "b alone" else ("a", "b")
-            plan = sorted((Sent(t, at - WARMUP_S) for t in tenants for at in arrivals[t]), key=lambda s: s.at)
-            run_window(arm, plan, rates, figures[arm])
-            b = figures[arm].measured("b")
-            print(f"round {round_ + 1}, {arm}: b TTFT p90 {pct(ttfts(b, True), 90):.0f} ms over {len(b)}",
+            plan = sorted((Sent(t, at - WARMUP_S) for t in arm.tenants for at in arrivals[arm.workload][t]),
+                          key=lambda s: s.at)
+            run_window(arm, plan, workloads[arm.workload], figures[arm.name])
+            b = figures[arm.name].measured("b")
+            print(f"round {round_ + 1}, {arm.name}: b TTFT p90 {pct(ttfts(b, True), 90):.0f} ms over {len(b)}",
                   flush=True)
 
     rows = ["| arm | tenant | sent | completed | shed | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | served-only p90 ms | "
             "parked p50 / p90 ms | served tokens/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm in ARMS:
-        f = figures[arm]
+        f = figures[arm.name]
         span = sum(f.spans) or float("nan")
-        for tenant in ("a", "b"):
+        for tenant in arm.tenants:
             results = f.measured(tenant)
             if not results:
                 continue
@@ -251,27 +301,48 @@ def run_fairness_bench() -> int:
             served = ttfts(results, False)
             shed = sum(1 for r in results if r.status in (429, 503))
             parked = [float(r.parked_ms) for r in results if r.status == 200]
-            rows.append(f"| {arm} | {tenant} | {len(results)} | {sum(r.status == 200 for r in results)} | {shed} | "
+            rows.append(f"| {arm.name} | {tenant} | {len(results)} | {sum(r.status == 200 for r in results)} | {shed} | "
                         f"{pct(every, 50):.0f} | {pct(every, 90):.0f} | {pct(every, 99):.0f} | "
                         f"{pct(served, 90) if served else float('nan'):.0f} | "
                         f"{pct(parked, 50) if parked else float('nan'):.0f} / "
                         f"{pct(parked, 90) if parked else float('nan'):.0f} | {f.served_tokens(tenant) / span:.0f} |")
-    demand = {t: rates[t] * (PROMPT_TOKENS + OUTPUT_TOKENS) for t in rates}
     jains: dict[str, float] = {}
-    for arm in ("fifo", "fair"):
-        f = figures[arm]
+    for arm in ARMS:
+        if "a" not in arm.tenants:
+            continue
+        rates = workloads[arm.workload]
+        demand = {t: rates[t] * (PROMPT_TOKENS + OUTPUT_TOKENS) for t in rates}
+        f = figures[arm.name]
         span = sum(f.spans)
         rate = {t: f.served_tokens(t) / span for t in rates}
         alloc = maxmin(sum(rate.values()), demand)
-        jains[arm] = jain([rate[t] / alloc[t] for t in rates])
-    alone = pct(ttfts(figures["b alone"].measured("b"), True), 90)
-    fair_b = pct(ttfts(figures["fair"].measured("b"), True), 90)
-    fifo_b = pct(ttfts(figures["fifo"].measured("b"), True), 90)
+        jains[arm.name] = jain([rate[t] / alloc[t] for t in rates])
+
+    def b_p90(arm: str) -> float:
+        return pct(ttfts(figures[arm].measured("b"), True), 90)
+
+    def light_p90(arm: str) -> float:
+        return pct([x for t in LIGHT for x in ttfts(figures[arm].measured(t), True)], 90)
+
+    alone, alone8 = b_p90("b alone"), b_p90("8 no flood")
+    fair_b, fifo_b, reserved_b = b_p90("fair"), b_p90("fifo"), b_p90("fair reserved")
+    fair8_b, fifo8_b = b_p90("8 fair"), b_p90("8 fifo")
+    replicas_b = b_p90("fair 2 replicas")
     targets = [
-        Target("b's TTFT p90 with a flooding, fair, over b alone's", fair_b / alone, 1.25, at_least=False, unit="x"),
-        Target("throughput, fair over FIFO (work-conserving)", figures["fair"].throughput()
+        Target("2 tenants: b's TTFT p90 with a flooding, fair, over b alone's", fair_b / alone, 1.25, at_least=False,
+               unit="x"),
+        Target("2 tenants: throughput, fair over FIFO (work-conserving)", figures["fair"].throughput()
                / figures["fifo"].throughput(), 0.95, unit="x"),
-        Target("Jain's index over served tokens per weight (max-min normalised), fair", jains["fair"], 0.95),
+        Target("2 tenants: Jain's index over served tokens per weight (max-min normalised), fair", jains["fair"], 0.95),
+        Target(f"2 tenants, b reserved {RESERVED_B:g}: b's TTFT p90 with a flooding over b alone's", reserved_b / alone,
+               1.25, at_least=False, unit="x"),
+        Target(f"2 tenants, b reserved {RESERVED_B:g}: throughput over FIFO (work-conserving)",
+               figures["fair reserved"].throughput() / figures["fifo"].throughput(), 0.95, unit="x"),
+        Target("8 tenants: b's TTFT p90 with a flooding, fair, over b's without the flood", fair8_b / alone8, 1.25,
+               at_least=False, unit="x"),
+        Target("8 tenants: throughput, fair over FIFO (work-conserving)", figures["8 fair"].throughput()
+               / figures["8 fifo"].throughput(), 0.95, unit="x"),
+        Target("8 tenants: Jain's index over served tokens per weight (max-min normalised), fair", jains["8 fair"], 0.95),
     ]
     minutes = (time.monotonic() - started) / 60
     body = "\n".join([
@@ -281,11 +352,14 @@ def run_fairness_bench() -> int:
         "",
         f"- fleet: {ENGINES} x `{PROFILE}` simulator (2 slots each) at speed x{SPEED:g}; capacity measured "
         f"{capacity:.2f} requests/s",
-        f"- offered: b {rates['b']:.2f} requests/s ({B_SHARE:.0%}), a {rates['a']:.2f} requests/s "
-        f"({FLOOD:g} x {A_USUAL_SHARE:.0%}); windows {WARMUP_S:g} s warm-up + {WINDOW_S:g} s measured, {ROUNDS} "
+        f"- offered, 2 tenants: b {workloads['2']['b']:.2f} requests/s ({B_SHARE:.0%}), a {workloads['2']['a']:.2f} "
+        f"requests/s ({FLOOD:g} x {A_USUAL_SHARE:.0%}); 8 tenants: b as before, l1..l6 "
+        f"{workloads['8']['l1']:.2f} requests/s each ({LIGHT_SHARE:.0%}), a {workloads['8']['a']:.2f} requests/s "
+        f"({FLOOD:g} x {A_USUAL_SHARE_8:.0%}); windows {WARMUP_S:g} s warm-up + {WINDOW_S:g} s measured, {ROUNDS} "
         f"rounds, arms rotated",
         "- sluice: defaults (`admission` untouched), tenants with limits "
-        f"{LIMIT_HEADROOM:g}x their rates; `fairness.enabled` false (fifo) or true (fair)",
+        f"{LIMIT_HEADROOM:g}x their rates; `fairness.enabled` false (fifo) or true (fair); `fair reserved`: "
+        f"`tenants.b.reserved_share: {RESERVED_B:g}`",
         f"- run time: {minutes:.1f} min",
         "",
         "## Targets",
@@ -293,7 +367,13 @@ def run_fairness_bench() -> int:
         verdicts(targets),
         "",
         f"Beside them: b's TTFT p90 with a flooding under FIFO is {fifo_b / alone:.2f}x b alone's "
-        f"({fifo_b:.0f} against {alone:.0f} ms); FIFO's Jain's index {jains['fifo']:.3f}.",
+        f"({fifo_b:.0f} against {alone:.0f} ms); FIFO's Jain's index {jains['fifo']:.3f}; with b's reserved share, "
+        f"Jain's index {jains['fair reserved']:.3f}. Eight tenants: b's p90 {fair8_b:.0f} ms fair, {fifo8_b:.0f} ms "
+        f"FIFO, {alone8:.0f} ms without the flood; the light tenants' p90 {light_p90('8 fair'):.0f} ms fair, "
+        f"{light_p90('8 fifo'):.0f} ms FIFO, {light_p90('8 no flood'):.0f} ms without the flood; FIFO's Jain's index "
+        f"{jains['8 fifo']:.3f}. Per replica (2 replicas, each fair on its own): b's p90 {replicas_b / alone:.2f}x b "
+        f"alone's ({replicas_b:.0f} ms), throughput {figures['fair 2 replicas'].throughput() / figures['fifo'].throughput():.2f}x "
+        f"FIFO's, Jain's index {jains['fair 2 replicas']:.3f}.",
         "",
         "## Per arm and tenant (measured windows of every round)",
         "",
@@ -314,8 +394,20 @@ def run_fairness_bench() -> int:
         "quiet moments); replaying this load in the core alone (one process, no Envoy) gives the same picture. b "
         "alone never waits for a slot, so b's TTFT with a flooding is b alone's plus that wait in the lot (the "
         "parked column). A lot that only orders who goes next cannot take that wait away: a larger weight for b, "
-        "holding slots back for a tenant below its share (the issue's reserved shares) or ending a's work "
-        "(preemption) could. FIFO, for contrast, makes b wait behind a's whole backlog, and sheds b with a.",
+        "holding slots back for it (reserved shares) or ending a's work (preemption) could. FIFO, for contrast, makes "
+        "b wait behind a's whole backlog, and sheds b with a.",
+        "",
+        f"Reserved share (`fair reserved`): with b's {RESERVED_B:g} (2 of the 4 slots), a slot that frees while b has a "
+        "request waiting and runs fewer than 2 goes to b whatever the counters, so the second request of a burst no "
+        "longer waits for one of a's. The slots are lent to a while b has nothing waiting, and nothing running is "
+        "stopped: b's first request of a burst still waits for a slot to free, which is why its TTFT stays above b "
+        "alone's. Per replica (`fair 2 replicas`): each replica orders only the requests it holds, by counters of "
+        "its own, so a replica holding none of b's requests serves a's while the other has b's waiting.",
+        "",
+        "Eight tenants: equal weights, so while they wait together each is owed an eighth of the slots. The light "
+        "tenants (4% each) seldom wait more than one request at a time and go first when they come (lifted to the "
+        "backlogged minimum and served less); b (30%) is backlogged with a more often, and its bursts are served "
+        "in turn with a and the light tenants, so its wait in the lot grows with the number of tenants waiting.",
         "",
         "## Fair-share gauges at the end of the last fair window",
         "",

@@ -39,7 +39,7 @@ from controlplane.config import (
 )
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
-from controlplane.core.fairshare import TenantShare
+from controlplane.core.fairshare import FairStanding, TenantShare
 from controlplane.core.feedback import TtftSummary
 from controlplane.core.prompt_tokens import PromptTokenRules, PromptTokenSummary
 from controlplane.core.ledger import Ledger
@@ -256,6 +256,11 @@ class ControlPlane:
     def tenant_shares(self) -> list[TenantShare]:
         """Each tenant's fair-share standing per model on this replica (core/fairshare.py)."""
         return self.admission.tenant_shares()
+
+    def fair_standing(self, request: InferenceRequest, now: float) -> FairStanding:
+        """Where ``request`` would stand in its parking class on this replica if it parked now (core/fairshare.py),
+        and the slots held for other tenants' reserved shares (core/reserve.py)."""
+        return self.admission.fair_standing(request, self.fleet(now), now)
 
     async def set_version_floor(self, pattern: str, version: str) -> FloorResult:
         """Set (empty ``version``: remove) one version floor, through the same door as a reload (``set_policy``)."""

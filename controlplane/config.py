@@ -46,6 +46,7 @@ from controlplane.core.adapters import AdapterPolicy
 from controlplane.core.model import Flavor, Priority
 from controlplane.core.policy import Box, ModelPolicy, Policy, version_key
 from controlplane.core.fairshare import FairMode, FairShare
+from controlplane.core.reserve import oversubscribed
 from controlplane.core.tenants import PRIORITY_RANK, Tenant, Tenants
 from ratelimit.config import parse_limits
 from controlplane.names import CLIENT_HEADERS, ENGINE_HEADER, TICKET_HEADER
@@ -547,8 +548,8 @@ def _section_value(config: Config, name: str) -> object:
                        adapters=AdapterPolicy())
     if name == "adapters":
         return config.policy.adapters
-    if name == "fairness":  # its own settings: whether it is on under ``auto`` and the weights follow ``tenants``
-        return replace(config.policy.fairness, enabled=False, weights={})
+    if name == "fairness":  # its own settings: on under ``auto``, the weights and shares follow ``tenants``
+        return replace(config.policy.fairness, enabled=False, weights={}, reserved={})
     if name in _POLICY_PARTS:
         return getattr(config.policy, name)
     section, _, attribute = name.partition(".")
@@ -897,7 +898,7 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
                   ratelimit)
 
 
-_TENANT_FIELDS = {"keys", "priority", "limits", "models", "models_allowed", "weight"}
+_TENANT_FIELDS = {"keys", "priority", "limits", "models", "models_allowed", "weight", "reserved_share"}
 _TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 """A tenant's name is a metrics label and a limiter key: short, and without ``/`` (which joins it to a model)."""
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -973,8 +974,13 @@ def _parse_tenants(c: _Checker, raw: Any) -> Tenants:
         weight = item.get("weight")
         if weight is not None:
             weight = float(c.number(f"{path}.weight", weight, minimum=0.001))
+        reserved = item.get("reserved_share")
+        reserved = 0.0 if reserved is None else float(c.number(f"{path}.reserved_share", reserved, minimum=0,
+                                                               maximum=1))
         tenants.append(Tenant(name, tuple(digests), default_class, max_class, limits, model_limits,
-                              frozenset(allowed) if allowed is not None else None, weight))
+                              frozenset(allowed) if allowed is not None else None, weight, reserved))
+    if (why := oversubscribed({t.name: t.reserved_share for t in tenants})) is not None:
+        c.problems.append(f"tenants: {why}; lower them (core/reserve.py: shares are guarantees, never scaled)")
     if len(c.problems) > before:
         return Tenants()
     return Tenants.of(tenants)
@@ -996,6 +1002,7 @@ def _parse_fairness(c: _Checker, raw: dict[str, Any], tenants: Tenants) -> FairS
         output_weight=float(c.number("fairness.output_weight", fs["output_weight"], minimum=0)),
         weights={name: t.weight for name, t in tenants.by_name.items() if t.weight is not None},
         default_weight=float(c.number("fairness.default_weight", fs["default_weight"], minimum=0.001)),
+        reserved={name: t.reserved_share for name, t in tenants.by_name.items() if t.reserved_share > 0},
     )
 
 

@@ -126,6 +126,7 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Reason.QUEUED_BEHIND: _OK,
     Reason.WAITING_FOR_FASTER: _OK,
     Reason.TTFT_DEADLINE: _OK,
+    Reason.RESERVED_SHARE: _OK,
     # shed (always with retry-after)
     Reason.NO_READY_ENGINE: _server("no_ready_engine"),
     Reason.VERSION_FLOOR: _server("version_floor"),

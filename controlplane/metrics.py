@@ -532,6 +532,10 @@ class SluiceMetrics:
         self.tenant_tokens = Counter(
             "sluice_tenant_tokens", "Tokens tenants' finished requests used (prompt, completion): the engine's usage, "
             "else the prompt estimate and the streamed deltas.", ["tenant", "kind"], registry=r)
+        self.tenant_park_seconds = Histogram(
+            "sluice_tenant_park_seconds", "Time a tenant's requests waited in the parking lot before their answer: "
+            "every admission (0 when admitted at once) and every shed after parking (tenant -: requests without one).",
+            ["tenant"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300), registry=r)
         self.auth_refusals = Counter(
             "sluice_auth_refusals", "Requests refused for who sent them: invalid_api_key (401), model_not_allowed "
             "(403).", ["reason"], registry=r)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from controlplane.core.admission import Outcome
-from controlplane.core.fairshare import TenantShare
+from controlplane.core.fairshare import FairStanding, TenantShare
 from controlplane.core.feedback import FirstToken, TtftSummary
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules, PromptTokenSummary
 from controlplane.core.model import Decision, Fleet, InferenceRequest, Ticket
@@ -136,3 +136,4 @@ class AdminPort(Protocol):
     def unwatch(self, watcher: Watcher) -> None: ...
     async def tenant_usage(self) -> tuple[TenantUsage, ...]: ...
     def tenant_shares(self) -> list[TenantShare]: ...
+    def fair_standing(self, request: InferenceRequest, now: float) -> FairStanding: ...

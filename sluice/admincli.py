@@ -128,7 +128,27 @@ def explanation_text(r: admin_pb2.ExplainDecisionResponse) -> str:
                      _num(e.finish_estimate_s, "{:.2f}s"), ",".join(e.misfits) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
-    return f"{head}\n{r.detail}\n\n{table}"
+    return f"{head}\n{r.detail}\n\n{table}\n\n{fair_standing_text(r.fairness)}"
+
+
+def fair_standing_text(f: admin_pb2.FairStanding) -> str:
+    """Why the request would wait in its class if it parked now: its tenant's counter and who goes first."""
+    tenant = f.tenant or "(no tenant)"
+    held = ", ".join(f"{t or '-'} {n}" for t, n in sorted(f.held_slots.items()))
+    held_line = [f"held for reserved shares: {held} slot(s)"] if held else []
+    if not f.enabled:
+        return "\n".join([f"fair share off: its class is FIFO; {f.ahead_in_class} of its class and "
+                          f"{f.ahead_in_higher_classes} of higher classes parked ahead ({tenant}'s counter "
+                          f"{f.counter:.0f})", *held_line])
+    lines = [f"fair share: {tenant}'s counter {f.counter:.0f}" + (" (lifted to the backlogged minimum)" if f.lifted
+                                                                      else "")
+             + f"; {f.ahead_in_class} of its class ahead, {f.ahead_in_higher_classes} of higher classes", *held_line]
+    if f.tenants_ahead:
+        rows = [("AHEAD", "COUNTER", "REQUESTS")]
+        rows += [(a.tenant or "-", f"{a.counter:.0f}", str(a.requests)) for a in f.tenants_ahead]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
 
 
 def tenants_table(response: admin_pb2.ListTenantsResponse) -> str:
@@ -158,10 +178,10 @@ def fair_share_table(fairness: admin_pb2.FairShare) -> str:
             f"{fairness.prompt_weight:g} + output x {fairness.output_weight:g} tokens / weight")
     if not fairness.shares:
         return head
-    rows = [("MODEL", "TENANT", "WEIGHT", "COUNTER", "SERVED TOKENS", "WAITING")]
+    rows = [("MODEL", "TENANT", "WEIGHT", "RESERVED", "COUNTER", "SERVED TOKENS", "WAITING")]
     for t in fairness.shares:
-        rows.append((t.model, t.tenant or "-", f"{t.weight:g}", f"{t.counter:.0f}", f"{t.served_tokens:.0f}",
-                     str(t.waiting)))
+        rows.append((t.model, t.tenant or "-", f"{t.weight:g}", f"{t.reserved_share:g}" if t.reserved_share else "-",
+                     f"{t.counter:.0f}", f"{t.served_tokens:.0f}", str(t.waiting)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return head + "\n" + "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 

@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=0, help="explain: its max_tokens (0: the policy default)")
     p.add_argument("--priority", default="standard", help="explain: critical | standard | sheddable")
     p.add_argument("--max-ttft-ms", type=int, default=0, help="explain: a TTFT deadline (0: none)")
+    p.add_argument("--tenant", default="", help="explain: the tenant it comes from (its place under fair share; "
+                   "default: none)")
     p.add_argument("--body-file", help="explain: a request body (JSON) whose prompt is matched against the prefix index "
                    "(each engine's expected cached tokens); its prompt tokens are counted unless --prompt-tokens is set")
 
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
             explain = admin_pb2.ExplainDecisionRequest(
                 model=args.name or "", prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                priority=args.priority, max_ttft_ms=args.max_ttft_ms,
+                priority=args.priority, max_ttft_ms=args.max_ttft_ms, tenant=args.tenant,
                 body_json=Path(args.body_file).read_text() if args.body_file else "")
         from sluice.admincli import read_token
 

@@ -71,7 +71,7 @@ from controlplane.core.tenants import Usage
 from controlplane.core.model import (
     Decision, EngineView, Fleet, InferenceRequest, QueueRule, Reason, Ticket, Verdict,
 )
-from controlplane.metrics import SluiceMetrics
+from controlplane.metrics import NO_TENANT_LABEL, SluiceMetrics
 from controlplane.observe.observation import Observation
 from controlplane.ports import CheckSettings
 from controlplane.store.base import (
@@ -514,6 +514,8 @@ class AdmissionService:
             m.prefix_cached_tokens.inc(d.cached_tokens)
         if outcome.parked_for > 0:
             m.park_seconds.observe(outcome.parked_for)
+        if d.verdict is Verdict.ADMIT or outcome.parked_for > 0:  # each tenant's wait for fair share (0: at once)
+            m.tenant_park_seconds.labels(tenant or NO_TENANT_LABEL).observe(outcome.parked_for)
         if self.trace_outcome is not None:
             self.trace_outcome(model, outcome, request)
         if self.feed.watchers:

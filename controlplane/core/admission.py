@@ -24,7 +24,10 @@ head is instead the oldest request of the tenant with the lowest virtual token c
 charges its tenant's counter with its estimate (``settle_usage`` corrects it from the access log, ``retract`` gives it
 back), and a tenant parking with nothing parked is lifted to the backlogged minimum; a fair wake admits with
 ``QueueRule.CLASS`` (its order within the class is this lot's). "Ahead", "head" and "in its turn" below then mean the
-fair order (``_order``: the projection that charges each pick its estimate in turn); off, everything is as written. A head
+fair order (``_order``: the projection that charges each pick its estimate in turn); off, everything is as written.
+**Reserved shares** (``policy.fairness.reserved``, core/reserve.py): every admission (arrival, wake, backfill) of a
+tenant's request must leave the free slots held for other tenants (``_may_take``; refused: it parks
+``reserved_share``), and a wake first serves the tenants owed slots (``_wake_reserved``), before the classes. A head
 that waits although a slot is free (``Decision.idle_slot``: it finishes sooner on a busy engine, such as the one holding its
 prompt's prefix, or no free engine meets its deadline) does not hold the line for that slot: the wake passes it over (at
 most ``backfill_scan`` a wake), and an arrival whose every request ahead was last decided that way, with no slot freed
@@ -92,7 +95,9 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from controlplane.core.adapters import SwapBook, discovered_bases
-from controlplane.core.fairshare import ANONYMOUS, TenantCounters, TenantShare, service_order
+from controlplane.core.fairshare import (
+    ANONYMOUS, FairStanding, TenantAhead, TenantCounters, TenantShare, service_order,
+)
 from controlplane.core.decide import (
     clamp_retry_after, decide, deadline_text, earliest_fit, expected_start, retry_after, shed,
 )
@@ -106,6 +111,7 @@ from controlplane.core.output_length import OutputLengthBook
 from controlplane.core.policy import Policy
 from controlplane.core.prefix import PrefixIndex, restarted
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenBook
+from controlplane.core import reserve
 from controlplane.core.route import ServeCounter, SessionMap
 from controlplane.core.tenants import EMBEDDINGS_PATH
 
@@ -391,6 +397,8 @@ class AdmissionCore:
         if decision.verdict is Verdict.PARK and ahead and not passing and self.policy.backfill and model is not None:
             decision = self._backfill_arrival(request, model, fleet, now, decision)
             rule = QueueRule.NONE
+        if decision.verdict is Verdict.ADMIT and model is not None and not self._may_take(request, fleet, now):
+            decision = self._held(request, model)
         if decision.verdict is Verdict.ADMIT:
             return self._admit(request_id, request, decision, now, parked_for=0.0, rule=rule)
         if decision.verdict is not Verdict.PARK:
@@ -537,12 +545,16 @@ class AdmissionCore:
         reaped = self.ledger.reap_idle(engine, taken_at, idle_grace_s) if idle else []
         self.ledger.note_probe(engine, taken_at)
         self._frees += bool(reaped)
+        for ticket in reaped:  # no longer running (reserved shares); a late settle still finds its charge
+            self.fair.close(ticket.ticket_id)
         return reaped
 
     def expire_leases(self, now: float) -> list[Ticket]:
         """Tickets whose lease ran out (their access-log entry never came): closed and returned."""
         expired = self.ledger.expire(now)
         self._frees += bool(expired)
+        for ticket in expired:  # no longer running (reserved shares); a late settle still finds its charge
+            self.fair.close(ticket.ticket_id)
         return expired
 
     def set_policy(self, policy: Policy, admit_stale: bool) -> None:
@@ -595,6 +607,11 @@ class AdmissionCore:
             queues = self._lot.get(model)
             if not queues:
                 continue
+            skipped: set[str] = set()  # owed tenants whose next request decide did not admit: they hold nothing now
+            if self.policy.fairness.reserved:
+                def refreshed() -> None:
+                    current[0] = self.refreshed(current[0], now)
+                out.extend(self._wake_reserved(model, queues, fleet_of, refreshed, now, skipped))
             for klass in PARK_CLASSES:
                 queue = queues[klass]
                 blocked = False
@@ -646,6 +663,9 @@ class AdmissionCore:
                         passed_ids.add(head.request_id)
                         continue
                     self._passable.pop(head.request_id, None)
+                    if decision.verdict is Verdict.ADMIT and not self._may_take(head.request, fleet_of(), now,
+                                                                                skipped):
+                        decision = self._held(head.request, model)  # what is free is held for owed tenants
                     if decision.verdict is Verdict.PARK:
                         blocked = True
                         if self.policy.backfill:
@@ -830,6 +850,118 @@ class AdmissionCore:
             return higher + len(queue)
         return higher + next(i for i, p in enumerate(self._order(model, [*queue, entry])) if p is entry)
 
+    def fair_standing(self, request: InferenceRequest, fleet: Fleet, now: float) -> FairStanding:
+        """Where ``request`` would stand if it parked now, nothing changed (``sluice admin explain``): its tenant's
+        counter (lifted as ``_park`` would lift it), the requests of higher classes, those of its class the fair
+        order (``_order``) serves before it, by tenant, and the slots held for other tenants' reserved shares
+        (``owed``). Fair share off: parking order, every request parked before it ahead (the counters are still
+        shown)."""
+        model = request.model
+        assert model is not None
+        klass, tenant = _class_of(request), _tenant_of(request)
+        queues = self._lot.get(model, {})
+        higher = sum(len(queues.get(c, ())) for c in PARK_CLASSES[:PARK_CLASSES.index(klass)])
+        backlogged = self._backlogged(model)
+        counter = self.fair.counter(model, tenant)
+        lifted = counter if tenant in backlogged else self.fair.lifted(model, tenant, backlogged)
+        queue = list(queues.get(klass, ()))
+        entry = Parked("", request, 0.0, 0.0, seq=max((p.seq for p in queue), default=0) + 1)
+
+        def rank(t: str) -> tuple[float, float]:
+            c, raw = self.fair.rank(model, t)
+            return (lifted, raw) if t == tenant else (c, raw)
+
+        order = service_order([*queue, entry], lambda p: _tenant_of(p.request), rank, self._cost) \
+            if self.policy.fairness.enabled else [*queue, entry]
+        at = next(i for i, p in enumerate(order) if p is entry)
+        before = Counter(_tenant_of(p.request) for p in order[:at])
+        ahead = tuple(sorted((TenantAhead(t, lifted if t == tenant else self.fair.counter(model, t), n)
+                              for t, n in before.items()), key=lambda a: (a.counter, a.tenant)))
+        held = {t: n for t, n in self.owed(model, fleet, now).items() if t != tenant}
+        return FairStanding(tenant, lifted, lifted > counter, sum(before.values()), higher, ahead, held)
+
+    # -- reserved shares (core/reserve.py) -----------------------------------------------------------------------------
+    def owed(self, model: str, fleet: Fleet, now: float, skipped: Iterable[str] = ()) -> dict[str, int]:
+        """Slots held back now for each tenant with a reserved share (``reserve.owed``): those with a request of
+        ``model`` parked whose next one (class order, then the class's order) fits some engine now, running fewer
+        than their reserved slots (no more than they have parked). Holding nothing: ``skipped`` tenants (a wake found
+        ``decide`` would not admit them), and one whose next request was last decided to wait although a slot was
+        free (``_passable``, no slot freed since: it waits for a busy engine, so the free slot is not its)."""
+        shares = self.policy.fairness.reserved
+        queues = self._lot.get(model)
+        if not shares or not queues:
+            return {}
+        running = self.fair.running(model)
+        total, _ = reserve.slots(fleet, model)
+        parked = Counter(_tenant_of(p.request) for q in queues.values() for p in q)
+        holding = {}
+        for tenant in set(parked) - set(skipped):
+            if reserve.reserved_slots(shares.get(tenant, 0.0), total) <= running.get(tenant, 0):
+                continue
+            head = self._next_of(model, tenant)
+            if head is None or self._passable.get(head.request_id, (-1, None))[0] == self._frees:
+                continue  # it declined a free slot (waits for a busy engine) and none has freed since
+            if earliest_fit(head.request, fleet, self.policy, now) == now:
+                holding[tenant] = parked[tenant]
+        return reserve.owed(shares, total, running, holding)
+
+    def _next_of(self, model: str, tenant: str) -> Parked | None:
+        """``tenant``'s request of ``model`` served first among its own: its highest class's oldest."""
+        for klass in PARK_CLASSES:
+            for parked in self._lot.get(model, {}).get(klass, ()):
+                if _tenant_of(parked.request) == tenant:
+                    return parked
+        return None
+
+    def _may_take(self, request: InferenceRequest, fleet: Fleet, now: float, skipped: Iterable[str] = ()) -> bool:
+        """Whether ``request`` may take a free slot under the reserved shares (``reserve.may_take``)."""
+        if not self.policy.fairness.reserved or request.model is None:
+            return True
+        held = self.owed(request.model, fleet, now, skipped)
+        if not held:
+            return True
+        return reserve.may_take(_tenant_of(request), reserve.slots(fleet, request.model)[1], held)
+
+    def _held(self, request: InferenceRequest, model: str) -> Decision:
+        """The park for a request the reserved shares keep from the free slots."""
+        return Decision(Verdict.PARK, Reason.RESERVED_SHARE,
+                        detail=f"the free slots of {model} are held for other tenants' reserved shares",
+                        park_limit_s=request.planned_ttft_s())
+
+    def _wake_reserved(self, model: str, queues: dict[Priority, deque[Parked]], fleet_of: Callable[[], Fleet],
+                       refresh: Callable[[], None], now: float, skipped: set[str]) -> list[Outcome]:
+        """A wake's first pass (core/reserve.py): while a slot is free and a tenant is owed slots, its next request
+        (the owed tenants' highest class first, then the class's order) is decided and admitted if ``decide`` admits
+        it, passing the line (``QueueRule.NONE``); a tenant whose request is not admitted joins ``skipped``."""
+        out: list[Outcome] = []
+        while True:
+            fleet = fleet_of()
+            owed = self.owed(model, fleet, now, skipped)
+            if not owed or reserve.slots(fleet, model)[1] <= 0:
+                return out
+            head, klass = next((p, k) for k in PARK_CLASSES for p in self._order(model, queues[k])
+                               if _tenant_of(p.request) in owed)
+            request = head.request
+            if request.max_ttft_ms:  # as in the wake: what is left of its deadline; a committed one's may be gone
+                left = request.max_ttft_ms - int((now - head.parked_at) * 1000)
+                request = replace(request, max_ttft_ms=max(1, left))
+                if self._committed(head, now) and left <= 0:
+                    request = _without_deadline(request)
+            decision = decide(request, fleet, self.policy, now, 0, self.sessions.get(request.session), self.draw(),
+                              cached=self.expected_cached(request), displaced=self.expected_displaced(request),
+                              prefix_share=self.prefix_share(request))
+            if decision.verdict is not Verdict.ADMIT:
+                skipped.add(_tenant_of(head.request))
+                if decision.verdict is Verdict.PARK and decision.idle_slot:  # as the wake notes a head it passes
+                    self._passable[head.request_id] = (self._frees, decision.waits_for)
+                continue
+            queues[klass].remove(head)
+            del self._where[head.request_id]
+            self._passable.pop(head.request_id, None)
+            out.append(self._admit(head.request_id, head.request, decision, now, now - head.parked_at,
+                                   QueueRule.NONE, head))
+            refresh()
+
     def settle_usage(self, ticket_id: str, prompt_tokens: int, completion_tokens: int) -> float | None:
         """What a finished request really used (the access log): its tenant's counter is corrected from the estimate
         it was charged at admission. None: no charge of that ticket here (another replica admitted it)."""
@@ -860,7 +992,8 @@ class AdmissionCore:
                               cached=self.expected_cached(parked.request),
                               displaced=self.expected_displaced(parked.request),
                               prefix_share=self.prefix_share(parked.request))
-            if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= head_start:
+            if decision.verdict is Verdict.ADMIT and decision.expected_done_at <= head_start \
+                    and self._may_take(parked.request, fleet_of(), now):
                 queue.remove(parked)
                 del self._where[parked.request_id]
                 self._passable.pop(parked.request_id, None)

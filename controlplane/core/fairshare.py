@@ -79,10 +79,15 @@ class FairShare:
     weight 1 while both are backlogged."""
     default_weight: float = 1.0
     """The weight of a tenant without its own, and of ``ANONYMOUS``."""
+    reserved: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    """Tenant -> its reserved share of each model's slots (``tenants.NAME.reserved_share``, (0, 1], adding up to at
+    most 1; core/reserve.py). Applied whether or not ``enabled``."""
 
     def __post_init__(self) -> None:
         if type(self.weights) is not MappingProxyType:
             object.__setattr__(self, "weights", MappingProxyType(dict(self.weights)))
+        if type(self.reserved) is not MappingProxyType:
+            object.__setattr__(self, "reserved", MappingProxyType(dict(self.reserved)))
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, self.default_weight)
@@ -124,6 +129,38 @@ class TenantShare:
     """Its requests parked for the model on this replica."""
 
 
+@dataclass(frozen=True, slots=True)
+class TenantAhead:
+    """A tenant with requests served before the one explained (``FairStanding``)."""
+
+    tenant: str
+    counter: float
+    """Its virtual token counter now."""
+    requests: int
+    """How many of its requests go first."""
+
+
+@dataclass(frozen=True, slots=True)
+class FairStanding:
+    """Why a request would wait under fair share if it parked now (``sluice admin explain``): its tenant's counter and
+    the tenants whose requests the projected order (``service_order``) serves before it in its class."""
+
+    tenant: str
+    counter: float
+    """Its tenant's counter as it would park: lifted to the backlogged minimum if none of its requests waits."""
+    lifted: bool
+    """The counter was raised by the lift (its tenant had nothing parked and stood below the backlogged minimum)."""
+    ahead_in_class: int
+    """Requests of its class served before it (its own tenant's older ones included)."""
+    ahead_in_higher_classes: int
+    """Requests of higher classes parked here: all served before it, whatever the counters."""
+    tenants_ahead: tuple[TenantAhead, ...] = ()
+    """Each tenant with requests before it in its class, lowest counter first."""
+    held_slots: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """Slots held back now for other tenants' reserved shares (core/reserve.py: ``owed``): tenant -> slots; a request
+    of its tenant takes a free slot only if one is left beyond them all. Its own tenant's are not held from it."""
+
+
 class TenantCounters:
     """The counters, by model then tenant, and the open charges that ``settle`` corrects."""
 
@@ -136,6 +173,8 @@ class TenantCounters:
         """model -> the tenant charged last: a tenant that parks while none is backlogged is lifted to its counter."""
         self._open: dict[str, _Charge] = {}
         """Charges of open tickets, by ticket id."""
+        self._running: dict[str, dict[str, int]] = {}
+        """model -> tenant -> its open tickets here (``_open`` counted): reserved shares' ``running``."""
         self._closed: OrderedDict[str, _Charge] = OrderedDict()
         """Charges of released tickets whose settle has not come (bounded by ``SETTLE_AFTER_RELEASE``)."""
 
@@ -146,9 +185,10 @@ class TenantCounters:
         """A tenant's place in the pick: its counter, then (ties) its weighted service without lifts."""
         return self.counter(model, tenant), self._raw.get(model, {}).get(tenant, 0.0)
 
-    def lift(self, model: str, tenant: str, backlogged: Iterable[str]) -> float:
-        """``tenant`` becomes backlogged for ``model`` (it had nothing parked): its counter is raised to the lowest among
-        the ``backlogged`` tenants, or with none to the counter of the tenant charged last. Returns its counter."""
+    def lifted(self, model: str, tenant: str, backlogged: Iterable[str]) -> float:
+        """The counter ``tenant`` would have for ``model`` if it became backlogged now (``lift``), nothing changed:
+        ``max(its counter, the lowest among the other backlogged tenants)``, or with none backlogged, ``max(its
+        counter, the counter of the tenant charged last)``."""
         others = [self.counter(model, t) for t in backlogged if t != tenant]
         if others:
             floor = min(others)
@@ -156,9 +196,14 @@ class TenantCounters:
             floor = self.counter(model, self._last[model])
         else:
             floor = 0.0
-        counters = self._counters.setdefault(model, {})
-        counters[tenant] = max(counters.get(tenant, 0.0), floor)
-        return counters[tenant]
+        return max(self.counter(model, tenant), floor)
+
+    def lift(self, model: str, tenant: str, backlogged: Iterable[str]) -> float:
+        """``tenant`` becomes backlogged for ``model`` (it had nothing parked): its counter is raised to the lowest among
+        the ``backlogged`` tenants, or with none to the counter of the tenant charged last. Returns its counter."""
+        value = self.lifted(model, tenant, backlogged)
+        self._counters.setdefault(model, {})[tenant] = value
+        return value
 
     def charge(self, ticket_id: str, model: str, tenant: str, prompt_tokens: float, output_tokens: float,
                share: FairShare) -> float:
@@ -172,11 +217,27 @@ class TenantCounters:
         served[tenant] = served.get(tenant, 0.0) + prompt_tokens + output_tokens
         self._last[model] = tenant
         self._open[ticket_id] = _Charge(model, tenant, prompt_tokens, output_tokens, cost)
+        running = self._running.setdefault(model, {})
+        running[tenant] = running.get(tenant, 0) + 1
         return cost
+
+    def running(self, model: str) -> Mapping[str, int]:
+        """Each tenant's open tickets of ``model`` admitted here (released, retracted, lapsed or settled: no longer)."""
+        return self._running.get(model, {})
+
+    def _opened(self, ticket_id: str) -> _Charge | None:
+        """Take ``ticket_id``'s charge out of the open ones (and its tenant's running count)."""
+        charge = self._open.pop(ticket_id, None)
+        if charge is not None:
+            running = self._running[charge.model]
+            running[charge.tenant] -= 1
+            if not running[charge.tenant]:
+                del running[charge.tenant]
+        return charge
 
     def retract(self, ticket_id: str) -> bool:
         """An admission undone (the shared store refused it): its charge is taken back whole."""
-        charge = self._open.pop(ticket_id, None)
+        charge = self._opened(ticket_id)
         if charge is None:
             return False
         self._counters[charge.model][charge.tenant] -= charge.cost
@@ -186,7 +247,7 @@ class TenantCounters:
 
     def close(self, ticket_id: str) -> None:
         """The ticket was released: its charge waits a while for its settle (the access log settles right after)."""
-        charge = self._open.pop(ticket_id, None)
+        charge = self._opened(ticket_id)
         if charge is None:
             return
         self._closed[ticket_id] = charge
@@ -195,13 +256,13 @@ class TenantCounters:
 
     def forget(self, ticket_id: str) -> None:
         """No usage will come (a lapsed lease): the estimate stands."""
-        self._open.pop(ticket_id, None)
+        self._opened(ticket_id)
         self._closed.pop(ticket_id, None)
 
     def settle(self, ticket_id: str, prompt_tokens: int, output_tokens: int, share: FairShare) -> float | None:
         """What the request really used: its tenant's counter (and served tokens) are corrected from the estimate it
         was charged. Returns the correction, or None if the ticket's charge is unknown here (another replica's)."""
-        charge = self._open.pop(ticket_id, None) or self._closed.pop(ticket_id, None)
+        charge = self._opened(ticket_id) or self._closed.pop(ticket_id, None)
         if charge is None:
             return None
         cost = share.cost(charge.tenant, prompt_tokens, output_tokens)

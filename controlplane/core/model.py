@@ -315,6 +315,8 @@ class Reason(enum.Enum):
     WAITING_FOR_FASTER = "waiting_for_faster"
     TTFT_DEADLINE = "ttft_deadline"
     """No engine's TTFT estimate meets the deadline now, but one would after a slot frees (parked until the park limit)."""
+    RESERVED_SHARE = "reserved_share"
+    """The free slots are held back for other tenants' reserved shares while they have work (core/reserve.py)."""
     # shed
     NO_READY_ENGINE = "no_ready_engine"
     VERSION_FLOOR = "version_floor"

@@ -66,6 +66,9 @@ class Tenant:
     weight: float | None = None
     """Its weight in fair share (core/fairshare.py; None: ``fairness.default_weight``): while backlogged, a tenant of
     weight 2 is served twice the tokens of one of weight 1."""
+    reserved_share: float = 0.0
+    """Its guaranteed fraction of each model's sequence slots (core/reserve.py; 0: none): held back from other tenants
+    while it has a fitting request parked, lent out while it has none."""
 
     def __post_init__(self) -> None:
         if type(self.model_limits) is not MappingProxyType:

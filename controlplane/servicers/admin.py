@@ -14,7 +14,7 @@ import grpc
 
 from controlplane.servicers.adminauth import AdminGuard, audit
 from controlplane.servicers.admin_views import (
-    engine_proto, explain_proto, explain_request, fair_share_proto, status_proto, tenant_proto,
+    engine_proto, explain_proto, explain_request, fair_share_proto, fair_standing_proto, status_proto, tenant_proto,
 )
 from controlplane.policytext import policy_yaml
 from controlplane.core.decide import explain
@@ -75,7 +75,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         decision, ahead = self.plane.decide_for(inference, now)
         fleet = self.plane.fleet(now)
         cached = self.plane.expected_cached(inference)
-        return explain_proto(decision, ahead, explain(inference, fleet, self.plane.policy, now, cached))
+        standing = fair_standing_proto(self.plane.fair_standing(inference, now), self.plane.policy.fairness.enabled)
+        return explain_proto(decision, ahead, explain(inference, fleet, self.plane.policy, now, cached), standing)
 
     async def ReloadConfig(  # noqa: N802
         self, request: admin_pb2.ReloadConfigRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from controlplane.core import adapters
 from controlplane.core.adapters import AdapterPolicy
 from controlplane.core.explain import EngineExplanation
-from controlplane.core.fairshare import FairShare, TenantShare
+from controlplane.core.fairshare import FairShare, FairStanding, TenantShare
 from controlplane.core.feedback import TtftSummary
 from controlplane.core.prompt_tokens import PromptTokenRules, PromptTokenSummary
 from controlplane.core.fit import effective_load
@@ -130,10 +130,21 @@ def explain_request(request: admin_pb2.ExplainDecisionRequest, priority: Priorit
         "POST", "/v1/chat/completions", request.model, prompt_tokens=prompt_tokens,
         max_tokens=request.max_tokens or None, priority=priority, max_ttft_ms=max_ttft_ms,
         ttft_headroom_ms=headroom_ms, session=request.session or None, prefix_blocks=blocks,
+        tenant=request.tenant or None,
     )
 
 
-def explain_proto(decision: Decision, ahead: int, explanations: Sequence[EngineExplanation]) -> admin_pb2.ExplainDecisionResponse:
+def fair_standing_proto(standing: FairStanding, enabled: bool) -> admin_pb2.FairStanding:
+    return admin_pb2.FairStanding(
+        enabled=enabled, tenant=standing.tenant, counter=round(standing.counter, 1), lifted=standing.lifted,
+        ahead_in_class=standing.ahead_in_class, ahead_in_higher_classes=standing.ahead_in_higher_classes,
+        tenants_ahead=[admin_pb2.TenantAhead(tenant=a.tenant, counter=round(a.counter, 1), requests=a.requests)
+                       for a in standing.tenants_ahead],
+        held_slots=dict(standing.held_slots))
+
+
+def explain_proto(decision: Decision, ahead: int, explanations: Sequence[EngineExplanation],
+                  fairness: admin_pb2.FairStanding | None = None) -> admin_pb2.ExplainDecisionResponse:
     engines = [
         admin_pb2.EngineExplanation(
             name=x.name, serves_model=x.serves_model, meets_version_floor=x.meets_floor, stale=x.stale,
@@ -145,7 +156,7 @@ def explain_proto(decision: Decision, ahead: int, explanations: Sequence[EngineE
     return admin_pb2.ExplainDecisionResponse(
         verdict=decision.verdict.value, reason=decision.reason.value, engine=decision.engine or "",
         status=http_status(decision), retry_after_s=decision.retry_after_s or 0, detail=decision.detail,
-        queued_ahead=ahead, engines=engines,
+        queued_ahead=ahead, engines=engines, fairness=fairness,
     )
 
 
@@ -153,7 +164,8 @@ def tenant_proto(usage: TenantUsage, share: FairShare = FairShare()) -> admin_pb
     """A tenant and its limits as they stand; its key digests stay in the config (only their number is shown)."""
     t = usage.tenant
     return admin_pb2.Tenant(
-        name=t.name, keys=len(t.key_digests), weight=share.weight(t.name), default_priority=t.default_priority.value,
+        name=t.name, keys=len(t.key_digests), weight=share.weight(t.name), reserved_share=t.reserved_share,
+        default_priority=t.default_priority.value,
         max_priority=t.max_priority.value, models_allowed=sorted(t.models_allowed or ()), error=usage.error,
         limits=[admin_pb2.TenantLimit(scope=s.key, kind=s.kind.value, limit=s.limit, remaining=s.remaining,
                                       used=s.limit - s.remaining, reset_seconds=round(s.reset_s, 3))
@@ -166,5 +178,6 @@ def fair_share_proto(share: FairShare, standings: Iterable[TenantShare]) -> admi
         enabled=share.enabled, mode=share.mode.value, prompt_weight=share.prompt_weight,
         output_weight=share.output_weight,
         shares=[admin_pb2.TenantShare(model=t.model, tenant=t.tenant, weight=share.weight(t.tenant),
+                                      reserved_share=share.reserved.get(t.tenant, 0.0),
                                       counter=round(t.counter, 1), served_tokens=round(t.served_tokens),
                                       waiting=t.waiting) for t in standings])

@@ -262,3 +262,15 @@ def test_a_tenants_class_is_its_default_or_capped_at_its_max(stack: Stack) -> No
             assert (event.tenant, event.priority, event.verdict) == ("modest", ran, "admit"), (asked, event)
     finally:
         stream.cancel()
+
+
+def test_explain_shows_the_tenants_place_under_fair_share(stack: Stack) -> None:
+    """Tenants configured, no ``fairness`` section: fair share is on, and explain names the tenant's counter (nothing
+    parked on this fleet of 32 slots: nobody ahead)."""
+    status, _, body = post(stack, chat(2), "sk-beta")
+    assert status == 200, body
+    why = stack.admin().ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", tenant="beta"), timeout=5)
+    assert why.verdict == "admit" and why.fairness.enabled and why.fairness.tenant == "beta"
+    assert why.fairness.counter > 0  # charged for the request it was served
+    assert (why.fairness.ahead_in_class, why.fairness.ahead_in_higher_classes, list(why.fairness.tenants_ahead)) == (
+        0, 0, [])

@@ -385,8 +385,60 @@ def test_admin_and_cli_show_the_shares() -> None:
         ("", 1.0, 0), ("a", 2.0, 1), ("b", 1.0, 1)]
     text = fair_share_table(proto)
     assert text.splitlines()[0].startswith("fair share: on")
-    assert text.splitlines()[1].split() == ["MODEL", "TENANT", "WEIGHT", "COUNTER", "SERVED", "TOKENS", "WAITING"]
-    assert text.splitlines()[3].split()[:3] == ["m", "a", "2"]
+    assert text.splitlines()[1].split() == ["MODEL", "TENANT", "WEIGHT", "RESERVED", "COUNTER", "SERVED", "TOKENS",
+                                            "WAITING"]
+    assert text.splitlines()[3].split()[:4] == ["m", "a", "2", "-"]
+
+
+# -- explain: why a request would wait ------------------------------------------------------------------------------------
+
+def _flooded(enabled: bool = True) -> Lot:
+    """The slot's first occupant (no tenant) charged 300 (100 prompt + 100 output x 2); a lifted to it and served once
+    (600); 3 more of a parked; b lifted to 600 and parked once, never served; one critical request of c parked."""
+    lot = Lot(policy(enabled=enabled))
+    lot.submit("a")
+    lot.step()
+    for _ in range(3):
+        lot.submit("a")
+    lot.submit("b")
+    lot.submit("c", priority=Priority.CRITICAL)
+    return lot
+
+
+@pytest.mark.parametrize(("enabled", "who", "priority", "want"), [
+    # a's next request: behind a's own 3 and b's one (equal counters, b served less)
+    (True, "a", Priority.STANDARD, ("a", 600.0, False, 4, 1, [("a", 600.0, 3), ("b", 600.0, 1)])),
+    # d never served: lifted to the backlogged minimum, then behind b alone (served as little, parked first)
+    (True, "d", Priority.STANDARD, ("d", 600.0, True, 1, 1, [("b", 600.0, 1)])),
+    # no tenant (served 300 at the start): lifted too; b first (served less), then a's oldest (parked first)
+    (True, None, Priority.STANDARD, ("", 600.0, True, 2, 1, [("a", 600.0, 1), ("b", 600.0, 1)])),
+    # critical: nobody of a higher class; c's own request first
+    (True, "c", Priority.CRITICAL, ("c", 600.0, False, 1, 0, [("c", 600.0, 1)])),
+    # off: parking order, every standard request parked
+    (False, "d", Priority.STANDARD, ("d", 600.0, True, 4, 1, [("a", 600.0, 3), ("b", 600.0, 1)])),
+], ids=["backlogged-tenant", "new-tenant-lifted", "no-tenant", "critical", "fifo"])
+def test_fair_standing_says_who_goes_first(enabled: bool, who: str | None, priority: Priority,
+                                          want: tuple[object, ...]) -> None:
+    lot = _flooded(enabled)
+    before = lot.core.tenant_shares()
+    s = lot.core.fair_standing(chat(who, priority=priority), lot.core.fleet([ENGINE], lot.now), lot.now)
+    assert (s.tenant, s.counter, s.lifted, s.ahead_in_class, s.ahead_in_higher_classes,
+            [(a.tenant, a.counter, a.requests) for a in s.tenants_ahead]) == want
+    assert lot.core.tenant_shares() == before  # explaining changes nothing
+
+
+def test_explain_text_names_the_counters() -> None:
+    from controlplane.servicers.admin_views import fair_standing_proto
+    from sluice.admincli import fair_standing_text
+    lot = _flooded()
+    text = fair_standing_text(fair_standing_proto(lot.core.fair_standing(chat("a"), lot.core.fleet([ENGINE], lot.now), lot.now), True))
+    assert text.splitlines()[0] == "fair share: a's counter 600; 4 of its class ahead, 1 of higher classes"
+    assert [line.split() for line in text.splitlines()[1:]] == [["AHEAD", "COUNTER", "REQUESTS"], ["a", "600", "3"],
+                                                                ["b", "600", "1"]]
+    off_lot = _flooded(False)
+    off = fair_standing_text(fair_standing_proto(
+        off_lot.core.fair_standing(chat(None), off_lot.core.fleet([ENGINE], off_lot.now), off_lot.now), False))
+    assert off.startswith("fair share off: its class is FIFO; 4 of its class and 1 of higher classes parked ahead")
 
 
 # -- two replicas, fair share on: per-replica order, nothing stuck ------------------------------------------------------

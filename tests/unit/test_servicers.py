@@ -16,6 +16,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
 from controlplane.servicers.accesslog import AccessLogServicer, first_token
+from controlplane.core.fairshare import FairStanding, TenantAhead
 from controlplane.core.feedback import FirstToken, TtftSummary
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules, PromptTokenSummary, TokenRule
 from controlplane.core.tenants import Usage
@@ -211,6 +212,11 @@ class FakeAdmin:
     def expected_cached(self, request: InferenceRequest) -> dict[str, int]:
         return {"thor": 64 * len(request.prefix_blocks)}  # as if thor held every block of the prompt
 
+    def fair_standing(self, request: InferenceRequest, now: float) -> FairStanding:
+        """As if ``a`` flooded: two of its requests, counter 900, before any other tenant's; one slot held for c."""
+        ahead = () if request.tenant == "a" else (TenantAhead("a", 900.0, 2),)
+        return FairStanding(request.tenant or "", 900.0, request.tenant != "a", 2, 0, ahead, {"c": 1})
+
     async def reload(self, path: str | None) -> ReloadResult:
         self.reloads.append(path)
         return ReloadResult(False, ("admission.x: unknown field",), (), path or "f.yaml")
@@ -270,6 +276,12 @@ async def test_admin_reports_what_its_port_says() -> None:
     why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex"), FakeContext())  # type: ignore[arg-type]
     assert (why.verdict, why.engine, why.queued_ahead) == ("admit", "thor", 2)
     assert [e.expected_cached_tokens for e in why.engines if e.name == "thor"] == [0]  # no body: no prompt to match
+    assert not why.fairness.enabled and why.fairness.tenant == ""  # Policy() has no tenants: fair share off
+    why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", tenant="b"), FakeContext())  # type: ignore[arg-type]
+    assert (why.fairness.tenant, why.fairness.counter, why.fairness.lifted, why.fairness.ahead_in_class) == (
+        "b", 900.0, True, 2)
+    assert [(a.tenant, a.requests) for a in why.fairness.tenants_ahead] == [("a", 2)]
+    assert dict(why.fairness.held_slots) == {"c": 1}
     body = '{"messages": [{"role": "user", "content": "%s"}]}' % ("x" * 1000)  # 1007 rendered characters: 3 blocks
     why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", body_json=body),  # type: ignore[arg-type]
                                       FakeContext())
