@@ -632,14 +632,8 @@ class AdmissionCore:
                     else:
                         at = len(queue) - 1 - passed if lifo else passed
                         head = queue[at]
-                    request = head.request
                     committed = self._committed(head, now)
-                    if request.max_ttft_ms:
-                        # The deadline counts from arrival: what is left of it is what a wake can still promise.
-                        left = request.max_ttft_ms - int((now - head.parked_at) * 1000)
-                        request = replace(request, max_ttft_ms=max(1, left))
-                        if committed and left <= 0:
-                            request = _without_deadline(request)
+                    request = _as_woken(head, now, committed)
                     # Behind it: every other parked request but the heads passed over before it (they are ahead).
                     behind = self.depth(model) - 1 - passed
                     decision = decide(request, fleet_of(), self.policy, now, 0,
@@ -941,12 +935,7 @@ class AdmissionCore:
                 return out
             head, klass = next((p, k) for k in PARK_CLASSES for p in self._order(model, queues[k])
                                if _tenant_of(p.request) in owed)
-            request = head.request
-            if request.max_ttft_ms:  # as in the wake: what is left of its deadline; a committed one's may be gone
-                left = request.max_ttft_ms - int((now - head.parked_at) * 1000)
-                request = replace(request, max_ttft_ms=max(1, left))
-                if self._committed(head, now) and left <= 0:
-                    request = _without_deadline(request)
+            request = _as_woken(head, now, self._committed(head, now))
             decision = decide(request, fleet, self.policy, now, 0, self.sessions.get(request.session), self.draw(),
                               cached=self.expected_cached(request), displaced=self.expected_displaced(request),
                               prefix_share=self.prefix_share(request))
@@ -1009,7 +998,7 @@ class AdmissionCore:
         recent[adapter] = now
         while len(recent) > ADAPTER_MEMORY:
             del recent[next(iter(recent))]
-        self._recent_view = MappingProxyType({e: tuple(reversed(r)) for e, r in self._adapter_recent.items()})
+        self._recent_view = MappingProxyType({**self._recent_view, engine: tuple(reversed(recent))})
 
     def _admit(self, request_id: str, request: InferenceRequest, decision: Decision, now: float,
                parked_for: float, rule: QueueRule = QueueRule.ARRIVAL, parked: Parked | None = None) -> Outcome:
@@ -1036,6 +1025,18 @@ TIMED_TICKETS = 4096
 """Adapter admissions remembered until their first token is timed."""
 ADAPTER_MEMORY = 64
 """Adapters remembered per engine as recently admitted there (far more than any engine's slots)."""
+
+
+def _as_woken(head: Parked, now: float, committed: bool) -> InferenceRequest:
+    """A parked request as a wake decides it: the deadline counts from arrival, so what is left of it is what the wake
+    can still promise (at least 1 ms); a committed request whose deadline has passed has none."""
+    request = head.request
+    if request.max_ttft_ms:
+        left = request.max_ttft_ms - int((now - head.parked_at) * 1000)
+        request = replace(request, max_ttft_ms=max(1, left))
+        if committed and left <= 0:
+            request = _without_deadline(request)
+    return request
 
 
 def _without_deadline(request: InferenceRequest) -> InferenceRequest:
