@@ -23,6 +23,8 @@ own placement, then the measured window of {WINDOW_S:g} s), in an order rotated 
 - ``sluice``: ``sluice up`` with its defaults on the running engines (adapters and slots discovered from ``/v1/models``
   and ``vllm:lora_requests_info``).
 - ``LR``: plain Envoy ``LEAST_REQUEST`` (envoy/bench-plain.yaml).
+- ``LR+w+cap``: the same, weighted by each engine's calibrated rate and capped at its sequence slots: the strongest
+  plain Envoy.
 - ``ring``: plain Envoy ``RING_HASH`` on a header carrying the adapter's name: consistent hashing of adapters to engines,
   what a plain Envoy user would do for affinity.
 - ``EPP-LoRA``: the EPP-like arm (bench/epp.py, bench/epp_arm.py) with the ``lora-affinity-scorer`` added at weight
@@ -76,7 +78,7 @@ QUICK_WARM_S = 6.0
 QUICK_WINDOW_S = 20.0
 """``--quick``: these loads, one round, these windows."""
 ADAPTER_HEADER = "x-bench-adapter"
-ARMS = ("sluice", "LR", "ring", "EPP-LoRA")
+ARMS = ("sluice", "LR", "LR+w+cap", "ring", "EPP-LoRA")
 
 __doc__ = (__doc__ or "").format(**{k: v for k, v in globals().items() if k.isupper()})
 
@@ -149,8 +151,9 @@ async def run_segment(base: str, jobs: list[Job], urls: dict[str, str], warm: fl
     }
 
 
-async def calibrate(urls: dict[str, str]) -> float:
-    """Base-model requests per wall second the fleet serves, each engine saturated alone, all at once."""
+async def calibrate(urls: dict[str, str]) -> list[float]:
+    """Base-model requests per wall second each engine serves, each saturated alone, all at once (in ``urls``'
+    order)."""
     async def one(url: str) -> float:
         done = 0
         stop_at = time.perf_counter() + CAL_S
@@ -169,8 +172,7 @@ async def calibrate(urls: dict[str, str]) -> float:
             await asyncio.gather(*(worker(http) for _ in range(SEQS)))
             return done / (time.perf_counter() - started)
 
-    rates = await asyncio.gather(*(one(url) for url in urls.values()))
-    return sum(rates)
+    return list(await asyncio.gather(*(one(url) for url in urls.values())))
 
 
 def _merge(segments: list[dict[str, Any]]) -> dict[str, Any]:
@@ -194,12 +196,17 @@ def run_lora_bench(quick: bool = False) -> int:
     with ExitStack() as stack:
         urls = {name: stack.enter_context(bare_sim(profile, SPEED, name, extra=sim_args)) for name, profile in ENGINES}
         ports = [int(url.rsplit(":", 1)[1]) for url in urls.values()]
-        capacity = asyncio.run(calibrate(urls))
+        rates = asyncio.run(calibrate(urls))
+        capacity = sum(rates)
         print(f"capacity: {capacity:.2f} req/s wall ({capacity / SPEED:.2f} emulated)", flush=True)
         bases = {
             "sluice": stack.enter_context(gateway([{"name": n, "url": u, "max_num_seqs": SEQS}
                                                    for n, u in urls.items()]))["base_url"],
             "LR": stack.enter_context(plain_envoy_arm(ports, "LEAST_REQUEST")).base,
+            # The strongest plain Envoy: weighted by each engine's measured rate, capped at its sequence slots.
+            "LR+w+cap": stack.enter_context(plain_envoy_arm(
+                ports, "LEAST_REQUEST", weights=[max(1, round(100 * r / max(rates))) for r in rates],
+                max_per_host=[SEQS] * len(ports), concurrency=1)).base,
             "ring": stack.enter_context(plain_envoy_arm(ports, "RING_HASH", hash_header=ADAPTER_HEADER)).base,
         }
         epp = stack.enter_context(epp_arm(urls, lora_weight=LORA_WEIGHT))
@@ -242,7 +249,9 @@ def _report(cells: dict[float, dict[str, list[dict[str, Any]]]], capacity: float
              f"{'`--quick`: ' if quick else ''}{rounds} round(s) per load, each arm {warm:g} s warm-up + "
              f"{window:g} s window (wall), speed x{SPEED:g}.\n\n"
              f"EPP-LoRA arm: {epp_line}.\n\nLR / ring: plain Envoy `LEAST_REQUEST` / `RING_HASH` on "
-             f"`{ADAPTER_HEADER}` (the adapter's name), no caps (envoy/bench-plain.yaml).")
+             f"`{ADAPTER_HEADER}` (the adapter's name), no caps (envoy/bench-plain.yaml). LR+w+cap: `LEAST_REQUEST` "
+             f"weighted by each engine's calibrated rate, at most {SEQS} requests per engine (`max_requests`), one "
+             "Envoy worker.")
     body = (f"{(__doc__ or '').strip()}\n\n## Setup\n\n{setup}\n\n## Results\n\n" + "\n\n".join(tables)
             + f"\n\n## Targets\n\n{verdicts(targets)}\n")
     path = write_report("lora", "sluice bench lora: LoRA adapters on four engines of two speeds", body)
