@@ -44,7 +44,7 @@ prometheus:
 # Every benchmark, one after another, each printing its figures and writing bench/results/<scenario>.md (several hours:
 # steady and prefix run every arm at every load level; each report records its own run time). A bench whose target is
 # missed exits non-zero: the rest still run, and the missed ones are listed at the end (and make fails).
-BENCHES := observe overhead t10 steady cag4 fleet chaos replicas ratelimit prefix scale estimates fairness lora
+BENCHES := observe overhead t10 steady cag4 fleet chaos replicas ratelimit prefix scale estimates fairness lora shapes
 bench: install
 	@missed=""; for b in $(BENCHES); do $(VENV)/bin/sluice bench $$b || missed="$$missed $$b"; done; \
 	if [ -n "$$missed" ]; then echo "bench: targets missed or failed in:$$missed"; exit 1; fi

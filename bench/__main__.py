@@ -23,7 +23,7 @@ def _admission_settings(parser: argparse.ArgumentParser, items: list[str] | None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sluice bench", description=__doc__)
     p.add_argument("scenario", choices=["observe", "cag4", "t10", "overhead", "steady", "fleet", "scale", "chaos",
-                                        "replicas", "ratelimit", "prefix", "estimates", "fairness", "lora"])
+                                        "replicas", "ratelimit", "prefix", "estimates", "fairness", "lora", "shapes"])
     p.add_argument("--engines", metavar="N|FILE",
                    help="observe: how many simulated engines to poll (default 1000); overhead, steady: a YAML file listing the "
                         "engines to front instead of a simulator (e.g. real llama.cpp servers, see rig/llama.py)")
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open); replicas: a "
                    "400-request burst through 1 and 2 replicas, shorter windows (about a minute and a half); ratelimit: "
                    "shorter windows and a tenth of the limiter's charges; prefix: the system workload at 90%%, shorter "
-                   "windows, no two-replica arm; lora: loads 60%% and 95%%, one round, shorter windows")
+                   "windows, no two-replica arm; lora: loads 60%% and 95%%, one round, shorter windows; "
+                   "shapes: fewer levels, shorter windows")
     p.add_argument("--fleet", action="append", help="steady: only this fleet (thor+spark, mixed6); repeatable (a run "
                    "narrowed by --fleet, --mix, --level or --admission reports to steady-partial.md)")
     p.add_argument("--stream", action="store_true", help="overhead: streamed 32-token answers instead of one-token "
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", action="append", help="prefix: only this workload (system, chat, control; "
                    "repeatable), or kv-pressure alone (engines whose KV holds two or three of eight system prompts: "
                    "bench/results/prefix-kv-pressure.md)")
+    p.add_argument("--shape", action="append", help="shapes: only this shape (sharegpt, tenants, fanout); repeatable")
     p.add_argument("--report", metavar="NAME", help="steady: write bench/results/NAME.md (and NAME.png) instead of "
                    "the name the chosen cells imply")
     p.add_argument("--admission", action="append", metavar="KEY=YAML",
@@ -70,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench.lora import run_lora_bench
 
         return run_lora_bench(args.quick)
+    if args.scenario == "shapes":
+        from bench.shapes import SHAPES, run_shapes_bench
+
+        if args.shape and not set(args.shape) <= set(SHAPES):
+            parser.error(f"shapes: --shape is one of {', '.join(SHAPES)}")
+        return run_shapes_bench(args.quick, args.shape)
     if args.scenario == "fairness":
         from bench.fairness import run_fairness_bench
 
