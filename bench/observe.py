@@ -1,104 +1,37 @@
 """``sluice bench observe``: poll N simulated engines' ``/metrics`` the way the control plane does, and report the CPU each
 probe costs (parsing alone, and the whole probe through the real poller), the poll-cycle time (all N probed once,
 concurrently), how late the event loop that also answers Checks ran meanwhile, and what ``RateBook.tables()`` costs per
-Check. Old and new parsing are measured in the same run: the previous reader (filter lines in Python, then
-prometheus_client) is kept here as ``old_read_series`` and swapped into the poller for the "old" arm; the last arm asks
-each engine for only the samples sluice reads (``observe.filter_metrics``), the others read the whole exposition."""
+Check. The last arm asks each engine for only the samples sluice reads (``observe.filter_metrics``), the others read the
+whole exposition. It measures the code as it is: the readers and tables this code replaced were measured against it in
+the report of 2026-12-03 (``bench/results/observe.md`` at 338793e), not kept here."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import subprocess
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client.parser import text_string_to_metric_families
-
-import controlplane.observe.poller as poller_module
 from controlplane.config import EngineConfig, EngineFlavor, ObserveConfig, OnStale, SimFlavor
-from controlplane.core.model import BatchRates, EngineRates, Flavor, RateTables
-from controlplane.observe.parse import _WANTED, Series, metrics_path, read_series
+from controlplane.core.model import EngineRates, Flavor
+from controlplane.observe.parse import metrics_path, read_series
 from controlplane.observe.poller import EnginePoller
-from controlplane.observe.rates import MedianRing, RateBook
+from controlplane.observe.rates import RateBook
 from enginesim.exposition import restrict
 from bench.common import free_port, median, pct, write_report
 from bench.vllm_exposition import vllm_v1_exposition
 
-_K = TypeVar("_K")
-NO_WAVES = "new, each probe on its own timer"
+NO_WAVES = "each probe on its own timer"
+WAVES = "probe waves"
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "engine-metrics"
 LARGEST_REAL = "vllm-0.4.3-datadog-integrations-core.prom"
-
-# --- the previous reader (commit 345f6f1's parse.py), kept callable for the comparison ---------------------------------
-_OLD_WANTED_FAMILIES = frozenset(
-    n.removesuffix("_total").removesuffix("_sum").removesuffix("_count") for n in _WANTED
-) | _WANTED
-
-
-def _old_relevant_lines(text: str) -> str:
-    kept = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[2] in _OLD_WANTED_FAMILIES:
-                kept.append(line)
-            continue
-        end = len(line)
-        for sep in ("{", " "):
-            at = line.find(sep)
-            if 0 <= at < end:
-                end = at
-        if line[:end] in _WANTED:
-            kept.append(line)
-    return "\n".join(kept) + "\n"
-
-
-def old_read_series(text: str) -> Series:
-    out: Series = defaultdict(list)
-    for family in text_string_to_metric_families(_old_relevant_lines(text)):
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
-            out[sample.name].append((sample.labels, sample.value))
-    return out
-
-
-def _old_tables(book: RateBook) -> RateTables:
-    """The previous ``RateBook.tables()``: every ring's median recomputed (twice) on every call."""
-    def trusted(table: Mapping[_K, MedianRing]) -> dict[_K, float]:
-        def med(ring: MedianRing) -> float | None:
-            return statistics.median(ring._values) if len(ring) >= ring.min_samples else None
-        medians = {k: med(ring) for k, ring in table.items()}
-        return {k: m for k, m in medians.items() if m is not None}
-
-    by_engine: dict[str, dict[int, float]] = {}
-    for (engine, batch), rate in trusted(book._decode_by_batch).items():
-        by_engine.setdefault(engine, {})[batch] = rate
-    return RateTables(trusted(book._solo_decode), trusted(book._prefill),
-                      {engine: BatchRates(rates) for engine, rates in by_engine.items()})
-
-
-@contextmanager
-def _poller_reads_with(reader: Callable[[str], Series]) -> Iterator[None]:
-    # The poller calls the name it imported: swap it in the poller's namespace (setattr: a deliberate monkey-patch).
-    saved = getattr(poller_module, "read_series")
-    setattr(poller_module, "read_series", reader)
-    try:
-        yield
-    finally:
-        setattr(poller_module, "read_series", saved)
-
 
 # --- measurements -------------------------------------------------------------------------------------------------------
 def _cpu_us(fn: Callable[[], object], seconds: float = 0.6) -> float:
@@ -115,7 +48,7 @@ def _cpu_us(fn: Callable[[], object], seconds: float = 0.6) -> float:
     return median(per_batch)
 
 
-def _parse_figures() -> list[tuple[str, int, float, float]]:
+def _parse_figures() -> list[tuple[str, int, float]]:
     texts = [
         (f"largest real capture ({LARGEST_REAL})", (FIXTURES / LARGEST_REAL).read_text()),
         ("real-size vLLM 0.11 V1 (generated, 1 data-parallel rank)", vllm_v1_exposition(0).decode()),
@@ -123,14 +56,11 @@ def _parse_figures() -> list[tuple[str, int, float, float]]:
     ]
     out = []
     for label, text in texts:
-        assert {k: v for k, v in old_read_series(text).items() if v} == {k: v for k, v in read_series(text).items() if v}, \
-            "old and new read the same samples"
-        out.append((label, len(text.encode()), _cpu_us(partial(old_read_series, text)),
-                    _cpu_us(partial(read_series, text))))
+        out.append((label, len(text.encode()), _cpu_us(partial(read_series, text))))
     return out
 
 
-def _tables_figures(engines: int = 200, batch_sizes: int = 8) -> tuple[float, float, float]:
+def _tables_figures(engines: int = 200, batch_sizes: int = 8) -> tuple[float, float]:
     book, rng = RateBook(64, 5), random.Random(1)
     for e in range(engines):
         for b in range(1, batch_sizes + 1):
@@ -138,7 +68,6 @@ def _tables_figures(engines: int = 200, batch_sizes: int = 8) -> tuple[float, fl
                 book.record("m", "gb10", EngineRates(1, prefill_tokens_per_s=rng.uniform(1000, 5000),
                                                      decode_tokens_per_s_each=rng.uniform(10, 60), solo=b == 1, batch=b),
                             f"e{e}")
-    assert _old_tables(book) == book.tables()
     i = [0]
 
     def record_then_tables() -> None:
@@ -146,7 +75,7 @@ def _tables_figures(engines: int = 200, batch_sizes: int = 8) -> tuple[float, fl
         book.record("m", "gb10", EngineRates(1, decode_tokens_per_s_each=rng.uniform(10, 60), batch=3), f"e{i[0] % engines}")
         book.tables()
 
-    return _cpu_us(lambda: _old_tables(book), 1.0), _cpu_us(book.tables), _cpu_us(record_then_tables)
+    return _cpu_us(book.tables), _cpu_us(record_then_tables)
 
 
 async def _loop_lag(stop: asyncio.Event, lags: list[float], period: float = 0.01) -> None:
@@ -156,10 +85,9 @@ async def _loop_lag(stop: asyncio.Event, lags: list[float], period: float = 0.01
         lags.append(time.perf_counter() - before - period)
 
 
-FILTERED = "new, filtered probes"
-ARMS = (("old", old_read_series, 0.1, False), (NO_WAVES, read_series, 0.0, False), ("new", read_series, 0.1, False),
-        (FILTERED, read_series, 0.1, True))
-"""Reader, probe wave (``observe.probe_wave_seconds``; it matters only to the spread figures) and whether the probe asks
+FILTERED = "probe waves, filtered probes"
+ARMS = ((NO_WAVES, 0.0, False), (WAVES, 0.1, False), (FILTERED, 0.1, True))
+"""Probe wave (``observe.probe_wave_seconds``; it matters only to the spread figures) and whether the probe asks
 for only the samples sluice reads (``observe.filter_metrics``, ``parse.metrics_path``) per arm."""
 
 
@@ -177,44 +105,43 @@ async def _measure(port: int, engines: int, cycles: int, spread_s: float) -> dic
         for i in range(engines)
     ]
     await asyncio.gather(*(p.poll_once() for p in pollers))  # warm-up: connections, discovery
-    for arm, reader, wave, filtered in ARMS:
+    for arm, wave, filtered in ARMS:
         for p in pollers:
             p.observe = replace(observe, probe_wave_seconds=wave, filter_metrics=filtered)
-        with _poller_reads_with(reader):
-            cycle_s: list[float] = []
-            cpu_per_engine_ms: list[float] = []
-            lags: list[float] = []
-            stop = asyncio.Event()
-            lag_task = asyncio.create_task(_loop_lag(stop, lags))
-            for _ in range(cycles):
-                probes0 = sum(p.probes for p in pollers)
-                cpu0, t0 = time.process_time(), time.perf_counter()
-                await asyncio.gather(*(p.poll_once() for p in pollers))
-                cycle_s.append(time.perf_counter() - t0)
-                cpu_per_engine_ms.append((time.process_time() - cpu0) / engines * 1000)
-                assert sum(p.probes for p in pollers) - probes0 == engines, "every engine answered every cycle"
-                await asyncio.sleep(0.2)
-            stop.set()
-            await lag_task
-            # As the control plane runs them: each engine on its own 1 s schedule, starts staggered over the interval.
-            spread_lags: list[float] = []
-            stop = asyncio.Event()
-            lag_task = asyncio.create_task(_loop_lag(stop, spread_lags))
-            probes0, cpu0, t0 = sum(p.probes for p in pollers), time.process_time(), time.perf_counter()
-            tasks = [asyncio.create_task(p.run(i / engines, p.observe.wave_s)) for i, p in enumerate(pollers)]
-            await asyncio.sleep(spread_s)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            elapsed = time.perf_counter() - t0
-            stop.set()
-            await lag_task
-            out[arm] = {
-                "cycle_s": cycle_s, "cpu_ms": cpu_per_engine_ms, "lag_ms": [x * 1000 for x in lags],
-                "spread_lag_ms": [x * 1000 for x in spread_lags],
-                "spread_rate": [(sum(p.probes for p in pollers) - probes0) / elapsed],
-                "spread_cpu": [(time.process_time() - cpu0) / elapsed],
-            }
+        cycle_s: list[float] = []
+        cpu_per_engine_ms: list[float] = []
+        lags: list[float] = []
+        stop = asyncio.Event()
+        lag_task = asyncio.create_task(_loop_lag(stop, lags))
+        for _ in range(cycles):
+            probes0 = sum(p.probes for p in pollers)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            await asyncio.gather(*(p.poll_once() for p in pollers))
+            cycle_s.append(time.perf_counter() - t0)
+            cpu_per_engine_ms.append((time.process_time() - cpu0) / engines * 1000)
+            assert sum(p.probes for p in pollers) - probes0 == engines, "every engine answered every cycle"
+            await asyncio.sleep(0.2)
+        stop.set()
+        await lag_task
+        # As the control plane runs them: each engine on its own 1 s schedule, starts staggered over the interval.
+        spread_lags: list[float] = []
+        stop = asyncio.Event()
+        lag_task = asyncio.create_task(_loop_lag(stop, spread_lags))
+        probes0, cpu0, t0 = sum(p.probes for p in pollers), time.process_time(), time.perf_counter()
+        tasks = [asyncio.create_task(p.run(i / engines, p.observe.wave_s)) for i, p in enumerate(pollers)]
+        await asyncio.sleep(spread_s)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        elapsed = time.perf_counter() - t0
+        stop.set()
+        await lag_task
+        out[arm] = {
+            "cycle_s": cycle_s, "cpu_ms": cpu_per_engine_ms, "lag_ms": [x * 1000 for x in lags],
+            "spread_lag_ms": [x * 1000 for x in spread_lags],
+            "spread_rate": [(sum(p.probes for p in pollers) - probes0) / elapsed],
+            "spread_cpu": [(time.process_time() - cpu0) / elapsed],
+        }
         await asyncio.sleep(0.5)
     return out
 
@@ -239,7 +166,7 @@ def _start_farm(engines: int, data_parallel: int) -> tuple[subprocess.Popen[byte
 
 def run_observe_bench(engines: int = 1000, cycles: int = 10, spread_s: float = 4.0) -> int:
     parse = _parse_figures()
-    tables_old, tables_new, tables_changed = _tables_figures()
+    tables_new, tables_changed = _tables_figures()
     farm, port = _start_farm(engines, 1)
     try:
         figures = asyncio.run(_measure(port, engines, cycles, spread_s))
@@ -247,8 +174,7 @@ def run_observe_bench(engines: int = 1000, cycles: int = 10, spread_s: float = 4
         farm.terminate()
         farm.wait(5)
     size = len(vllm_v1_exposition(0))
-    rows = "\n".join(f"| {label} | {size_b / 1000:.1f} KB | {old:.0f} | {new:.0f} | {old / new:.1f}x |"
-                     for label, size_b, old, new in parse)
+    rows = "\n".join(f"| {label} | {size_b / 1000:.1f} KB | {new:.0f} |" for label, size_b, new in parse)
     probe_rows = []
     for arm, *_ in ARMS:
         f = figures[arm]
@@ -257,16 +183,16 @@ def run_observe_bench(engines: int = 1000, cycles: int = 10, spread_s: float = 4
             f"| {arm} | {median(cpu):.3f} | {max(cpu):.3f} | {median(cycle):.3f} | {max(cycle):.3f} | "
             f"{pct(lag, 95):.1f} / {max(lag):.0f} | {f['spread_rate'][0]:.0f} | {f['spread_cpu'][0] * 100:.0f}% | "
             f"{pct(spread_lag, 95):.1f} / {max(spread_lag):.0f} |")
-    new_cpu, filtered_cpu = median(figures["new"]["cpu_ms"]), median(figures[FILTERED]["cpu_ms"])
+    new_cpu, filtered_cpu = median(figures[WAVES]["cpu_ms"]), median(figures[FILTERED]["cpu_ms"])
     filtered_size = len(restrict(vllm_v1_exposition(0), parse_qs(urlsplit(metrics_path(Flavor.VLLM)).query)["name[]"]))
     body = f"""Every figure below is CPU time of the measuring process (`time.process_time`), so the farm and the other engineers'
 work sharing this 2-core machine inflate wall times but not these CPU figures much; figures of one run, not an average.
 
-**Parsing alone** (`read_series` on one exposition; the old reader filters lines in Python, then prometheus_client parses
-the kept lines; the new one finds the kept lines with one compiled regex and reads only those), CPU µs per probe:
+**Parsing alone** (`read_series` on one exposition: it finds the kept lines with one compiled regex and reads only
+those), CPU µs per probe:
 
-| exposition | size | old µs | new µs | old / new |
-|---|---|---|---|---|
+| exposition | size | µs |
+|---|---|---|
 {rows}
 
 **Whole probe through the real poller** (`EnginePoller.poll_once`: HTTP GET (`observe/httpget.py`) + read + normalisation + rates), {engines}
@@ -278,7 +204,7 @@ worker runs them (`observe.probe_wave_seconds`), except in the "{NO_WAVES}" arm,
 plane's own loop (`probe_process: off` or a fleet below 64 engines) and how the worker ran them before 896116a
 (2026-12-03).
 
-| reader | CPU per probe, median (ms) | max | cycle time, median (s) | max | loop lag during cycles p95 / max (ms) | spread: probes/s | spread: CPU of one core | spread: loop lag p95 / max (ms) |
+| arm | CPU per probe, median (ms) | max | cycle time, median (s) | max | loop lag during cycles p95 / max (ms) | spread: probes/s | spread: CPU of one core | spread: loop lag p95 / max (ms) |
 |---|---|---|---|---|---|---|---|---|
 {chr(10).join(probe_rows)}
 
@@ -290,8 +216,11 @@ for vLLM) and {1000 / new_cpu:.0f} with whole expositions (1 s / median CPU per 
 exchange, the sample's normalisation and the rates).
 
 **`RateBook.tables()`** per Check, 200 engines x 8 batch sizes (1600 decode rings of 64, plus prefill and solo rings):
-old (every median recomputed, twice, per call) {tables_old:.0f} µs; new (cached) {tables_new:.2f} µs per call; a `record`
-that changes one median followed by `tables()`: {tables_changed:.1f} µs.
+{tables_new:.2f} µs per call (cached); a `record` that changes one median followed by `tables()`: {tables_changed:.1f} µs.
+
+What this code replaced (the reader of 345f6f1, which filtered lines in Python before prometheus_client parsed them, and
+tables that recomputed every median on every call) was measured beside it in the report of 2026-12-03 (338793e's
+`bench/results/observe.md`); those copies of retired code are no longer kept in the bench.
 """
     path = write_report("observe", "sluice bench observe: polling many engines", body)
     print(body)
