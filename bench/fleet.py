@@ -28,9 +28,10 @@ with the policy's ``ttft_headroom_fraction``, as ``parse_request`` does).
 Decisions are counted where they happen (every call of ``decide`` by ``AdmissionCore``: arrivals, woken heads); the CPU is
 the process time of every control-plane call above (Checks with their fleet, releases and probes with their wakes, sweeps,
 weights), measured around those calls only, so the simulator's own bookkeeping is not charged. A probe's CPU here
-is its callback only: fetching and parsing ``/metrics`` is ``sluice bench observe``'s (its report gives that cost). The **before** arm runs the
-same path with the previous fleet (every view and ledger view rebuilt per Check, every candidate estimated) and the
-previous push rule (any engine's weight moving 10%, no interval), on fewer requests.
+is its callback only: fetching and parsing ``/metrics`` is ``sluice bench observe``'s (its report gives that cost). It
+measures the code as it is: the fleet this path replaced (every view rebuilt per Check, every candidate estimated) and
+its push rule were measured beside it until 2026-12-05 (6a6a3ff's report: 76 and 418 decisions per CPU second at 1000
+and 200 engines), not kept here.
 
 Over-shed: a request shed although, at that moment, some engine had a free slot where its true TTFT (prefill + one token)
 met the deadline.
@@ -53,7 +54,6 @@ from typing import Any
 
 import controlplane.core.admission as admission_module
 import controlplane.core.decide as decide_module
-import controlplane.xds.publisher as publisher_module
 from controlplane.app import ControlPlane
 from controlplane.config import parse_config
 from controlplane.core.admission import Outcome
@@ -61,7 +61,6 @@ from controlplane.core.model import (
     EngineRates, EngineSample, EngineView, Flavor, InferenceRequest, ServedModel, Verdict,
 )
 from controlplane.core.request import ttft_deadline
-from controlplane.core.weights import Weights
 from controlplane.observe.observation import FRAMES_PER_TURN
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.worker import FLUSH_S
@@ -72,11 +71,10 @@ Report = tuple[EnginePoller, EngineView, EngineRates]
 """A probe's result as the probe worker sends it: the poller it is for, the view it makes, the rates it measured."""
 SIZES = tuple(int(s) for s in __import__("os").environ.get("SLUICE_FLEET_SIZES", "200,1000").split(","))
 REQUESTS = int(__import__("os").environ.get("SLUICE_FLEET_REQUESTS", "6000"))
-BEFORE_REQUESTS = {200: 1500, 1000: 400}
 ROUNDS = int(__import__("os").environ.get("SLUICE_FLEET_ROUNDS", "3"))
 TARGET_DECISIONS_PER_CPU_S = 2000.0
 """Issue 9's target at the largest fleet, on one core."""
-"""Runs of each arm but the before ones, interleaved (every arm once per round): a row is the run with the median
+"""Runs of each arm, interleaved (every arm once per round): a row is the run with the median
 decisions per CPU-s, and every round's figure is shown. The same arm moved by 20% from one run to the next on this shared
 host (1888 to 2319 at 1000 engines, 2026-12-03), so one run judged the target by the host's load."""
 IDLE_SECONDS = 60.0
@@ -135,23 +133,10 @@ def arrivals(rng: random.Random, rate: float, count: int) -> list[Arrival]:
     return out
 
 
-def old_moved(published: Weights, fresh: Weights, threshold: float) -> bool:
-    """The previous push rule (commit 7834119): any engine's integer weight moving by more than ``threshold``."""
-    if published.keys() != fresh.keys():
-        return True
-    for model, weights in fresh.items():
-        old = published[model]
-        if old.keys() != weights.keys():
-            return True
-        if any(abs(w - old[e]) > threshold * max(old[e], 1) for e, w in weights.items()):
-            return True
-    return False
-
-
 class Plane:
     """A ``ControlPlane`` of the sim's engines with a simulated clock, every call timed in process CPU."""
 
-    def __init__(self, engines: list[SimEngine], band: bool, before: bool) -> None:
+    def __init__(self, engines: list[SimEngine], band: bool) -> None:
         raw = {
             "controlplane": {"grpc_port": 1, "metrics_port": 2},
             "envoy": {"listen_port": 3, "admin_port": 4},
@@ -173,10 +158,6 @@ class Plane:
         self.cpu: defaultdict[str, float] = defaultdict(float)
         self.probes = 0
         self.rng = random.Random(SEED + 11)
-        if before:
-            plane = self.plane
-            setattr(plane.observation, "fleet", lambda now: plane.admission.fleet(  # the pre-index fleet, per Check
-                (p.view(now) for p in plane.pollers), now, plane.rates.tables()))
 
     def timed(self, what: str, call: Callable[[], Any]) -> Any:
         started = time.process_time()
@@ -223,8 +204,8 @@ class Plane:
         self.deliver([self.report(e, running, noise)])
 
 
-async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool, before: bool = False) -> dict[str, Any]:
-    sim = Plane(engines, band, before)
+async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool) -> dict[str, Any]:
+    sim = Plane(engines, band)
     plane = sim.plane
     calls = Counter[str]()
     real_decide, real_indexed = decide_module.decide, decide_module._indexed
@@ -238,12 +219,7 @@ async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool, bef
         calls["indexed" if result is not None else "full_scan"] += 1
         return result
 
-    # Deliberate monkey-patches (setattr): count the real calls, and put back the pre-index push rule for ``before``.
-    # The publisher calls the ``should_push`` it imported; AdmissionCore the ``decide`` it imported.
-    real_push = getattr(publisher_module, "should_push")
-    if before:
-        setattr(publisher_module, "should_push", lambda published, fresh, threshold, now, last, **_: old_moved(
-            published, fresh, threshold))
+    # Deliberate monkey-patches (setattr): count the real calls (AdmissionCore calls the ``decide`` it imported).
     setattr(admission_module, "decide", counting_decide)
     setattr(decide_module, "_indexed", counting_indexed)
     try:
@@ -252,7 +228,6 @@ async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool, bef
         gc.unfreeze()  # _run froze the start-up objects as the process does; the next arm starts afresh
         setattr(admission_module, "decide", real_decide)
         setattr(decide_module, "_indexed", real_indexed)
-        setattr(publisher_module, "should_push", real_push)
 
 
 async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: list[Arrival],
@@ -482,23 +457,19 @@ def run_fleet_bench() -> int:
                                    statistics.mean(j.output for j in probe))
         rates[size] = rate
         jobs = arrivals(random.Random(SEED + 1), rate, REQUESTS)
-        arms = [("sluice (band)", True, False, jobs),
-                (NO_CLASSES, True, False, jobs),
-                ("before: full rebuild + scan (band)", True, True, jobs[: BEFORE_REQUESTS[size]])]
+        arms = [("sluice (band)", True), (NO_CLASSES, True)]
         if size == SIZES[0]:
             # The band's purpose at scale (seed 002); at saturation fastest-first parks heads that nothing fits, which the
             # full scan decides, so it runs at the smaller size only.
-            arms.insert(1, ("fastest-first", False, False, jobs))
+            arms.insert(1, ("fastest-first", False))
         runs: dict[str, list[dict[str, Any]]] = {}
         for round_ in range(ROUNDS):
-            for arm, band, before, arm_jobs in arms:
-                if before and round_:
-                    continue  # the before arms are 10-50x slower: one run says so
+            for arm, band in arms:
                 # NO_CLASSES: no chip_class configured, so each engine is its own class (a new user's fleet).
                 fresh = [SimEngine(e.name, e.name if arm == NO_CLASSES else e.chip, e.solo, e.prefill, e.cap)
                          for e in engines]
                 key = f"{size} | {arm}"
-                r = asyncio.run(run_arm(fresh, arm_jobs, band, before))
+                r = asyncio.run(run_arm(fresh, jobs, band))
                 runs.setdefault(key, []).append(r)
                 print(f"round {round_ + 1}/{ROUNDS}, {key}: {r['decisions_per_cpu_s']:.0f} decisions/CPU-s (all-in "
                       f"{r['decisions_per_cpu_s_all']:.0f}), check {r['check_ms']:.3f} ms, probe {r['probe_us']:.0f} us, "
@@ -509,8 +480,6 @@ def run_fleet_bench() -> int:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for key, r in results.items():
-        if "before" in key:
-            continue
         served = r["served_sorted"]
         ax.plot([i / len(served) for i in range(1, len(served) + 1)], served, label=key.replace(" | ", " engines, "))
     ax.set_xlabel("engines, busiest first (fraction of the fleet)")
@@ -541,8 +510,8 @@ def run_fleet_bench() -> int:
     doc = __doc__.replace("LOAD", f"{LOAD:g}").replace("SLO_S", f"{SLO_S:g} s")
     body = f"""{doc}
 Arrival rates: {", ".join(f"{size} engines {rate:.1f} requests/s ({LOAD:.0%} of capacity)" for size, rate in rates.items())};
-{REQUESTS} requests per arm (the before arms fewer: {BEFORE_REQUESTS}), seed {SEED}. Pushes per minute: idle (probes with a
-little bypass traffic, {IDLE_SECONDS:g} s) / with the traffic. Each arm but the before ones ran {ROUNDS} times, interleaved
+{REQUESTS} requests per arm, seed {SEED}. Pushes per minute: idle (probes with a little bypass traffic, {IDLE_SECONDS:g}
+s) / with the traffic. Each arm ran {ROUNDS} times, interleaved
 (every arm once per round); a row is its median run, and every round's figure is shown.
 
 | engines, arm | requests | decide calls | decisions per CPU-s (admission: Checks, releases + wakes, sweeps; median run) | the same, round by round | decisions per CPU-s while requests arrive (all-in: + probes, weights) | Check CPU (ms, fleet + decide) | CPU per probe (us) | decided on the index / full scan | busiest 10% take | engines idle | TTFT SLO met | shed | over-shed | TTFT p50 (s) | weight pushes/min idle / traffic |
