@@ -16,11 +16,9 @@ import uuid
 import random
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import replace
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
-from pathlib import Path
 from importlib.metadata import PackageNotFoundError, version
 
 import grpc
@@ -28,23 +26,18 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
+from controlplane.adminport import AdminAdapter, ConfigReader, ReloadListener
 from controlplane.servicers.accesslog import AccessLogServicer
 from controlplane.servicers.admin import AdminServicer
 from controlplane.servicers.adminauth import AdminGuard, load_tokens
 from controlplane.admission.service import AdmissionService
 from controlplane.servicers.authz import AuthorizationServicer
 from controlplane.config import (
-    RELOADABLE, Config, ConfigError, OnStale, ServerTls, StoreBackend, changed_sections, is_loopback, load_config,
-    resolve_engines,
+    Config, ConfigError, OnStale, ServerTls, StoreBackend, is_loopback, load_config, resolve_engines,
 )
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.decide import decide
-from controlplane.core.fairshare import FairStanding, TenantShare
-from controlplane.core.feedback import TtftSummary
-from controlplane.core.prompt_tokens import PromptTokenRules, PromptTokenSummary
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Ticket
-from controlplane.core.policy import Policy, version_key
+from controlplane.core.model import EngineRates, EngineView, Fleet, Ticket
 from controlplane.core.weights import Weights
 from controlplane.giveway import give_way
 from controlplane.servicers.httpendpoint import HttpEndpoint
@@ -57,21 +50,13 @@ from controlplane.store.memory import MemoryStore
 from controlplane.store.valkey import ValkeyStore
 from controlplane.tls import server_credentials
 from controlplane.tracing import CheckTracing, TracedAuthorizationServicer
-from controlplane.ports import FloorResult, ReloadResult, StatusFacts, XdsTypeStatus
-from controlplane.admission.quota import Quota, TenantUsage, make_limiter
-from controlplane.admission.watch import Watcher
+from controlplane.admission.quota import Quota, make_limiter
 from controlplane.xds.publisher import XdsPublisher
 from controlplane.xds.server import AdsServicer
 from controlplane.xds.snapshot import Snapshot, SnapshotCache
 from sluice.admin.v1 import admin_pb2_grpc
 
 log = logging.getLogger("sluice.controlplane")
-
-ConfigReader = Callable[[str | None], Config]
-"""Reads and validates a config file (None: the bundled default) into an unresolved ``Config``; raises ``ConfigError``.
-Runs in a worker thread."""
-ReloadListener = Callable[[ReloadResult], None]
-"""Told the result of every reload asked for through the admin API (not of a SIGHUP's)."""
 
 STALENESS_SLICE = 200
 """Engines looked at by the staleness tick between two yields to the event loop (``ControlPlane._watch_staleness``)."""
@@ -94,19 +79,14 @@ def _version() -> str:
 class ControlPlane:
     """Wires the parts: ``Observation`` (pollers, staleness, rates), ``AdmissionService`` (parked Checks, wakes, leases)
     around the pure ``AdmissionCore``, ``XdsPublisher`` (snapshots and fallback weights), the HTTP endpoint (metrics and
-    the retry redirector) and one gRPC server whose servicers each get only their port. It also answers the admin port
-    (``AdminPort``) and applies reloads."""
+    the retry redirector) and one gRPC server whose servicers each get only their port; the admin servicer's port is
+    ``AdminAdapter`` (adminport.py), which applies reloads too."""
 
     def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic,
                  read_config: ConfigReader = load_config, on_reload: ReloadListener | None = None) -> None:
         self.config = config
         self.clock = clock
-        self.read_config = read_config
-        """How a reload reads its file: the reader ``config`` itself was read with."""
-        self.on_reload = on_reload
-        """Told each admin-API reload's result (``sluice up`` passes an applied one on to the other replicas)."""
         self.version = _version()
-        self.started_at = clock()
         self.ledger = Ledger(config.tickets.lease_seconds)
         self.metrics = SluiceMetrics(
             open_tickets=lambda: {p.config.name: self.ledger.open_tickets(p.config.name) for p in self.pollers},
@@ -128,6 +108,11 @@ class ControlPlane:
         """OpenTelemetry traces of the Checks (``tracing.enabled``); None: off, and no Check pays for it."""
         if self.tracing is not None:
             self.service.trace_outcome = self.tracing.record
+        self.admin = AdminAdapter(config, version=self.version, ledger=self.ledger, admission=self.admission,
+                                  observation=self.observation, service=self.service, xds=self.xds, quota=self.quota,
+                                  metrics=self.metrics, apply_config=self._set_config, note_cache=self._note_cache,
+                                  clock=clock, read_config=read_config, on_reload=on_reload)
+        """The admin API's port (``AdminPort``): what operators read, and the changes they make (reloads included)."""
         self.grpc_port = 0
         self.admin_port = 0
         self._server: grpc.aio.Server | None = None
@@ -179,166 +164,12 @@ class ControlPlane:
         now = self.clock()
         return await self.xds.refresh_weights(self.fleet(now), now)
 
-    # -- AdminPort ---------------------------------------------------------------------------------------------------
-    @property
-    def policy(self) -> Policy:
-        return self.config.policy
-
-    def now(self) -> float:
-        return self.clock()
-
-    def status(self, now: float) -> StatusFacts:
-        snapshot, ads = self.xds.cache.snapshot, self.xds.ads
-        xds = tuple(
-            XdsTypeStatus(type_url, snapshot.version(type_url),
-                          {s.node_id or "?": s.acked_version(type_url) or "" for s in ads.streams})
-            for type_url in sorted(snapshot.types)
-        ) if snapshot is not None else ()
-        ledger = self.ledger
-        return StatusFacts(self.version, now - self.started_at, ledger.open_tickets(), ledger.admitted_total,
-                           ledger.released_total, ledger.expired_total, ads.nacks_total, xds, len(ads.streams))
-
-    def open_tickets(self, engine: str) -> int:
-        return self.ledger.open_tickets(engine)
-
-    def medians(self, model: str, chip_class: str) -> tuple[float | None, float | None]:
-        return self.rates.prefill_median(model, chip_class), self.rates.solo_decode_median(model, chip_class)
-
-    def ttft_summary(self, engine: str) -> TtftSummary:
-        return self.service.ttft_summary(engine)
-
-    def prompt_summary(self, model: str, engine: str) -> PromptTokenSummary:
-        return self.service.core.prompt_tokens.summary(model, engine)
-
-    def swap_samples(self, engine: str) -> int:
-        return self.service.core.swaps.samples(engine)
-
-    @property
-    def prompt_rules(self) -> PromptTokenRules:
-        return self.service.prompt_rules
-
-    async def set_drained(self, name: str, drained: bool) -> bool:
-        if not self.observation.set_drained(name, drained):
-            return False
-        view = self.observation.view_of(name, self.clock())
-        if view is not None:
-            self._note_cache(view)
-        await self.refresh_weights()
-        self.wake()
-        return True
-
-    def decide_for(self, request: InferenceRequest, now: float) -> tuple[Decision, int]:
-        """What the core would decide for ``request`` right now (nothing is admitted), and how many are parked ahead."""
-        assert request.model is not None
-        ahead = self.admission.queued_ahead(request.model, request.priority)
-        return decide(request, self.fleet(now), self.config.policy, now, ahead,
-                      self.admission.sessions.get(request.session), arriving=True,
-                      cached=self.expected_cached(request),
-                      displaced=self.admission.expected_displaced(request),
-                      prefix_share=self.admission.prefix_share(request)), ahead
-
-    def expected_cached(self, request: InferenceRequest) -> Mapping[str, int]:
-        return self.admission.expected_cached(request)
-
-    @property
-    def config_source(self) -> str:
-        return self.config.source
-
-    def watch(self, model: str | None) -> Watcher:
-        return self.service.feed.subscribe(model)
-
-    def unwatch(self, watcher: Watcher) -> None:
-        self.service.feed.unsubscribe(watcher)
-
-    async def tenant_usage(self) -> tuple[TenantUsage, ...]:
-        return await self.quota.usage()
-
-    def tenant_shares(self) -> list[TenantShare]:
-        """Each tenant's fair-share standing per model on this replica (core/fairshare.py)."""
-        return self.admission.tenant_shares()
-
-    def fair_standing(self, request: InferenceRequest, now: float) -> FairStanding:
-        """Where ``request`` would stand in its parking class on this replica if it parked now (core/fairshare.py),
-        and the slots held for other tenants' reserved shares (core/reserve.py)."""
-        return self.admission.fair_standing(request, self.fleet(now), now)
-
-    async def set_version_floor(self, pattern: str, version: str) -> FloorResult:
-        """Set (empty ``version``: remove) one version floor, through the same door as a reload (``set_policy``)."""
-        floors = dict(self.config.policy.version_floors)
-        before = floors.get(pattern, "")
-        if not pattern or (version and not version_key(version)):
-            return FloorResult(False, (f"version_floors.{pattern or '?'}: need a model pattern and a version like "
-                                       f"0.11.0, got {version!r}",), before, before)
-        if version:
-            floors[pattern] = version
-        else:
-            floors.pop(pattern, None)
-        policy = replace(self.config.policy, version_floors=tuple(floors.items()))
-        self._set_config(replace(self.config, policy=policy))
-        self.admission.set_policy(policy, admit_stale=self.admission.admit_stale)
-        log.warning("version floor %s: %s -> %s", pattern, before or "none", version or "none")
-        await self.refresh_weights()
-        self.wake()
-        return FloorResult(True, (), before, version)
-
-    def reload_allowed(self, path: str) -> bool:
-        """A reload may name the running config file, or a file under ``admin.reload_dir``; nothing else the server can
-        read (a file naming other engine URLs would redirect everyone's prompts)."""
-        wanted = Path(path).resolve()
-        if not self.config.source.startswith(("bundled:", "<")) and wanted == Path(self.config.source).resolve():
-            return True
-        root = self.config.admin.reload_dir
-        return root is not None and wanted.is_relative_to(Path(root).resolve())
-
-    async def reload(self, path: str | None = None, *, announce: bool = True) -> ReloadResult:
-        """Apply a config file's policy (``path``, or the running file), read through ``read_config``, all or nothing.
-        Every attempt is counted in ``sluice_config_reloads_total``. ``announce``: tell ``on_reload`` the result (an
-        admin-API reload does; a SIGHUP's does not, as SIGHUP is how ``sluice up`` passes a reload on)."""
-        result = await self._reload(path)
-        self.metrics.config_reloads.labels("applied" if result.applied else "refused").inc()
-        if not result.applied:
-            log.error("reload of %s refused; the running policy stays:\n  %s", result.source,
-                      "\n  ".join(result.problems))
-        if announce and self.on_reload is not None:
-            self.on_reload(result)
-        return result
-
-    async def _reload(self, path: str | None) -> ReloadResult:
-        if path is not None and not self.reload_allowed(path):
-            return ReloadResult(False, (f"(file): a reload may name only the running config file or a file under "
-                                        f"admin.reload_dir ({self.config.admin.reload_dir or 'not set'}); not {path}",),
-                                (), path)
-        source = path or (None if self.config.source.startswith("bundled:") else self.config.source)
-        if source == "<memory>":
-            return ReloadResult(False, ("(file): this control plane was not started from a file; name one",), (),
-                                source)
-        try:
-            # the file read in a thread, hostnames resolved asynchronously
-            fresh = await resolve_engines(await asyncio.to_thread(self.read_config, source))
-        except ConfigError as exc:
-            return ReloadResult(False, tuple(exc.problems), (), str(source))
-        restart = self.config.restart_needed(fresh)
-        if restart:
-            return ReloadResult(False, tuple(f"{name}: changed, which needs a restart (a reload applies only "
-                                             f"{', '.join(RELOADABLE)})" for name in restart), (), fresh.source)
-        changed = changed_sections(self.config, fresh)
-        config = replace(self.config, policy=fresh.policy, observe=fresh.observe, engines=fresh.engines,
-                         tenants=fresh.tenants, source=fresh.source)
-        self.observation.apply_engines(config)
-        self.admission.prefixes.keep(e.name for e in config.engines)
-        self._set_config(config)
-        self.admission.set_policy(fresh.policy, admit_stale=fresh.observe.on_stale is OnStale.OPEN)
-        log.warning("policy reloaded from %s; changed: %s", fresh.source, ", ".join(changed) or "nothing")
-        if "engines" in changed:
-            await self.publish()  # clusters and endpoints first-class over CDS/EDS; the listener does not move
-        await self.refresh_weights()
-        self.wake()
-        return ReloadResult(True, (), tuple(changed), fresh.source)
-
-    def _set_config(self, config: Config) -> None:
-        self.config = self.service.config = self.xds.config = self.observation.config = self.quota.config = config
-
     # -- events between the parts ------------------------------------------------------------------------------------
+    def _set_config(self, config: Config) -> None:
+        """Every part that reads the config gets the new one at once (start-up's resolved one, a floor, a reload)."""
+        self.config = self.service.config = self.xds.config = self.observation.config = self.quota.config = \
+            self.admin.config = config
+
     def _on_probe(self, view: EngineView, rates: EngineRates | None) -> None:
         self._note_cache(view)
         self.service.on_probe(view)
@@ -398,7 +229,7 @@ class ControlPlane:
                         "mTLS: restrict who reaches it (deploy/ NetworkPolicy lets only Envoy in)", cfg.controlplane.host)
         # The admin API on a listener of its own (loopback by default), every call through the token guard.
         admin_server = grpc.aio.server(options=GRPC_OPTIONS)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self, guard), admin_server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.admin, guard), admin_server)
         self.admin_port = _bind(admin_server, f"{cfg.controlplane.admin_host}:{cfg.controlplane.admin_port}", admin_tls)
         if not self.admin_port:
             raise OSError(f"cannot bind the admin API on {cfg.controlplane.admin_host}:{cfg.controlplane.admin_port}")
@@ -505,9 +336,9 @@ async def serve_until_signalled(config: Config, read_config: ConfigReader = load
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(plane.reload(announce=False)))
+    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(plane.admin.reload(announce=False)))
     if hangups():
-        await plane.reload(announce=False)
+        await plane.admin.reload(announce=False)
     await stop.wait()
     log.info("stopping control plane")
     await plane.stop()

@@ -37,7 +37,7 @@ def test_a_probe_worker_observes_serves_keeps_drains_and_comes_back(tmp_path: Pa
         assert served <= {"thor", "spark"} and served
 
         # A drain lives in the control plane; the worker's next views do not undo it.
-        assert stack.controlplane.call(plane.set_drained("spark", True))
+        assert stack.controlplane.call(plane.admin.set_drained("spark", True))
         time.sleep(0.6)  # several probes of spark land meanwhile
         views = {v.name: v for v in plane.fleet(plane.clock()).engines}
         assert views["spark"].drained and not views["spark"].stale

@@ -146,10 +146,10 @@ def test_the_per_engine_families_render_as_prometheus_client_would() -> None:
     assert metrics.registry.get_sample_value("sluice_ttft_estimate_error_ratio_count", {"engine": "quiet"}) == 0
     assert metrics.registry.get_sample_value("sluice_engine_retries_total", {"engine": "e2"}) == 2
     # The rest, rendered by exposition_text, is generate_latest's text too.
-    from controlplane.metrics import _Fixed, exposition_text
+    from controlplane.metrics.exposition import Fixed, exposition_text
 
     rest = [family for family in metrics.registry.collect()
             if family.name not in families and family.name != "sluice_ttft_estimate_error_ratio"]
     for family in rest:
         family.samples = [sample for sample in family.samples if not sample.name.endswith("_created")]
-    assert exposition_text(rest) == generate_latest(_Fixed(rest)).decode()
+    assert exposition_text(rest) == generate_latest(Fixed(rest)).decode()
