@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from controlplane.config import _POLICY_NAME, DEFAULTS  # the config spelling of Policy's fields
+from controlplane.config.policy import admission_values
 from controlplane.core.policy import Policy
 
 
@@ -25,9 +25,8 @@ def _plain(value: Any) -> Any:
 
 
 def policy_raw(policy: Policy) -> dict[str, Any]:
-    admission = {key: _plain(getattr(policy, _POLICY_NAME.get(key, key))) for key in DEFAULTS["admission"]}
     return {
-        "admission": admission,
+        "admission": {key: _plain(value) for key, value in admission_values(policy).items()},
         "models": {m: _plain(asdict(mp)) for m, mp in sorted(policy.models.items())},
         "version_floors": {pattern: version for pattern, version in policy.version_floors},
         "boxes": [_plain(asdict(b)) for b in policy.boxes],

@@ -76,12 +76,14 @@ def test_tracing_is_read_once_so_a_change_needs_a_restart() -> None:
 
 def test_every_tracing_key_is_documented_with_its_default() -> None:
     root = Path(__file__).resolve().parents[2]
-    table = (root / "docs" / "architecture.md").read_text().split("\n## Configuration", 1)[1].split("\n## ", 1)[0]
+    table = (root / "docs" / "configuration.md").read_text().split("\n## `tracing`", 1)[1].split("\n## ", 1)[0]
     readme = (root / "README.md").read_text().split("\n### Traces", 1)[1].split("\n### ", 1)[0]
+    rows = {row.split(" | ")[0].strip("| `"): row.split(" | ")[2].strip("`") for row in table.splitlines()
+            if row.startswith("| `tracing.")}
     for key, default in DEFAULTS["tracing"].items():
         shown = str(default).lower() if isinstance(default, bool) else f"{default:g}" if isinstance(default, float) \
             else str(default)
-        assert f"| `tracing.{key}` | {shown} |" in table, f"tracing.{key} (default {shown}) not in the config table"
+        assert rows.get(f"tracing.{key}") == shown, f"tracing.{key} (default {shown}) not in the config table"
         assert f"{key}:" in readme, f"tracing.{key} not in README's Traces example"
 
 
