@@ -378,7 +378,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
             started = time.process_time()
             for _ in range(WAKE_TURNS):
                 service = plane.service
-                if not service._background and (service._wake_task is None or service._wake_task.done()):
+                if not service.replication._background and (service._wake_task is None or service._wake_task.done()):
                     break
                 await asyncio.sleep(0)
             sim.cpu["releases"] += time.process_time() - started
@@ -392,7 +392,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
             flush()
         elif kind == "sweep":
             if plane.admission.depth():
-                sim.timed("sweeps", lambda: plane.service._resolve(plane.admission.expire_parked(plane.fleet(sim.now), sim.now)))
+                sim.timed("sweeps", lambda: plane.service.answer(plane.admission.expire_parked(plane.fleet(sim.now), sim.now)))
         elif kind == "weights":
             started = time.process_time()
             await plane.refresh_weights()

@@ -40,7 +40,7 @@ async def test_a_refusal_answered_after_this_replicas_own_release_does_not_bring
         first = await answer(a, "t1")
         assert first.ticket is not None
         pending = asyncio.create_task(a.check("x", REQUEST))  # decides on the mirror (one ticket: a slot is free)
-        claim = Claim(a.shared.to_shared(replace(first.ticket, ticket_id="t2")), cap=2, kv_limit=None)
+        claim = Claim(a.mirror.shared.to_shared(replace(first.ticket, ticket_id="t2")), cap=2, kv_limit=None)
         assert (await other.reserve(claim)).ok  # another replica takes the last slot; a hears of it a turn later
         await asyncio.sleep(0.01)  # x's reserve was refused (cap, listing t1 and t2); the answer is on its way
         a.release_ticket("t1")  # the access log: released here, and in the store at once

@@ -78,7 +78,7 @@ async def test_requests_parked_for_the_line_on_both_replicas_go_in_the_step_that
                 checks.append(asyncio.create_task(answer((r0, r1)[i % 2], f"q{i}")))
                 await asyncio.sleep(0.05)
             assert not any(c.done() for c in checks)
-            assert await r0.store.members("m", 1) == ["q0", "q2"] and await r1.store.members("m", 1) == ["q1", "q3"]
+            assert await r0.replication.store.members("m", 1) == ["q0", "q2"] and await r1.replication.store.members("m", 1) == ["q1", "q3"]
             r0.wake()  # any event wakes a replica: its wake leaves claims for every head it would admit
             r1.wake()
             await asyncio.sleep(0.1)
@@ -107,7 +107,7 @@ async def test_an_arrival_behind_its_replicas_requests_gone_on_their_claims_is_a
     async with running(MemoryStore(state, "r0"), {"e": 8}) as svc:
         first = asyncio.create_task(answer(svc, "q0"))  # refused for the line: parks with its claim
         await asyncio.sleep(0.05)
-        assert await svc.store.members("m", 1) == ["q0"]
+        assert await svc.replication.store.members("m", 1) == ["q0"]
         assert (await holder.reserve(Claim(shared_ticket("head"), cap=8, kv_limit=None, queue=QueueRule.OLDEST))).ok
         assert svc.core.where("q0") is not None, "q0's answer is on its way (the CLAIMED event)"
         arrival = await svc.check("q1", REQUEST)  # in the same turn of the loop
@@ -137,7 +137,7 @@ async def test_a_request_admitted_on_its_claim_after_its_client_left_gives_its_t
     async with running(SlowUnparks(state, "r0"), {"e": 8}) as svc:
         check = asyncio.create_task(answer(svc, "x"))
         await asyncio.sleep(0.05)
-        assert await svc.store.members("m", 1) == ["x"]
+        assert await svc.replication.store.members("m", 1) == ["x"]
         check.cancel()  # the client leaves; its unpark is on its way
         await asyncio.gather(check, return_exceptions=True)
         assert (await holder.reserve(Claim(shared_ticket("head"), cap=8, kv_limit=None, queue=QueueRule.OLDEST))).ok
