@@ -5,7 +5,7 @@ The decision core speaks verdicts and reasons (``controlplane/core/model.py``); 
 ``Failure`` (an answer with no decision behind it: the Check's own failures, Envoy's local replies) -> HTTP status, OpenAI
 error type and code. Every error code sluice sends is spelled here once, so a Check denial and an Envoy local reply for the
 same code cannot drift apart: the Check's denials (``check_deny``, ``check_error``) and the xDS builders' local replies and
-direct responses (``controlplane/xds/resources.py``) both render through ``error_json``.
+direct responses (``controlplane/xds/resources/listener.py``) both render through ``error_json``.
 
 A leaf: protos, ``core.model`` and ``names`` only (no servicer, no xDS module), so the Check, the admin API, the retry
 redirector and the xDS builders can all import it without a cycle.
@@ -141,7 +141,7 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Failure.INTERNAL_ERROR: _server("internal_error", 500),
     Failure.CONTROLPLANE_OVERLOADED: _server("controlplane_overloaded"),
     Failure.UPSTREAM_UNAVAILABLE: _server("upstream_unavailable"),
-    # ... and Envoy's local replies (xds/resources.py)
+    # ... and Envoy's local replies (xds/resources/listener.py)
     Failure.CONTROLPLANE_UNAVAILABLE: _server("controlplane_unavailable"),
     Failure.NOT_ADMITTED: _server("not_admitted"),
     Failure.ENGINE_OVERLOADED: _server("engine_overloaded"),

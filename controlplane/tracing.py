@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of the Checks (opt-in: ``tracing.enabled``, ``TracingConfig`` in ``config.py``).
+"""OpenTelemetry traces of the Checks (opt-in: ``tracing.enabled``, ``TracingConfig`` in ``config/sections.py``).
 
 One span per ext_authz Check, ``sluice.check`` (kind SERVER): a child of the client's W3C ``traceparent`` when the Check's
 request headers carry one (Envoy hands the Check every request header), else the root of a new trace. It carries the

@@ -1,6 +1,6 @@
 """Simulated engines as the layer that starts them sees them (``sluice up``, the tests' harness, the benches).
 
-The control plane's config (controlplane/config.py) only records that an engine is a simulator (``sim: <profile>``); it never
+The control plane's config (``controlplane/config/``) only records that an engine is a simulator (``sim: <profile>``); it never
 reads the simulator's profiles, so production code does not depend on the test double. What a profile implies for the
 config is decided here, before validation, and written into the config the control plane is handed:
 

@@ -561,7 +561,7 @@ class Additions:
         return replica_configs(completed, config, self.replicas, self.store, store_url)[self.replica]
 
     def read(self, path: str | None) -> Config:
-        """A ``ConfigReader`` (``controlplane/app.py``): the file at ``path`` (None: the bundled default) with the
+        """A ``ConfigReader`` (``controlplane/adminport.py``): the file at ``path`` (None: the bundled default) with the
         additions, validated. With several replicas only the run's own file may be read."""
         if self.replicas > 1 and path is not None and (
                 self.source is None or Path(path).resolve() != Path(self.source).resolve()):

@@ -12,7 +12,7 @@ Every admitted request's usage, when its entry tells it, corrects its tenant's f
 tenant) is also settled here: what it really used
 (``core/tenants.py``'s ``settled_usage``: the engine's ``usage`` object, else the prompt estimate plus the content
 deltas) comes from the ``sluice.usage`` metadata Envoy's Lua response filter wrote while the body streamed by
-(``xds/resources.py``), and replaces the pre-charge (``quota.py``).
+(``xds/resources/lua.py``), and replaces the pre-charge (``quota.py``).
 """
 
 from __future__ import annotations

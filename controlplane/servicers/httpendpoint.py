@@ -1,7 +1,7 @@
 """The control plane's HTTP port: Prometheus ``/metrics``, ``/healthz``, and the retry redirector.
 
 The redirector is where Envoy's one retry of a request whose engine failed before its first byte lands (the priority-1
-endpoint of every engine cluster, see ``xds/resources.py``). The failed attempt's ticket is released, the engine leaves the
+endpoint of every engine cluster, see ``xds/resources/listener.py``). The failed attempt's ticket is released, the engine leaves the
 candidates until a probe succeeds, and a 307 to the same URL with ``sluice_avoid=<engine>`` makes Envoy run the request
 again through a new Check (an internal redirect) that will not choose that engine. A tenant's charge under the failed
 ticket is given back first (nothing was generated); the retry's Check charges it again. Only a request carrying an open ticket

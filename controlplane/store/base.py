@@ -209,7 +209,7 @@ class Store(Protocol):
         """Put ``request_id`` at the back of the line ``(model, klass)`` as this replica's member; ``at``: now, in
         shared time. Returns when the request first parked: ``at``, or, when another replica's member of the same
         request id is in that line (Envoy asked the request's Check again of this replica after that one went away:
-        resources.py ``_check_retry``) or was until that replica was found dead, the time that member parked; that
+        resources/listener.py ``_check_retry``) or was until that replica was found dead, the time that member parked; that
         member leaves the line (an UNPARKED event), so the request is in line once, at the back. ``claim``: the
         admission the store refused it for the line alone, left with its member for ``claim.fresh_s`` (Claims)."""
     async def claim(self, model: str, klass: int, claims: Sequence[tuple[str, Claim]]) -> None:
