@@ -26,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane.observe.poller as poller_module
 from controlplane.config import EngineConfig, EngineFlavor, ObserveConfig, OnStale, SimFlavor
-from controlplane.core.model import BatchRates, EngineRates, Flavor, RateTables
+from controlplane.core.engines import EngineRates, Flavor
+from controlplane.core.fleet import BatchRates, RateTables
 from controlplane.observe.parse import _WANTED, Series, metrics_path, read_series
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import MedianRing, RateBook

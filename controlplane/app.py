@@ -43,7 +43,9 @@ from controlplane.core.fairshare import FairStanding, TenantShare
 from controlplane.core.feedback import TtftSummary
 from controlplane.core.prompt_tokens import PromptTokenRules, PromptTokenSummary
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Ticket
+from controlplane.core.engines import EngineRates, EngineView
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import Decision, InferenceRequest, Ticket
 from controlplane.core.policy import Policy, version_key
 from controlplane.core.weights import Weights
 from controlplane.giveway import give_way

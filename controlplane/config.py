@@ -43,7 +43,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from controlplane.core.adapters import AdapterPolicy
-from controlplane.core.model import Flavor, Priority
+from controlplane.core.engines import Flavor
+from controlplane.core.model import Priority
 from controlplane.core.policy import Box, ModelPolicy, Policy, version_key
 from controlplane.core.fairshare import FairMode, FairShare
 from controlplane.core.reserve import oversubscribed

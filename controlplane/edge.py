@@ -25,7 +25,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
-from controlplane.core.model import Decision, InferenceRequest, Reason, ServedModel, Verdict
+from controlplane.core.engines import ServedModel
+from controlplane.core.model import Decision, InferenceRequest, Reason, Verdict
 from controlplane.names import (
     CONTENT_TYPE_HEADER, ENGINE_HEADER, PARKED_MS_HEADER, RETRY_AFTER_HEADER, ROUTE_REASON_HEADER, TICKET_HEADER,
 )

@@ -68,9 +68,9 @@ from controlplane.core.decide import decide, shed
 from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary, end_to_end_error
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules
 from controlplane.core.tenants import Usage
-from controlplane.core.model import (
-    Decision, EngineView, Fleet, InferenceRequest, QueueRule, Reason, Ticket, Verdict,
-)
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import Decision, InferenceRequest, QueueRule, Reason, Ticket, Verdict
 from controlplane.metrics import NO_TENANT_LABEL, SluiceMetrics
 from controlplane.observe.observation import Observation
 from controlplane.ports import CheckSettings

@@ -33,7 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from controlplane.core.model import EngineView, Fleet
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,15 +98,14 @@ from controlplane.core.adapters import SwapBook, discovered_bases
 from controlplane.core.fairshare import (
     ANONYMOUS, FairStanding, TenantAhead, TenantCounters, TenantShare, service_order,
 )
-from controlplane.core.decide import (
-    clamp_retry_after, decide, deadline_text, earliest_fit, expected_start, retry_after, shed,
-)
+from controlplane.core.decide import clamp_retry_after, decide, deadline_text, expected_start, retry_after, shed
+from controlplane.core.explain import earliest_fit
 from controlplane.core.feedback import TtftCorrections
 from controlplane.core.fleetindex import DecayedServes, FleetIndex, LastServed
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import (
-    Decision, EngineSample, EngineView, Fleet, InferenceRequest, Priority, QueueRule, RateTables, Reason, Ticket, Verdict,
-)
+from controlplane.core.engines import EngineSample, EngineView
+from controlplane.core.fleet import Fleet, RateTables
+from controlplane.core.model import Decision, InferenceRequest, Priority, QueueRule, Reason, Ticket, Verdict
 from controlplane.core.output_length import OutputLengthBook
 from controlplane.core.policy import Policy
 from controlplane.core.prefix import PrefixIndex, restarted

@@ -48,24 +48,16 @@ import numpy as np
 
 from controlplane.core import adapters
 from controlplane.core.affinity import charged_finish
-from controlplane.core.explain import EngineExplanation, earliest_fit, explain
 from controlplane.core.fit import context_tokens, effective_load, misfits, model_len, need_tokens
-from controlplane.core.model import (
-    Decision, EngineLedger, EngineView, Fleet, InferenceRequest, Priority, Reason, ServedModel, Verdict,
-)
+from controlplane.core.engines import EngineView, ServedModel
+from controlplane.core.fleet import EngineLedger, Fleet
+from controlplane.core.model import Decision, InferenceRequest, Priority, Reason, Verdict
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.request import RequestError
 from controlplane.core.route import (
     Estimate, cached_tokens, capacity_throughput, decode_rate, decode_rate_known, estimate, expected_frees,
     expected_output_tokens, over_share, prefill_rate, waits_too_long, weighted_pick,
 )
-
-# Names callers import from here (the admin API, admission, tests) though they live beside this module.
-__all__ = [
-    "EngineExplanation", "RequestError", "StartEstimate", "clamp_retry_after", "deadline_text", "decide",
-    "earliest_fit", "expected_start", "explain", "misfits", "model_list", "need_tokens", "refuse", "retry_after",
-    "shed",
-]
 
 _NONE_NAMED: Mapping[str, int] = MappingProxyType({})
 """``cached`` / ``waiting`` naming no engine."""

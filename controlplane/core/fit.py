@@ -28,7 +28,9 @@ from __future__ import annotations
 import math
 
 from controlplane.core import adapters
-from controlplane.core.model import EngineView, Fleet, InferenceRequest, Reason
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import InferenceRequest, Reason
 from controlplane.core.policy import Policy
 
 

@@ -39,7 +39,8 @@ from typing import cast
 
 import numpy as np
 
-from controlplane.core.model import ClassChangeLog, EngineLedger, EngineView, Fleet, RateTables
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import ClassChangeLog, EngineLedger, Fleet, RateTables
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.fit import effective_load, held_tokens, model_len
 from controlplane.core.route import capacity_throughput, decode_rate

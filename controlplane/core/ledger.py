@@ -20,7 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from operator import itemgetter
 
-from controlplane.core.model import EngineLedger, Ticket
+from controlplane.core.fleet import EngineLedger
+from controlplane.core.model import Ticket
 
 _expected_done = itemgetter(1)
 """The key of ``EngineLedger.running``'s order."""

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from controlplane.core.affinity import displaced_blocks
-from controlplane.core.model import EngineSample
+from controlplane.core.engines import EngineSample
 
 RECORD_SEPARATOR = "\x1e"
 """Starts each message of a rendered chat prompt (ASCII RS: never typed, so a message cannot fake a boundary)."""

@@ -46,7 +46,7 @@ decoder recurses once per level and raises ``RecursionError`` near 1000)."""
 
 __all__ = [
     "INFERENCE_PATHS", "MAX_JSON_DEPTH", "MAX_SESSION_KEY", "MAX_TOKENS_LIMIT", "MAX_TTFT_DIGITS", "MODELS_PATH",
-    "PRIORITY_HEADER", "SESSION_HEADER", "TTFT_HEADER", "RequestError", "parse_request",
+    "RequestError", "parse_request",
 ]
 
 

@@ -45,7 +45,7 @@ import math
 from collections.abc import Mapping
 
 from controlplane.core.fit import effective_load
-from controlplane.core.model import Fleet
+from controlplane.core.fleet import Fleet
 
 
 def slots(fleet: Fleet, model: str) -> tuple[int, int]:

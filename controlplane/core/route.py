@@ -68,7 +68,9 @@ from dataclasses import dataclass
 
 from controlplane.core import adapters
 from controlplane.core.fit import effective_load
-from controlplane.core.model import EngineView, Fleet, InferenceRequest
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import InferenceRequest
 from controlplane.core.output_length import MEMORYLESS
 from controlplane.core.policy import Policy
 from controlplane.core.sharedmap import SharedMap

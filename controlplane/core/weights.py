@@ -18,7 +18,8 @@ from collections.abc import Iterable, Iterator
 
 from controlplane.core.fit import effective_load
 from controlplane.core import adapters
-from controlplane.core.model import EngineView, Fleet
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.route import capacity_throughput, decode_rate
 

@@ -18,7 +18,8 @@ import pytest
 
 from controlplane.core.admission import AdmissionCore, Outcome
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import BatchRates, InferenceRequest, RateTables, Verdict
+from controlplane.core.fleet import BatchRates, RateTables
+from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.core.policy import Policy
 from tests.unit.test_route import engine
 

@@ -12,7 +12,8 @@ from controlplane.core.admission import AdmissionCore
 from controlplane.core.affinity import displaced_blocks
 from controlplane.core.decide import decide, holders_limit
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineSample, EngineView, InferenceRequest, ServedModel, Verdict
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.core.policy import Policy
 from controlplane.core.request import parse_request
 

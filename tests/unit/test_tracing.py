@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from controlplane.app import ControlPlane
 from controlplane.servicers.authz import AuthorizationServicer
 from controlplane.config import DEFAULTS, ConfigError, TracingConfig, parse_config
-from controlplane.core.model import EngineSample, EngineView, ServedModel
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
 from controlplane.tracing import CHECK_SPAN, SCOPE, CheckTracing, TracedAuthorizationServicer
 from tests.otlp import OtlpReceiver, ReceivedSpan
 from tests.unit.test_check_total import FakeContext, chat_body, check_request, denial, one_engine_plane
