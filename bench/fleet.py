@@ -53,6 +53,7 @@ from typing import Any
 
 import controlplane.core.admission as admission_module
 import controlplane.core.decide as decide_module
+import controlplane.core.indexed as indexed_module
 import controlplane.xds.publisher as publisher_module
 from controlplane.app import ControlPlane
 from controlplane.config import parse_config
@@ -226,7 +227,7 @@ async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool, bef
     sim = Plane(engines, band, before)
     plane = sim.plane
     calls = Counter[str]()
-    real_decide, real_indexed = decide_module.decide, decide_module._indexed
+    real_decide, real_indexed = decide_module.decide, indexed_module.decide_indexed
 
     def counting_decide(*args: Any, **kwargs: Any) -> Any:
         calls["decide"] += 1
@@ -244,13 +245,13 @@ async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool, bef
         setattr(publisher_module, "should_push", lambda published, fresh, threshold, now, last, **_: old_moved(
             published, fresh, threshold))
     setattr(admission_module, "decide", counting_decide)
-    setattr(decide_module, "_indexed", counting_indexed)
+    setattr(decide_module, "decide_indexed", counting_indexed)
     try:
         return await _run(sim, plane, engines, jobs, calls)
     finally:
         gc.unfreeze()  # _run froze the start-up objects as the process does; the next arm starts afresh
         setattr(admission_module, "decide", real_decide)
-        setattr(decide_module, "_indexed", real_indexed)
+        setattr(decide_module, "decide_indexed", real_indexed)
         setattr(publisher_module, "should_push", real_push)
 
 

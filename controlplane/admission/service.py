@@ -64,7 +64,8 @@ from typing import Any, TypeVar
 
 from controlplane.config import Config, StoreOnFailure
 from controlplane.core.admission import PARK_CLASSES, AdmissionCore, Outcome, Parked
-from controlplane.core.decide import decide, shed
+from controlplane.core.decide import decide
+from controlplane.core.waits import shed
 from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary, end_to_end_error
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules
 from controlplane.core.tenants import Usage

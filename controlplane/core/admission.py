@@ -38,7 +38,7 @@ as if first: it takes a slot they refused, or parks at the back.
 its bound only inside its decision window, its first ``shed_decision_s`` in the lot (less ``ANSWER_MARGIN_S``, so that
 the answer reaches its client within the window); past it the request is committed.
 When it parks (``_park``) and at every park sweep inside the window (``expire_parked``) the core estimates when it would
-start (``decide.expected_start``: its place in line, every request of its class or a higher one parked before it,
+start (``waits.expected_start``: its place in line, every request of its class or a higher one parked before it,
 taking the candidate engines' slots as they free, route.expected_frees for the running ones, then one service of its
 shape each) and, if that is past its bound, sheds it at once with the estimate as its Retry-After (``_too_late``):
 
@@ -98,7 +98,8 @@ from controlplane.core.adapters import SwapBook, discovered_bases
 from controlplane.core.fairshare import (
     ANONYMOUS, FairStanding, TenantAhead, TenantCounters, TenantShare, service_order,
 )
-from controlplane.core.decide import clamp_retry_after, decide, deadline_text, expected_start, retry_after, shed
+from controlplane.core.decide import decide
+from controlplane.core.waits import clamp_retry_after, deadline_text, expected_start, retry_after, shed
 from controlplane.core.explain import earliest_fit
 from controlplane.core.feedback import TtftCorrections
 from controlplane.core.fleetindex import DecayedServes, FleetIndex, LastServed
@@ -245,7 +246,7 @@ class AdmissionCore:
 
     def prefix_share(self, request: InferenceRequest) -> float:
         """``request``'s prefix's share of the requests that recently arrived here (prefix.py; 0: unknown, or prefix
-        routing off): how many engines it may occupy (decide.holders_limit)."""
+        routing off): how many engines it may occupy (choose.holders_limit)."""
         if not request.prefix_blocks or not self.policy.prefix_routing:
             return 0.0
         return self.prefixes.share(request.prefix_blocks)

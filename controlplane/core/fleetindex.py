@@ -21,7 +21,7 @@ Issue 9: with 200 engines a Check rebuilt every engine's view and ledger view, d
   write while any of them is still held (never changed under a holder), written in place once none is (``_Rows.writable``);
   the ledger views are a ``SharedMap`` snapshot (sharedmap.py), no copy of the unchanged ones.
 
-``decide`` (decide.py, ``_indexed``) evaluates the fit rules and the no-wait estimate for every row at once, then builds
+``decide`` (indexed.py, ``decide_indexed``) evaluates the fit rules and the no-wait estimate for every row at once, then builds
 real ``Estimate`` objects only for the few engines that can matter (the soonest free slot, busy engines whose no-wait lower
 bound beats it, the session's engine); the satisficing band's weighted pick runs on a cumulative sum. Anything unusual
 (boxes, nothing fits, stale fail-open, a refusal) falls back to the full scan, which stays the reference: a unit test checks

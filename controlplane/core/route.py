@@ -32,12 +32,12 @@ Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
 conservation: while a slot is free, r waits only if the busy engine beats every free slot by more than the margin and
 its ``slot_wait`` is at most ``max_wait_for_faster_services`` of r's service there, the bound grown by the prefill a
 free slot would redo when the busy one holds more of the prompt (``waits_too_long``); else the soonest free slot
-(``work_conserving``; docs/decisions/0009). Near ties (decide._near_tie): free slots within ``near_tie_fraction`` of
+(``work_conserving``; docs/decisions/0009). Near ties (choose._near_tie): free slots within ``near_tie_fraction`` of
 the soonest free finish are equal; the likeliest prefix holder wins, then the fewest recent serves per unit of
 ``capacity_throughput``, then the soonest (0004); an adapter request's tied slots are first narrowed to those that need
 no swap, as its band is (a load stalls the engine's whole batch and evicts another adapter; 0017). Warm near ties: past ``near_tie_max_engines`` tied slots, only the
 engines admitted to within ``near_tie_warm_seconds`` (none: the first that many by name) stay tied (0005). Fair-share
-spread (``max_share_over_capacity``, off; decide._spread): an engine with at least ``1 + ratio x total x its part of
+spread (``max_share_over_capacity``, off; choose._spread): an engine with at least ``1 + ratio x total x its part of
 the candidates' capacity_throughput`` recent admissions is set aside unless it holds part of the prompt or no engine
 left can start r now; a later finish for it reports ``fair_share`` (0006).
 
@@ -54,7 +54,7 @@ keeps its engine while it is in the band; without a deadline, while it is within
 the band, after the session's engine, the members expected to hold the longest prefix are preferred (then, for an
 adapter, those that need no swap); a hot prefix
 spills to another engine when that finishes sooner (with a deadline, when the holders leave the band), at most
-``prefix_max_replicas`` engines (decide.py). An admission credited with a hit reports ``prefix_cache``. When KV is
+``prefix_max_replicas`` engines (decide.py, choose.py). An admission credited with a hit reports ``prefix_cache``. When KV is
 short, an engine that would evict other prompts to cache this one is charged for it in the choice, not in the
 estimate (``Estimate.displaced_s``, affinity.py).
 """
@@ -65,6 +65,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from controlplane.core import adapters
 from controlplane.core.fit import effective_load
@@ -74,6 +75,11 @@ from controlplane.core.model import InferenceRequest
 from controlplane.core.output_length import MEMORYLESS
 from controlplane.core.policy import Policy
 from controlplane.core.sharedmap import SharedMap
+
+NONE_NAMED: Mapping[str, int] = MappingProxyType({})
+"""An engine-keyed figure (``cached``, ``waiting``, ``displaced``) that names no engine."""
+TINY = 1e-12
+"""A floor under a capacity or a service time divided by (an engine that measured no decode at all)."""
 
 
 @dataclass(frozen=True, slots=True)

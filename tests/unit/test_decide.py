@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from controlplane.core.decide import decide, retry_after
+from controlplane.core.decide import decide
+from controlplane.core.waits import retry_after
 from controlplane.core.model import Priority
 from controlplane.core.engines import EngineRates, EngineSample, EngineView, ServedModel
 from controlplane.core.fleet import EngineLedger, Fleet, RateTables

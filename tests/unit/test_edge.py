@@ -13,7 +13,7 @@ from google.rpc import code_pb2
 
 from controlplane.config import parse_config
 from controlplane.core.admission import Outcome
-from controlplane.core.decide import refuse, shed
+from controlplane.core.waits import refuse, shed
 from controlplane.core.engines import ServedModel
 from controlplane.core.model import Decision, Reason, Ticket, Verdict
 from controlplane.core.request import INFERENCE_PATHS, MODELS_PATH, RequestError

@@ -263,7 +263,7 @@ def test_soonest_row_breaks_ties_as_the_full_scan_orders_them(seed: int) -> None
     import numpy as np
     from types import SimpleNamespace
 
-    from controlplane.core.decide import _soonest_row
+    from controlplane.core.indexed import _soonest_row
 
     rng = random.Random(seed)
     n = rng.randint(1, 12)

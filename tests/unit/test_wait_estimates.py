@@ -13,7 +13,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.decide import decide, retry_after
+from controlplane.core.decide import decide
+from controlplane.core.waits import retry_after
 from controlplane.core.fit import misfits
 from controlplane.core.ledger import Ledger
 from controlplane.core.engines import EngineSample, EngineView
