@@ -51,13 +51,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 
-import controlplane.core.admission as admission_module
+import controlplane.core.fleetstate as fleetstate_module
 import controlplane.core.decide as decide_module
 import controlplane.core.indexed as indexed_module
 import controlplane.xds.publisher as publisher_module
 from controlplane.app import ControlPlane
 from controlplane.config import parse_config
-from controlplane.core.admission import Outcome
+from controlplane.core.model import Outcome
 from controlplane.core.engines import EngineRates, EngineSample, EngineView, Flavor, ServedModel
 from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.core.request import ttft_deadline
@@ -239,18 +239,18 @@ async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool, bef
         return result
 
     # Deliberate monkey-patches (setattr): count the real calls, and put back the pre-index push rule for ``before``.
-    # The publisher calls the ``should_push`` it imported; AdmissionCore the ``decide`` it imported.
+    # The publisher calls the ``should_push`` it imported; the admission core (fleetstate.py) the ``decide`` it imported.
     real_push = getattr(publisher_module, "should_push")
     if before:
         setattr(publisher_module, "should_push", lambda published, fresh, threshold, now, last, **_: old_moved(
             published, fresh, threshold))
-    setattr(admission_module, "decide", counting_decide)
+    setattr(fleetstate_module, "decide", counting_decide)
     setattr(decide_module, "decide_indexed", counting_indexed)
     try:
         return await _run(sim, plane, engines, jobs, calls)
     finally:
         gc.unfreeze()  # _run froze the start-up objects as the process does; the next arm starts afresh
-        setattr(admission_module, "decide", real_decide)
+        setattr(fleetstate_module, "decide", real_decide)
         setattr(decide_module, "decide_indexed", real_indexed)
         setattr(publisher_module, "should_push", real_push)
 

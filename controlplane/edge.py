@@ -32,7 +32,7 @@ from controlplane.names import (
 )
 
 if TYPE_CHECKING:
-    from controlplane.core.admission import Outcome
+    from controlplane.core.model import Outcome
 
 INVALID_REQUEST = "invalid_request_error"
 """OpenAI error type of a request the client must change (4xx)."""

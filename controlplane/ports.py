@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from controlplane.core.admission import Outcome
+from controlplane.core.model import Outcome
 from controlplane.core.fairshare import FairStanding, TenantShare
 from controlplane.core.feedback import FirstToken, TtftSummary
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules, PromptTokenSummary

@@ -63,7 +63,9 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from controlplane.config import Config, StoreOnFailure
-from controlplane.core.admission import PARK_CLASSES, AdmissionCore, Outcome, Parked
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.lot import PARK_CLASSES
+from controlplane.core.model import Outcome, Parked
 from controlplane.core.decide import decide
 from controlplane.core.waits import shed
 from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary, end_to_end_error

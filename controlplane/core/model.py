@@ -1,4 +1,5 @@
-"""What a request is and what is decided for it: the request as the core reads it, the decision, the ticket.
+"""What a request is and what is decided for it: the request as the core reads it, the decision, the ticket, the
+request parked and the outcome the admission core answers.
 
 Everything here is a frozen dataclass or an enum. Times are seconds on the control plane's monotonic clock, always
 passed in.
@@ -214,3 +215,37 @@ class Decision:
     """PARK ``waiting_for_faster``: the busy engine the request waits for (requests passing it count it ahead there)."""
     swap_s: float = 0.0
     """ADMIT: the LoRA adapter swap the estimate priced on the chosen engine (0: expected loaded, or a base model)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """A request waiting in the parking lot (admission.py)."""
+
+    request_id: str
+    request: InferenceRequest
+    parked_at: float
+    deadline: float
+    ttft_bound: bool = False
+    """The deadline comes from the request's TTFT deadline, not ``max_park_s``."""
+    seq: int = 0
+    """Its place in the lot's order (parking order), which ``restore`` puts it back at: arrival times can tie."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the admission core answers for one request: its decision, and for an admission its ticket."""
+
+    request_id: str
+    decision: Decision
+    ticket: Ticket | None = None
+    parked_for: float = 0.0
+    """Seconds the request waited in the parking lot before this outcome."""
+    rule: QueueRule = QueueRule.ARRIVAL
+    """An admission's place against the line, which the shared store checks (a woken head: OLDEST or NEWEST; a
+    backfill: NONE)."""
+    parked: Parked | None = None
+    """The request's entry in the lot when it was parked: what ``restore`` puts back if the store refuses a woken
+    request's admission, and what leaves the shared line when the lot answers it without one (a wake's refusal or shed,
+    ``expire_parked``). Every outcome for a parked request carries it."""
+    noted: tuple[int, ...] = ()
+    """Prompt blocks this admission added to the prefix index for its engine (``retract`` takes them back)."""

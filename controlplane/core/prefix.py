@@ -258,13 +258,21 @@ class PrefixIndex:
             depth[engine] = matched
         return depth
 
-    def share(self, blocks: Sequence[int]) -> float:
+    def share(self, blocks: Sequence[int], arriving: bool = False) -> float:
         """The share of the last ``RECENT_ARRIVALS`` prompts that ``arrived`` which began with ``blocks``' first block;
         0 when fewer than ``SHARE_MIN_ARRIVALS`` arrived, or ``blocks`` is empty. Arrivals, not admissions: a burst of
-        one prefix raises its share while its requests still wait, so it may spread."""
-        if not blocks or len(self._recent) < SHARE_MIN_ARRIVALS:
+        one prefix raises its share while its requests still wait, so it may spread. ``arriving``: the share once
+        ``arrived(blocks)`` has run, nothing changed."""
+        if not blocks:
             return 0.0
-        return self._recent_counts.get(blocks[0], 0) / len(self._recent)
+        recent, count = len(self._recent), self._recent_counts.get(blocks[0], 0)
+        if arriving:
+            if recent >= RECENT_ARRIVALS and self._recent[0] == blocks[0]:
+                count -= 1  # the arrival pushes this prefix's oldest out
+            recent, count = min(recent + 1, RECENT_ARRIVALS), count + 1
+        if recent < SHARE_MIN_ARRIVALS:
+            return 0.0
+        return count / recent
 
     def arrived(self, blocks: Sequence[int]) -> None:
         """A request with a prompt of ``blocks`` arrived (a Check, on this replica): counted for ``share``."""

@@ -334,6 +334,10 @@ class SessionMap:
         self._map.move_to_end(session)
         return self._map[session]
 
+    def peek(self, session: str | None) -> str | None:
+        """``get`` without making ``session`` the most recently used."""
+        return self._map.get(session) if session else None
+
     def set(self, session: str | None, engine: str) -> None:
         if not session:
             return

@@ -250,7 +250,7 @@ async def test_defect_in_decide_is_a_500_never_an_rpc_error(plane: ControlPlane,
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ZeroDivisionError("injected defect")
 
-    monkeypatch.setattr("controlplane.core.admission.decide", broken)
+    monkeypatch.setattr("controlplane.core.fleetstate.decide", broken)
     response = await AuthorizationServicer(plane.service).Check(check_request(chat_body()), FakeContext(290.0))
     status, headers, error = denial(response)
     assert status == 500

@@ -12,7 +12,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from google.rpc import code_pb2
 
 from controlplane.config import parse_config
-from controlplane.core.admission import Outcome
+from controlplane.core.model import Outcome
 from controlplane.core.waits import refuse, shed
 from controlplane.core.engines import ServedModel
 from controlplane.core.model import Decision, Reason, Ticket, Verdict

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from controlplane.core.admission import AdmissionCore, Outcome
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.model import Outcome
 from controlplane.core.ledger import Ledger
 from controlplane.core.fleet import BatchRates, RateTables
 from controlplane.core.model import InferenceRequest, Verdict

@@ -22,7 +22,8 @@ import pytest
 
 from controlplane.admission.service import AdmissionService
 from controlplane.config import load_config
-from controlplane.core.admission import AdmissionCore, Outcome
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.model import Outcome
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.metrics import SluiceMetrics

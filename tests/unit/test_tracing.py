@@ -225,7 +225,7 @@ async def test_a_defect_is_an_error_span(plane: ControlPlane, receiver: OtlpRece
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ZeroDivisionError("injected defect")
 
-    monkeypatch.setattr("controlplane.core.admission.decide", broken)
+    monkeypatch.setattr("controlplane.core.fleetstate.decide", broken)
     status, _, _ = denial(await check(plane, {"traceparent": traceparent()}))
     [span] = await exported(plane, receiver)
     assert status == 500 and span.attributes["sluice.failure"] == "internal_error"
