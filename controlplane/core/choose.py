@@ -161,7 +161,7 @@ def _near_tie(soonest: Estimate, pool: list[Estimate], fleet: Fleet, policy: Pol
     those the ones that need no LoRA adapter swap (a load stalls the engine's batch and evicts another adapter); of more
     than ``near_tie_max_engines`` of them, the warm ones (admitted to within ``near_tie_warm_seconds``), or, none being,
     the first ``near_tie_max_engines`` by name; then the fewest recent admissions per unit of capacity, then
-    ``soonest_key``'s order."""
+    ``soonest_key``'s order (decisions 0004, 0005, 0017)."""
     if policy.near_tie_fraction <= 0:
         return soonest
     limit = charged_finish(soonest) * (1 + policy.near_tie_fraction)
@@ -185,16 +185,14 @@ def finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: l
                    policy: Policy, now: float, affinity: str | None, admitted_reason: Reason,
                    arriving: bool = False, set_aside: float = math.inf,
                    near_tie: str | None = None) -> Decision | None:
-    """Without a deadline: the engine where the request finishes soonest (route.py), or None when that means waiting.
+    """Without a deadline: the engine where the request finishes soonest, or None when that means waiting.
 
-    Waiting for a busy faster engine while a slot is free needs: it finishes sooner (by the margin), the wait is bounded
-    (``waits_too_long``), and, for a request just **arriving** (nothing parked ahead of it), that waiting also gives it its
-    first token sooner: an arrival that finds a free slot is its own user's latency, and starting now beats finishing
-    first, unless the free slot would evict other prompts to cache this one (affinity.py): its first token then counts
-    its eviction charge too. A request already parked (a burst's backlog) keeps pure finish-soonest, which is what splits seed 000's bursts
-    the way the best assignment does. ``set_aside``: the soonest finish of a free slot the fair-share spread set aside
-    (``_spread``); a choice finishing later than that is reported ``fair_share``. ``near_tie``: the engine the fleet
-    index chose among every free slot's near ties (indexed.py); None: ``_near_tie`` chooses among ``free``."""
+    Waiting for a busy faster engine while a slot is free needs: it finishes sooner (by ``wait_for_faster_margin``),
+    the wait is bounded (``waits_too_long``), and, for a request just **arriving** (nothing parked ahead of it), waiting
+    also gives it its first token sooner than the free slot, whose first token counts its eviction charge (affinity.py).
+    A request already parked keeps pure finish-soonest. ``set_aside``: the soonest finish of a free slot the fair-share
+    spread set aside (``_spread``); a choice finishing later is reported ``fair_share``. ``near_tie``: the engine the
+    fleet index chose among every free slot's near ties (indexed.py); None: ``_near_tie`` chooses among ``free``."""
     def soonest(x: Estimate) -> tuple[float, float, float, str]:
         return soonest_key(x, fleet)
 
@@ -206,7 +204,7 @@ def finish_soonest(request: InferenceRequest, estimates: list[Estimate], free: l
     sooner_first_token = alternative is not None and best.ttft_s < alternative.ttft_s + alternative.displaced_s
     if not best.can_start and not acceptable and (waits_too_long(best, policy, alternative)
                                                   or (arriving and not sooner_first_token)):
-        # Work conservation (route.py): the faster engine's wait is unbounded enough that a free slot is taken instead.
+        # Work conservation (route.waits_too_long, decision 0009): a free slot is taken instead.
         acceptable = free
         if admitted_reason is Reason.FINISH_SOONEST:
             admitted_reason = Reason.WORK_CONSERVING

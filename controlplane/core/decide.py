@@ -84,7 +84,7 @@ def candidates_for(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
     fresh = [e for e in eligible if not e.stale]
     admitted_reason = Reason.FINISH_SOONEST
     if not fresh and fleet.admit_stale:
-        # Fail-open (seed 004): an engine whose metrics went quiet may well be serving; admitting beats refusing.
+        # Fail open: an engine whose metrics went quiet may well be serving; admitting beats refusing.
         fresh, admitted_reason = eligible, Reason.STALE_FAIL_OPEN
     if not fresh:
         detail = f"no ready engine serves {model} ({', '.join(e.name for e in eligible)} stale)"
@@ -115,9 +115,8 @@ def candidates_for(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
     deadline_s = request.planned_ttft_s()
     park_limit: float | None = None
     if deadline_s is not None:
-        # Prefill alone, on an idle engine: if even that misses the deadline, nothing can meet it. Waits are uncertain
-        # (seed 002: a pessimistic estimate over-sheds), so a request that only needs a slot parks, for at most as long
-        # as its deadline leaves room for prefill, and real releases decide.
+        # Prefill alone, on an idle engine: if even that misses the deadline, nothing can meet it. A request that only
+        # needs a slot parks for as long as its deadline leaves room for prefill: waits are estimates, releases decide.
         prefill_floor = min((request.prompt_tokens - hit(e)) / prefill_rate(e, model, fleet, policy)
                             for e in candidates)
         if prefill_floor > deadline_s:

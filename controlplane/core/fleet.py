@@ -26,10 +26,8 @@ _READ_ONLY = (MappingProxyType, FrozenMap)
 
 
 def frozen_map(mapping: Mapping[_K, _V]) -> Mapping[_K, _V]:
-    """A read-only mapping for a frozen dataclass. A ``MappingProxyType`` is taken as it is (whoever built it handed over
-    a fresh dict and keeps no reference: the hot path builds one per Check and must not copy it twice), and so is a
-    ``FrozenMap`` (a SharedMap's snapshot, which never changes); anything else is copied first, so a caller's dict changing
-    later cannot change the dataclass."""
+    """A read-only mapping for a frozen dataclass: a ``MappingProxyType`` (whoever built it handed over a fresh dict and
+    keeps no reference) or a ``FrozenMap`` (a snapshot, never changed) as it is; anything else copied first."""
     return mapping if type(mapping) in _READ_ONLY else MappingProxyType(dict(mapping))
 
 
@@ -70,9 +68,8 @@ _NO_TICKETS = EngineLedger()
 
 
 class BatchRates(Mapping[int, float]):
-    """One engine's per-request decode rate by batch size (running requests), read-only, its batch sizes kept sorted:
-    the rate at the nearest measured batch is a bisection, not a pass over every batch the engine ever ran (an engine
-    with ``--max-num-seqs 256`` can have hundreds, read three times per index row and once per estimate)."""
+    """One engine's per-request decode rate by batch size (running requests), read-only, its batch sizes kept sorted
+    so that the rate at the nearest measured batch is a bisection."""
 
     __slots__ = ("_rates", "_batches")
 
@@ -105,10 +102,8 @@ class BatchRates(Mapping[int, float]):
 
 class ClassChangeLog:
     """Which (model, chip class) medians changed in each of the last ``keep`` class tables a ``RateBook`` built, by the
-    tables' ``class_serial``. A holder of per-class arrays derived from one table (``FleetIndex._per_chip``) redoes only
-    those classes for a newer one: without chip classes configured every engine is its own class, and redoing all of
-    them per Check cost 0.4 ms at 1000 engines. Append-only; asked about a serial older than it keeps, it answers None
-    (redo every class)."""
+    tables' ``class_serial``: a holder of per-class arrays derived from one table (``FleetIndex._per_chip``) redoes only
+    those classes for a newer one. Append-only; asked about a serial older than it keeps, it answers None (redo all)."""
 
     __slots__ = ("_log",)
 
@@ -169,8 +164,8 @@ class Fleet:
     output_tails: Mapping[str, OutputTail] = field(default_factory=_empty)
     """model -> its recorded lengths' shape (output_length.py): how much longer a running request is expected to run."""
     index: Any = None
-    """A ``fleetindex.IndexSnapshot`` describing exactly these engines and ledger views per model (the control plane's
-    fleets carry one; ``decide`` then chooses among hundreds of candidates without estimating each). None: full scan."""
+    """A ``fleetindex.IndexSnapshot`` describing exactly these engines and ledger views per model (indexed.py decides
+    on it). None: the full scan."""
     last_served: Mapping[str, float] = field(default_factory=_empty)
     """engine -> when it was last admitted to (warm near ties, ``Policy.near_tie_max_engines``); missing: never."""
     adapters: Mapping[str, str] = field(default_factory=_empty)
@@ -181,7 +176,6 @@ class Fleet:
     """engine -> its learned adapter swap in seconds (core/adapters.py, ``SwapBook``); missing: the policy's prior."""
 
     def __post_init__(self) -> None:
-        # Two type checks when the caller handed over proxies (every Fleet the control plane builds per Check does).
         if type(self.ledger) not in _READ_ONLY:
             object.__setattr__(self, "ledger", MappingProxyType(dict(self.ledger)))
         if type(self.expected_output) is not MappingProxyType:

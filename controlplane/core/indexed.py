@@ -40,8 +40,8 @@ def decide_indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
     rows = index.models.get(model)
     if rows is None:
         return None
-    # A Check pays per numpy call (a few us each at 1000 rows, mostly dispatch): the rows hold what is compared here in
-    # the form it is compared in (fleetindex.ModelArrays), and array methods stand in for numpy's module functions.
+    # A Check pays per numpy call: the rows hold what is compared here in the form it is compared in
+    # (fleetindex.ModelArrays), and array methods stand in for numpy's module functions.
     need = need_tokens(request, policy)
     candidate = rows.ok & (rows.model_len >= context_tokens(request))
     if not candidate.any():
@@ -156,10 +156,8 @@ def _soonest_indexed(request: InferenceRequest, rows: Any, candidate: Any, free:
     estimates = [exact(best_free, True)]
     near_tie = rows.names[best_free] if policy.near_tie_fraction > 0 else None
     if policy.near_tie_fraction > 0 and len(free_rows) > 1:
-        # Near ties (as the full scan's): the free rows finishing within the fraction of the soonest, the longest expected hit
-        # first, of more than near_tie_max_engines the warm ones (else that many by name), then the fewest serves per
-        # unit of capacity, then soonest_key's order. Only the winner is estimated, and handed to finish_soonest as the
-        # near tie (its _near_tie would see only the few free slots estimated here, not every one the full scan weighs).
+        # Near ties as choose._near_tie. Only the winner is estimated, and handed to finish_soonest as the near tie (its
+        # own _near_tie would see only the few free slots estimated here).
         near = free_rows[finish[free_rows] <= charged_finish(estimates[0]) * (1 + policy.near_tie_fraction)]
         if len(near) > 1:
             if hit is not None:

@@ -1,18 +1,17 @@
 """Shed early: when a parked request is told at once that it would start too late. Pure: no I/O, no clock.
 
 A parked request may be shed for its bound only inside its decision window, its first ``shed_decision_s`` in the lot
-less ``ANSWER_MARGIN_S``; past it, it is **committed** and never shed for its bound again. Inside the window
-``too_late`` sheds it, with its expected wait as its Retry-After, when its expected start (waits.expected_start: its
-place in line) is past its bound:
+less ``ANSWER_MARGIN_S``; past it, it is **committed**, never shed for its bound again. Inside the window ``too_late``
+sheds it, with its expected wait as Retry-After, when its expected start (waits.expected_start, its place in line) is
+past its bound: with a TTFT deadline its park limit (``ttft_unmeetable``); without, ``wait_bound_s`` after it parked
+(``overloaded``; ``park_timeout`` at ``max_park_s``)::
 
-- with a TTFT deadline, its park limit, the planned deadline less the prefill (``ttft_unmeetable``);
-- without, ``wait_bound_s`` after it parked (``overloaded``; ``park_timeout`` when that is ``max_park_s``):
-  ``overload_bound_s = max(overload_shed_after_ms, overload_shed_services x service)``, tightened while its class's
-  line stands (it holds a committed request) to ``max(lifo_after_ms, STANDING_SERVICES x service)``, never past
-  ``max_park_s``. ``service`` is the model's mean time from admission to release (``ServiceTimes``), the engines'
-  expected service until one was released.
+    overload_bound = max(overload_shed_after_ms, overload_shed_services x service)
+    wait_bound     = min(max_park_s, overload_bound, max(lifo_after_ms, STANDING_SERVICES x service) if the line stands)
 
-An estimate that rests on the policy's default decode rate (``StartEstimate.known`` False) sheds nobody.
+``service``: the model's mean time from admission to release (``ServiceTimes``), the engines' expected service until one
+was released; the line *stands* while its class holds a committed request. An estimate that rests on the policy's
+default decode rate (``StartEstimate.known`` False) sheds nobody.
 """
 
 from __future__ import annotations

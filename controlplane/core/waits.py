@@ -116,22 +116,15 @@ class StartEstimate:
 
 def expected_start(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, ahead: int,
                    typical: bool = False, cached: Mapping[str, int] | None = None) -> StartEstimate:
-    """When ``request`` is expected to start when ``ahead`` requests take a slot of its model before it (its place in
-    line): the ``(ahead + 1)``-th slot to free among the engines that could serve it. A busy slot first frees when
-    route.expected_frees says (the ``load - cap + 1``-th soonest of an engine's tickets opens its first slot; load the
-    ledger holds no ticket for frees after one service), a free slot now; every slot is then held for one service of
-    ``request``'s shape (prefill + expected output at the engine's full-batch rate, as route.slot_wait prices a
-    backlog; its prefill only the prompt tokens that engine is expected to hold uncached, ``cached`` as ``decide``'s) by
-    the request that takes it, and frees again. Engines: serving the model, not drained, at its version
-    floor, fresh (or, failing open, stale ones); with a TTFT deadline, only those that could prefill the prompt within
-    it. An engine without a known cap starts it now.
-
-    Only the ``ahead + 1`` soonest first frees can matter, so engines are visited by a lower bound of their first free
-    (now with a free slot, else their soonest plain expected finish) and the walk stops at the first that cannot beat
-    the best found (as ``_kth_free``). ``typical``: also estimate every candidate's service, for
-    ``StartEstimate.service_s`` (0 otherwise). ``StartEstimate.known`` says whether the engines visited have decode
-    rates of their own and no open ticket admitted before they had (``EngineLedger.guessed_tickets``: its expected
-    finish rests on the policy's default rate)."""
+    """When ``request`` is expected to start if ``ahead`` requests take a slot of its model before it: the
+    ``(ahead + 1)``-th slot to free among the engines that could serve it (serving the model, not drained, at its
+    floor, fresh or failing open; with a TTFT deadline, able to prefill it in time; one without a known cap starts it
+    now). A free slot frees now, a busy one when route.expected_frees says (load without a ticket: after one service);
+    each slot is then held for one service of ``request``'s shape (its uncached prefill and expected output at the
+    full-batch rate, as route.slot_wait prices a backlog) and frees again. Engines are visited by a lower bound of their
+    first free and the walk stops at the first that cannot beat the best found. ``typical``: also estimate
+    ``StartEstimate.service_s`` (else 0). ``StartEstimate.known``: the engines visited have decode rates of their own
+    and no open ticket admitted before they had (``EngineLedger.guessed_tickets``)."""
     model = request.model
     assert model is not None
     floor = policy.floor_for(model, adapters.base_of(model, fleet, policy.adapters.base_models))
