@@ -57,9 +57,8 @@ import controlplane.core.indexed as indexed_module
 import controlplane.xds.publisher as publisher_module
 from controlplane.app import ControlPlane
 from controlplane.config import parse_config
-from controlplane.core.model import Outcome
+from controlplane.core.model import InferenceRequest, Outcome, Verdict
 from controlplane.core.engines import EngineRates, EngineSample, EngineView, Flavor, ServedModel
-from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.core.request import ttft_deadline
 from controlplane.core.weights import Weights
 from controlplane.observe.observation import FRAMES_PER_TURN

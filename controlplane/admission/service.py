@@ -65,7 +65,7 @@ from typing import Any, TypeVar
 from controlplane.config import Config, StoreOnFailure
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.lot import PARK_CLASSES
-from controlplane.core.model import Outcome, Parked
+from controlplane.core.model import Decision, InferenceRequest, Outcome, Parked, QueueRule, Reason, Ticket, Verdict
 from controlplane.core.decide import decide
 from controlplane.core.waits import shed
 from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary, end_to_end_error
@@ -73,7 +73,6 @@ from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules
 from controlplane.core.tenants import Usage
 from controlplane.core.engines import EngineView
 from controlplane.core.fleet import Fleet
-from controlplane.core.model import Decision, InferenceRequest, QueueRule, Reason, Ticket, Verdict
 from controlplane.metrics import NO_TENANT_LABEL, SluiceMetrics
 from controlplane.observe.observation import Observation
 from controlplane.ports import CheckSettings

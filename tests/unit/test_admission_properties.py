@@ -14,11 +14,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.model import Outcome
+from controlplane.core.model import InferenceRequest, Outcome, Priority, Reason, Verdict
 from controlplane.core.ledger import Ledger
 from controlplane.core.engines import EngineSample, EngineView, ServedModel
 from controlplane.core.fleet import Fleet
-from controlplane.core.model import InferenceRequest, Priority, Reason, Verdict
 from controlplane.core.policy import Policy
 
 CAPACITY = 20_000

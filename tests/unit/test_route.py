@@ -12,13 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.fleet import RateTables
+from controlplane.core.fleet import EngineLedger, Fleet, RateTables
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import Priority
+from controlplane.core.model import InferenceRequest, Priority, Reason, Verdict
 from controlplane.core.engines import EngineSample, EngineView, ServedModel
-from controlplane.core.fleet import EngineLedger, Fleet
-from controlplane.core.model import InferenceRequest, Reason, Verdict
 from controlplane.core.policy import ModelPolicy, Policy
 from controlplane.core.route import ServeCounter, SessionMap, ttft_factor
 from controlplane.core.weights import compute_weights, moved
