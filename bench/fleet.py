@@ -25,7 +25,8 @@ new user's fleet: a class median per engine, each changing with that engine's pr
 prompts 200-4000 tokens, outputs lognormal around 150 tokens, every request with a TTFT deadline of SLO_S (planned
 with the policy's ``ttft_headroom_fraction``, as ``parse_request`` does).
 
-Decisions are counted where they happen (every call of ``decide`` by ``AdmissionCore``: arrivals, woken heads); the CPU is
+Decisions are counted where they happen (``AdmissionCore.decisions``: every ``decide`` call, arrivals and woken heads,
+and those the fleet index answered); the CPU is
 the process time of every control-plane call above (Checks with their fleet, releases and probes with their wakes, sweeps,
 weights), measured around those calls only, so the simulator's own bookkeeping is not charged. A probe's CPU here
 is its callback only: fetching and parsing ``/metrics`` is ``sluice bench observe``'s (its report gives that cost). It
@@ -52,14 +53,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 
-import controlplane.core.admission as admission_module
-import controlplane.core.decide as decide_module
 from controlplane.app import ControlPlane
 from controlplane.config import parse_config
-from controlplane.core.admission import Outcome
-from controlplane.core.model import (
-    EngineRates, EngineSample, EngineView, Flavor, InferenceRequest, ServedModel, Verdict,
-)
+from controlplane.core.model import InferenceRequest, Outcome, Verdict
+from controlplane.core.engines import EngineRates, EngineSample, EngineView, Flavor, ServedModel
 from controlplane.core.request import ttft_deadline
 from controlplane.observe.observation import FRAMES_PER_TURN
 from controlplane.observe.poller import EnginePoller
@@ -207,32 +204,15 @@ class Plane:
 async def run_arm(engines: list[SimEngine], jobs: list[Arrival], band: bool) -> dict[str, Any]:
     sim = Plane(engines, band)
     plane = sim.plane
-    calls = Counter[str]()
-    real_decide, real_indexed = decide_module.decide, decide_module._indexed
-
-    def counting_decide(*args: Any, **kwargs: Any) -> Any:
-        calls["decide"] += 1
-        return real_decide(*args, **kwargs)
-
-    def counting_indexed(*args: Any, **kwargs: Any) -> Any:
-        result = real_indexed(*args, **kwargs)
-        calls["indexed" if result is not None else "full_scan"] += 1
-        return result
-
-    # Deliberate monkey-patches (setattr): count the real calls (AdmissionCore calls the ``decide`` it imported).
-    setattr(admission_module, "decide", counting_decide)
-    setattr(decide_module, "_indexed", counting_indexed)
     try:
-        return await _run(sim, plane, engines, jobs, calls)
+        return await _run(sim, plane, engines, jobs)
     finally:
         gc.unfreeze()  # _run froze the start-up objects as the process does; the next arm starts afresh
-        setattr(admission_module, "decide", real_decide)
-        setattr(decide_module, "_indexed", real_indexed)
 
 
-async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: list[Arrival],
-               calls: Counter[str]) -> dict[str, Any]:
+async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: list[Arrival]) -> dict[str, Any]:
     by_name = {e.name: e for e in engines}
+    counts = plane.admission.decisions
     # Warm-up: enough probes at every batch size for every median to be trusted (rate_min_samples), then the true state.
     for e in engines:
         for batch in range(1, e.cap + 1):
@@ -364,7 +344,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
             continue  # every request answered and finished: the run ends (no idle tail charged to the path)
         if at > last_arrival and not window:
             # The arrival window is over: what the path cost while requests were arriving, probes and weights included.
-            window.update(cpu=sum(sim.cpu.values()), decisions=calls["decide"])
+            window.update(cpu=sum(sim.cpu.values()), decisions=counts.decided)
         sim.now = last_event = at
         if kind == "arrive":
             started = time.process_time()
@@ -411,11 +391,11 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
     return {
         "engines": len(engines),
         "requests": len(jobs),
-        "decisions": calls["decide"],
-        "indexed": calls["indexed"],
-        "full_scan": calls["full_scan"],
-        "decisions_per_cpu_s": calls["decide"] / admission_cpu,
-        "decisions_per_cpu_s_all": window["decisions"] / window["cpu"] if window else calls["decide"] / path_cpu,
+        "decisions": counts.decided,
+        "indexed": counts.on_index,
+        "full_scan": counts.full_scan,
+        "decisions_per_cpu_s": counts.decided / admission_cpu,
+        "decisions_per_cpu_s_all": window["decisions"] / window["cpu"] if window else counts.decided / path_cpu,
         "probe_us": 1e6 * sim.cpu["probes"] / max(1, sim.probes),
         "duration_s": duration,
         "check_ms": 1000 * sim.cpu["checks"] / len(jobs),

@@ -19,7 +19,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from controlplane.config import EngineConfig, EngineFlavor, ObserveConfig, OnStale, SimFlavor
-from controlplane.core.model import EngineRates, Flavor
+from controlplane.core.engines import EngineRates, Flavor
 from controlplane.observe.parse import metrics_path, read_series
 from controlplane.observe.poller import EnginePoller
 from controlplane.observe.rates import RateBook

@@ -23,7 +23,9 @@ from controlplane.core.decide import decide
 from controlplane.core.fairshare import FairStanding, TenantShare
 from controlplane.core.feedback import TtftSummary
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest
+from controlplane.core.model import Decision, InferenceRequest
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
 from controlplane.core.policy import Policy, version_key
 from controlplane.core.prompt_tokens import PromptTokenRules, PromptTokenSummary
 from controlplane.metrics import SluiceMetrics
@@ -120,14 +122,11 @@ class AdminAdapter:
         return True
 
     def decide_for(self, request: InferenceRequest, now: float) -> tuple[Decision, int]:
-        """What the core would decide for ``request`` right now (nothing is admitted), and how many are parked ahead."""
+        """What a Check of ``request`` would be decided right now (``AdmissionCore.preview``: nothing is admitted,
+        parked or counted), and how many requests are parked ahead of it on this replica."""
         assert request.model is not None
-        ahead = self.admission.queued_ahead(request.model, request.priority)
-        return decide(request, self.fleet(now), self.config.policy, now, ahead,
-                      self.admission.sessions.get(request.session), arriving=True,
-                      cached=self.expected_cached(request),
-                      displaced=self.admission.expected_displaced(request),
-                      prefix_share=self.admission.prefix_share(request)), ahead
+        return (self.admission.preview(request, self.fleet(now), now),
+                self.admission.queued_ahead(request.model, request.priority))
 
     def expected_cached(self, request: InferenceRequest) -> Mapping[str, int]:
         return self.admission.expected_cached(request)

@@ -37,7 +37,9 @@ from controlplane.config import (
 )
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineRates, EngineView, Fleet, Ticket
+from controlplane.core.engines import EngineRates, EngineView
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import Ticket
 from controlplane.core.weights import Weights
 from controlplane.giveway import give_way
 from controlplane.servicers.httpendpoint import HttpEndpoint

@@ -25,13 +25,14 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
-from controlplane.core.model import Decision, InferenceRequest, Reason, ServedModel, Verdict
+from controlplane.core.engines import ServedModel
+from controlplane.core.model import Decision, InferenceRequest, Reason, Verdict
 from controlplane.names import (
     CONTENT_TYPE_HEADER, ENGINE_HEADER, PARKED_MS_HEADER, RETRY_AFTER_HEADER, ROUTE_REASON_HEADER, TICKET_HEADER,
 )
 
 if TYPE_CHECKING:
-    from controlplane.core.admission import Outcome
+    from controlplane.core.model import Outcome
 
 INVALID_REQUEST = "invalid_request_error"
 """OpenAI error type of a request the client must change (4xx)."""

@@ -7,11 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from controlplane.core.admission import Outcome
+from controlplane.core.model import Decision, InferenceRequest, Outcome, Ticket
 from controlplane.core.fairshare import FairStanding, TenantShare
 from controlplane.core.feedback import FirstToken, TtftSummary
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules, PromptTokenSummary
-from controlplane.core.model import Decision, Fleet, InferenceRequest, Ticket
+from controlplane.core.fleet import Fleet
 from controlplane.core.policy import Policy
 from controlplane.core.tenants import Tenant, Tenants, Usage
 from controlplane.metrics import SluiceMetrics

@@ -53,8 +53,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from controlplane.servicers.authz import AuthorizationServicer
 from controlplane.config import TracingConfig
-from controlplane.core.admission import Outcome
-from controlplane.core.model import InferenceRequest, Verdict
+from controlplane.core.model import InferenceRequest, Outcome, Verdict
 from controlplane.edge import Failure, header
 from controlplane.names import ROUTE_REASON_HEADER
 from controlplane.ports import CheckPort, QuotaPort

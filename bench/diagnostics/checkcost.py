@@ -29,7 +29,7 @@ from typing import Any
 from controlplane.app import ControlPlane
 from controlplane.config import parse_config
 from controlplane.core import output_length
-from controlplane.core.model import EngineRates, EngineView
+from controlplane.core.engines import EngineRates, EngineView
 from controlplane.core.request import parse_request
 from controlplane.observe.poller import EnginePoller
 

@@ -23,9 +23,12 @@ from dataclasses import dataclass, replace
 from typing import Generic, Protocol, TypeVar
 
 from controlplane.config import Config, StoreOnFailure
-from controlplane.core.admission import PARK_CLASSES, AdmissionCore, Outcome, Parked
+from controlplane.core.lot import PARK_CLASSES
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.model import Decision, InferenceRequest, Outcome, Parked, QueueRule, Ticket, Verdict
 from controlplane.core.decide import decide
-from controlplane.core.model import Decision, EngineView, Fleet, InferenceRequest, QueueRule, Ticket, Verdict
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
 from controlplane.store.base import (
     LINE_CLASSES, Claim, EventKind, LineChange, Refusal, Reserved, SharedClock, StoreEvent, StoreState,
 )

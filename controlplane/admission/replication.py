@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
 from controlplane.config import Config
-from controlplane.core.admission import AdmissionCore, Outcome, Parked
-from controlplane.core.model import Decision, InferenceRequest, Ticket
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.model import Decision, InferenceRequest, Outcome, Parked, Ticket
 from controlplane.metrics import SluiceMetrics
 from controlplane.store.base import (
     Claim, EventKind, Landed, LineChange, Reserved, SharedClock, Store, StoreEvent, StoreUnavailable,

@@ -23,12 +23,13 @@ from dataclasses import replace
 from typing import Any
 
 from controlplane.config import Config
-from controlplane.core.admission import AdmissionCore, Outcome
-from controlplane.core.decide import shed
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.model import Decision, InferenceRequest, Outcome, Reason, Ticket, Verdict
+from controlplane.core.waits import shed
 from controlplane.core.feedback import FirstToken, RecentTtfts, TtftSummary, end_to_end_error
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules
 from controlplane.core.tenants import Usage
-from controlplane.core.model import Decision, EngineView, InferenceRequest, Reason, Ticket, Verdict
+from controlplane.core.engines import EngineView
 from controlplane.metrics import NO_TENANT_LABEL, SluiceMetrics
 from controlplane.observe.observation import Observation
 from controlplane.ports import CheckSettings

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 
-from controlplane.core.model import Flavor
+from controlplane.core.engines import Flavor
 
 
 class OnFailure(enum.StrEnum):

@@ -1,28 +1,15 @@
-"""LoRA adapters as the decision core sees them: which model an adapter belongs to, which engines have a slot for it,
-and what loading it costs. Pure.
+"""LoRA adapters as the decision core sees them: an adapter's base model, which engines have a slot for it, what loading
+it costs (decision 0017). Pure. For engine ``e`` with ``slots(e)`` adapter slots (``engines[].max_loras``, else the
+``max_lora`` it reports) and a request for adapter ``a``::
 
-An adapter is a model with a base model (``/v1/models``' ``parent`` on the engines that list it, else the
-``adapters.models`` config). An engine with adapter slots (``slots``: ``engines[].max_loras``, else the ``max_lora`` its
-``lora_requests_info`` gauge reports) runs at most that many distinct adapters at once; a request for another adapter
-waits inside the engine until a slot's adapter has no running request (vLLM's scheduler), and loading it there stalls the
-engine's batch (a swap). For engine ``e`` and a request for adapter ``a``::
+    busy(e)      = the adapters of e's open tickets (the ledger)
+    blocked      : slots(e) known, a not in busy(e), |busy(e)| >= slots(e)                 (fit.py: ``adapter_slots``)
+    resident(e)  = the first slots(e) of: busy(e), e's reported running and waiting adapters, its recent admissions
+    swap_s(e, a) = 0 if a in resident(e), else e's learned swap (``SwapBook``), else ``adapters.swap_seconds``
 
-    busy(e)      = the adapters of e's open tickets (the ledger: what sluice admitted there and has not seen finish)
-    blocked      : slots(e) known, a not in busy(e), |busy(e)| >= slots(e)        (fit.py: ``adapter_slots``)
-    resident(e)  = busy(e), then the adapters e reports running and waiting, then those sluice admitted there most
-                   recently (``Fleet.adapter_recent``), in that order, the first slots(e) of them (all, slots unknown)
-    swap_s(e, a) = 0 if a in resident(e), else swap(e)                                       (route.py adds it to TTFT)
-    swap(e)      = max(0, median(cold residuals) - median(warm residuals)) over e's last ``SWAP_SAMPLES`` of each,
-                   once it has ``adapters.swap_min_samples`` of each; else ``adapters.swap_seconds`` (the prior)
-    residual     = an adapter request's streamed TTFT at the engine (the access log) - (its expected TTFT - the swap
-                   its admission priced): cold when it priced one, warm when not. The warm median is the estimate's
-                   own error on that engine, which the cold one carries too; their difference is what loads add
-                   (``SwapBook``)
-
-``blocked`` reads the ledger alone, so it holds as an invariant of what sluice admits: no engine ever holds open
-tickets of more distinct adapters than it has slots, and no admitted request waits inside an engine for an adapter slot
-(tests/unit/test_adapters.py). Traffic that bypasses sluice is not counted in ``busy``; it shows in
-``resident``, where it only moves the swap estimate.
+Invariant: ``blocked`` reads the ledger alone, so no engine ever holds open tickets of more distinct adapters than it
+has slots and no admitted request waits inside an engine for a slot (tests/unit/test_adapters.py); traffic that
+bypasses sluice only moves ``resident``.
 """
 
 from __future__ import annotations
@@ -33,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from controlplane.core.model import EngineView, Fleet
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
 
 
 @dataclass(frozen=True, slots=True)

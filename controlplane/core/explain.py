@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 
 from controlplane.core import adapters
 from controlplane.core.fit import effective_load, misfits
-from controlplane.core.model import Fleet, InferenceRequest, Reason
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import InferenceRequest, Reason
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.route import cached_tokens, estimate
 

@@ -1,38 +1,17 @@
-"""Tenant fair share inside a parking class: a virtual token counter per tenant (pure: no I/O, no clock).
+"""Tenant fair share inside a parking class: a virtual token counter per model and tenant (Sheng et al., "Fairness in
+Serving Large Language Models", OSDI 2024; decision 0015). Pure: no I/O, no clock.
 
-The Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), per model (tokens
-of different models are not the same work, and each model's line is served by its own engines):
+- **Charge**: each admission, ``counter += (prompt_weight x prompt + output_weight x output) / weight(tenant)``, with
+  the prompt estimate and the expected output (the model's mean, never past ``max_tokens``); ``settle`` corrects it
+  from the access log's usage, ``retract`` takes back an admission the store refused.
+- **Lift**: a tenant that parks with nothing parked for the model rises to the lowest backlogged counter (none: the
+  counter of the tenant charged last); idle time is not banked.
+- **Pick**: within a class, the oldest request of the lowest counter (ties: the tenant served less, its counter without
+  lifts; then the request parked first). ``service_order`` projects a class's order, each pick charged in turn.
 
-- **Charge.** A tenant's counter advances by the tokens it is served, weighted, over the tenant's weight::
-
-      counter[model][tenant] += (prompt_weight x prompt_tokens + output_weight x output_tokens) / weight(tenant)
-
-  At admission the request is charged its prompt estimate and its expected output (the model's learned mean answer,
-  else ``default_expected_output_tokens``, never more than its ``max_tokens``): a wake's next pick must already see
-  what the last one will cost. When the access log settles what it really used (the engine's ``usage``, or a tenant's
-  counted deltas), the counter is corrected by the difference (``settle``). An admission the shared store refuses is
-  taken back whole (``retract``); a ticket that closes without usage (a lapsed lease, an access-log entry without a
-  count) keeps its estimate.
-- **Lift.** A tenant that parks a request while it has none parked for that model is lifted to the lowest counter among
-  the model's backlogged tenants (those with a request parked), or, with none, to the counter of the tenant served last:
-  idle time is not banked, so a tenant back from a quiet hour gets its share from now on, not the hour's worth.
-- **Pick.** Within a parking class the next request is the oldest parked one of the tenant with the lowest counter (ties:
-  the tenant served less, its counter without lifts; then the tenant whose next request parked first).
-  ``service_order`` projects the whole class's order by charging each pick its estimate in turn: the order a wake
-  serves it in if nothing changes, and each request's place for shed-early. The tie rule is what a light tenant gets
-  from being light: lifted level with a backlogged heavy one, it goes first, once (its charge then puts it behind);
-  with the paper's tie (arrival order) it would wait for the heavy tenant's oldest request at every return, a slot's
-  turnover more on every request (``bench fairness``: b's wait in the lot at p50 about twice as long).
-
-Requests without a tenant form one tenant, ``ANONYMOUS``. With one tenant the order is the parking order (FIFO).
-
-**No starvation.** Among tenants: the lowest counter is served next and every pick raises its tenant's counter by a
-positive charge, while a lifted tenant starts at the backlogged minimum, not below it; so a backlogged tenant's counter
-is within one request's charge of the minimum after a bounded amount of others' service (the paper's bound: about
-``2 x (prompt_weight x prompt + output_weight x max_output)`` per other tenant), and its head is then picked. Within a
-tenant: its own requests in parking order. A pick that does not fit stops its class's wake (head-of-line, as FIFO),
-so a large request is not overtaken for ever by small ones of the same class; and ``max_park_s`` still answers every
-parked request.
+Requests without a tenant are one tenant, ``ANONYMOUS``. No starvation: every pick raises its tenant's counter and a
+lifted tenant starts at the backlogged minimum, so a backlogged tenant is picked after a bounded amount of others'
+service (about ``2 x (prompt_weight x prompt + output_weight x max_output)`` per other tenant).
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
-"""TTFT feedback: each engine's measured TTFT against the estimate corrects its later estimates.
+"""TTFT feedback: each engine's measured TTFT against the estimate corrects its later estimates. Pure (time passed in).
 
-The access log gives every served request's first token as clients saw it pass Envoy (``FirstToken``: the Lua response
-filter's time of a stream's first token event, measured from the moment the request was fully sent to the engine, after
-any park), and the ticket carries the TTFT the decision estimated. Their ratio is the estimate's error on that engine.
-``TtftCorrections`` keeps one factor per engine that multiplies the engine's own part of the TTFT estimate (prefill plus
-the first token, not a slot wait the ledger computes; route.estimate), so deadlines, the band and finish-soonest judge
-that engine by what it has been delivering.
+The access log times a served request's first token in Envoy (``FirstToken``, from the request fully sent to the engine;
+decision 0001); the ticket carries the TTFT its decision estimated. ``TtftCorrections`` keeps one factor per engine
+multiplying the engine's own part of the estimate (prefill and first token, not a slot wait; route.estimate):
 
-Contract:
+- each streamed observation multiplies the factor by ``ratio ** gain``, against an estimate that already carried it, so
+  the factor settles where measured and estimated agree (a non-streaming first token is the whole body: not observed);
+- the factor stays within ``[minimum, maximum]``;
+- it holds for ``half_life_s`` after the engine's last measured request, then decays toward 1, halving in log space
+  every ``half_life_s`` (``decay``): a high factor keeps requests away, so it could not learn otherwise;
+- a factor within 2% of 1 is published as 1, and a published factor changes only by more than 2%.
 
-- Each observation multiplies the factor by ``ratio ** gain``; the ratio is taken against an estimate that already
-  carried the factor, so the factor settles where measured and estimated agree.
-- The factor stays within ``[minimum, maximum]``: it corrects downward too (a first token is a measurement, not a
-  bound), but never below ``minimum``, so one lucky run of prefix-cache hits cannot make deadline traffic trust an
-  engine far beyond its measured rates; ``maximum`` bounds what a burst of outliers can do.
-- Only streamed responses are observed: a non-streaming response's first token is its whole body, which measures the
-  answer's length, not the part the factor scales.
-- A factor holds for ``half_life_s`` after the engine's last measured request, then decays toward 1, halving in log space
-  every ``half_life_s`` (``decay``, from the shell's periodic tick): a factor only learns from requests the engine
-  serves, and a high one keeps requests away.
-- A factor within 2% of 1 is published as 1; a published factor changes only by more than 2% (relative).
-
-Pure: no clock, no I/O (time is passed in). Each control-plane replica derives its own from the access-log entries it
-receives.
+Each control-plane replica derives its own from the access-log entries it receives.
 """
 
 from __future__ import annotations

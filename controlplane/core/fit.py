@@ -1,26 +1,16 @@
 """The fit rules: whether a request can start on an engine now, and the load and KV figures they (and weights) read.
+Pure. A candidate **fits** when none of these holds (each a ``Reason``)::
 
-Pure. A candidate **fits** when none of these holds (each is a named ``Reason``)::
+    cap          : load >= cap                    (load: ``effective_load``; cap: max_num_seqs, configured or reported)
+    kv_watermark : the probe's KV usage >= kv_high_watermark
+    kv_need      : held + need > kv_capacity x kv_high_watermark         (need: ``need_tokens``; held: ``held_tokens``)
+    box_pool     : the engines sharing a box would together hold more than its budget (bytes at each model's
+                   kv_bytes_per_token, an unknown rate at the largest configured; else tokens)
+    quality_cap  : open tickets of the model >= floor(solo decode rate x quality_overcommit / decode floor)
+    adapter_slots: a LoRA adapter the engine's open tickets do not use, every adapter slot held by others (adapters.py)
 
-    load        = max(probe running + waiting + unseen_load, open tickets)              (effective_load)
-    cap         : load >= cap                                  (cap = max_num_seqs, configured or reported; N, not N-1)
-    kv_watermark: probe KV usage >= kv_high_watermark          (0.90)
-    kv_need     : held + need > kv_capacity x kv_high_watermark
-                  where need = prompt estimate + max_tokens (policy default when absent)              (need_tokens)
-                  and   held = max(sum of reserved tokens of open tickets,          (every admitted request may grow fully)
-                               KV usage x capacity + reserved tokens of unseen tickets
-                               - reserved tokens of tickets released since the probe)  (what the engine holds now)
-                                                                                                      (held_tokens)
-    box_pool    : the engines sharing one box would together hold more than the box budget: in bytes (held tokens x
-                  the model's kv_bytes_per_token, an unknown rate priced at the largest configured one) when the box
-                  has a byte budget, else in tokens
-    quality_cap : open tickets of this model on the engine >= floor(solo decode rate x quality_overcommit / decode floor)
-    adapter_slots: the request is for a LoRA adapter the engine's open tickets do not use, and open tickets of other
-                  adapters hold every adapter slot it has (core/adapters.py, ``blocked``)
-
-A gauge an engine does not report (``None``) skips the rule that needs it. ``load`` takes the larger of the probe and the
-ledger because each sees what the other cannot: the probe sees traffic that bypasses sluice, the ledger what the probe has
-not counted yet. The fleet index (fleetindex.py) evaluates the same rules vectorised, from these same functions' figures.
+A gauge an engine does not report (``None``) skips the rule that needs it. The fleet index (fleetindex.py) evaluates the
+same rules vectorised, from these same functions' figures.
 """
 
 from __future__ import annotations
@@ -28,7 +18,9 @@ from __future__ import annotations
 import math
 
 from controlplane.core import adapters
-from controlplane.core.model import EngineView, Fleet, InferenceRequest, Reason
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import InferenceRequest, Reason
 from controlplane.core.policy import Policy
 
 

@@ -1,31 +1,14 @@
 """The fleet as the control plane keeps it between Checks: engine views, ledger views and per-model candidate arrays,
 refreshed only where something changed. Pure (time passed in); numpy only as a container of numbers.
 
-Issue 9: with 200 engines a Check rebuilt every engine's view and ledger view, decayed every engine's serve count, then
-``decide`` ran ``misfits`` + ``estimate`` (a dozen Python calls) for every candidate: 2.5 ms a Check at 200 engines, 11 ms at
-1000. Here a Check costs the rows redone since the last one plus a few dozen numpy operations over the model's rows:
-
-- ``FleetIndex`` holds each engine's latest ``EngineView`` (the shell pushes one when a probe lands, an operator drains, a
-  request fails, or staleness flips) and, per model, one row per engine serving it. A row holds what the fit rules and the
-  estimate need that does not depend on the request, in the form ``decide`` compares it (``ModelArrays``): cap, load, KV
-  held, the KV limit, KV usage at the watermark, cap reached, open tickets of the model, eligibility (not drained, meets
-  the floor, fresh), the decode rate at the batch a free slot would run in (full batch under pressure, ``load + 1``
-  otherwise) and its reciprocal, the prefill fallback, the serve count in log space. A row is recomputed when its engine's view, ledger view or
-  serve count changed (``Ledger.changed``, ``note_serve``), with the very functions ``decide`` uses (fit.py's
-  ``effective_load``, ``held_tokens``, ``model_len``; route.py's ``decode_rate``), so the numbers are the same numbers.
-- Values shared across engines are applied per snapshot, vectorised: the trusted (model, chip class) prefill median and the
-  quality cap from the (model, chip class) solo median. The prefill column is kept: a row's fill takes its class's median
-  from the last per-class table, and the whole column is redone only when that table changes (a quarter of the Checks
-  at 1000 engines in ``bench fleet``).
-- ``snapshot`` hands ``decide`` frozen arrays (``IndexSnapshot``): views of one matrix per model, copied on the next
-  write while any of them is still held (never changed under a holder), written in place once none is (``_Rows.writable``);
-  the ledger views are a ``SharedMap`` snapshot (sharedmap.py), no copy of the unchanged ones.
-
-``decide`` (decide.py, ``_indexed``) evaluates the fit rules and the no-wait estimate for every row at once, then builds
-real ``Estimate`` objects only for the few engines that can matter (the soonest free slot, busy engines whose no-wait lower
-bound beats it, the session's engine); the satisficing band's weighted pick runs on a cumulative sum. Anything unusual
-(boxes, nothing fits, stale fail-open, a refusal) falls back to the full scan, which stays the reference: a unit test checks
-the two agree on random fleets.
+``FleetIndex`` holds each engine's latest ``EngineView`` (pushed by the shell when a probe lands, an operator drains, a
+request fails or staleness flips) and, per model, one row per engine serving it: what the fit rules and the no-wait
+estimate need that does not depend on the request, in the form ``decide`` compares it (``ModelArrays``). A row is
+recomputed when its engine's view, ledger view or serve count changed, with the very functions ``decide`` uses (fit.py,
+route.py), so the numbers are the same numbers; values shared per (model, chip class) are applied per snapshot.
+``snapshot`` hands out frozen arrays (``IndexSnapshot``): never changed under a holder (copied on the next write while
+one holds them); the ledger views are a ``SharedMap`` snapshot. indexed.py decides on them; the full scan stays the
+reference. Why and what it saves: bench/results/README.md (issue 9).
 """
 
 from __future__ import annotations
@@ -39,7 +22,8 @@ from typing import cast
 
 import numpy as np
 
-from controlplane.core.model import ClassChangeLog, EngineLedger, EngineView, Fleet, RateTables
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import ClassChangeLog, EngineLedger, Fleet, RateTables
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.fit import effective_load, held_tokens, model_len
 from controlplane.core.route import capacity_throughput, decode_rate
@@ -95,9 +79,8 @@ class ModelArrays:
     """One model's candidates, one row per engine serving it (in fleet order). Never changed after it is handed out.
 
     What ``decide`` compares per Check is kept in the form it compares it in (a KV limit rather than capacity and
-    watermark, a decode time per token rather than a rate, serves in log space): each row is filled once per change in
-    plain Python, while every numpy operation on the arrays is paid by every Check (at 1000 engines each costs a few
-    microseconds, most of it call overhead, so their number is what a Check costs)."""
+    watermark, a decode time per token rather than a rate, serves in log space): a row is filled once per change, while
+    every numpy operation on the arrays is paid by every Check."""
 
     names: tuple[str, ...]
     views: tuple[EngineView, ...]
@@ -204,7 +187,7 @@ class _Rows:
         filled since takes its class's value from the same table, so the column is redone only when the table is new."""
         self.frozen: tuple[ModelArrays, np.ndarray, np.ndarray] | None = None
         """The last snapshot's arrays and the per-class arrays they were made with: handed out again while no row
-        changed (a Check freezes every model, and most models' rows did not change since the last one)."""
+        changed."""
 
     def writable(self) -> None:
         """Before a row is written: copy the matrices a handed-out snapshot still reads (its arrays are views of them).
@@ -308,8 +291,7 @@ class FleetIndex:
                 policy: Policy, admit_stale: bool, rates: RateTables, now: float) -> None:
         """Recompute the rows of engines whose view, tickets or serve count changed (every row after a change of members,
         policy or fail-open). ``snapshot`` starts with it; the shell also calls it between Checks, after a batch of
-        probes, so that at 1000 engines (a probe a millisecond) a Check finds one or two rows to redo instead of the ten
-        or so probes that landed since the last Check."""
+        probes, so that a Check finds few rows to redo."""
         if self._members_dirty or policy is not self._policy or admit_stale != self._admit_stale:
             self._rebuild(ledger_views, serves, policy, admit_stale, rates, now)
             changed.clear()
@@ -367,8 +349,7 @@ class FleetIndex:
 
     def _ledgers(self, rates: RateTables) -> Fleet:
         """What ``_fill`` hands the fit and route functions: the index's ledger views (a live read-only proxy, not a
-        copy) and the rates, one Fleet kept while the rates, the ledger dictionary and fail-open stay the same (a Check
-        and each batch of probes refresh rows; building a Fleet each time cost more than most rows)."""
+        copy) and the rates, one Fleet kept while the rates, the ledger dictionary and fail-open stay the same."""
         cached = self._fill_fleet
         if (cached is not None and cached.rates is rates and self._fill_ledger is self._ledger
                 and cached.admit_stale == bool(self._admit_stale)):
@@ -431,8 +412,7 @@ class FleetIndex:
     def _per_chip(self, model: str, policy: Policy, rates: RateTables) -> tuple[np.ndarray, np.ndarray]:
         """Shared per (model, chip class): the trusted prefill median and the quality cap (fit.quality_cap), by chip code.
         Kept until the class medians, the policy or the chip classes change, and then redone only for the classes whose
-        medians changed (the book's ``ClassChangeLog``) and new ones: an engine's chip class defaults to its name, so at
-        1000 engines redoing every class was a loop over 1000 classes per Check."""
+        medians changed (the book's ``ClassChangeLog``) and new ones (a chip class defaults to the engine's name)."""
         cached = self._chip_tables.get(model)
         chips = len(self._chips)
         if (cached is not None and cached.prefill_median is rates.prefill_median

@@ -8,10 +8,10 @@ The load the decision core uses for an engine (``fit.effective_load``) is
     unseen_load = #open tickets admitted at or after the probe was sent
                 - #tickets released after the probe was sent that were admitted before it
 
-The first term of ``unseen_load`` is what the probe cannot know yet (herding within a burst); the second is what finished
-since the probe (seed 000's stale-high peer between bursts). The open tickets bound it from below: until the access log
-releases a ticket, its request counts as running, whatever a lagging probe says. KV gets the same two corrections in
-tokens (``unseen_reserved_tokens``, ``released_since_probe_tokens``; ``fit.held_tokens``).
+The first term is what the probe cannot know yet (herding within a burst), the second what finished since the probe.
+The open tickets bound it from below: until the access log releases a ticket, its request counts as running, whatever
+a lagging probe says. KV gets the same two corrections in tokens (``unseen_reserved_tokens``,
+``released_since_probe_tokens``; ``fit.held_tokens``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from operator import itemgetter
 
-from controlplane.core.model import EngineLedger, Ticket
+from controlplane.core.fleet import EngineLedger
+from controlplane.core.model import Ticket
 
 _expected_done = itemgetter(1)
 """The key of ``EngineLedger.running``'s order."""
@@ -153,8 +154,7 @@ class Ledger:
         releases = self._recent_releases[engine]
         if self._by_engine.get(engine) or releases:
             # The view reads the probe's time only through open tickets and recent releases: without either, it is the
-            # empty view whatever the time (at 1000 engines most probes are of such engines; redoing their views and
-            # index rows was a fifth of the control plane's work per probe).
+            # empty view whatever the time, and neither it nor the engine's index rows need redoing.
             self._dirty(engine)
         if releases:
             self._recent_releases[engine] = [r for r in releases if r.released_at > probe_sent_at]

@@ -1,29 +1,15 @@
 """How many tokens a model's requests really generate, learned from completed requests. Pure: no I/O, no clock.
 
-Two numbers describe a request's output and they must not be confused: the **reservation** (``max_tokens``, or
-``admission.default_max_tokens`` when the client names none) is the worst case the KV rules hold back, while the
-**expected length** is the best guess of when it finishes, which is what slot waits, finish-soonest and the ledger's
-expected finish times need. Real engines stop at end of sequence, usually far below ``max_tokens``, and most clients send no
-``max_tokens`` at all, so predicting time from the reservation makes every busy engine look much slower than it is (and, the
-other way round, every estimate of a free slot far too long).
+The **reservation** (``max_tokens``, else ``admission.default_max_tokens``) is the worst case the KV rules hold back; the
+**expected length** is when a request is expected to finish, which slot waits, finish-soonest and the ledger's expected
+finish times read. Per model the book keeps a ring of the last ``window`` completion lengths and trusts their **mean**
+once it holds ``min_samples``: waits add service times up, and their expected sum follows the mean, long tail included.
 
-Per model the book keeps a bounded ring of the last ``window`` completion lengths and trusts their **mean** once it holds
-``min_samples``: waits add service times up, and the expected sum of service times follows the mean, long tail included
-(a median would hide exactly the long answers that make queues slow). Lengths cut off by a client's ``max_tokens`` are
-recorded as they are: they are what that traffic really costs.
-
-**How long a running request still has** (``OutputTail``). An answer that has already run past its expected length has
-not "finished by now": with a long tail it is probably a long one, and the longer it has run the longer it will run on.
-Counting overdue tickets as freeing their slot *now* made every busy engine with an overdue ticket look one instant
-from free, so requests waited for it while a slower engine idled (issue 9: at half load Spark took 26 of 27 requests,
-TTFT p90 1.7x the capped Envoy's). The tail answers, from the same ring, the expected rest of a request that has
-produced a fraction ``y`` of the mean: ``E[x - y | x > y]`` over the ring's lengths as multiples ``x`` of their mean. It is
-never less than ``1 - y`` (conditioning on ``x > y`` cannot lower the mean), so the old figure stays a lower bound
-(the fleet index prunes with it). When no recorded length exceeds ``y`` the request is expected to end now, as
-before: with lengths that never vary (``max_tokens`` with ``ignore_eos``) an overdue ticket is late, not long. Until a
-model has ``min_samples`` lengths the tail is memoryless (``MEMORYLESS``: one whole expected answer still ahead, however
-far along), the shape that assumes least: an exponential's spread is about a real chat model's (the cortex profile's
-lognormal, sigma 0.8, has a coefficient of variation of 0.95).
+**The rest of a running request** (``OutputTail``): a request that has produced a fraction ``y`` of the mean is expected
+to produce ``E[x - y | x > y]`` more, over the ring's lengths as multiples ``x`` of their mean; never less than
+``1 - y`` (the fleet index prunes with that bound), and 0 when no recorded length is longer (lengths that never vary:
+an overdue ticket is late, not long). Until a model has ``min_samples`` lengths the tail is memoryless (``MEMORYLESS``:
+one whole expected answer still ahead), the shape that assumes least. Why: bench/results/README.md (issue 9).
 """
 
 from __future__ import annotations
@@ -49,9 +35,7 @@ class OutputTail:
 
     @classmethod
     def of(cls, lengths: Iterable[int]) -> OutputTail | None:
-        # numpy, not a Python loop over the ring: 21 us against 38 us for 256 lengths (at 1000 engines, before the
-        # once-a-second bound, a rebuild came with nearly every Check). The suffix sums run from the end backward as the
-        # loop's did, so the figures are the loop's to the last bit.
+        # The suffix sums run from the end backward: the same figures, to the last bit, as summing in Python.
         values = np.sort(np.fromiter(lengths, dtype=float))
         total = float(values.sum())
         if not len(values) or total <= 0:
@@ -100,8 +84,7 @@ TAIL_REBUILD_FRACTION = 16
 """A model's ``OutputTail`` is rebuilt once this fraction of its window (16 lengths of 256) is new ..."""
 
 TAIL_REBUILD_MIN_INTERVAL_S = 1.0
-"""... and at most once a second: at 1000 engines every probe brings up to 32 lengths (300 probes a second under the
-default probe budget), so the fraction alone rebuilt the tail at nearly every Check."""
+"""... and at most once a second (a large fleet's probes bring lengths at nearly every Check)."""
 
 MEMORYLESS = OutputTail((), ())
 """The tail of a model with too few recorded lengths: the rest is one expected answer, however far along."""
@@ -154,9 +137,8 @@ class OutputLengthBook:
 
     def tails(self, now: float) -> Mapping[str, OutputTail]:
         """Each trusted model's ``OutputTail`` (read-only). Rebuilt (one sort of the ring) when a model is first trusted,
-        then once a ``1 / TAIL_REBUILD_FRACTION`` of its window is new, at most every ``TAIL_REBUILD_MIN_INTERVAL_S``:
-        the shape of hundreds of lengths moves slowly, and rebuilding it at every Check after any new length was a sort
-        of the ring per Check at fleet scale (at 1000 engines every probe reports finished requests)."""
+        then once a ``1 / TAIL_REBUILD_FRACTION`` of its window is new, at most every ``TAIL_REBUILD_MIN_INTERVAL_S``
+        (the shape of hundreds of lengths moves slowly)."""
         if self._stale_tails:
             # A clock read earlier than the last build (callers that pass times of their own) counts as due too.
             due = [model for model in self._stale_tails if model not in self._tails

@@ -20,12 +20,12 @@ class ModelPolicy:
     kv_bytes_per_token: int | None = None
     """KV bytes one token of this model costs; makes box pools byte-aware across co-resident models."""
     max_ttft_ms: int | None = None
-    """Default TTFT deadline for this model's requests (routing, issue 5)."""
+    """Default TTFT deadline for this model's requests."""
 
 
 @dataclass(frozen=True, slots=True)
 class Box:
-    """Several engines sharing one machine's KV memory (seed 002): a pool no pair of them may double-spend."""
+    """Several engines sharing one machine's KV memory: a pool no pair of them may double-spend."""
 
     name: str
     engines: tuple[str, ...]
@@ -70,27 +70,20 @@ class Policy:
     """Work conservation: a request waits for a busy faster engine while a free slot is idle only if that engine's slot
     wait is at most this many of the request's service times on it (0: never wait while a slot is free)."""
     near_tie_fraction: float = 0.05
-    """Near ties (route.py): without a deadline, the free slots whose expected finish is within this fraction of the
-    soonest one's are equally good, and the one with the fewest recent admissions per unit of its capacity takes the
-    request. 0: the soonest always. Why: docs/decisions/0004-near-ties.md."""
+    """Near ties (choose.py): without a deadline, the free slots whose expected finish is within this fraction of the
+    soonest one's are equally good (decision 0004). 0: the soonest always."""
     near_tie_max_engines: int = 8
-    """Warm near ties on a large fleet (route.py): when more free slots than this are near ties (after the prompt-cache
-    preference), the engines admitted to within ``near_tie_warm_seconds`` take the request, or, none being, the first
-    this many by name, so light load keeps Envoy's connections and the engines' prompt caches warm. 0: near ties always
-    go round every tied engine. Why: docs/decisions/0005-warm-near-ties.md."""
+    """Warm near ties (decision 0005): when more free slots than this are near ties, only the engines admitted to
+    within ``near_tie_warm_seconds`` stay tied (none: the first this many by name). 0: every tied engine."""
     near_tie_warm_seconds: float = 4.0
     """An engine admitted to this recently is warm for ``near_tie_max_engines`` (under the engines' 5 s keep-alive)."""
     band_ttft_grain_fraction: float = 0.01
-    """The satisficing band's TTFT preference (route.py ``ttft_factor``): a member's weight is multiplied by
-    ``(quickest ttft + g) / (its ttft + g)`` with ``g`` this fraction of the deadline, so differences well below ``g``
-    are no preference. 0: only capacity and serves weigh. Why: docs/decisions/0007-band-weights.md."""
+    """The satisficing band's TTFT preference (route.ttft_factor, decision 0007): ``g``, this fraction of the deadline,
+    in ``(quickest ttft + g) / (its ttft + g)``. 0: only capacity and serves weigh."""
     max_share_over_capacity: float = 0.0
-    """Fair-share spread (route.py), off by default: without a deadline, an engine whose recent admissions
-    (``serve_half_life_s``) exceed this many times its part of the candidates' capacity (cap x decode rate at cap) takes
-    a request only when it is expected to hold part of its prompt, or when no engine under its share can start it now.
-    It sends light load to slower engines, where it finishes later; near ties (above) spread equal engines at no such
-    cost. For an operator who wants every engine used at light load (e.g. to keep its measured rates fresh). 0: off.
-    Why off: docs/decisions/0006-fair-share-spread-off.md."""
+    """Fair-share spread (route.over_share; off by default, decision 0006): without a deadline, an engine whose recent
+    admissions exceed this many times its part of the candidates' capacity takes a request only when it is expected to
+    hold part of its prompt, or when no engine under its share can start it now. 0: off."""
     ttft_correction_gain: float = 0.1
     """TTFT feedback (core/feedback.py): each served request moves its engine's correction by its measured TTFT over the
     estimate to this power (0.1: about ten requests to follow a lasting change). 0: no correction."""
@@ -105,22 +98,14 @@ class Policy:
     band_margin_ms: float = 1000.0
     """Satisficing band: estimated TTFT at least this far inside the deadline."""
     ttft_headroom_fraction: float = 0.1
-    """A request with a TTFT deadline is planned to have its first token this fraction of the deadline early: admitted,
-    parked and shed against (1 - fraction) x its deadline. The rest is for what no estimate sees: the Check's answer
-    reaching Envoy, Envoy's forwarding, the path back to the client, a loaded host. Without it a queue under overload
-    fills until each head waits its whole deadline less the estimated prefill, and any of that unseen time makes it late
-    (bench steady, mixed6 deadline mix at 110%: parked p50 1.67 s, TTFT p50 1.88 s against a 2 s SLO, 114 of 478 served
-    late). Failure mode: a deadline within the fraction of the estimate is shed though it would have been met. 0: plan
-    for the deadline itself."""
+    """A request with a TTFT deadline is admitted, parked and shed against (1 - fraction) x its deadline: the rest is
+    for what no estimate sees (the answer reaching Envoy and the client, a loaded host; bench/results/README.md). A
+    deadline within the fraction of the estimate is shed though it could have been met. 0: the deadline itself."""
     serve_half_life_s: float = 300.0
     """Half-life of the recent-serves count that weights the band and breaks near ties."""
     backfill: bool = False
     """Off: strict FIFO within a class. On: a parked request behind a blocked head may start now if it is expected to
-    finish before the head could start (EASY backfilling), so the head is not delayed. Off by default, decided by
-    measurement twice (bench/results/README.md): it helps ``bench cag4`` a little (8k TTFT p50 6.0 against 6.9 s on
-    2026-12-01, 6.0 against 6.5 s on 12-02, no preemptions either way) and changes nothing in ``bench steady``'s open and
-    capped mixes, but costs its deadline mix at overload (goodput at 110% 4.80 against 5.12 req/s on 12-01; 5.17
-    against 5.42, with 29 sheds against 20, on 12-02 after the estimates and the shared line were fixed; equal at 95%)."""
+    finish before the head could start (EASY backfilling). Off by default, by measurement (bench/results/README.md)."""
     backfill_scan: int = 16
     """How far behind a blocked head backfill looks; also how many heads with a deadline no free slot can meet a wake
     passes over (AdmissionCore.wake)."""
@@ -139,14 +124,10 @@ class Policy:
     (``prefix_load_headroom``)."""
     prefix_load_headroom: float = 2.0
     """With ``prefix_max_replicas`` 0, a prefix may occupy ``ceil(share x candidates x headroom)`` engines (at least one),
-    ``share`` being its part of the recent arrivals (prefix.py, ``share``): a system prompt one request in 32
-    carries stays on one engine of four, one that every request carries spreads over all of them. 0: no limit, the
-    estimates alone decide when spilling to a cold engine pays."""
+    ``share`` its part of the recent arrivals (prefix.py; decision 0016). 0: no limit, the estimates alone decide."""
     prefix_eviction_charge: float = 1.0
-    """Capacity-aware prefix affinity (core/affinity.py): for a request whose prefix some engine holds, an engine that
-    would evict other prompts' blocks to cache it is compared as if it finished this many times the prefill of what it
-    evicts later (that prefill is redone by the requests that would have hit them). Keeps a shared prefix on as few
-    engines as its load needs when KV is short. 0: off (the plain finish time decides)."""
+    """Capacity-aware prefix affinity (affinity.py, decision 0018): an engine that would evict other prompts' blocks to
+    cache a held prefix is compared as if it finished this many times the prefill of what it evicts later. 0: off."""
     prefix_index_blocks: int = 250_000
     """Bound on the prefix index's entries (engine, block) over all engines, each engine getting an even share (an entry
     is about 240 bytes: the default is some 60 MB)."""
@@ -155,23 +136,18 @@ class Policy:
     request first (fresh requests meet their latency; the old ones, already late, wait for capacity or ``max_park_s``).
     0: strict FIFO always."""
     lifo_deadline_fraction: float = 0.0
-    """Adaptive LIFO also once the oldest parked request has waited this fraction of its own TTFT deadline (deadlines
-    at or below ``lifo_after_ms`` otherwise keep the lot FIFO for good). 0: only ``lifo_after_ms``. Why off:
-    docs/decisions/0013-deadline-lifo-off.md."""
+    """Adaptive LIFO also once the oldest parked request has waited this fraction of its own TTFT deadline. 0: only
+    ``lifo_after_ms`` (decision 0013)."""
     overload_shed_after_ms: float = 4000.0
-    """Under sustained overload (a class in adaptive LIFO while requests keep joining it: one parked within the last
-    quarter of the bound), a request without a TTFT deadline that has waited this long, or ``overload_shed_services``
-    of its model's service times if that is longer, is shed ``overloaded`` with a Retry-After instead of waiting behind
-    fresher requests until ``max_park_s``. 0: off (core/admission.py)."""
+    """The overload bound (shedearly.py): a request without a TTFT deadline expected to wait longer than this, or than
+    ``overload_shed_services`` of its model's service times if that is longer, is shed ``overloaded`` within its
+    decision window. 0: off (only ``max_park_s``)."""
     overload_shed_services: float = 4.0
-    """The overload bound is at least this many of the model's recent service times (admission to release, averaged
-    over the last releases): where one answer takes seconds, 4 s is one or two of them, a queue's normal wait at 90%
-    load and not an overload (``bench prefix`` at speed x1 shed 17 of 99). 0: the fixed bound alone."""
+    """The overload bound is at least this many of the model's recent service times (admission to release, averaged):
+    where one answer takes seconds, a fixed bound is a queue's normal wait. 0: the fixed bound alone."""
     shed_decision_s: float = 1.0
-    """The decision window (``admission.shed_decision_seconds``): a parked request may be shed for its bound only
-    within this long of parking (less ``ANSWER_MARGIN_S``), at arrival or when the estimate of its start says it would
-    start too late (core/admission.py, "Shed early"); past it the request is committed: served in its turn, before
-    every request that parked after it. 0: decided at arrival only."""
+    """The decision window (shedearly.py): a parked request may be shed for its bound only within this long of parking;
+    past it the request is committed, served in its turn. 0: decided at arrival only."""
     models: Mapping[str, ModelPolicy] = field(default_factory=lambda: MappingProxyType({}))
     """Per-model settings (read-only: a copy of what the constructor was given)."""
     version_floors: tuple[tuple[str, str], ...] = ()
@@ -188,7 +164,7 @@ class Policy:
             object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
 
     def model(self, model_id: str) -> ModelPolicy:
-        return self.models.get(model_id, _NO_MODEL_POLICY)  # (not a new ModelPolicy per call: every Check asks)
+        return self.models.get(model_id, _NO_MODEL_POLICY)
 
     def floor_for(self, model_id: str, base: str | None = None) -> str | None:
         """The strictest floor among patterns matching ``model_id`` or, for an adapter, its ``base`` model (a floor on

@@ -1,33 +1,17 @@
-"""Which engine probably holds which prompt prefix in its KV cache: an approximate index of the prompts sluice sent where.
-Pure: no I/O, no clock.
-
-Engines with automatic prefix caching (vLLM, SGLang) keep a finished request's KV blocks until they need the memory, and a
-later prompt that starts with the same tokens skips their prefill. sluice cannot tokenize like each engine, so it works on
-characters:
+"""Which engine probably holds which prompt prefix in its KV cache: an approximate index of the prompts sluice sent
+where (decision 0018). Pure: no I/O, no clock.
 
 - **The prompt, rendered canonically** (``render_prompt``): a chat request's ``tools`` (JSON, keys sorted), then every
-  message as ``\\x1e role \\x1f text`` (its content's text parts, in order); a completion's ``prompt``. Turn n+1 of a
-  conversation renders with turn n's rendering as its prefix, as an engine's chat template does.
-- **Blocks** are fixed spans of ``block_chars`` characters (``admission.prefix_block_chars``, 256 = 64 tokens at 4 characters
-  a token); only full blocks count, at most ``max_blocks`` of a prompt (``admission.prefix_max_blocks``). Each block's hash
-  is chained, ``h_k = blake2b(h_{k-1} || block k)`` (8 bytes), so equal hashes mean equal prompts up to that block.
-  (Measured on this 2-core machine: 67 us to hash a 16,000-character prompt, 62 blocks, in ``parse_request``.)
-- **The index** (``PrefixIndex``): per engine, the block hashes of the prompts admitted to it, least recently used first,
-  and for each hash the engines holding it. ``note`` touches a prompt's blocks tail first, so a block's parent is always
-  used more recently than the block itself: eviction takes tails before heads, and an engine holding block k holds blocks
-  0..k-1 too (the holders of a prompt's blocks are nested). ``match`` walks the prompt's blocks once, looking each hash up
-  in the map: O(prompt blocks) dictionary lookups, plus a set difference only where the number of holders drops, plus the
-  engines it reports. An engine's list is bounded by its KV capacity in blocks (``kv_capacity_tokens x chars_per_token /
-  block_chars``: the engine cannot cache more) and by an even share of ``admission.prefix_index_blocks`` (the index's
-  total bound, reported as ``sluice_prefix_index_blocks``; an entry costs about 240 bytes, measured with tracemalloc in
-  tests/unit/test_prefix_index.py, so the default 250,000 is some 60 MB). Matching a 62-block prompt took 5 us with two
-  engines holding it and 37 us with 1,000 (most of it reporting the 1,000 engines).
+  message as ``\\x1e role \\x1f text``; a completion's ``prompt``. Turn n+1 of a conversation renders with turn n's
+  rendering as its prefix, as an engine's chat template does.
+- **Blocks**: full spans of ``block_chars`` characters (at most ``max_blocks``), chained: ``h_k = blake2b(h_{k-1} || k)``.
+- **The index** (``PrefixIndex``): per engine, the block hashes admitted to it, least recently used first, and per hash
+  its engines. ``note`` touches a prompt's blocks tail first, so eviction takes tails before heads and the holders of a
+  prompt's blocks are nested; ``match`` is O(prompt blocks). An engine's list is bounded by its KV capacity in blocks
+  and by an even share of ``admission.prefix_index_blocks``.
 
-**Approximate, on purpose.** The index assumes the engine still holds every block sent to it within its capacity. An engine
-evicts sooner when running requests fill its KV, caches generated tokens too, and splits blocks at token boundaries sluice
-does not know; so an expected hit is an estimate, like the rest of the TTFT model, and a wrong one costs one request a
-prefill it did not expect. The index forgets an engine that restarted (a cumulative counter went backwards), that an
-operator drained, or that a reload removed.
+An expected hit is an estimate: an engine evicts sooner under KV pressure and splits blocks at token boundaries sluice
+does not know. The index forgets an engine that restarted, was drained or was removed.
 """
 
 from __future__ import annotations
@@ -39,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from controlplane.core.affinity import displaced_blocks
-from controlplane.core.model import EngineSample
+from controlplane.core.engines import EngineSample
 
 RECORD_SEPARATOR = "\x1e"
 """Starts each message of a rendered chat prompt (ASCII RS: never typed, so a message cannot fake a boundary)."""
@@ -258,13 +242,21 @@ class PrefixIndex:
             depth[engine] = matched
         return depth
 
-    def share(self, blocks: Sequence[int]) -> float:
+    def share(self, blocks: Sequence[int], arriving: bool = False) -> float:
         """The share of the last ``RECENT_ARRIVALS`` prompts that ``arrived`` which began with ``blocks``' first block;
         0 when fewer than ``SHARE_MIN_ARRIVALS`` arrived, or ``blocks`` is empty. Arrivals, not admissions: a burst of
-        one prefix raises its share while its requests still wait, so it may spread."""
-        if not blocks or len(self._recent) < SHARE_MIN_ARRIVALS:
+        one prefix raises its share while its requests still wait, so it may spread. ``arriving``: the share once
+        ``arrived(blocks)`` has run, nothing changed."""
+        if not blocks:
             return 0.0
-        return self._recent_counts.get(blocks[0], 0) / len(self._recent)
+        recent, count = len(self._recent), self._recent_counts.get(blocks[0], 0)
+        if arriving:
+            if recent >= RECENT_ARRIVALS and self._recent[0] == blocks[0]:
+                count -= 1  # the arrival pushes this prefix's oldest out
+            recent, count = min(recent + 1, RECENT_ARRIVALS), count + 1
+        if recent < SHARE_MIN_ARRIVALS:
+            return 0.0
+        return count / recent
 
     def arrived(self, blocks: Sequence[int]) -> None:
         """A request with a prompt of ``blocks`` arrived (a Check, on this replica): counted for ``share``."""

@@ -1,17 +1,14 @@
-"""Prompt tokens learned from the engines: what a prompt of ``c`` characters in ``m`` chat messages costs in tokens.
+"""Prompt tokens learned from the engines: what a prompt of ``c`` characters in ``m`` chat messages costs in tokens
+(decision 0002).
 
 A Check has no tokenizer. It estimates ``tokens = ceil(c x per_char + m x per_message)``; the prior is the policy's
 ``chars_per_token`` and no template tokens. Each served request whose engine reported ``usage.prompt_tokens`` is a sample
-``(c, m, counted)`` of its (model, engine); after ``min_samples`` of them the pair's figures are fitted to its last
-``SAMPLES`` samples, and the model's rule (what the Check uses: KV reservation, TTFT, prefix-block arithmetic, rate-limit
-pre-charges) becomes the largest figures of its engines, component by component, so that no engine's prompt is
-under-reserved when engines of one model tokenize differently.
-
-The fit is least squares of ``counted ~ per_char x c + per_message x m``, pulled toward the prior with the weight of a
-thousandth of a sample (so a run of identical prompts, which cannot separate the two figures, takes the split nearest the
-prior's and still its total right), then fitted again without the samples whose residual exceeds ``OUTLIER_MADS`` times
-the median absolute residual (at least one token: a truncated prompt, a multimodal part counted as text), up to
-``TRIM_ROUNDS`` times. ``per_char`` stays within ``PER_CHAR_BOUNDS`` and ``per_message`` within ``PER_MESSAGE_BOUNDS``.
+``(c, m, counted)`` of its (model, engine); after ``min_samples`` the pair's figures are fitted to its last ``SAMPLES``,
+and the model's rule (KV reservation, TTFT, prefix-block arithmetic, rate-limit pre-charges) is the largest of its
+engines' figures, component by component, so that no engine's prompt is under-reserved. The fit is least squares of
+``counted ~ per_char x c + per_message x m`` pulled toward the prior with ``PRIOR_WEIGHT`` of a sample, refitted
+without samples whose residual exceeds ``OUTLIER_MADS`` median absolute residuals (at least one token), up to
+``TRIM_ROUNDS`` times, bounded by ``PER_CHAR_BOUNDS`` and ``PER_MESSAGE_BOUNDS``.
 
 Pure: no clock, no I/O. Each control-plane replica learns from the access-log entries it receives.
 """

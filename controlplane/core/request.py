@@ -1,19 +1,16 @@
 """Reading a request: ``parse_request(method, path, body, headers, policy) -> InferenceRequest`` or ``RequestError``.
 
-Pure and total (issue 8): Envoy fails an ext_authz error open, so for any method, path, headers and body this returns or
-raises ``RequestError``, never anything else, within these bounds:
+Pure and total: Envoy fails an ext_authz error open, so for any method, path, headers and body this returns or raises
+``RequestError``, never anything else, within these bounds:
 
-- ``x-sluice-max-ttft-ms`` is 1 to ``MAX_TTFT_DIGITS`` (9) ASCII digits, not 0 (else ``invalid_max_ttft_ms``);
-- ``max_completion_tokens`` / ``max_tokens`` are integers from 1 to ``MAX_TOKENS_LIMIT`` (10,000,000; else
-  ``invalid_max_tokens``);
-- the body nests at most ``MAX_JSON_DEPTH`` (64) levels (else ``json_too_deep``), checked by a linear scan before it is
-  parsed;
-- ``x-sluice-session`` is at most ``MAX_SESSION_KEY`` (256) characters (else ``invalid_session``).
+- ``x-sluice-max-ttft-ms`` is 1 to ``MAX_TTFT_DIGITS`` ASCII digits, not 0 (else ``invalid_max_ttft_ms``);
+- ``max_completion_tokens`` / ``max_tokens`` are integers from 1 to ``MAX_TOKENS_LIMIT`` (else ``invalid_max_tokens``);
+- the body nests at most ``MAX_JSON_DEPTH`` levels (else ``json_too_deep``), checked by a linear scan before parsing;
+- ``x-sluice-session`` is at most ``MAX_SESSION_KEY`` characters (else ``invalid_session``).
 
-A refusal carries only its ``Reason`` and a message: which status and error code a client sees is the edge's business
-(``controlplane/edge.py``), one reason per code. Prompt tokens are estimated from the prompt's characters and chat
-messages by the rules learned from the engines (core/prompt_tokens.py), else as characters / ``chars_per_token``; with
-``prefix_routing`` the prompt is also rendered and cut into hashed blocks for the prefix index (core/prefix.py).
+A refusal carries only its ``Reason`` and a message; the edge (``controlplane/edge.py``) maps it to a status and an error
+code. Prompt tokens come from the rules learned from the engines (prompt_tokens.py); with ``prefix_routing`` the prompt
+is also cut into hashed blocks for the prefix index (prefix.py).
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ decoder recurses once per level and raises ``RecursionError`` near 1000)."""
 
 __all__ = [
     "INFERENCE_PATHS", "MAX_JSON_DEPTH", "MAX_SESSION_KEY", "MAX_TOKENS_LIMIT", "MAX_TTFT_DIGITS", "MODELS_PATH",
-    "PRIORITY_HEADER", "SESSION_HEADER", "TTFT_HEADER", "RequestError", "parse_request",
+    "RequestError", "parse_request",
 ]
 
 

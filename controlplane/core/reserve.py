@@ -1,42 +1,17 @@
-"""Reserved shares: slots of a model's fleet held back for a tenant while it has work, lent out while it has none. Pure.
+"""Reserved shares: slots of a model's fleet held for a tenant while it has work, lent out while it has none (decision
+0020). Pure. Per model, over its engines not drained, with a known cap, fresh (or stale under ``on_stale: open``)::
 
-A tenant's ``reserved_share`` (``tenants.NAME.reserved_share``, a fraction in [0, 1]) guarantees it that part of each
-model's sequence slots. Per model, over the engines that serve it, are not drained, have a known cap (``max_num_seqs``,
-configured or reported) and are not stale unless ``observe.on_stale: open``::
+    slots        = sum of cap                 free = sum of max(0, floor(cap - effective load))
+    reserved(U)  = floor(reserved_share(U) x slots)
+    owed(U)      = min(parked(U), max(0, reserved(U) - running(U)))   while U's next parked request fits some engine
+                   now and did not last decline a free slot; else 0 (its slots are lent out)
+    T may take a slot  <=>  free - 1 >= sum of owed(U) over every U != T                          (``may_take``)
 
-    slots          = sum of cap
-    free           = sum of max(0, floor(cap - effective load))               (fit.effective_load)
-    reserved(U)    = floor(reserved_share(U) x slots)
-    owed(U)        = min(parked(U), max(0, reserved(U) - running(U)))
-                                          if U holds work: its next request of the model parked (class order, then
-                                          the class's order) fits some engine now and was not last decided to wait
-                                          for a busy engine while a slot was free; parked(U): its requests parked
-                   = 0                    otherwise: its slots are lent out
-    T may take a slot  <=>  free - 1 >= sum of owed(U) over every U != T                       (``may_take``)
-
-``running(U)`` is U's open tickets of the model admitted here. The rule is applied at every admission (an arrival, a
-wake's head, a backfill): a request refused by it parks (``Reason.RESERVED_SHARE``), and no other rule changes. A wake
-first serves owed tenants (``AdmissionCore._wake_reserved``): while a slot is free and some tenant is owed, the next
-request of the owed tenants (highest class first, then the class's order) is decided, and admitted if ``decide`` admits
-it (it passes the line: ``QueueRule.NONE``, as a backfill does); a tenant whose request ``decide`` does not admit holds
-nothing for the rest of that wake. The rest of the wake then runs as without reservations.
-
-Invariants. **Held**: while the owed tenants are owed ``H`` slots in all, any other tenant takes a free slot only if
-more than ``H`` are free (``may_take``), and a wake gives the free slots to the owed tenants first (among themselves:
-class order, then the class's order). **Work-conserving**: a tenant without parked work holds
-nothing, and neither does one whose next request fits no engine (KV, a drained fleet): a free slot that the held
-tenant could not use goes to whoever can. Lending is not revoked: a tenant coming back from idle gets its reserved
-slots as the borrowers' requests finish (each release goes to it first), never by stopping a running request.
-
-**Oversubscription.** The shares of all tenants must add up to at most 1: a config whose shares add up to more is
-refused at load (and at reload) with the sum and each tenant's share. Scaling them down would silently turn every
-guarantee into a smaller one that no operator wrote; with a sum of at most 1, ``floor`` keeps the reserved slots within
-the fleet whatever its size (sum of floor(share x slots) <= floor(sum of shares x slots) <= slots). A share that rounds
-to no slot on a small fleet reserves nothing there.
-
-Classes: a reservation holds against every class (a guarantee that another tenant's critical request could take would
-not be one); within the owed tenants' requests, critical before standard. With several replicas each replica applies
-the rule to its own admissions (``running`` counts the tickets it admitted, ``free`` is the shared ledger's).
+``running(U)``: U's open tickets of the model admitted by this replica. Every admission (arrival, wake, backfill) obeys
+``may_take`` (refused: it parks ``reserved_share``), and a wake serves the owed tenants first. Invariants: a reservation
+holds against every class; it is work-conserving (a tenant with nothing that fits holds nothing); lending is never
+revoked (lent slots come back as borrowers finish); shares add up to at most 1 (a config over 1 is refused), so the
+reserved slots fit any fleet.
 """
 
 from __future__ import annotations
@@ -45,7 +20,7 @@ import math
 from collections.abc import Mapping
 
 from controlplane.core.fit import effective_load
-from controlplane.core.model import Fleet
+from controlplane.core.fleet import Fleet
 
 
 def slots(fleet: Fleet, model: str) -> tuple[int, int]:

@@ -1,62 +1,17 @@
-"""Where a request runs among the engines that can take it: finish-soonest, TTFT deadlines, the band, session affinity.
+"""Per-engine estimates for a request, and the weights the choice among engines reads (choose.py). Pure.
 
-Pure. For engine ``e`` and request ``r`` (``load`` and ``cap`` as in fit.py)::
+For engine ``e`` and request ``r`` (``load``, ``cap`` as in fit.py; ``cached``: prompt tokens ``e`` is expected to hold,
+prefix.py; ``out``: ``expected_output_tokens``; ``swap``: a LoRA adapter's load where it is not resident, adapters.py,
+whose stall of the batch enters the choice among engines with prefix affinity's eviction charge, affinity.py)::
 
-    n            = min(cap, load + 1) while the fleet has room; cap under pressure (a candidate is full or requests
-                   are parked) and when r must wait
-    prefill_rate = trusted (model, chip class) median, else e's last measured rate, else e's anchor, else the policy's
-    decode_rate  = e's trusted per-request decode median at batch n (or the nearest batch measured), else its last
-                   measured rate, else its anchor, else the policy default
-    out          = the model's mean output over recent completed requests (output_length.py, trusted after 20), else
-                   ``default_expected_output_tokens``; at most r.max_tokens (time only: KV still reserves max_tokens)
-    cached       = prompt tokens e is expected to hold (core/prefix.py; 0 without a match), at most r.prompt_tokens - 1
-    prefill      = (r.prompt_tokens - cached) / prefill_rate
-    swap         = for a LoRA adapter e is not expected to hold in a slot, e's learned swap or ``adapters.swap_seconds``
-                   (core/adapters.py; 0 for a base model or a resident adapter; never scaled by the TTFT correction,
-                   which learns the rest of the estimate)
-    stall        = swap x (min(load, cap) + evicts): a load stalls e's whole batch, so every request already there is
-                   that much later, and when e's slots are all taken it evicts an adapter whose next request there
-                   loads it again (``evicts`` 1; 0 while a slot is free or the slots are unknown); charged in the
-                   choice (affinity.charged_finish), not in r's own estimate
-    service      = prefill + out / decode_rate                               (one request of r's shape at batch n)
-    k            = load - cap + 1 + ahead + behind: ``ahead`` the parked requests ahead of r waiting for e in particular
-                   (admission.py), ``behind`` those queued after r; neither counts when cached > 0
-                   (why: docs/decisions/0008-prefix-holder-no-backlog.md)
-    slot_wait    = 0 if load < cap; else, with D = e's open tickets' expected finishes (soonest first):
-                   D[k] - now when k <= |D|, else max(0, D[-1] - now) + ceil((k - |D|) / cap) x service
-    ttft(e)      = slot_wait + swap + prefill + 1 / decode_rate                   (the first token is one step)
-    finish(e)    = ttft(e) + out / decode_rate
-
-**Without a deadline** r goes where ``finish`` is soonest, parking for a busy faster engine if need be
-(``waiting_for_faster``); ``wait_for_faster_margin`` prefers a free slot within that fraction of the best. Work
-conservation: while a slot is free, r waits only if the busy engine beats every free slot by more than the margin and
-its ``slot_wait`` is at most ``max_wait_for_faster_services`` of r's service there, the bound grown by the prefill a
-free slot would redo when the busy one holds more of the prompt (``waits_too_long``); else the soonest free slot
-(``work_conserving``; docs/decisions/0009). Near ties (decide._near_tie): free slots within ``near_tie_fraction`` of
-the soonest free finish are equal; the likeliest prefix holder wins, then the fewest recent serves per unit of
-``capacity_throughput``, then the soonest (0004); an adapter request's tied slots are first narrowed to those that need
-no swap, as its band is (a load stalls the engine's whole batch and evicts another adapter; 0017). Warm near ties: past ``near_tie_max_engines`` tied slots, only the
-engines admitted to within ``near_tie_warm_seconds`` (none: the first that many by name) stay tied (0005). Fair-share
-spread (``max_share_over_capacity``, off; decide._spread): an engine with at least ``1 + ratio x total x its part of
-the candidates' capacity_throughput`` recent admissions is set aside unless it holds part of the prompt or no engine
-left can start r now; a later finish for it reports ``fair_share`` (0006).
-
-**With a deadline** (``x-sluice-max-ttft-ms`` or the model's default) only engines whose ``ttft`` meets it count. None:
-shed ``ttft_unmeetable`` when even an idle engine's prefill misses it, or when a slot is free and no engine meets it
-even without its wait; else park while a release might still come in time. The satisficing band is every engine that
-can start now with ``ttft`` at least ``band_margin_ms`` inside the deadline and a decode rate at or above the model's
-floor; the pick is weighted by ``band_weight`` ``c / (1 + recent serves / c) x (quickest ttft + g) / (its ttft + g)``,
-``c`` the member's ``capacity_throughput`` over the band's largest, serves decayed with ``serve_half_life_s``, ``g``
-``band_ttft_grain_fraction`` of the deadline (ttft_factor, weighted_pick; 0007). A session (``x-sluice-session``)
-keeps its engine while it is in the band; without a deadline, while it is within the work-conserving margin.
-
-**Prefix cache.** An expected hit is prefill the engine skips: it enters ``ttft`` and ``finish`` and nothing else. In
-the band, after the session's engine, the members expected to hold the longest prefix are preferred (then, for an
-adapter, those that need no swap); a hot prefix
-spills to another engine when that finishes sooner (with a deadline, when the holders leave the band), at most
-``prefix_max_replicas`` engines (decide.py). An admission credited with a hit reports ``prefix_cache``. When KV is
-short, an engine that would evict other prompts to cache this one is charged for it in the choice, not in the
-estimate (``Estimate.displaced_s``, affinity.py).
+    n         = min(cap, load + 1); cap under pressure (a candidate is full, or requests are parked) or when r waits
+    prefill   = (r.prompt_tokens - cached) / prefill_rate(e)
+    service   = prefill + out / decode_rate(e, n)                          (one request of r's shape at batch n)
+    k         = load - cap + 1 + ahead + behind          (ahead, behind: parked requests; 0 when cached > 0: decision 0008)
+    slot_wait = 0 if load < cap; else with D = expected_frees(e): D[k] - now when k <= |D|,
+                else max(0, D[-1] - now) + ceil((k - |D|) / cap) x service
+    ttft      = slot_wait + swap + (prefill + 1 / decode_rate) x e.ttft_correction       (feedback.py)
+    finish    = ttft + out / decode_rate
 """
 
 from __future__ import annotations
@@ -65,13 +20,21 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from controlplane.core import adapters
 from controlplane.core.fit import effective_load
-from controlplane.core.model import EngineView, Fleet, InferenceRequest
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import InferenceRequest
 from controlplane.core.output_length import MEMORYLESS
 from controlplane.core.policy import Policy
 from controlplane.core.sharedmap import SharedMap
+
+NONE_NAMED: Mapping[str, int] = MappingProxyType({})
+"""An engine-keyed figure (``cached``, ``waiting``, ``displaced``) that names no engine."""
+TINY = 1e-12
+"""A floor under a capacity or a service time divided by (an engine that measured no decode at all)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +61,13 @@ class Estimate:
 
 
 def decode_rate(engine: EngineView, batch: int, fleet: Fleet, policy: Policy) -> float:
+    """Per-request decode tokens/s at ``batch``: the engine's trusted median at the nearest measured batch, else its
+    last measured rate, else its anchor, else the policy's default."""
     measured = fleet.rates.decode_by_batch.get(engine.name)
     if measured:
         return measured.nearest(batch)
     if engine.rates is not None and engine.rates.decode_tokens_per_s_each:
-        return engine.rates.decode_tokens_per_s_each  # one interval's measurement beats any guess
+        return engine.rates.decode_tokens_per_s_each
     return engine.anchor_decode_tokens_per_s or policy.default_decode_tokens_per_s
 
 
@@ -113,6 +78,8 @@ def decode_rate_known(engine: EngineView, fleet: Fleet) -> bool:
 
 
 def prefill_rate(engine: EngineView, model: str, fleet: Fleet, policy: Policy) -> float:
+    """Prefill tokens/s: the trusted (model, chip class) median, else the engine's last measured rate, else its anchor,
+    else the policy's default."""
     trusted = fleet.rates.prefill_median.get((model, engine.chip_class))
     if trusted:
         return trusted
@@ -170,9 +137,11 @@ def slot_wait(engine: EngineView, position: int, service_s: float, fleet: Fleet,
 def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: Fleet, policy: Policy,
              now: float, pressure: bool = False, behind: int = 0, cached_tokens: int = 0, ahead: int = 0,
              displaced_tokens: int = 0) -> Estimate:
-    """``ahead``: parked requests ahead of this one in line that wait for this engine in particular (passed over while
-    they wait for it, admission.py): each takes one of its slots first. ``displaced_tokens``: prompt tokens of other
-    prefixes the engine would evict to cache this prompt (affinity.py)."""
+    """The module docstring's estimate of ``request`` on ``engine``. ``ahead``: parked requests ahead of it that wait
+    for this engine in particular (each takes one of its slots first); ``displaced_tokens``: prompt tokens of other
+    prefixes the engine would evict to cache this prompt (affinity.py). With a swap, ``stall = swap x (min(load, cap)
+    + evicts)``: every request already there is that much later, and with every adapter slot taken (``evicts`` 1)
+    another adapter's next request loads it again."""
     assert request.model is not None
     cached_tokens = min(cached_tokens, max(0, request.prompt_tokens - 1))
     load = effective_load(engine, fleet)
@@ -186,9 +155,8 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
     decode_s = expected_output_tokens(request, fleet, policy) / rate
     wait = 0.0
     if not fits:
-        # Everyone queued for this engine ahead of r, r itself, and the parked requests behind r (unless this engine
-        # holds r's prefix: see the docstring): each costs one service of r's shape at the full-batch rate (the best
-        # guess for requests whose own lengths sluice cannot know).
+        # Each request queued for this engine before r, and r, costs one service of r's shape (their own lengths are
+        # unknown).
         position = (int(load - cap + 1) if cap is not None else 1) + (0 if cached_tokens else behind + ahead)
         wait = slot_wait(engine, position, prefill_s + decode_s, fleet, now)
     known = adapters.known_adapters(fleet, policy.adapters)
@@ -204,12 +172,10 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
 
 
 def waits_too_long(busy: Estimate, policy: Policy, free: Estimate | None = None) -> bool:
-    """Work conservation: waiting for ``busy`` (a faster engine without a free slot) is only allowed while its slot wait is
-    at most ``max_wait_for_faster_services`` of the request's own service time there (``finish - slot_wait``), plus the
-    prefill ``free`` (the free slot it would take instead) would redo because ``busy`` holds more of the prompt in its
-    prefix cache: ``(busy.cached - free.cached) / free's prefill rate``, plus ``free``'s eviction charge (affinity.py:
-    the prefill of the prompts it would evict for this one). Waiting that much longer idles the free slot no longer
-    than the cold prefill would occupy it, and spares an engine's prefill capacity besides."""
+    """Work conservation (decision 0009): a request waits for ``busy`` (a faster engine without a free slot) only while
+    ``busy.slot_wait <= max_wait_for_faster_services x (busy.finish - busy.slot_wait) + redo``, ``redo`` the prefill
+    ``free`` (the free slot it would take instead) would redo because ``busy`` holds more of the prompt,
+    ``(busy.cached - free.cached) / free's prefill rate``, plus ``free``'s eviction charge (affinity.py)."""
     redo_s = 0.0
     if free is not None and busy.cached_tokens > free.cached_tokens and free.prefill_rate > 0:
         redo_s = (busy.cached_tokens - free.cached_tokens) / free.prefill_rate + free.displaced_s
@@ -224,15 +190,14 @@ def cached_tokens(engine: str, request: InferenceRequest, cached: Mapping[str, i
 
 def capacity_throughput(engine: EngineView, fleet: Fleet, policy: Policy) -> float:
     """Tokens/s ``engine`` generates with its batch full (cap x per-request decode rate at cap; one stream without a
-    cap): its part of the fleet's capacity, for the fallback weights and the fair-share spread."""
+    cap): its part of the fleet's capacity (the fallback weights, the band, near ties, the fair-share spread)."""
     batch = engine.cap or 1
     return batch * decode_rate(engine, batch, fleet, policy)
 
 
 def over_share(serves: float, throughput: float, total_serves: float, total_throughput: float, ratio: float) -> bool:
-    """Fair-share spread: ``serves`` (an engine's recent admissions) is above ``ratio`` times its part of the candidates'
-    capacity (``throughput / total_throughput``) of ``total_serves``, with one admission of slack so that the first few
-    requests of a quiet period are not spread by chance."""
+    """Fair-share spread (decision 0006): ``serves >= 1 + ratio x total_serves x throughput / total_throughput``, an
+    engine's recent admissions against its part of the candidates' capacity (one admission of slack)."""
     if ratio <= 0 or total_throughput <= 0:
         return False
     return serves >= 1.0 + ratio * total_serves * throughput / total_throughput
@@ -240,28 +205,23 @@ def over_share(serves: float, throughput: float, total_serves: float, total_thro
 
 def band_weight(serves: float, capacity: float) -> float:
     """The satisficing band's weight for a member with ``serves`` recent admissions and ``capacity`` its throughput over
-    the band's largest (0 < capacity <= 1): ``c / (1 + s / c)``. Equal members get seed 002's ``1 / (1 + s)``; unequal
-    ones settle at shares proportional to their capacity (with ``s`` proportional to the share ``p``, ``p ~ c / (1 +
-    p N / c)`` gives ``p ~ c`` once the counts ``N`` are large), where an even spread would load a slow engine as much
-    as a fast one."""
+    the band's largest (0 < capacity <= 1): ``c / (1 + s / c)``. Members settle at shares proportional to their
+    capacity (with ``s`` proportional to the share ``p``, ``p ~ c / (1 + p N / c)`` gives ``p ~ c`` for large counts
+    ``N``); decision 0007."""
     return capacity / (1.0 + serves / capacity)
 
 
 def ttft_factor(ttft_s: float, quickest_s: float, grain_s: float) -> float:
-    """How much the band prefers a member for starting sooner: ``(quickest + grain) / (ttft + grain)``, with ``grain``
-    the near-tie fraction of the deadline. A member twice as slow to start as the quickest, with both well above the
-    grain, gets about half the weight; differences well inside the grain hardly count. Without the grain a plain ratio
-    ``quickest / ttft`` made 2 ms against 51 ms (a measured engine against one still on the default rates, with a 10 s
-    deadline) a 25x preference: every request went to the one measured engine and the others were never measured."""
+    """How much the band prefers a member for starting sooner: ``(quickest + grain) / (ttft + grain)``, ``grain`` the
+    ``band_ttft_grain_fraction`` of the deadline: twice as slow to start, both well above the grain, is about half the
+    weight; differences well inside the grain hardly count (decision 0007)."""
     return (quickest_s + grain_s) / (ttft_s + grain_s)
 
 
 def weighted_pick(estimates: list[Estimate], serves: Mapping[str, float], pick: float,
                   throughput: Mapping[str, float], grain_s: float) -> Estimate:
     """The satisficing band's weighted choice: ``band_weight`` (``throughput``: each member's ``capacity_throughput``)
-    times ``ttft_factor``, so that a long prompt mostly goes where it prefills fast and a slow engine mostly gets the
-    requests it is least slow at; ``pick`` in [0, 1) is the caller's random draw, ``grain_s`` the TTFT difference that
-    counts (``ttft_factor``)."""
+    times ``ttft_factor``; ``pick`` in [0, 1) is the caller's random draw, ``grain_s`` the TTFT difference that counts."""
     largest = max(throughput[e.engine.name] for e in estimates)
     quickest = min(e.ttft_s for e in estimates)
     weights = [band_weight(serves.get(e.engine.name, 0.0), throughput[e.engine.name] / largest if largest > 0 else 1.0)
@@ -279,7 +239,7 @@ class ServeCounter:
 
     def __init__(self, half_life_s: float = 300.0) -> None:
         self.half_life_s = half_life_s
-        self._values: SharedMap[str, tuple[float, float]] = SharedMap()  # a snapshot per Check copies no entry
+        self._values: SharedMap[str, tuple[float, float]] = SharedMap()
 
     def _decayed(self, engine: str, now: float) -> float:
         value, at = self._values.get(engine, (0.0, now))
@@ -294,8 +254,7 @@ class ServeCounter:
 
     def merge(self, engine: str, count: float, at: float) -> bool:
         """Another count of the same admissions (the shared store's, read by a replica that starts or missed events):
-        ``engine`` keeps the larger of the two, both decayed to the later of their times (warm near ties agree across
-        replicas). True if this counter changed."""
+        ``engine`` keeps the larger of the two, both decayed to the later of their times. True if this changed."""
         value, since = self._values.get(engine, (0.0, at))
         later = max(since, at)
         mine = value * math.pow(0.5, (later - since) / self.half_life_s)
@@ -325,6 +284,10 @@ class SessionMap:
             return None
         self._map.move_to_end(session)
         return self._map[session]
+
+    def peek(self, session: str | None) -> str | None:
+        """``get`` without making ``session`` the most recently used."""
+        return self._map.get(session) if session else None
 
     def set(self, session: str | None, engine: str) -> None:
         if not session:

@@ -1,11 +1,10 @@
 """A dictionary whose read-only snapshots share what did not change: ``SharedMap`` is written like a dict, and
 ``snapshot()`` hands out a ``FrozenMap`` that never changes afterwards. Pure; no I/O.
 
-Issue 9: at 1000 engines every Check froze three per-engine dictionaries (the fleet index's ledger views, the decayed
-serve counts, the rate book's per-engine decode rates), about 8 us each for a copy of 1000 entries, although between two
-Checks only a few entries change. Here the keys are spread over ``CHUNKS`` small dictionaries: a snapshot is a tuple of
-them (no entry copied), and the first write to a chunk after a snapshot copies that chunk alone (about 16 entries at 1000
-keys). Reading a snapshot costs one tuple index more than a dict; the map itself is read as a plain dict.
+The keys are spread over ``CHUNKS`` small dictionaries: a snapshot is a tuple of them (no entry copied), and the first
+write to a chunk after a snapshot copies that chunk alone. Reading a snapshot costs one tuple index more than a dict;
+the map itself is read as a plain dict. Per-engine maps that a Check freezes while only a few entries change between
+Checks (ledger views, serve counts, decode rates) cost a few chunk copies instead of a copy of every engine.
 """
 
 from __future__ import annotations

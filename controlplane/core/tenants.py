@@ -1,27 +1,16 @@
 """Tenants: who a request belongs to, what it may use, and what it is charged (pure: no I/O, no clock).
 
-A tenant is configured in the ``tenants:`` section (``controlplane/config.py`` validates it; reloadable). Its API keys are
-stored as SHA-256 hex digests only: the Check hashes the presented ``Authorization: Bearer <key>`` and looks the digest
-up, so neither the config, the admin API nor a log line ever holds a key. With no tenant configured, authentication is
-off and every request is anonymous (``make run`` works with ``api_key="unused"``).
+A tenant is configured in ``tenants:`` (reloadable); its API keys are stored as SHA-256 digests only, and the Check
+hashes the presented bearer key, so neither the config, the admin API nor a log line holds a key. No tenant
+configured: authentication is off and every request is anonymous. In the order the Check applies them:
 
-What a tenant decides, in the order the Check applies it:
-
-1. **Who**: the key's digest names exactly one tenant (config validation refuses a digest listed twice); an unknown or
-   missing key is refused 401 ``invalid_api_key``.
-2. **Which models**: ``models_allowed`` (absent: every model); another model is refused 403 ``model_not_allowed``. A LoRA
-   adapter is a model of its own here: allowing its base model does not allow it (core/adapters.py).
-3. **Which class**: a request without ``x-sluice-priority`` gets the tenant's ``default``; one that asks for a class
-   above the tenant's ``max`` gets ``max`` (capped, not refused: the request is still fine at its allowed class).
-4. **What budget**: the limiter scopes the charge draws on: the tenant's own (key ``<tenant>``) and, when its
-   ``models`` section limits the request's model, the tenant's share of that model (key ``<tenant>/<model>``); one
-   all-or-nothing charge covers both (``ratelimit/``).
-5. **How much**: the pre-charge, before an engine sees the request: the prompt estimate plus ``max_tokens`` (or the
-   policy's ``default_max_tokens``); an embeddings request generates nothing, so only its prompt.
-
-When the stream ends, ``settled_usage`` reads what it really used from the access log's entry (``controlplane/
-accesslog.py``): the engine's ``usage`` object when it sent one, else the prompt estimate plus the content deltas Envoy's
-Lua usage filter counted (``xds/resources.py``), so a client that leaves mid-stream is charged what it was sent.
+1. **Who**: the key's digest names one tenant; an unknown or missing key is refused 401 ``invalid_api_key``.
+2. **Which models**: ``models_allowed`` (absent: every model; an adapter is a model of its own); else 403.
+3. **Which class**: no ``x-sluice-priority`` gets the tenant's ``default``; a class above its ``max`` gets ``max``.
+4. **What budget**: the tenant's own scope (``<tenant>``) and, when its ``models`` section limits the model, its share
+   of that model (``<tenant>/<model>``), in one all-or-nothing charge (``ratelimit/``).
+5. **How much**: the pre-charge, the prompt estimate plus ``max_tokens`` (or ``default_max_tokens``; embeddings: the
+   prompt only); ``settled_usage`` settles it from the access log (the engine's ``usage``, else the counted deltas).
 """
 
 from __future__ import annotations

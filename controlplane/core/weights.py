@@ -18,7 +18,8 @@ from collections.abc import Iterable, Iterator
 
 from controlplane.core.fit import effective_load
 from controlplane.core import adapters
-from controlplane.core.model import EngineView, Fleet
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.route import capacity_throughput, decode_rate
 
@@ -85,8 +86,7 @@ rebuilds and resends the whole snapshot, and fallback weights matter only while 
 def moved(published: Weights, fresh: Weights, threshold: float) -> bool:
     """True when the set of models or engines changed, or some model's traffic split moved by at least ``threshold``: the
     share of its fallback traffic that would go to a different engine (half the summed absolute change of each engine's
-    share). Per-engine relative moves were the previous rule; at 200 engines each weight is about 5 of 1000, so one
-    unit of rounding is a 20% move and probes jittering by a request republished the route table every few seconds."""
+    share): on a large fleet one unit of rounding is a large relative move of a small weight, not a change of split."""
     if published.keys() != fresh.keys():
         return True
     for model, weights in fresh.items():

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.core.model import ServedModel
-from controlplane.core.model import Flavor
+from controlplane.core.engines import ServedModel
+from controlplane.core.engines import Flavor
 
 #: Endpoints fetched at discovery, per flavour, after ``/v1/models``. Each is optional: a 404 leaves its fields unknown.
 DISCOVERY_PATHS: dict[Flavor, tuple[str, ...]] = {

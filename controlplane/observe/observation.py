@@ -19,7 +19,8 @@ from typing import Any
 
 from controlplane.config import Config, EngineConfig, WorkerPriority
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.model import EngineRates, EngineView, Fleet
+from controlplane.core.engines import EngineRates, EngineView
+from controlplane.core.fleet import Fleet
 from controlplane.core.output_length import lengths_from_buckets
 from controlplane.giveway import give_way
 from controlplane.metrics import EngineState, SluiceMetrics

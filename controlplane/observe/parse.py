@@ -25,7 +25,7 @@ from urllib.parse import urlencode
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.core.model import EngineSample, Flavor
+from controlplane.core.engines import EngineSample, Flavor
 
 Series = dict[str, list[tuple[dict[str, str], float]]]
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from controlplane.config import EngineConfig, ObserveConfig
-from controlplane.core.model import EngineRates, EngineSample, EngineView, Flavor, ServedModel
+from controlplane.core.engines import EngineRates, EngineSample, EngineView, Flavor, ServedModel
 from controlplane.observe.discovery import DISCOVERY_PATHS, parse_discovery, parse_models, slots_kv_usage
 from controlplane.observe.httpget import HttpError, HttpGet
 from controlplane.observe.parse import (METRICS_PATH, Series, detect_flavor, metrics_path, missing_gauges, read_series,

@@ -34,7 +34,8 @@ from collections.abc import Mapping
 from typing import TypeVar
 
 from controlplane.core.sharedmap import SharedMap
-from controlplane.core.model import BatchRates, ClassChangeLog, EngineRates, EngineSample, RateTables
+from controlplane.core.engines import EngineRates, EngineSample
+from controlplane.core.fleet import BatchRates, ClassChangeLog, RateTables
 
 _Key = TypeVar("_Key", tuple[str, str], tuple[str, int])
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from controlplane.config import EngineConfig, ObserveConfig
-from controlplane.core.model import EngineRates, EngineView
+from controlplane.core.engines import EngineRates, EngineView
 from controlplane.observe.poller import EnginePoller, first_round
 
 _LENGTH = struct.Struct(">I")

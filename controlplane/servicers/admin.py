@@ -17,8 +17,10 @@ from controlplane.servicers.admin_views import (
     engine_proto, explain_proto, explain_request, fair_share_proto, fair_standing_proto, status_proto, tenant_proto,
 )
 from controlplane.policytext import policy_yaml
-from controlplane.core.decide import explain
-from controlplane.core.model import EngineView, Fleet, Priority
+from controlplane.core.explain import explain
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import Priority
 from controlplane.core.request import RequestError
 from controlplane.ports import AdminPort
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc

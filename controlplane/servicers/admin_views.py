@@ -12,7 +12,9 @@ from controlplane.core.fairshare import FairShare, FairStanding, TenantShare
 from controlplane.core.feedback import TtftSummary
 from controlplane.core.prompt_tokens import PromptTokenRules, PromptTokenSummary
 from controlplane.core.fit import effective_load
-from controlplane.core.model import Decision, EngineRates, EngineView, Fleet, InferenceRequest, Priority, Reason
+from controlplane.core.engines import EngineRates, EngineView
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import Decision, InferenceRequest, Priority, Reason
 from controlplane.core.policy import Policy
 from controlplane.core.request import RequestError, parse_request, ttft_deadline
 from controlplane.edge import http_status

@@ -39,9 +39,8 @@ from urllib.parse import parse_qs
 import grpc
 from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 
-from controlplane.core.admission import Outcome
-from controlplane.core.decide import refuse
-from controlplane.core.model import Decision, InferenceRequest, Reason, Verdict
+from controlplane.core.model import Decision, InferenceRequest, Outcome, Reason, Verdict
+from controlplane.core.waits import refuse
 from controlplane.core.tenants import Tenant, tenant_priority
 from controlplane.ports import CheckPort, CheckSettings, QuotaPort
 from controlplane.core.request import RequestError, parse_request

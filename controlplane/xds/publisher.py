@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 
 from controlplane.config import Config
-from controlplane.core.model import Fleet
+from controlplane.core.fleet import Fleet
 from controlplane.core.policy import Policy
 from controlplane.core.weights import (
     MIN_PUSH_INTERVAL_S, Weights, compute_weights, eligible_engines, should_push, weight_steps,

@@ -14,9 +14,9 @@ from controlplane.core.adapters import AdapterPolicy, resident
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import (
-    EngineLedger, EngineSample, EngineView, Fleet, InferenceRequest, Reason, ServedModel, Verdict,
-)
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.fleet import EngineLedger, Fleet
+from controlplane.core.model import InferenceRequest, Reason, Verdict
 from controlplane.core.policy import Policy
 from controlplane.core.route import estimate
 

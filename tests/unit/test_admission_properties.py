@@ -13,11 +13,11 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from controlplane.core.admission import AdmissionCore, Outcome
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.model import InferenceRequest, Outcome, Priority, Reason, Verdict
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import (
-    EngineSample, EngineView, Fleet, InferenceRequest, Priority, Reason, ServedModel, Verdict,
-)
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.fleet import Fleet
 from controlplane.core.policy import Policy
 
 CAPACITY = 20_000

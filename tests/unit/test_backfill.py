@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.decide import earliest_fit
+from controlplane.core.explain import earliest_fit
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineSample, EngineView, InferenceRequest, ServedModel, Verdict
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.core.policy import Policy
 
 ENGINE = EngineView(

@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from controlplane.app import ControlPlane
 from controlplane.servicers.authz import AuthorizationServicer
 from controlplane.config import parse_config
-from controlplane.core.model import EngineSample, EngineView, Fleet, InferenceRequest, ServedModel
-from controlplane.core.request import (
-    MAX_JSON_DEPTH, MAX_TOKENS_LIMIT, PRIORITY_HEADER, SESSION_HEADER, TTFT_HEADER, RequestError, parse_request,
-)
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import InferenceRequest
+from controlplane.core.request import MAX_JSON_DEPTH, MAX_TOKENS_LIMIT, RequestError, parse_request
+from controlplane.names import PRIORITY_HEADER, SESSION_HEADER, TTFT_HEADER
 from controlplane.edge import reply
 
 CHAT = "/v1/chat/completions"
@@ -249,7 +250,7 @@ async def test_defect_in_decide_is_a_500_never_an_rpc_error(plane: ControlPlane,
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ZeroDivisionError("injected defect")
 
-    monkeypatch.setattr("controlplane.core.admission.decide", broken)
+    monkeypatch.setattr("controlplane.core.fleetstate.decide", broken)
     response = await AuthorizationServicer(plane.service).Check(check_request(chat_body()), FakeContext(290.0))
     status, headers, error = denial(response)
     assert status == 500

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from controlplane.core.decide import decide, retry_after
+from controlplane.core.decide import decide
+from controlplane.core.waits import retry_after
 from controlplane.core.model import Priority
-from controlplane.core.model import (
-    EngineLedger, EngineRates, EngineSample, EngineView, Fleet, InferenceRequest, RateTables, Reason, ServedModel,
-    Verdict,
-)
+from controlplane.core.engines import EngineRates, EngineSample, EngineView, ServedModel
+from controlplane.core.fleet import EngineLedger, Fleet, RateTables
+from controlplane.core.model import InferenceRequest, Reason, Verdict
 from controlplane.core.policy import Box, ModelPolicy, Policy, meets_floor
 from controlplane.core.prefix import prompt_blocks
 from controlplane.core.request import RequestError, parse_request
@@ -265,7 +265,9 @@ def test_without_max_tokens_only_the_prompt_must_fit_the_context() -> None:
     """An engine caps an answer without max_tokens at its context itself, so a prompt that fits is not refused because
     the policy's default output would not (it used to be 400 context_length_exceeded); with max_tokens set, both must fit."""
     from controlplane.core.decide import decide as decide_
-    from controlplane.core.model import EngineSample, EngineView, Fleet, InferenceRequest, ServedModel, Verdict
+    from controlplane.core.engines import EngineSample, EngineView, ServedModel
+    from controlplane.core.fleet import Fleet
+    from controlplane.core.model import InferenceRequest, Verdict
     from controlplane.core.policy import Policy
 
     view = EngineView("a", "", 2, (ServedModel("m", 4096),), "1.0", EngineSample(0.0, running=0, waiting=0),

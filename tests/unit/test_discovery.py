@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.core.model import ServedModel
+from controlplane.core.engines import ServedModel
 from controlplane.observe.discovery import Discovery, parse_discovery, parse_models, slots_kv_usage
 from controlplane.observe.parse import Flavor
 

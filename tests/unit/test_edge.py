@@ -12,9 +12,9 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from google.rpc import code_pb2
 
 from controlplane.config import parse_config
-from controlplane.core.admission import Outcome
-from controlplane.core.decide import refuse, shed
-from controlplane.core.model import Decision, Reason, ServedModel, Ticket, Verdict
+from controlplane.core.model import Decision, Outcome, Reason, Ticket, Verdict
+from controlplane.core.waits import refuse, shed
+from controlplane.core.engines import ServedModel
 from controlplane.core.request import INFERENCE_PATHS, MODELS_PATH, RequestError
 from controlplane.edge import (
     REPLIES, Failure, TenantCharge, check_admit, check_deny, check_error, error_json, http_status, openai_error, reply,

@@ -11,7 +11,7 @@ import pytest
 from controlplane.config import parse_config
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineView
+from controlplane.core.engines import EngineView
 from controlplane.core.policy import Policy
 from controlplane.metrics import SluiceMetrics
 from controlplane.observe.observation import Observation

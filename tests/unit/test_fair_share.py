@@ -16,9 +16,8 @@ from controlplane.config import parse_config
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.fairshare import ANONYMOUS, FairMode, FairShare, TenantCounters, service_order
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import (
-    EngineSample, EngineView, InferenceRequest, Priority, QueueRule, ServedModel, Verdict,
-)
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.model import InferenceRequest, Priority, QueueRule, Verdict
 from controlplane.core.policy import Policy
 from tests.unit import test_replicas_properties as rp
 

@@ -12,9 +12,9 @@ from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import Priority
-from controlplane.core.model import (
-    EngineRates, EngineSample, EngineView, InferenceRequest, RateTables, ServedModel, Verdict,
-)
+from controlplane.core.engines import EngineRates, EngineSample, EngineView, ServedModel
+from controlplane.core.fleet import RateTables
+from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.core.policy import ModelPolicy, Policy
 
 MODELS = ("m", "n")
@@ -243,7 +243,7 @@ def test_per_class_tables_follow_a_rate_book_class_by_class() -> None:
 
 
 def test_a_class_change_log_answers_what_changed_since_a_table_or_that_it_forgot() -> None:
-    from controlplane.core.model import ClassChangeLog
+    from controlplane.core.fleet import ClassChangeLog
 
     log = ClassChangeLog(keep=3)
     for serial, key in enumerate([("m", "a"), ("m", "b"), ("n", "a"), ("m", "c")], start=1):
@@ -263,7 +263,7 @@ def test_soonest_row_breaks_ties_as_the_full_scan_orders_them(seed: int) -> None
     import numpy as np
     from types import SimpleNamespace
 
-    from controlplane.core.decide import _soonest_row
+    from controlplane.core.indexed import _soonest_row
 
     rng = random.Random(seed)
     n = rng.randint(1, 12)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from controlplane.admission.mirror import LINE_BATCH, LedgerMirror, LineQueue, Settlement
 from controlplane.config import Config, StoreOnFailure, load_config
-from controlplane.core.admission import AdmissionCore, Outcome
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.fleet import Fleet
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import (
-    EngineSample, EngineView, Fleet, InferenceRequest, QueueRule, ServedModel, Ticket, Verdict,
-)
+from controlplane.core.model import InferenceRequest, Outcome, QueueRule, Ticket, Verdict
 from controlplane.store.base import Claim, EventKind, LineChange, Refusal, Reserved, SharedClock, StoreEvent
 
 ENGINE = EngineView(name="e", url="", max_num_seqs=1, models=(ServedModel("m", 32_768),), version="1.0",

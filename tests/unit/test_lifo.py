@@ -12,9 +12,8 @@ import pytest
 from controlplane.config import DEFAULTS, ConfigError, parse_config
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import (
-    EngineSample, EngineView, InferenceRequest, Priority, Reason, ServedModel, Verdict,
-)
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.model import InferenceRequest, Priority, Reason, Verdict
 from controlplane.core.policy import Policy
 
 ENGINE = EngineView(

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from controlplane.core.admission import AdmissionCore, Outcome
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.model import InferenceRequest, Outcome, Verdict
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import BatchRates, InferenceRequest, RateTables, Verdict
+from controlplane.core.fleet import BatchRates, RateTables
 from controlplane.core.policy import Policy
 from tests.unit.test_route import engine
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from collections import Counter
 
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.decide import expected_start
+from controlplane.core.waits import expected_start
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import Reason, Verdict
 from controlplane.core.policy import Policy

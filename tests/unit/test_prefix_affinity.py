@@ -10,9 +10,11 @@ import pytest
 
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.affinity import displaced_blocks
-from controlplane.core.decide import decide, holders_limit
+from controlplane.core.choose import holders_limit
+from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineSample, EngineView, InferenceRequest, ServedModel, Verdict
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.core.policy import Policy
 from controlplane.core.request import parse_request
 

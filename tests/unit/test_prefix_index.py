@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineSample, EngineView, InferenceRequest, Reason, ServedModel, Verdict
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.model import InferenceRequest, Reason, Verdict
 from controlplane.core.policy import Policy
 from controlplane.core.prefix import PrefixIndex, blocks_from_text, blocks_text, prompt_blocks, render_prompt
 from controlplane.core.request import parse_request

@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from controlplane.config import parse_config
-from controlplane.core.model import EngineView, Flavor
+from controlplane.core.engines import EngineView, Flavor
 from controlplane.observe.parse import metrics_path, missing_gauges, read_series, sample_from_series
 from controlplane.observe.poller import EnginePoller
 from enginesim.exposition import restrict

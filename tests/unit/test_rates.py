@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from controlplane.core.model import EngineRates, EngineSample
+from controlplane.core.engines import EngineRates, EngineSample
 from controlplane.core.output_length import lengths_from_buckets
 from controlplane.observe.parse import parse_metrics
 from controlplane.core.prefix import restarted

@@ -24,7 +24,8 @@ from controlplane.admission.service import AdmissionService
 from controlplane.config import load_config
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineSample, EngineView, InferenceRequest, ServedModel, Verdict
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.core.prefix import prompt_blocks
 from controlplane.metrics import SluiceMetrics
 from controlplane.store.base import Claim

@@ -15,9 +15,9 @@ from controlplane.core import reserve
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.fairshare import FairShare
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import (
-    EngineSample, EngineView, Fleet, InferenceRequest, Priority, Reason, ServedModel, Verdict,
-)
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import InferenceRequest, Priority, Reason, Verdict
 from controlplane.core.policy import Policy
 
 

@@ -11,13 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.core.admission import AdmissionCore, RateTables
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.fleet import EngineLedger, Fleet, RateTables
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import Priority
-from controlplane.core.model import (
-    EngineLedger, EngineSample, EngineView, Fleet, InferenceRequest, Reason, ServedModel, Verdict,
-)
+from controlplane.core.model import InferenceRequest, Priority, Reason, Verdict
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
 from controlplane.core.policy import ModelPolicy, Policy
 from controlplane.core.route import ServeCounter, SessionMap, ttft_factor
 from controlplane.core.weights import compute_weights, moved

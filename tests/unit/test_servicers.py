@@ -22,9 +22,9 @@ from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules, Promp
 from controlplane.core.tenants import Usage
 from controlplane.servicers.admin import AdminServicer
 from controlplane.servicers.adminauth import AdminGuard, Token
-from controlplane.core.model import (
-    Decision, EngineSample, EngineView, Fleet, InferenceRequest, Reason, ServedModel, Ticket, Verdict,
-)
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.fleet import Fleet
+from controlplane.core.model import Decision, InferenceRequest, Reason, Ticket, Verdict
 from controlplane.core.policy import Policy
 from controlplane.servicers.httpendpoint import HttpEndpoint
 from controlplane.metrics import SluiceMetrics

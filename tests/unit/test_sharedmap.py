@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from controlplane.core.model import Fleet, RateTables
+from controlplane.core.fleet import Fleet, RateTables
 from controlplane.core.sharedmap import FrozenMap, SharedMap
 
 

@@ -14,7 +14,8 @@ import pytest
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineLedger, Fleet, Reason, Verdict
+from controlplane.core.fleet import EngineLedger, Fleet
+from controlplane.core.model import Reason, Verdict
 from controlplane.core.policy import Policy
 from tests.unit.test_route import chat, engine
 

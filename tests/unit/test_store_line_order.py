@@ -22,9 +22,9 @@ import pytest
 
 from controlplane.admission.service import AdmissionService
 from controlplane.config import load_config
-from controlplane.core.admission import AdmissionCore, Outcome
+from controlplane.core.admission import AdmissionCore
+from controlplane.core.model import InferenceRequest, Outcome, Verdict
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.metrics import SluiceMetrics
 from controlplane.store.base import Claim, Landed, LineChange, Store
 from controlplane.store.memory import MemoryState, MemoryStore

@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from controlplane.app import ControlPlane
 from controlplane.servicers.authz import AuthorizationServicer
 from controlplane.config import DEFAULTS, ConfigError, TracingConfig, parse_config
-from controlplane.core.model import EngineSample, EngineView, ServedModel
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
 from controlplane.tracing import CHECK_SPAN, SCOPE, CheckTracing, TracedAuthorizationServicer
 from tests.otlp import OtlpReceiver, ReceivedSpan
 from tests.unit.test_check_total import FakeContext, chat_body, check_request, denial, one_engine_plane
@@ -227,7 +227,7 @@ async def test_a_defect_is_an_error_span(plane: ControlPlane, receiver: OtlpRece
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ZeroDivisionError("injected defect")
 
-    monkeypatch.setattr("controlplane.core.admission.decide", broken)
+    monkeypatch.setattr("controlplane.core.fleetstate.decide", broken)
     status, _, _ = denial(await check(plane, {"traceparent": traceparent()}))
     [span] = await exported(plane, receiver)
     assert status == 500 and span.attributes["sluice.failure"] == "internal_error"

@@ -6,7 +6,8 @@ from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.feedback import FirstToken, RecentTtfts, TtftCorrections, TtftSummary, end_to_end_error
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineSample, EngineView, InferenceRequest, Reason, ServedModel, Verdict
+from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.model import InferenceRequest, Reason, Verdict
 from controlplane.core.policy import Policy
 
 

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.config import ConfigError, EngineFlavor, OnFailure, OnStale, SimFlavor, parse_config
-from controlplane.core.model import BatchRates, EngineLedger, Fleet, Flavor, RateTables
+from controlplane.core.engines import Flavor
+from controlplane.core.fleet import BatchRates, EngineLedger, Fleet, RateTables
 from controlplane.core.policy import ModelPolicy, Policy
 from enginesim.exposition import Dialect
 

@@ -13,9 +13,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.decide import decide, misfits, retry_after
+from controlplane.core.decide import decide
+from controlplane.core.waits import retry_after
+from controlplane.core.fit import misfits
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineLedger, EngineSample, EngineView, Fleet, RateTables, Reason, Verdict
+from controlplane.core.engines import EngineSample, EngineView
+from controlplane.core.fleet import EngineLedger, Fleet, RateTables
+from controlplane.core.model import Reason, Verdict
 from controlplane.core.output_length import MEMORYLESS, OutputLengthBook, OutputTail
 from controlplane.core.policy import Policy
 from controlplane.core.route import estimate, expected_frees, expected_output_tokens, slot_wait

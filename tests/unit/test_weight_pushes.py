@@ -11,7 +11,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf import any_pb2
 
 from controlplane.config import parse_config
-from controlplane.core.model import Fleet
+from controlplane.core.fleet import Fleet
 from controlplane.core.weights import MIN_PUSH_INTERVAL_S
 from controlplane.metrics import SluiceMetrics
 from controlplane.xds.publisher import XdsPublisher
