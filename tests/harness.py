@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,10 +24,10 @@ from controlplane.config import Config, parse_config
 from controlplane.xds.resources import LISTENER_NAME
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 from sluice.admincli import admin_channel, read_token
-from rig.waits import free_port, wait_for  # noqa: F401  (re-exported for the tests)
+from rig.waits import wait_for
 from sluice.envoyrun import envoy_command, listener_port, read_admin_address, write_bootstrap
 from sluice.simulated import with_profile_defaults
-from rig.threaded import ThreadedControlPlane  # noqa: F401  (re-exported: tests import it from here)
+from rig.threaded import ThreadedControlPlane
 
 _LISTENING = re.compile(r"listening on http://[^\s:]+:(\d+)")
 
@@ -39,6 +40,26 @@ def http_json(url: str, timeout: float = 5.0, headers: dict[str, str] | None = N
 def http_status(url: str, timeout: float = 5.0) -> int:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return int(response.status)
+
+
+def post(stack: Stack, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """POST ``body`` (JSON) to the stack's ``/v1`` + ``path`` through Envoy: the status, the headers (lower-cased names)
+    and the body, for an error status too."""
+    request = urllib.request.Request(
+        stack.base_url + path, data=body, method="POST", headers={"content-type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, {k.lower(): v for k, v in error.headers.items()}, error.read()
+
+
+def chat_body(max_tokens: int = 20, content: str = "hello", **extra: object) -> bytes:
+    """A chat completion for ``cortex`` that holds its slot for exactly ``max_tokens`` (``ignore_eos``: the simulator
+    otherwise stops at a drawn length)."""
+    return json.dumps({"model": "cortex", "messages": [{"role": "user", "content": content}],
+                       "max_tokens": max_tokens, "ignore_eos": True, **extra}).encode()
 
 
 def launch_sim(profile: str, name: str, speed: float, log_dir: Path, *extra: str,

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
-from tests.e2e.test_request_path import post
-from tests.harness import start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import post, start_stack
 
 BODY = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_request_path import post
-from tests.harness import Stack, http_json, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, http_json, post, start_stack
 
 HEADER_TIMEOUT_S = 1.0
 ENGINE_PATHS = ["/metrics", "/sim/log", "/sim/fault", "/v1/load_lora_adapter", "/health", "/v1/../metrics"]

@@ -17,7 +17,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from tests.harness import Stack, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, start_stack
 
 SPEED = 10.0
 PROMPT_CHARS = 6000

@@ -19,8 +19,8 @@ from controlplane.xds.resources import LISTENER_NAME
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 from sluice.envoyrun import envoy_command, read_admin_address, write_bootstrap
 from tests.certs import CertificateAuthority
-from tests.e2e.test_request_path import post
-from tests.harness import admin_section, http_json, start_stack, stop, wait_for
+from rig.waits import wait_for
+from tests.harness import admin_section, http_json, post, start_stack, stop
 
 BODY = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
 

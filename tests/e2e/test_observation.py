@@ -13,7 +13,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.harness import Stack, set_metrics_fault, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, set_metrics_fault, start_stack
 
 
 def metrics_text(stack: Stack) -> str:

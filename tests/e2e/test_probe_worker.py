@@ -13,7 +13,8 @@ from pathlib import Path
 
 import openai
 
-from tests.harness import start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import start_stack
 
 
 def _worker_pids() -> list[int]:

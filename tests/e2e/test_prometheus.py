@@ -27,9 +27,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.core.tenants import key_digest
-from tests.harness import (
-    Stack, free_port, http_json, push_broken_cluster, set_metrics_fault, start_stack, stop, wait_for,
-)
+from rig.waits import free_port, wait_for
+from tests.harness import Stack, http_json, push_broken_cluster, set_metrics_fault, start_stack, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "sluice.json"

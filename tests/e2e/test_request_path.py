@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.harness import Stack, http_json, push_broken_cluster, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, http_json, post, push_broken_cluster, start_stack
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +29,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture
 def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=30)
-
-
-def post(stack: Stack, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    request = urllib.request.Request(
-        stack.base_url + path, data=body, method="POST", headers={"content-type": "application/json", **(headers or {})}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, {k.lower(): v for k, v in error.headers.items()}, error.read()
 
 
 def served_by(stack: Stack) -> dict[str, list[dict]]:

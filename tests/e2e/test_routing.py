@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_request_path import post
-from tests.harness import Stack, http_json, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, http_json, post, start_stack
 
 
 def chat(content: str = "hi", max_tokens: int = 4) -> bytes:
@@ -142,7 +142,7 @@ def _fallback_clusters(dump: dict) -> list[dict]:  # type: ignore[type-arg]
 def test_restarted_controlplane_takes_envoy_back(tmp_path: Path) -> None:
     """Kill the control plane, start a new one on the same port: Envoy reconnects its ADS stream (same content, same
     versions) and Checks pin requests again, with no request lost meanwhile under fail-open."""
-    from tests.harness import ThreadedControlPlane
+    from rig.threaded import ThreadedControlPlane
 
     stack = start_stack([("thor", "thor"), ("spark", "spark")], tmp_path, speed=20.0)
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import yaml
 
-from tests.harness import free_port, wait_for
+from rig.waits import free_port, wait_for
 
 
 def _config(tmp_path: Path) -> Path:

@@ -27,8 +27,9 @@ import yaml
 from controlplane.observe import parse
 from sluice.admin.v1 import admin_pb2
 from rig.llama import BUILD_INFO, MODEL_ID
-from tests.harness import Stack, free_port, wait_for
-from tests.real.conftest import CTX, PARALLEL, Engine, post, start_real_stack
+from rig.waits import free_port, wait_for
+from tests.harness import Stack
+from tests.real.llamastack import CTX, PARALLEL, Engine, post, start_real_stack
 
 NAMES = {"llama-a", "llama-b"}
 

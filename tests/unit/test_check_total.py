@@ -9,20 +9,18 @@ import json
 from typing import Any
 
 import pytest
-from envoy.service.auth.v3 import external_auth_pb2
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.app import ControlPlane
 from controlplane.servicers.authz import AuthorizationServicer
-from controlplane.config import parse_config
-from controlplane.core.model import EngineSample, EngineView, Fleet, InferenceRequest, ServedModel
+from controlplane.core.model import InferenceRequest
 from controlplane.core.request import (
     MAX_JSON_DEPTH, MAX_TOKENS_LIMIT, PRIORITY_HEADER, SESSION_HEADER, TTFT_HEADER, RequestError, parse_request,
 )
 from controlplane.edge import reply
-
-CHAT = "/v1/chat/completions"
+from tests.unit.extauthz import CHAT, chat_body, check_request, denial, one_engine_plane
+from tests.unit.fakes import FakeContext
 
 
 def parse_or_refuse(body: bytes, headers: dict[str, str] | None = None, path: str = CHAT) -> InferenceRequest | RequestError:
@@ -39,10 +37,6 @@ def refused_code(body: bytes, headers: dict[str, str] | None = None) -> str:
     assert isinstance(answer, RequestError), f"expected a refusal, got {answer}"
     assert reply(answer.reason).status == 400
     return reply(answer.reason).code
-
-
-def chat_body(**fields: Any) -> bytes:
-    return json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
 
 
 def nested(depth: int, opener: str = "[", closer: str = "]") -> bytes:
@@ -173,24 +167,6 @@ def test_parse_is_total_over_json_fields(fields: dict[str, Any], path: str) -> N
 
 
 # -- the Check handler ----------------------------------------------------------------------------------------------------
-class FakeContext:
-    """What Check reads from a grpc.aio context: the time its deadline leaves."""
-
-    def __init__(self, remaining: float | None) -> None:
-        self.remaining = remaining
-
-    def time_remaining(self) -> float | None:
-        return self.remaining
-
-
-def check_request(body: bytes, headers: dict[str, str] | None = None) -> external_auth_pb2.CheckRequest:
-    request = external_auth_pb2.CheckRequest()
-    http = request.attributes.request.http
-    http.method, http.path, http.raw_body = "POST", CHAT, body
-    http.headers.update({"content-type": "application/json", **(headers or {})})
-    return request
-
-
 @pytest.fixture
 def plane(monkeypatch: pytest.MonkeyPatch) -> ControlPlane:
     return one_engine_plane(monkeypatch, {"engines": [{"name": "thor", "url": "http://127.0.0.1:9"}],
@@ -198,34 +174,8 @@ def plane(monkeypatch: pytest.MonkeyPatch) -> ControlPlane:
                                                            "overload_retry_after_seconds": 3}})
 
 
-def one_engine_plane(monkeypatch: pytest.MonkeyPatch, raw: dict[str, Any]) -> ControlPlane:
-    """A control plane from ``raw`` that is never started; its fleet is one fresh engine serving cortex with
-    ``plane.cap_running[0]`` seats, ``plane.cap_running[1]`` of them taken."""
-    plane = ControlPlane(parse_config(raw))
-    plane.cap_running = (4, 0)  # type: ignore[attr-defined]
-
-    def fleet(now: float) -> Fleet:
-        cap, running = plane.cap_running  # type: ignore[attr-defined]
-        view = EngineView(name="thor", url="", max_num_seqs=cap, models=(ServedModel("cortex", 32_768),),
-                          version="0.11.0", sample=EngineSample(now, running=running, waiting=0, kv_usage=0.0,
-                                                                kv_capacity_tokens=100_000),
-                          last_ok_at=now, stale=False, chip_class="thor")
-        return plane.admission.fleet([view], now)
-
-    monkeypatch.setattr(plane.observation, "fleet", fleet)  # the servicer's port reads the fleet from observation
-    return plane
-
-
 def counter(plane: ControlPlane, name: str) -> float:
     return plane.metrics.registry.get_sample_value(name) or 0.0
-
-
-def denial(response: external_auth_pb2.CheckResponse) -> tuple[int, dict[str, str], dict[str, Any]]:
-    assert response.HasField("denied_response"), "expected a denial, got an admission"
-    denied = response.denied_response
-    headers = {h.header.key: h.header.value for h in denied.headers}
-    assert headers["content-type"] == "application/json"
-    return denied.status.code, headers, json.loads(denied.body)["error"]
 
 
 async def test_check_admits_in_the_fixture(plane: ControlPlane) -> None:

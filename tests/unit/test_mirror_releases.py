@@ -10,7 +10,7 @@ from dataclasses import replace
 from controlplane.core.model import Verdict
 from controlplane.store.base import Claim, Reserved
 from controlplane.store.memory import MemoryState, MemoryStore
-from tests.unit.test_store_line_order import REQUEST, answer, service
+from tests.unit.storeservice import REQUEST, answer, service
 
 
 class SlowRefusals(MemoryStore):

@@ -20,7 +20,7 @@ from controlplane.observe.parse import metrics_path, missing_gauges, read_series
 from controlplane.observe.poller import EnginePoller
 from enginesim.exposition import restrict
 from bench.vllm_exposition import vllm_v1_exposition
-from tests.unit.test_httpget import Server, ok
+from tests.unit.scriptedhttp import Server, ok
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"
 VLLM_NAMES = parse_qs(urlsplit(metrics_path(Flavor.VLLM)).query)["name[]"]

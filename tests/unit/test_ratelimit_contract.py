@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -22,12 +22,6 @@ from ratelimit.valkey import ValkeyRateLimiter
 
 T0 = 1_760_000_000.0
 """An epoch second: what replicas sharing a store pass as ``now``."""
-
-
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[ValkeyServer]:
-    with ValkeyServer() as server:
-        yield server
 
 
 @dataclass

@@ -12,7 +12,7 @@ import asyncio
 import time
 
 from controlplane.store.memory import MemoryState, MemoryStore
-from tests.unit.test_store_line_order import answer, line, running
+from tests.unit.storeservice import answer, line, running
 
 
 async def dead_replicas_member(state: MemoryState, request_id: str, parked_s_ago: float) -> None:

@@ -31,6 +31,7 @@ from controlplane.metrics import SluiceMetrics
 from controlplane.ports import FloorResult, ReloadResult, StatusFacts
 from controlplane.admission.watch import DecisionEvent, DecisionFeed, Watcher
 from sluice.admin.v1 import admin_pb2
+from tests.unit.fakes import AbortedError, FakeContext
 
 
 @dataclass
@@ -237,26 +238,6 @@ class FakeAdmin:
         self.feed.unsubscribe(watcher)
 
 
-class AbortedError(Exception):
-    pass
-
-
-class FakeContext:
-    def __init__(self, token: str | None = "operator-secret") -> None:
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.code: Any = None
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self.metadata
-
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:1"
-
-    async def abort(self, code: Any, details: str) -> None:
-        self.code = code
-        raise AbortedError(details)
-
-
 async def test_admin_reports_what_its_port_says() -> None:
     port = FakeAdmin()
     admin = AdminServicer(port, guard())
@@ -311,7 +292,7 @@ async def test_admin_changes_without_or_with_a_wrong_token_are_refused_and_chang
                      lambda c: admin.ReloadConfig(admin_pb2.ReloadConfigRequest(path="evil.yaml"), c),
                      lambda c: admin.SetVersionFloor(admin_pb2.SetVersionFloorRequest(model_pattern="cortex",
                                                                                       version="9"), c)):
-            context = FakeContext(token)
+            context = FakeContext(token=token)
             with pytest.raises(AbortedError):
                 await call(context)
             assert context.code is grpc.StatusCode.UNAUTHENTICATED
@@ -321,10 +302,10 @@ async def test_admin_changes_without_or_with_a_wrong_token_are_refused_and_chang
     assert len(audit) == 6 and all(a["result"] == "refused: unauthenticated" and a["who"] == "-" for a in audit)
     assert "wrong-secret" not in caplog.text  # the token sent is never logged
     # Reads need no token by default; with require_token_for_reads they do.
-    assert (await admin.GetStatus(admin_pb2.GetStatusRequest(), FakeContext(None))).version == "1.2.3"  # type: ignore[arg-type]
+    assert (await admin.GetStatus(admin_pb2.GetStatusRequest(), FakeContext(token=None))).version == "1.2.3"  # type: ignore[arg-type]
     strict = AdminServicer(port, guard(port, reads=True))
     with pytest.raises(AbortedError):
-        await strict.GetStatus(admin_pb2.GetStatusRequest(), FakeContext("wrong-secret"))  # type: ignore[arg-type]
+        await strict.GetStatus(admin_pb2.GetStatusRequest(), FakeContext(token="wrong-secret"))  # type: ignore[arg-type]
     # The right token: applied, and audited with the token's name (never its secret) and before/after.
     caplog.clear()
     floor = await admin.SetVersionFloor(admin_pb2.SetVersionFloorRequest(model_pattern="cortex", version="0.11"),

@@ -16,7 +16,7 @@ from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import EngineLedger, Fleet, Reason, Verdict
 from controlplane.core.policy import Policy
-from tests.unit.test_route import chat, engine
+from tests.unit.coreinputs import chat, engine
 
 # Two fast engines and two slow ones, 2 slots each (seed 000's per-request decode rates at one stream); the two sparks
 # measured a percent apart, as two boxes of one kind do.

@@ -7,7 +7,7 @@ import asyncio
 
 from controlplane.core.model import Ticket
 from controlplane.store.memory import MemoryState, MemoryStore
-from tests.unit.test_store_line_order import service
+from tests.unit.storeservice import service
 
 
 class SwallowsCancel(MemoryStore):

@@ -13,46 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, cast
 
 import pytest
 
-from controlplane.admission.service import AdmissionService
-from controlplane.config import load_config
-from controlplane.core.admission import AdmissionCore, Outcome
-from controlplane.core.ledger import Ledger
-from controlplane.core.model import InferenceRequest, Verdict
-from controlplane.metrics import SluiceMetrics
-from controlplane.store.base import Claim, Landed, LineChange, Store
+from controlplane.store.base import Claim, Landed, LineChange
 from controlplane.store.memory import MemoryState, MemoryStore
 from controlplane.store.valkey import ValkeyStore
 from controlplane.store.valkeyserver import ValkeyServer
-from tests.unit.test_replicas_properties import FakeObservation
-
-REQUEST = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=10, max_tokens=10)
-
-
-def service(store: Store, caps: dict[str, int], max_park_s: float = 3.0) -> AdmissionService:
-    base = load_config(None)
-    config = replace(base, policy=replace(base.policy, lifo_after_ms=0, backfill=False, max_park_s=max_park_s,
-                                          max_queue_depth=5000))
-    core = AdmissionCore(config.policy, Ledger(lease_seconds=10_000))
-    return AdmissionService(config, core, cast(Any, FakeObservation(core, caps, kv_capacity_tokens=100_000)), SluiceMetrics(), time.monotonic, store)
-
-
-@asynccontextmanager
-async def running(store: Store, caps: dict[str, int], max_park_s: float = 3.0) -> AsyncIterator[AdmissionService]:
-    """An admission service on ``store``, joined and started, stopped on the way out."""
-    svc = service(store, caps, max_park_s)
-    await svc.open_store()
-    svc.start()
-    try:
-        yield svc
-    finally:
-        await svc.stop()
+from tests.unit.storeservice import answer, line, running
 
 
 class SlowParks(MemoryStore):
@@ -88,18 +58,6 @@ class RoundTrips(MemoryStore):
             return await super().change_lines(changes)
         finally:
             self.batching = False
-
-
-async def answer(svc: AdmissionService, request_id: str) -> Outcome:
-    """A Check as the ext_authz handler makes it: decide, and wait in the lot when parked."""
-    outcome = await svc.check(request_id, REQUEST)
-    if outcome.decision.verdict is Verdict.PARK:
-        outcome = await svc.wait_parked(request_id)
-    return outcome
-
-
-def line(state: MemoryState) -> list[str]:
-    return [m for members in state.lines.values() for m in members]
 
 
 async def test_parks_landing_out_of_order_do_not_deadlock_the_line() -> None:
@@ -239,12 +197,6 @@ class RecordedParks(ValkeyStore):
         landed = await super().change_lines(changes)
         self.parks.extend(c.request_id for c, done in zip(changes, landed) if done.first_parked_at is not None)
         return landed
-
-
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[ValkeyServer]:
-    with ValkeyServer() as server:
-        yield server
 
 
 async def test_a_burst_on_one_replica_over_valkey_is_admitted_in_line_order(valkey: ValkeyServer) -> None:

@@ -22,7 +22,8 @@ from controlplane.config import DEFAULTS, ConfigError, TracingConfig, parse_conf
 from controlplane.core.model import EngineSample, EngineView, ServedModel
 from controlplane.tracing import CHECK_SPAN, SCOPE, CheckTracing, TracedAuthorizationServicer
 from tests.otlp import OtlpReceiver, ReceivedSpan
-from tests.unit.test_check_total import FakeContext, chat_body, check_request, denial, one_engine_plane
+from tests.unit.extauthz import chat_body, check_request, denial, one_engine_plane
+from tests.unit.fakes import FakeContext
 
 ONE = {"engines": [{"name": "thor", "url": "http://127.0.0.1:9"}]}
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -94,7 +95,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 def make_plane(monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver, **tracing: Any) -> ControlPlane:
-    """A control plane that is never started, tracing to ``receiver`` (its fleet as in test_check_total)."""
+    """A control plane that is never started, tracing to ``receiver`` (its fleet as ``one_engine_plane``'s)."""
     return one_engine_plane(monkeypatch, {**ONE, "tracing": {"enabled": True, "otlp_endpoint": receiver.endpoint,
                                                              "service_name": "sluice-test", **tracing}})
 

@@ -19,7 +19,7 @@ from controlplane.core.model import EngineLedger, EngineSample, EngineView, Flee
 from controlplane.core.output_length import MEMORYLESS, OutputLengthBook, OutputTail
 from controlplane.core.policy import Policy
 from controlplane.core.route import estimate, expected_frees, expected_output_tokens, slot_wait
-from tests.unit.test_route import SEED_000, chat, engine
+from tests.unit.coreinputs import SEED_000, chat, engine
 
 P = Policy(default_max_tokens=1024, default_expected_output_tokens=100)
 

@@ -17,7 +17,7 @@ from controlplane.metrics import SluiceMetrics
 from controlplane.xds.publisher import XdsPublisher
 from controlplane.xds.resources import CLUSTER_TYPE, ROUTE_TYPE
 from controlplane.xds.snapshot import Snapshot, TypeResources
-from tests.unit.test_route import engine
+from tests.unit.coreinputs import engine
 
 
 def fleet(thor_running: int, spark_running: int = 0, drained: str = "") -> Fleet:
