@@ -1,7 +1,7 @@
 """An admission service on a shared store, as the tests of the shared line run it: ``service`` (strict FIFO: no LIFO
 and no backfill; engines of ``caps`` serving ``m``, long leases), ``running`` (the same, joined to the store and started
-for the block), ``answer`` (a Check as the ext_authz handler makes it) and ``line`` (the memory store's line members,
-in order)."""
+for the block), ``answer`` (a Check as the ext_authz handler makes it), ``line`` (the memory store's line members, in
+order) and ``parked`` (the service's lot)."""
 
 from __future__ import annotations
 
@@ -54,3 +54,8 @@ async def answer(svc: AdmissionService, request_id: str) -> Outcome:
 
 def line(state: MemoryState) -> list[str]:
     return [m for members in state.lines.values() for m in members]
+
+
+def parked(svc: AdmissionService) -> list[str]:
+    """The request ids in the service's lot, in its order."""
+    return [p.request_id for p in svc.core.parked()]

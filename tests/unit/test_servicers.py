@@ -30,6 +30,7 @@ from controlplane.servicers.httpendpoint import HttpEndpoint
 from controlplane.metrics import SluiceMetrics
 from controlplane.ports import FloorResult, ReloadResult, StatusFacts
 from controlplane.admission.watch import DecisionEvent, DecisionFeed, Watcher
+from rig.waits import wait_until
 from sluice.admin.v1 import admin_pb2
 from tests.unit.fakes import AbortedError, FakeContext
 
@@ -334,8 +335,7 @@ async def test_a_slow_watcher_drops_events_and_is_told_how_many() -> None:
     admin = AdminServicer(port, guard(port))
     stream = admin.WatchDecisions(admin_pb2.WatchDecisionsRequest(), FakeContext())  # type: ignore[arg-type]
     first = asyncio.ensure_future(stream.__anext__())
-    await asyncio.sleep(0)
-    assert len(port.feed.watchers) == 1
+    await wait_until(lambda: len(port.feed.watchers) == 1, what="the stream subscribed")
     for n in range(5):  # a queue of 2 (FakeAdmin.watch): r0 and r1 queue, r2..r4 are dropped
         port.feed.publish(event(n))
     got = [await asyncio.wait_for(first, 2), await asyncio.wait_for(stream.__anext__(), 2)]

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from enginesim.batcher import Batcher, SimRequest
 from enginesim.profiles import ESTIMATOR_WORLD, PROFILES
 from enginesim.server import EngineSimulator, parse_lora_modules
+from rig.waits import wait_until
 
 PROFILE = replace(PROFILES["spark"], max_num_seqs=4, **ESTIMATOR_WORLD)
 
@@ -171,7 +172,7 @@ async def test_a_request_waits_inside_the_engine_for_a_slot() -> None:
         long = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 60,
                                                     "sim_output_tokens": 60})
         first = asyncio.ensure_future(long)
-        await asyncio.sleep(0.02)
+        await wait_until(lambda: sim.batcher.running or sim.batcher.waiting, what="the first request in the engine")
         second = await client.post("/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 1})
         assert second.status == 200 and (await first).status == 200
         a, b = sim.served

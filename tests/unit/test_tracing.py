@@ -21,6 +21,7 @@ from controlplane.servicers.authz import AuthorizationServicer
 from controlplane.config import DEFAULTS, ConfigError, TracingConfig, parse_config
 from controlplane.core.model import EngineSample, EngineView, ServedModel
 from controlplane.tracing import CHECK_SPAN, SCOPE, CheckTracing, TracedAuthorizationServicer
+from rig.waits import wait_until
 from tests.otlp import OtlpReceiver, ReceivedSpan
 from tests.unit.extauthz import chat_body, check_request, denial, one_engine_plane
 from tests.unit.fakes import FakeContext
@@ -204,15 +205,11 @@ async def test_a_parked_admission_records_its_wait_and_a_cancelled_park_is_marke
                                               FakeContext(290.0)))
     left = asyncio.create_task(traced.Check(check_request(chat_body(max_tokens=5), {"x-request-id": "leaves"}),
                                             FakeContext(290.0)))
-    for _ in range(100):
-        await asyncio.sleep(0.001)
-        if plane.admission.depth() == 2:
-            break
-    assert plane.admission.depth() == 2
+    await wait_until(lambda: plane.admission.depth() == 2, what="both Checks parked")
     left.cancel()
     with pytest.raises(asyncio.CancelledError):
         await left
-    await asyncio.sleep(0.02)
+    await wait_until(lambda: plane.admission.depth() == 1, what="the cancelled Check out of the lot")
     plane.cap_running = (1, 0)  # type: ignore[attr-defined]
     plane.service.wake()
     assert (await asyncio.wait_for(parked, 5)).HasField("ok_response")
