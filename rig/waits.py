@@ -20,9 +20,10 @@ def free_port() -> int:
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> T:
-    """Poll ``predicate`` until it returns something truthy (returned); exceptions count as "not yet" (what is waited for
-    may not be listening yet). TimeoutError names ``what`` and the last value or exception."""
+def wait_for(predicate: Callable[[], T | None], timeout: float = 20.0, interval: float = 0.05,
+             what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy (returned: never None); exceptions count as "not yet" (what
+    is waited for may not be listening yet). TimeoutError names ``what`` and the last value or exception."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,8 @@ class Stack:
         return next(e.url for e in self.config.engines if e.name == name)
 
     def sim_log(self, name: str) -> list[dict[str, Any]]:
-        return http_json(self.sim_url(name) + "/sim/log")  # type: ignore[no-any-return]
+        log: list[dict[str, Any]] = http_json(self.sim_url(name) + "/sim/log")
+        return log
 
     @property
     def admin_target(self) -> str:
@@ -177,7 +179,8 @@ class Stack:
         return {e.name: e for e in self.admin().ListEngines(admin_pb2.ListEnginesRequest(), timeout=5).engines}
 
     def status(self) -> admin_pb2.GetStatusResponse:
-        return self.admin().GetStatus(admin_pb2.GetStatusRequest(), timeout=5)
+        status: admin_pb2.GetStatusResponse = self.admin().GetStatus(admin_pb2.GetStatusRequest(), timeout=5)
+        return status
 
     def start_envoy(self) -> None:
         """Envoy on the control plane's bound gRPC port; waits until its admin and its listener are bound (port 0: any
@@ -255,15 +258,15 @@ def admin_section(work_dir: Path) -> dict[str, Any]:
 
 
 def start_stack(
-    engines: list[tuple[str, str] | dict[str, Any]], work_dir: Path, speed: float = 20.0, *, with_envoy: bool = True,
-    api_key: str | None = None, **sections: Any,
+    engines: Sequence[tuple[str, str] | dict[str, Any]], work_dir: Path, speed: float = 20.0, *,
+    with_envoy: bool = True, api_key: str | None = None, **sections: Any,
 ) -> Stack:
     """``engines``: (name, profile) pairs or engine config dicts with a ``sim`` profile, each started as a simulator on port 0
     (``sim_flavor``, ``sim_model`` and ``max_num_seqs`` reach the simulator too, and ``sim_args``, a list of further
     ``sluice sim`` arguments, only it; its bound port becomes the entry's ``url``).
     The simulators' profile defaults are written into the config as ``sluice up`` does (``sluice/simulated.py``).
     ``with_envoy=False``: no Envoy (service tests). ``api_key``: a tenant's key (with ``tenants=``), to see it serve."""
-    entries = [e if isinstance(e, dict) else {"name": e[0], "sim": e[1]} for e in engines]
+    entries: list[dict[str, Any]] = [e if isinstance(e, dict) else {"name": e[0], "sim": e[1]} for e in engines]
     sims: dict[str, subprocess.Popen[bytes]] = {}
     stack: Stack | None = None
     try:

@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.close()
 
 
-def fill_slots(stack: Stack, pool: concurrent.futures.ThreadPoolExecutor, max_tokens: int) -> list:  # type: ignore[type-arg]
+def fill_slots(stack: Stack, pool: concurrent.futures.ThreadPoolExecutor,
+               max_tokens: int) -> list[concurrent.futures.Future[tuple[int, dict[str, str], bytes]]]:
     """Take all four slots of the fleet with requests of ``max_tokens``; their futures."""
     holders = [pool.submit(post, stack, "/chat/completions", chat_body(max_tokens=max_tokens)) for _ in range(4)]
     wait_for(lambda: stack.status().open_tickets == 4, what="all four slots taken")
@@ -34,8 +36,10 @@ def fill_slots(stack: Stack, pool: concurrent.futures.ThreadPoolExecutor, max_to
 
 
 def drained(stack: Stack) -> None:
-    wait_for(lambda: stack.status().open_tickets == 0 and stack.controlplane.plane.admission.depth() == 0,  # type: ignore[union-attr]
-             timeout=30, what="fleet drained")
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
+    wait_for(lambda: stack.status().open_tickets == 0 and plane.admission.depth() == 0, timeout=30,
+             what="fleet drained")
 
 
 def test_burst_beyond_slots_is_all_served_within_caps(stack: Stack) -> None:
@@ -55,7 +59,8 @@ def test_burst_beyond_slots_is_all_served_within_caps(stack: Stack) -> None:
 
 def test_client_that_leaves_while_parked_leaves_nothing(stack: Stack) -> None:
     drained(stack)
-    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         # Holders that outlast a slow machine's wait for the fifth request to park (60 tokens at speed 10 took 0.14 s).
         holders = fill_slots(stack, pool, max_tokens=1500)
@@ -76,7 +81,8 @@ def test_client_that_leaves_while_parked_leaves_nothing(stack: Stack) -> None:
 
 def test_queue_overflow_and_sheddable_get_503_with_retry_after(stack: Stack) -> None:
     drained(stack)
-    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
     with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
         long = fill_slots(stack, pool, max_tokens=200)
         parked = [pool.submit(post, stack, "/chat/completions", chat_body(max_tokens=5)) for _ in range(6)]
@@ -97,7 +103,8 @@ def test_queue_overflow_and_sheddable_get_503_with_retry_after(stack: Stack) -> 
 
 def test_critical_jumps_the_standard_queue(stack: Stack) -> None:
     drained(stack)
-    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
     admitted_at: dict[str, float] = {}
 
     def timed(tag: str, headers: dict[str, str]) -> None:
@@ -117,7 +124,8 @@ def test_critical_jumps_the_standard_queue(stack: Stack) -> None:
         wait_for(lambda: plane.admission.depth() == 1, what="standard parked")
         critical = pool.submit(timed, "critical", {"x-sluice-priority": "critical"})
         wait_for(lambda: plane.admission.depth() == 2, what="critical parked")
-        for f in (*holders, standard, critical):
+        futures: list[concurrent.futures.Future[Any]] = [*holders, standard, critical]
+        for f in futures:
             f.result()
     # The critical request parked last but left the lot first.
     assert admitted_at["critical"] < admitted_at["standard"]
@@ -176,8 +184,10 @@ def test_version_floor_sheds_and_names_the_versions(tmp_path: Path) -> None:
 def _metrics(stack: Stack) -> str:
     import urllib.request
 
-    port = stack.controlplane.plane.metrics_port  # type: ignore[union-attr]
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert stack.controlplane is not None
+    port = stack.controlplane.plane.metrics_port
+    text: str = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return text
 
 
 SOLO_SPEED = 10.0
@@ -187,7 +197,8 @@ def _refill_gaps(stack: Stack, rounds: int) -> list[float]:
     """Wall seconds the one-slot engine ``solo`` sat empty between a stream's end and the parked request's arrival, once
     per round (each round: a holder takes the slot, a second request parks behind it). Measured on the simulator's own
     clock (``/sim/log``), so the client's scheduling does not enter."""
-    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
     gaps = []
     for _ in range(rounds):
         before = len(stack.sim_log("solo"))

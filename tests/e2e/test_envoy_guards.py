@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,7 +46,7 @@ def raw_exchange(port: int, data: bytes, wait: float = 15.0) -> bytes:
     return out
 
 
-def error_of(response: bytes) -> tuple[int, str, dict]:  # type: ignore[type-arg]
+def error_of(response: bytes) -> tuple[int, str, dict[str, Any]]:
     head, _, body = response.partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
     headers = dict(line.lower().split(": ", 1) for line in lines[1:])

@@ -45,10 +45,12 @@ class Engine:
             stop(self.process)
 
     def props(self) -> dict[str, Any]:
-        return http_json(self.url + "/props")  # type: ignore[no-any-return]
+        props: dict[str, Any] = http_json(self.url + "/props")
+        return props
 
     def slots(self) -> list[dict[str, Any]]:
-        return http_json(self.url + "/slots")  # type: ignore[no-any-return]
+        slots: list[dict[str, Any]] = http_json(self.url + "/slots")
+        return slots
 
     def metrics(self) -> dict[str, float]:
         """The engine's own ``llamacpp:*`` samples (no labels in mainline)."""

@@ -24,6 +24,7 @@ import openai
 import pytest
 import yaml
 
+from controlplane.core.model import Flavor
 from controlplane.observe import parse
 from sluice.admin.v1 import admin_pb2
 from rig.llama import BUILD_INFO, MODEL_ID
@@ -41,7 +42,8 @@ def client_for(stack: Stack, timeout: float = 60) -> openai.OpenAI:
 def controlplane_metrics(stack: Stack) -> str:
     assert stack.controlplane is not None
     port = stack.controlplane.plane.metrics_port
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text: str = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return text
 
 
 def idle(stack: Stack, engines: list[Engine]) -> None:
@@ -389,9 +391,9 @@ def test_a_broken_llamacpp_mapping_fails_the_observation_check(
 ) -> None:
     """Rename the llama.cpp busy-slots gauge in sluice's mapping (as an engine rename would look): the same observation
     check test_discovery_and_observation passes must now report the engines degraded with the gauge missing and unknown."""
-    spec = parse.SPECS[parse.Flavor.LLAMACPP]
+    spec = parse.SPECS[Flavor.LLAMACPP]
     renamed = "llamacpp:requests_processing_renamed"
-    monkeypatch.setitem(parse.SPECS, parse.Flavor.LLAMACPP, dataclasses.replace(
+    monkeypatch.setitem(parse.SPECS, Flavor.LLAMACPP, dataclasses.replace(
         spec, running=(renamed,), required=(renamed, *spec.required[1:])))
 
     def broken() -> list[str] | None:

@@ -5,7 +5,7 @@ and a fleet of one fast and one slow single-slot engine (``FAST_AND_SLOW``) with
 from __future__ import annotations
 
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.model import EngineSample, EngineView, InferenceRequest, Priority, ServedModel
+from controlplane.core.model import BatchRates, EngineSample, EngineView, InferenceRequest, Priority, ServedModel
 
 
 def engine(name: str, running: int = 0, *, seqs: int = 2, prefill: float = 1000.0, decode: float = 20.0,
@@ -16,14 +16,14 @@ def engine(name: str, running: int = 0, *, seqs: int = 2, prefill: float = 1000.
                       anchor_decode_tokens_per_s=decode, drained=drained)
 
 
-def chat(prompt: int = 10, max_tokens: int = 111, ttft_ms: int | None = None, session: str | None = None,
+def chat(prompt: int = 10, max_tokens: int | None = 111, ttft_ms: int | None = None, session: str | None = None,
          priority: str = "standard") -> InferenceRequest:
     return InferenceRequest("POST", "/v1/chat/completions", "cortex", prompt_tokens=prompt, max_tokens=max_tokens,
                             max_ttft_ms=ttft_ms, session=session, priority=Priority(priority))
 
 
 # Seed 000: per-request decode at 1 and 2 streams (aggregate 18.18 / 50.71 and 49.24 / 87.82 tok/s).
-SEED_000 = {"thor": {1: 18.18, 2: 50.71 / 2}, "spark": {1: 49.24, 2: 87.82 / 2}}
+SEED_000 = {"thor": BatchRates({1: 18.18, 2: 50.71 / 2}), "spark": BatchRates({1: 49.24, 2: 87.82 / 2})}
 
 # One slot each; a 1000-token prompt takes 0.1 s to prefill on fast, 2 s on slow.
 FAST_AND_SLOW = [engine("fast", seqs=1, prefill=10_000.0, decode=50.0),

@@ -1,6 +1,6 @@
 """Envoy's ext_authz Check as the servicer tests make it: a request body (``chat_body``) and a CheckRequest around it
 (``check_request``), a control plane that is never started whose fleet is one engine with the seats a test sets
-(``one_engine_plane``), and a denial read back as Envoy reads it (``denial``)."""
+(``one_engine_plane``, a ``OneEnginePlane``), and a denial read back as Envoy reads it (``denial``)."""
 
 from __future__ import annotations
 
@@ -29,14 +29,19 @@ def check_request(body: bytes, headers: dict[str, str] | None = None) -> externa
     return request
 
 
-def one_engine_plane(monkeypatch: pytest.MonkeyPatch, raw: dict[str, Any]) -> ControlPlane:
-    """A control plane from ``raw`` that is never started; its fleet is one fresh engine serving cortex with
-    ``plane.cap_running[0]`` seats, ``plane.cap_running[1]`` of them taken."""
-    plane = ControlPlane(parse_config(raw))
-    plane.cap_running = (4, 0)  # type: ignore[attr-defined]
+class OneEnginePlane(ControlPlane):
+    """A control plane whose fleet is one fresh engine serving cortex with ``cap_running[0]`` seats, ``cap_running[1]``
+    of them taken (a test sets them)."""
+
+    cap_running: tuple[int, int] = (4, 0)
+
+
+def one_engine_plane(monkeypatch: pytest.MonkeyPatch, raw: dict[str, Any]) -> OneEnginePlane:
+    """A ``OneEnginePlane`` from ``raw`` that is never started."""
+    plane = OneEnginePlane(parse_config(raw))
 
     def fleet(now: float) -> Fleet:
-        cap, running = plane.cap_running  # type: ignore[attr-defined]
+        cap, running = plane.cap_running
         view = EngineView(name="thor", url="", max_num_seqs=cap, models=(ServedModel("cortex", 32_768),),
                           version="0.11.0", sample=EngineSample(now, running=running, waiting=0, kv_usage=0.0,
                                                                 kv_capacity_tokens=100_000),

@@ -19,12 +19,13 @@ class AbortedError(Exception):
 
 class FakeContext(grpc.aio.ServicerContext[Any, Any]):
     """A servicer context: the time its deadline leaves (``remaining``, None: no deadline), the bearer token its call
-    carries (``token``, None: none) and ``abort``, which keeps the status code in ``code`` and raises AbortedError."""
+    carries (``token``, None: none) and ``abort``, which keeps the status code in ``aborted_code`` and raises
+    AbortedError."""
 
     def __init__(self, remaining: float | None = None, *, token: str | None = "operator-secret") -> None:
         self.remaining = remaining
         self.metadata = grpc.aio.Metadata(("authorization", f"Bearer {token}")) if token else grpc.aio.Metadata()
-        self.code: grpc.StatusCode | None = None
+        self.aborted_code: grpc.StatusCode | None = None
 
     # grpc.aio answers None without a deadline (the servicer checks for it); types-grpcio says float.
     def time_remaining(self) -> float | None:  # type: ignore[override]
@@ -37,7 +38,7 @@ class FakeContext(grpc.aio.ServicerContext[Any, Any]):
         return "ipv4:127.0.0.1:1"
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: object = ()) -> NoReturn:
-        self.code = code
+        self.aborted_code = code
         raise AbortedError(details)
 
     async def abort_with_status(self, status: grpc.Status) -> NoReturn:

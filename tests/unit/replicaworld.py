@@ -30,6 +30,18 @@ PROMPTS = {prompt: prompt_blocks(f"group {prompt} " * 2000, 256, 40) for prompt 
 
 
 
+class RecordedParks(MemoryStore):
+    """A memory store that notes its ``park`` calls in ``order`` (the line's order, shared by the replicas)."""
+
+    def __init__(self, state: MemoryState, replica: str, order: list[str]) -> None:
+        super().__init__(state, replica)
+        self.order = order
+
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
+        self.order.append(request_id)
+        return await super().park(model, klass, request_id, at, claim)
+
+
 class Replicas:
     def __init__(self) -> None:
         base = load_config(None)
@@ -49,14 +61,7 @@ class Replicas:
 
     def _service(self, replica: str) -> AdmissionService:
         core = AdmissionCore(self.config.policy, Ledger(lease_seconds=10_000))
-        store = MemoryStore(self.state, replica)
-        park = store.park
-
-        async def recorded_park(model: str, klass: int, request_id: str, at: float,
-                                claim: Claim | None = None) -> float:
-            self.park_order.append(request_id)
-            return await park(model, klass, request_id, at, claim)
-        store.park = recorded_park  # type: ignore[method-assign]
+        store = RecordedParks(self.state, replica, self.park_order)
         service = AdmissionService(self.config, core, cast(Any, FakeObservation(core, ENGINES, CAPACITY)), SluiceMetrics(),
                                    lambda: self.now, store)
         return service

@@ -19,7 +19,7 @@ from controlplane.core.request import (
     MAX_JSON_DEPTH, MAX_TOKENS_LIMIT, PRIORITY_HEADER, SESSION_HEADER, TTFT_HEADER, RequestError, parse_request,
 )
 from controlplane.edge import reply
-from tests.unit.extauthz import CHAT, chat_body, check_request, denial, one_engine_plane
+from tests.unit.extauthz import CHAT, OneEnginePlane, chat_body, check_request, denial, one_engine_plane
 from tests.unit.fakes import FakeContext
 
 
@@ -168,7 +168,7 @@ def test_parse_is_total_over_json_fields(fields: dict[str, Any], path: str) -> N
 
 # -- the Check handler ----------------------------------------------------------------------------------------------------
 @pytest.fixture
-def plane(monkeypatch: pytest.MonkeyPatch) -> ControlPlane:
+def plane(monkeypatch: pytest.MonkeyPatch) -> OneEnginePlane:
     return one_engine_plane(monkeypatch, {"engines": [{"name": "thor", "url": "http://127.0.0.1:9"}],
                                           "controlplane": {"max_check_queue_ms": 1000,
                                                            "overload_retry_after_seconds": 3}})
@@ -239,8 +239,8 @@ async def test_short_or_unknown_queueing_is_not_shed(plane: ControlPlane, waited
     assert counter(plane, "sluice_authz_overloaded_total") == 0
 
 
-async def test_cancelled_parked_check_propagates_and_leaves_nothing(plane: ControlPlane) -> None:
-    plane.cap_running = (1, 1)  # type: ignore[attr-defined]  # the only seat is taken: the request parks
+async def test_cancelled_parked_check_propagates_and_leaves_nothing(plane: OneEnginePlane) -> None:
+    plane.cap_running = (1, 1)  # the only seat is taken: the request parks
     task = asyncio.create_task(AuthorizationServicer(plane.service).Check(check_request(chat_body()), FakeContext(290.0)))
     for _ in range(100):
         await asyncio.sleep(0)
@@ -254,10 +254,10 @@ async def test_cancelled_parked_check_propagates_and_leaves_nothing(plane: Contr
     assert counter(plane, "sluice_authz_internal_errors_total") == 0, "a client leaving is not a control-plane defect"
 
 
-async def test_checks_sharing_a_client_request_id_keep_their_own_places(plane: ControlPlane) -> None:
+async def test_checks_sharing_a_client_request_id_keep_their_own_places(plane: OneEnginePlane) -> None:
     """A client may send its own x-request-id, twice: both requests park under distinct keys and both are answered when
     capacity frees (the second must not take the first's place in the lot, or one Check would never be answered)."""
-    plane.cap_running = (2, 2)  # type: ignore[attr-defined]
+    plane.cap_running = (2, 2)
     servicer = AuthorizationServicer(plane.service)
     same = {"x-request-id": "client-chosen"}
     tasks = [asyncio.create_task(servicer.Check(check_request(chat_body(max_tokens=5), same), FakeContext(290.0)))
@@ -267,7 +267,7 @@ async def test_checks_sharing_a_client_request_id_keep_their_own_places(plane: C
         if plane.admission.depth() == 2:
             break
     assert plane.admission.depth() == 2, "both requests should be parked, each under its own key"
-    plane.cap_running = (2, 0)  # type: ignore[attr-defined]
+    plane.cap_running = (2, 0)
     plane.service.wake()
     responses = await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
     assert all(r.HasField("ok_response") for r in responses)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -36,7 +37,7 @@ def chat(tenant: str | None, prompt: int = 100, out: int = 100,
                             priority=priority, tenant=tenant)
 
 
-def policy(enabled: bool = True, weights: dict[str, float] | None = None, **kw: float) -> Policy:
+def policy(enabled: bool = True, weights: dict[str, float] | None = None, **kw: Any) -> Policy:
     """No shedding on the way (long window, no overload bound, deep lot): the tests look at order alone."""
     return Policy(fairness=FairShare(enabled=enabled, weights=weights or {}), shed_decision_s=1000.0,
                   overload_shed_after_ms=0, max_park_s=1000.0, max_queue_depth=10_000, lifo_after_ms=0,

@@ -250,7 +250,7 @@ async def test_a_charge_never_settled_frees_its_slot_when_its_lease_runs_out(bac
 async def test_retry_after_is_the_real_wait(backend: Backend, limits: dict[str, int], first: dict[str, int],
                                             then: dict[str, int]) -> None:
     limiter = backend.limiter()
-    scopes = scope(**limits)
+    scopes = scope("acme", **limits)
     for _ in range(first.get("requests", 1)):
         assert (await limiter.charge(ChargeRequest(scopes, tokens=first.get("tokens", 0)), T0)).allowed
     retry = ChargeRequest(scopes, tokens=then.get("tokens", 0), requests=then.get("requests", 1))

@@ -102,7 +102,9 @@ ops = st.lists(st.one_of(
 
 
 async def _run(limiter: Any, sequence: list[tuple[Any, ...]]) -> list[Any]:
-    now, seen, charged = T0, [], []
+    now = T0
+    seen: list[Any] = []
+    charged: list[tuple[str, int]] = []
     for i, op in enumerate(sequence):
         if op[0] == "charge":
             now += op[2]

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.core.admission import AdmissionCore, RateTables
+from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineLedger, EngineView, Fleet, Reason, Verdict
+from controlplane.core.model import EngineLedger, EngineView, Fleet, RateTables, Reason, Verdict
 from controlplane.core.policy import ModelPolicy, Policy
 from controlplane.core.route import ServeCounter, SessionMap, ttft_factor
 from controlplane.core.weights import compute_weights, moved

@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -15,7 +16,9 @@ from enginesim.profiles import ESTIMATOR_WORLD, PROFILES
 from enginesim.server import EngineSimulator, parse_lora_modules
 from rig.waits import wait_until
 
-PROFILE = replace(PROFILES["spark"], max_num_seqs=4, **ESTIMATOR_WORLD)
+#: ``ESTIMATOR_WORLD`` (a ``dict[str, float]``) as ``Profile`` fields by name, for ``replace``.
+IN_ESTIMATOR_WORLD: dict[str, Any] = ESTIMATOR_WORLD
+PROFILE = replace(PROFILES["spark"], max_num_seqs=4, **IN_ESTIMATOR_WORLD)
 
 
 def step(b: Batcher, now: float) -> float:
@@ -93,8 +96,8 @@ def test_lora_modules_parse_as_vllm_takes_them() -> None:
         EngineSimulator(PROFILE, name="x", lora_modules={"sql": "/a"})
 
 
-async def _client(sim: EngineSimulator) -> TestClient:  # type: ignore[type-arg]
-    client = TestClient(TestServer(sim.app()))  # type: ignore[var-annotated]
+async def _client(sim: EngineSimulator) -> TestClient[web.Request, web.Application]:
+    client = TestClient(TestServer(sim.app()))
     await client.start_server()
     return client
 

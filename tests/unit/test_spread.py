@@ -14,7 +14,7 @@ import pytest
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import EngineLedger, Fleet, Reason, Verdict
+from controlplane.core.model import EngineLedger, EngineView, Fleet, Reason, Verdict
 from controlplane.core.policy import Policy
 from tests.unit.coreinputs import chat, engine
 
@@ -26,7 +26,8 @@ SPREAD = Policy(max_share_over_capacity=1.3, near_tie_fraction=0.0)
 """The fair-share spread alone."""
 
 
-def light_load(policy: Policy, requests: int = 200, fleet: tuple = FLEET, every_s: float = 2.0) -> Counter[str]:
+def light_load(policy: Policy, requests: int = 200, fleet: tuple[EngineView, ...] = FLEET,
+               every_s: float = 2.0) -> Counter[str]:
     """One request every ``every_s`` (a spark answers in about 2.3 s): the fleet is mostly idle, each request is released
     when its estimate says it is done."""
     core = AdmissionCore(policy, Ledger(lease_seconds=600))
