@@ -1,5 +1,5 @@
 """The admission state machine under random steps, for the property tests: ``World`` applies the steps ``op`` draws
-(bursts of requests of every priority, with and without a TTFT deadline and a session; releases, probes, cancellations
+(bursts of requests of every priority, with and without a TTFT deadline, some sticky; releases, probes, cancellations
 and ticks) to one ``AdmissionCore`` over three engines (one below the version floor) and checks the admission rules after
 each step; ``run_and_drain`` applies a list of steps, checks that every request was answered once or is still parked,
 then releases until the lot is empty."""

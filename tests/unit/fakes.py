@@ -1,6 +1,6 @@
 """One fake per port the unit tests stand in for: the grpc.aio servicer context a servicer's method receives
 (``FakeContext``), and what the admission service reads from observation (``FakeObservation``). Each fake does what
-the code under test calls and nothing more; a call it does not expect raises ``NotImplementedError``."""
+the code under test calls and nothing more (what no servicer calls on its context raises ``NotImplementedError``)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,8 @@ class FakeContext(grpc.aio.ServicerContext[Any, Any]):
 
 class FakeObservation:
     """What the admission service reads from observation: fixed views of engines serving ``m`` (the probe saw nothing
-    running at time 0), ``caps``: engine -> its cap, each with ``kv_capacity_tokens`` of KV cache."""
+    running at time 0), ``caps``: engine -> its cap, each with ``kv_capacity_tokens`` of KV cache. The service's
+    parameter is the concrete ``Observation`` (no port), so callers pass this one through ``cast``."""
 
     def __init__(self, core: AdmissionCore, caps: Mapping[str, int], kv_capacity_tokens: int) -> None:
         self.core = core

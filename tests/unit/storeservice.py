@@ -29,7 +29,8 @@ def service(store: Store, caps: dict[str, int], max_park_s: float = 3.0) -> Admi
     config = replace(base, policy=replace(base.policy, lifo_after_ms=0, backfill=False, max_park_s=max_park_s,
                                           max_queue_depth=5000))
     core = AdmissionCore(config.policy, Ledger(lease_seconds=10_000))
-    return AdmissionService(config, core, cast(Any, FakeObservation(core, caps, kv_capacity_tokens=100_000)), SluiceMetrics(), time.monotonic, store)
+    observation = cast(Any, FakeObservation(core, caps, kv_capacity_tokens=100_000))
+    return AdmissionService(config, core, observation, SluiceMetrics(), time.monotonic, store)
 
 
 @asynccontextmanager
