@@ -11,8 +11,8 @@ STUBS  := sluice/admin/v1/admin_pb2.py sluice/admin/v1/admin_pb2_grpc.py
 run: install
 	$(VENV)/bin/sluice up
 
-# mypy --strict over controlplane/, sluice/, enginesim/ and ratelimit/ first (settings: pyproject's [tool.mypy]; its cache in
-# .mypy_cache makes a rerun take seconds), then every test.
+# mypy --strict over controlplane/, sluice/, enginesim/, ratelimit/, bench/, rig/ and tests/ first (settings: pyproject's
+# [tool.mypy]; its cache in .mypy_cache makes a rerun take seconds), then every test.
 test: install prometheus
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -1,9 +1,12 @@
-"""Free loopback ports and polling waits, for the tests and the benchmarks."""
+"""Free loopback ports and polling waits (from a thread, ``wait_for``; inside an event loop, ``wait_until``), for the
+tests and the benchmarks."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 
@@ -17,9 +20,10 @@ def free_port() -> int:
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float = 0.05, what: str = "condition") -> T:
-    """Poll ``predicate`` until it returns something truthy (returned); exceptions count as "not yet" (what is waited for
-    may not be listening yet). TimeoutError names ``what`` and the last value or exception."""
+def wait_for(predicate: Callable[[], T | None], timeout: float = 20.0, interval: float = 0.05,
+             what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy (returned: never None); exceptions count as "not yet" (what
+    is waited for may not be listening yet). TimeoutError names ``what`` and the last value or exception."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -32,6 +36,23 @@ def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float 
             last = exc
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+async def wait_until(predicate: Callable[[], object | Awaitable[object]], timeout: float = 5.0, interval: float = 0.005,
+                     what: str = "condition") -> None:
+    """``wait_for`` inside an event loop, for what the loop's own tasks bring about: awaits ``interval`` between calls
+    of ``predicate`` (which may be a coroutine function) until it returns something truthy. Its exceptions propagate.
+    TimeoutError names ``what`` and the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
+        await asyncio.sleep(interval)
 
 
 def wait_healthy(url: str, timeout: float = 15.0, alive: Callable[[], bool] | None = None) -> None:

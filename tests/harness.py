@@ -13,7 +13,9 @@ import json
 import re
 import subprocess
 import sys
+import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,10 +25,10 @@ from controlplane.config import Config, parse_config
 from controlplane.xds.resources import LISTENER_NAME
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 from sluice.admincli import admin_channel, read_token
-from rig.waits import free_port, wait_for  # noqa: F401  (re-exported for the tests)
+from rig.waits import wait_for
 from sluice.envoyrun import envoy_command, listener_port, read_admin_address, write_bootstrap
 from sluice.simulated import with_profile_defaults
-from rig.threaded import ThreadedControlPlane  # noqa: F401  (re-exported: tests import it from here)
+from rig.threaded import ThreadedControlPlane
 
 _LISTENING = re.compile(r"listening on http://[^\s:]+:(\d+)")
 
@@ -39,6 +41,26 @@ def http_json(url: str, timeout: float = 5.0, headers: dict[str, str] | None = N
 def http_status(url: str, timeout: float = 5.0) -> int:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return int(response.status)
+
+
+def post(stack: Stack, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """POST ``body`` (JSON) to the stack's ``/v1`` + ``path`` through Envoy: the status, the headers (lower-cased names)
+    and the body, for an error status too."""
+    request = urllib.request.Request(
+        stack.base_url + path, data=body, method="POST", headers={"content-type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, {k.lower(): v for k, v in error.headers.items()}, error.read()
+
+
+def chat_body(max_tokens: int = 20, content: str = "hello", **extra: object) -> bytes:
+    """A chat completion for ``cortex`` that holds its slot for exactly ``max_tokens`` (``ignore_eos``: the simulator
+    otherwise stops at a drawn length)."""
+    return json.dumps({"model": "cortex", "messages": [{"role": "user", "content": content}],
+                       "max_tokens": max_tokens, "ignore_eos": True, **extra}).encode()
 
 
 def launch_sim(profile: str, name: str, speed: float, log_dir: Path, *extra: str,
@@ -130,7 +152,8 @@ class Stack:
         return next(e.url for e in self.config.engines if e.name == name)
 
     def sim_log(self, name: str) -> list[dict[str, Any]]:
-        return http_json(self.sim_url(name) + "/sim/log")  # type: ignore[no-any-return]
+        log: list[dict[str, Any]] = http_json(self.sim_url(name) + "/sim/log")
+        return log
 
     @property
     def admin_target(self) -> str:
@@ -156,7 +179,8 @@ class Stack:
         return {e.name: e for e in self.admin().ListEngines(admin_pb2.ListEnginesRequest(), timeout=5).engines}
 
     def status(self) -> admin_pb2.GetStatusResponse:
-        return self.admin().GetStatus(admin_pb2.GetStatusRequest(), timeout=5)
+        status: admin_pb2.GetStatusResponse = self.admin().GetStatus(admin_pb2.GetStatusRequest(), timeout=5)
+        return status
 
     def start_envoy(self) -> None:
         """Envoy on the control plane's bound gRPC port; waits until its admin and its listener are bound (port 0: any
@@ -234,15 +258,15 @@ def admin_section(work_dir: Path) -> dict[str, Any]:
 
 
 def start_stack(
-    engines: list[tuple[str, str] | dict[str, Any]], work_dir: Path, speed: float = 20.0, *, with_envoy: bool = True,
-    api_key: str | None = None, **sections: Any,
+    engines: Sequence[tuple[str, str] | dict[str, Any]], work_dir: Path, speed: float = 20.0, *,
+    with_envoy: bool = True, api_key: str | None = None, **sections: Any,
 ) -> Stack:
     """``engines``: (name, profile) pairs or engine config dicts with a ``sim`` profile, each started as a simulator on port 0
     (``sim_flavor``, ``sim_model`` and ``max_num_seqs`` reach the simulator too, and ``sim_args``, a list of further
     ``sluice sim`` arguments, only it; its bound port becomes the entry's ``url``).
     The simulators' profile defaults are written into the config as ``sluice up`` does (``sluice/simulated.py``).
     ``with_envoy=False``: no Envoy (service tests). ``api_key``: a tenant's key (with ``tenants=``), to see it serve."""
-    entries = [e if isinstance(e, dict) else {"name": e[0], "sim": e[1]} for e in engines]
+    entries: list[dict[str, Any]] = [e if isinstance(e, dict) else {"name": e[0], "sim": e[1]} for e in engines]
     sims: dict[str, subprocess.Popen[bytes]] = {}
     stack: Stack | None = None
     try:

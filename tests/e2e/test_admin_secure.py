@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
-from tests.e2e.test_request_path import post
-from tests.harness import start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import post, start_stack
 
 BODY = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
 
@@ -42,7 +42,8 @@ def test_admin_changes_need_the_token_and_watch_sees_a_check(tmp_path: Path) -> 
         assert not stack.engines()["thor"].drained
         assert "version_floors: {}" in stack.admin().GetPolicy(admin_pb2.GetPolicyRequest(), timeout=5).yaml
         assert post(stack, "/chat/completions", BODY)[0] == 200
-        metrics = stack.controlplane.plane.metrics.registry  # type: ignore[union-attr]
+        assert stack.controlplane is not None
+        metrics = stack.controlplane.plane.metrics.registry
         assert metrics.get_sample_value("sluice_admin_refused_total", {"method": "DrainEngine"}) == 2
 
         # A reload may not name a file outside admin.reload_dir (one pointing thor elsewhere, say).
@@ -64,7 +65,9 @@ def test_admin_changes_need_the_token_and_watch_sees_a_check(tmp_path: Path) -> 
                 pass
 
         threading.Thread(target=tail, daemon=True).start()
-        wait_for(lambda: stack.controlplane.plane.service.feed.watchers, what="the watcher subscribed")  # type: ignore[union-attr]
+        assert stack.controlplane is not None
+        feed = stack.controlplane.plane.service.feed
+        wait_for(lambda: feed.watchers, what="the watcher subscribed")
         assert post(stack, "/chat/completions", BODY)[0] == 200
         event = events.get(timeout=10)
         assert (event.verdict, event.engine, event.model, event.dropped_since_last) == ("admit", "thor", "cortex", 0)

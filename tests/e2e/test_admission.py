@@ -10,17 +10,12 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.harness import Stack, http_json, start_stack, wait_for
-from tests.e2e.test_request_path import post
-
-
-def body(max_tokens: int = 20, content: str = "hello", **extra: object) -> bytes:
-    # ignore_eos: these requests hold their slots for exactly max_tokens (the simulator otherwise stops at a drawn length).
-    return json.dumps({"model": "cortex", "messages": [{"role": "user", "content": content}],
-                       "max_tokens": max_tokens, "ignore_eos": True, **extra}).encode()
+from rig.waits import wait_for
+from tests.harness import Stack, chat_body, http_json, post, start_stack
 
 
 @pytest.fixture(scope="module")
@@ -32,22 +27,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.close()
 
 
-def fill_slots(stack: Stack, pool: concurrent.futures.ThreadPoolExecutor, max_tokens: int) -> list:  # type: ignore[type-arg]
+def fill_slots(stack: Stack, pool: concurrent.futures.ThreadPoolExecutor,
+               max_tokens: int) -> list[concurrent.futures.Future[tuple[int, dict[str, str], bytes]]]:
     """Take all four slots of the fleet with requests of ``max_tokens``; their futures."""
-    holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=max_tokens)) for _ in range(4)]
+    holders = [pool.submit(post, stack, "/chat/completions", chat_body(max_tokens=max_tokens)) for _ in range(4)]
     wait_for(lambda: stack.status().open_tickets == 4, what="all four slots taken")
     return holders
 
 
 def drained(stack: Stack) -> None:
-    wait_for(lambda: stack.status().open_tickets == 0 and stack.controlplane.plane.admission.depth() == 0,  # type: ignore[union-attr]
-             timeout=30, what="fleet drained")
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
+    wait_for(lambda: stack.status().open_tickets == 0 and plane.admission.depth() == 0, timeout=30,
+             what="fleet drained")
 
 
 def test_burst_beyond_slots_is_all_served_within_caps(stack: Stack) -> None:
     drained(stack)
     with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
-        results = list(pool.map(lambda _: post(stack, "/chat/completions", body(max_tokens=30)), range(6)))
+        results = list(pool.map(lambda _: post(stack, "/chat/completions", chat_body(max_tokens=30)), range(6)))
     assert [status for status, _, _ in results] == [200] * 6
     parked = [h for _, h, _ in results if "x-sluice-parked-ms" in h]
     assert len(parked) >= 2, "4 slots for 6 requests: at least two had to wait"
@@ -61,12 +59,13 @@ def test_burst_beyond_slots_is_all_served_within_caps(stack: Stack) -> None:
 
 def test_client_that_leaves_while_parked_leaves_nothing(stack: Stack) -> None:
     drained(stack)
-    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         # Holders that outlast a slow machine's wait for the fifth request to park (60 tokens at speed 10 took 0.14 s).
         holders = fill_slots(stack, pool, max_tokens=1500)
         served_before = sum(len(stack.sim_log(n)) for n in stack.sims)
-        raw = body(max_tokens=5)
+        raw = chat_body(max_tokens=5)
         sock = socket.create_connection(("127.0.0.1", stack.config.envoy.listen_port))
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      b"content-length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
@@ -82,18 +81,19 @@ def test_client_that_leaves_while_parked_leaves_nothing(stack: Stack) -> None:
 
 def test_queue_overflow_and_sheddable_get_503_with_retry_after(stack: Stack) -> None:
     drained(stack)
-    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
     with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
         long = fill_slots(stack, pool, max_tokens=200)
-        parked = [pool.submit(post, stack, "/chat/completions", body(max_tokens=5)) for _ in range(6)]
+        parked = [pool.submit(post, stack, "/chat/completions", chat_body(max_tokens=5)) for _ in range(6)]
         wait_for(lambda: plane.admission.depth() == 6, what="queue full")
-        status, headers, payload = post(stack, "/chat/completions", body(max_tokens=5))
+        status, headers, payload = post(stack, "/chat/completions", chat_body(max_tokens=5))
         assert status == 503
         error = json.loads(payload)["error"]
         assert error["code"] == "queue_full" and error["type"] == "server_error"
         # The ledger knows the four running requests finish in roughly 200 tokens' time (~4-10 s emulated /10 speed).
         assert 1 <= int(headers["retry-after"]) <= 60
-        status, headers, payload = post(stack, "/chat/completions", body(max_tokens=5),
+        status, headers, payload = post(stack, "/chat/completions", chat_body(max_tokens=5),
                                          {"x-sluice-priority": "sheddable"})
         assert status == 503 and json.loads(payload)["error"]["code"] == "saturated"
         assert 1 <= int(headers["retry-after"]) <= 60
@@ -103,12 +103,13 @@ def test_queue_overflow_and_sheddable_get_503_with_retry_after(stack: Stack) -> 
 
 def test_critical_jumps_the_standard_queue(stack: Stack) -> None:
     drained(stack)
-    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
     admitted_at: dict[str, float] = {}
 
     def timed(tag: str, headers: dict[str, str]) -> None:
         sent = time.monotonic()
-        status, response_headers, _ = post(stack, "/chat/completions", body(max_tokens=5), headers)
+        status, response_headers, _ = post(stack, "/chat/completions", chat_body(max_tokens=5), headers)
         assert status == 200
         admitted_at[tag] = sent + int(response_headers["x-sluice-parked-ms"]) / 1000
 
@@ -116,13 +117,15 @@ def test_critical_jumps_the_standard_queue(stack: Stack) -> None:
         # One holder much shorter than the others: its release frees exactly one slot, long before the next, so the two
         # parked requests are admitted at clearly different moments and the order cannot blur into one wake.
         # Wide enough apart (about 2 s and 7 s at speed 10) that a loaded machine parks both before the first frees.
-        holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=n)) for n in (900, 3000, 3000, 3000)]
+        holders = [pool.submit(post, stack, "/chat/completions", chat_body(max_tokens=n))
+                   for n in (900, 3000, 3000, 3000)]
         wait_for(lambda: stack.status().open_tickets == 4, what="all four slots taken")
         standard = pool.submit(timed, "standard", {})
         wait_for(lambda: plane.admission.depth() == 1, what="standard parked")
         critical = pool.submit(timed, "critical", {"x-sluice-priority": "critical"})
         wait_for(lambda: plane.admission.depth() == 2, what="critical parked")
-        for f in (*holders, standard, critical):
+        futures: list[concurrent.futures.Future[Any]] = [*holders, standard, critical]
+        for f in futures:
             f.result()
     # The critical request parked last but left the lot first.
     assert admitted_at["critical"] < admitted_at["standard"]
@@ -131,7 +134,7 @@ def test_critical_jumps_the_standard_queue(stack: Stack) -> None:
 
 def test_context_length_is_refused_before_any_engine(stack: Stack) -> None:
     before = sum(len(stack.sim_log(n)) for n in stack.sims)
-    status, _, payload = post(stack, "/chat/completions", body(max_tokens=32_000, content="x" * 4_000))
+    status, _, payload = post(stack, "/chat/completions", chat_body(max_tokens=32_000, content="x" * 4_000))
     assert status == 400
     assert json.loads(payload)["error"]["code"] == "context_length_exceeded"
     assert sum(len(stack.sim_log(n)) for n in stack.sims) == before
@@ -144,10 +147,10 @@ def test_park_timeout_sheds_with_retry_after(tmp_path: Path) -> None:
     stack = start_stack([("thor", "thor")], tmp_path, speed=2.0, admission={"max_park_seconds": 1})
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-            holders = [pool.submit(post, stack, "/chat/completions", body(max_tokens=100)) for _ in range(2)]
+            holders = [pool.submit(post, stack, "/chat/completions", chat_body(max_tokens=100)) for _ in range(2)]
             wait_for(lambda: stack.status().open_tickets == 2, what="slots full")
             started = time.monotonic()
-            status, headers, payload = post(stack, "/chat/completions", body(max_tokens=5))
+            status, headers, payload = post(stack, "/chat/completions", chat_body(max_tokens=5))
             waited = time.monotonic() - started
             assert status == 503 and json.loads(payload)["error"]["code"] == "park_timeout"
             # The server's own measure, immune to this client's scheduling: answered at arrival or by a park sweep once
@@ -163,7 +166,7 @@ def test_park_timeout_sheds_with_retry_after(tmp_path: Path) -> None:
 def test_version_floor_sheds_and_names_the_versions(tmp_path: Path) -> None:
     stack = start_stack([("thor", "thor")], tmp_path, version_floors={"cortex": "0.11"})
     try:
-        status, headers, payload = post(stack, "/chat/completions", body())
+        status, headers, payload = post(stack, "/chat/completions", chat_body())
         assert status == 503
         error = json.loads(payload)["error"]
         assert error["code"] == "version_floor" and "thor=0.10.1" in error["message"]
@@ -181,8 +184,10 @@ def test_version_floor_sheds_and_names_the_versions(tmp_path: Path) -> None:
 def _metrics(stack: Stack) -> str:
     import urllib.request
 
-    port = stack.controlplane.plane.metrics_port  # type: ignore[union-attr]
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert stack.controlplane is not None
+    port = stack.controlplane.plane.metrics_port
+    text: str = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return text
 
 
 SOLO_SPEED = 10.0
@@ -192,14 +197,15 @@ def _refill_gaps(stack: Stack, rounds: int) -> list[float]:
     """Wall seconds the one-slot engine ``solo`` sat empty between a stream's end and the parked request's arrival, once
     per round (each round: a holder takes the slot, a second request parks behind it). Measured on the simulator's own
     clock (``/sim/log``), so the client's scheduling does not enter."""
-    plane = stack.controlplane.plane  # type: ignore[union-attr]
+    assert stack.controlplane is not None
+    plane = stack.controlplane.plane
     gaps = []
     for _ in range(rounds):
         before = len(stack.sim_log("solo"))
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            holder = pool.submit(post, stack, "/chat/completions", body(max_tokens=600))
+            holder = pool.submit(post, stack, "/chat/completions", chat_body(max_tokens=600))
             wait_for(lambda: stack.status().open_tickets == 1, what="the slot taken")
-            parked = pool.submit(post, stack, "/chat/completions", body(max_tokens=5))
+            parked = pool.submit(post, stack, "/chat/completions", chat_body(max_tokens=5))
             wait_for(lambda: plane.admission.depth() == 1, what="the second request parked")
             assert holder.result()[0] == 200 and parked.result()[0] == 200
         first, second = stack.sim_log("solo")[before:before + 2]

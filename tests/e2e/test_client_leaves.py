@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Stack, http_json, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, http_json, start_stack
 
 SPEED = 5.0
 

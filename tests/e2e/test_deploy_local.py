@@ -37,7 +37,8 @@ import yaml
 from sluice import deploy
 from controlplane.store.valkeyserver import valkey_binary
 from sluice.envoyrun import envoy_binary
-from tests.harness import free_port, http_status, launch_sim, stop, wait_for
+from rig.waits import free_port, wait_for
+from tests.harness import http_status, launch_sim, stop
 
 
 def _expand(value: str, env: dict[str, str]) -> str:

@@ -10,11 +10,12 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.e2e.test_request_path import post
-from tests.harness import Stack, http_json, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, http_json, post, start_stack
 
 HEADER_TIMEOUT_S = 1.0
 ENGINE_PATHS = ["/metrics", "/sim/log", "/sim/fault", "/v1/load_lora_adapter", "/health", "/v1/../metrics"]
@@ -45,7 +46,7 @@ def raw_exchange(port: int, data: bytes, wait: float = 15.0) -> bytes:
     return out
 
 
-def error_of(response: bytes) -> tuple[int, str, dict]:  # type: ignore[type-arg]
+def error_of(response: bytes) -> tuple[int, str, dict[str, Any]]:
     head, _, body = response.partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
     headers = dict(line.lower().split(": ", 1) for line in lines[1:])

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rig.waits import wait_until
 from tests.harness import start_stack
 
 CLIENTS = 2000
@@ -45,9 +46,12 @@ def verdict(raw: bytes) -> str:
 async def burst(port: int) -> collections.Counter[str]:
     gate = asyncio.Event()
     seen: collections.Counter[str] = collections.Counter()
+    connected = 0
 
     async def client() -> None:
+        nonlocal connected
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        connected += 1
         try:
             await gate.wait()
             writer.write(REQUEST)
@@ -59,7 +63,9 @@ async def burst(port: int) -> collections.Counter[str]:
             writer.close()
 
     clients = [asyncio.create_task(client()) for _ in range(CLIENTS)]
-    await asyncio.sleep(2)  # every connection open before anyone sends
+    # Every connection open before anyone sends (a client that ended already failed to connect: gather raises it).
+    await wait_until(lambda: connected == CLIENTS or any(c.done() for c in clients), timeout=60, interval=0.05,
+                     what="every connection open")
     gate.set()
     await asyncio.gather(*clients)
     return seen

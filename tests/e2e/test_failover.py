@@ -32,8 +32,8 @@ from typing import Any
 import openai
 
 from sluice.up import REPLICA_PORT_STRIDE
-from tests.e2e.test_supervise import Up
-from tests.harness import wait_for
+from tests.e2e.sluiceup import Up
+from rig.waits import wait_for
 
 CAP = 2
 BURST = 24

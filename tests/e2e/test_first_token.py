@@ -17,7 +17,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from tests.harness import Stack, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, start_stack
 
 SPEED = 10.0
 PROMPT_CHARS = 6000
@@ -32,6 +33,7 @@ def chat(tag: str, *, stream: bool = True) -> bytes:
 def timed_stream(stack: Stack, body: bytes) -> tuple[float, float]:
     """One streamed request: seconds from sending it to its response headers, and to its first content delta."""
     where = urlsplit(stack.base_url)
+    assert where.hostname is not None
     connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
     try:
         started = time.perf_counter()

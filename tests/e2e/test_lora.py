@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.e2e.test_request_path import post
-from tests.harness import http_json, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import http_json, post, start_stack
 
 LORA_SIM = ["--max-loras", "1", "--lora-modules", "sql=/loras/sql", "chat=/loras/chat", "--lora-swap-s", "1.0"]
 

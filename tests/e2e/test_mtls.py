@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,12 +14,12 @@ import grpc
 import pytest
 
 from controlplane.config import ClientTls
-from controlplane.xds.resources import LISTENER_NAME
+from controlplane.xds.resources import CONTROLPLANE_CLUSTER, LISTENER_NAME
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 from sluice.envoyrun import envoy_command, read_admin_address, write_bootstrap
 from tests.certs import CertificateAuthority
-from tests.e2e.test_request_path import post
-from tests.harness import admin_section, http_json, start_stack, stop, wait_for
+from rig.waits import wait_for
+from tests.harness import admin_section, http_json, post, start_stack, stop
 
 BODY = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
 
@@ -54,7 +53,13 @@ def test_envoy_needs_its_client_certificate_to_reach_the_control_plane(tmp_path:
             stdout=(directory / "envoy.log").open("wb"), stderr=subprocess.STDOUT)
         try:
             _, admin_port = wait_for(lambda: read_admin_address(address_path), timeout=30, what="Envoy's admin")
-            time.sleep(3)
+            fails = f"cluster.{CONTROLPLANE_CLUSTER}.upstream_cx_connect_fail"
+
+            def refused() -> int:
+                stats = http_json(f"http://127.0.0.1:{admin_port}/stats?format=json&filter={fails}")["stats"]
+                return sum(int(stat["value"]) for stat in stats if stat["name"] == fails)
+
+            wait_for(lambda: refused() >= 2, timeout=30, what="Envoy's connection to the control plane refused twice")
             dump = json.dumps(http_json(f"http://127.0.0.1:{admin_port}/config_dump", timeout=5))
             assert LISTENER_NAME not in dump
             assert process.poll() is None

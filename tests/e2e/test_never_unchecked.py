@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Stack, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, start_stack
 
 MAX_CHECK_QUEUE_MS = 500
 

@@ -13,13 +13,16 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.harness import Stack, set_metrics_fault, start_stack, wait_for
+from rig.waits import wait_for
+from sluice.admin.v1 import admin_pb2
+from tests.harness import Stack, set_metrics_fault, start_stack
 
 
 def metrics_text(stack: Stack) -> str:
     assert stack.controlplane is not None
     port = stack.controlplane.plane.metrics_port
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text: str = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def test_mixed_fleet_is_discovered_per_flavour(mixed: Stack) -> None:
-    def detected() -> dict | None:
+    def detected() -> dict[str, admin_pb2.Engine] | None:
         engines = mixed.engines()
         return engines if all(e.flavor for e in engines.values()) else None
 
@@ -59,7 +62,8 @@ def test_mixed_fleet_serves_through_envoy_and_measures_rates(mixed: Stack) -> No
         raw = client.chat.completions.with_raw_response.create(
             model="cortex", messages=[{"role": "user", "content": "hello"}], max_tokens=30,
             extra_body={"ignore_eos": True})  # exactly max_tokens: the simulator otherwise stops at a drawn length
-        assert raw.parse().usage.completion_tokens == 30  # type: ignore[union-attr]
+        usage = raw.parse().usage
+        assert usage is not None and usage.completion_tokens == 30
         return raw.headers["x-sluice-engine"]
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
@@ -83,8 +87,9 @@ def test_llamacpp_kv_usage_comes_from_slots(mixed: Stack) -> None:
     # Straight to the engine (what runs there is what its /slots must show, whoever routed it).
     direct = openai.OpenAI(base_url=mixed.sim_url("llama-box") + "/v1", api_key="unused", max_retries=0, timeout=60)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        running = pool.submit(direct.chat.completions.create, model="cortex", max_tokens=400,
-                              messages=[{"role": "user", "content": "x" * 4000}], extra_body={"ignore_eos": True})
+        running = pool.submit(lambda: direct.chat.completions.create(
+            model="cortex", max_tokens=400, messages=[{"role": "user", "content": "x" * 4000}],
+            extra_body={"ignore_eos": True}))
         wait_for(lambda: mixed.engines()["llama-box"].kv_usage > 0 or None, timeout=15,
                  what="llama-box's KV usage while it runs a request")
         running.result()
@@ -138,7 +143,7 @@ def test_self_check_flags_a_flavour_mismatch(tmp_path: Path, caplog: pytest.LogC
     stack = start_stack([{"name": "odd", "sim": "spark", "sim_flavor": "sglang", "flavor": "vllm"}], tmp_path,
                         with_envoy=False)
     try:
-        def checked():  # type: ignore[no-untyped-def]
+        def checked() -> admin_pb2.Engine | None:
             engine = stack.engines()["odd"]
             return engine if engine.missing_gauges else None
 

@@ -10,8 +10,8 @@ import urllib.request
 from pathlib import Path
 
 from sluice.admin.v1 import admin_pb2
-from tests.e2e.test_request_path import post
-from tests.harness import Stack, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, post, start_stack
 
 SYSTEM = "You are the sluice keeper. " * 900  # 24,300 characters: about 6,000 tokens of shared system prompt
 

@@ -8,12 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import openai
 
-from tests.harness import start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import start_stack
 
 
 def _worker_pids() -> list[int]:
@@ -38,7 +38,9 @@ def test_a_probe_worker_observes_serves_keeps_drains_and_comes_back(tmp_path: Pa
 
         # A drain lives in the control plane; the worker's next views do not undo it.
         assert stack.controlplane.call(plane.admin.set_drained("spark", True))
-        time.sleep(0.6)  # several probes of spark land meanwhile
+        spark = next(p for p in plane.pollers if p.config.name == "spark")
+        drained_at = spark.probes
+        wait_for(lambda: spark.probes >= drained_at + 3, timeout=10, what="several probes of spark after the drain")
         views = {v.name: v for v in plane.fleet(plane.clock()).engines}
         assert views["spark"].drained and not views["spark"].stale
         for _ in range(4):

@@ -21,15 +21,15 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.core.tenants import key_digest
-from tests.harness import (
-    Stack, free_port, http_json, push_broken_cluster, set_metrics_fault, start_stack, stop, wait_for,
-)
+from rig.waits import free_port, wait_for
+from tests.harness import Stack, http_json, push_broken_cluster, set_metrics_fault, start_stack, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "sluice.json"
@@ -178,12 +178,13 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         stack.close()
 
 
-def query(url: str, expr: str) -> list[dict]:
+def query(url: str, expr: str) -> list[dict[str, Any]]:
     with urllib.request.urlopen(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}", timeout=10) as r:
         answer = json.load(r)
     assert answer["status"] == "success", (expr, answer)
     assert answer["data"]["resultType"] == "vector", (expr, answer["data"]["resultType"])
-    return answer["data"]["result"]  # type: ignore[no-any-return]
+    result: list[dict[str, Any]] = answer["data"]["result"]
+    return result
 
 
 def grafana_to_promql(expr: str) -> str:
@@ -198,7 +199,7 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel.get("targets", [])]
 
 
-def alert_rules() -> list[dict]:
+def alert_rules() -> list[dict[str, Any]]:
     return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
 
 

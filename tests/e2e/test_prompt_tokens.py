@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.core.tenants import key_digest
-from tests.harness import Stack, http_json, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, http_json, start_stack
 
 BUDGET = 3000
 MAX_TOKENS = 40

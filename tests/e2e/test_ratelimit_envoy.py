@@ -24,9 +24,9 @@ from controlplane.store.valkeyserver import ValkeyServer
 from ratelimit import ChargeRequest, LimitState, RateLimiter, Scope, Settlement, Verdict, open_limiter
 from ratelimit.config import parse_descriptor_config
 from ratelimit.rls import serve
-from rig.waits import free_port
 from sluice.envoyrun import envoy_binary, listener_port, read_admin_address
-from tests.harness import http_json, wait_for
+from rig.waits import free_port, wait_for
+from tests.harness import http_json
 
 DESCRIPTORS = parse_descriptor_config({
     "domain": "sluice",

@@ -12,8 +12,7 @@ from typing import Any
 
 import yaml
 
-from tests.e2e.test_request_path import post
-from tests.harness import Stack, start_stack
+from tests.harness import Stack, post, start_stack
 
 BODY = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
 
@@ -63,7 +62,7 @@ def test_sighup_reloads_the_control_planes_own_file(tmp_path: Path) -> None:
     import grpc
 
     from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
-    from tests.harness import free_port, wait_for
+    from rig.waits import free_port, wait_for
 
     raw: dict[str, Any] = {
         "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
@@ -97,7 +96,8 @@ def test_sighup_reloads_the_control_planes_own_file(tmp_path: Path) -> None:
 
 
 def test_reload_adds_and_removes_engines_over_xds(tmp_path: Path) -> None:
-    from tests.harness import http_json, launch_sim, stop, wait_for
+    from rig.waits import wait_for
+    from tests.harness import http_json, launch_sim, stop
 
     stack = start_stack([("a", "spark")], tmp_path)
     b, b_port = launch_sim("spark", "b", 20.0, tmp_path)

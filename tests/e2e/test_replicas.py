@@ -9,7 +9,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,8 @@ import openai
 
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 from sluice.up import REPLICA_PORT_STRIDE
-from tests.e2e.test_supervise import Up
-from tests.harness import wait_for
+from tests.e2e.sluiceup import Up
+from rig.waits import wait_for
 
 CAP = 2
 
@@ -75,7 +74,8 @@ def test_two_replicas_hold_one_cap_survive_a_kill_and_remember_tickets(tmp_path:
         # survivor's caps hold.
         with concurrent.futures.ThreadPoolExecutor(max_workers=24) as pool:
             futures = [pool.submit(ask, i) for i in range(24)]
-            time.sleep(0.5)
+            wait_for(lambda: _metric(metrics_ports[1], "sluice_admission_decisions_total") > decided[1], timeout=30,
+                     what="replica 1 deciding Checks of the burst")
             os.kill(children["controlplane-1"], signal.SIGKILL)
             answers = [f.result(timeout=120) for f in futures]
         assert len(answers) == 24 and all(a.split(" ", 1)[0] in ("200", "503") for a in answers), answers
@@ -87,11 +87,14 @@ def test_two_replicas_hold_one_cap_survive_a_kill_and_remember_tickets(tmp_path:
             long = pool.submit(lambda: up.client.chat.completions.with_raw_response.create(
                 model="cortex", messages=[{"role": "user", "content": "a long story"}], max_tokens=3000,
                 extra_body={"ignore_eos": True}))
-            time.sleep(1.0)
+            wait_for(lambda: _metric(metrics_ports[0], "sluice_tickets_open") >= 1, timeout=30,
+                     what="the long request holding a ticket")
             wait_for(lambda: "controlplane-1" in up.children(), timeout=30, what="replica 1 restarted")
-            for name in ("controlplane-0", "controlplane-1"):
-                os.kill(up.children()[name], signal.SIGKILL)
-            time.sleep(0.5)
+            killed = {name: up.children()[name] for name in ("controlplane-0", "controlplane-1")}
+            for pid in killed.values():
+                os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: all(up.children().get(name) not in (None, pid) for name, pid in killed.items()),
+                     timeout=60, what="both replicas started again")
 
             def both_back() -> bool:
                 try:

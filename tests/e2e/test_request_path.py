@@ -11,11 +11,13 @@ from pathlib import Path
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
 
-from tests.harness import Stack, http_json, push_broken_cluster, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, http_json, post, push_broken_cluster, start_stack
 
 
 @pytest.fixture(scope="module")
@@ -30,18 +32,7 @@ def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=30)
 
 
-def post(stack: Stack, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    request = urllib.request.Request(
-        stack.base_url + path, data=body, method="POST", headers={"content-type": "application/json", **(headers or {})}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, {k.lower(): v for k, v in error.headers.items()}, error.read()
-
-
-def served_by(stack: Stack) -> dict[str, list[dict]]:
+def served_by(stack: Stack) -> dict[str, list[dict[str, Any]]]:
     return {name: stack.sim_log(name) for name in stack.sims}
 
 
@@ -172,7 +163,9 @@ def test_invalid_resource_is_nacked_and_traffic_keeps_flowing(stack: Stack, clie
     # The rejected version is not resent in a loop: the count stays put.
     stack.controlplane.call(plane.publish())
     cds = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
-    good = plane.cache.snapshot.version(cds)  # type: ignore[union-attr]
+    snapshot = plane.cache.snapshot
+    assert snapshot is not None
+    good = snapshot.version(cds)
     wait_for(lambda: _acked(stack, cds) == good, what="ACK of the restored config")
     assert stack.status().xds_nacks_total == before + 1
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
+from typing import Any
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_request_path import post
-from tests.harness import Stack, http_json, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, http_json, post, start_stack
 
 
 def chat(content: str = "hi", max_tokens: int = 4) -> bytes:
@@ -103,8 +104,8 @@ def test_controlplane_killed_traffic_follows_the_failure_mode(tmp_path: Path, mo
             served.append((status, headers, payload))
         if mode == "open":
             assert [s for s, _, _ in served] == [200] * 10
-            engines = {name for name in stack.sims if stack.sim_log(name)[-10:]}
-            assert engines, "requests reached engines by the last weights"
+            reached = {name for name in stack.sims if stack.sim_log(name)[-10:]}
+            assert reached, "requests reached engines by the last weights"
             assert all("x-sluice-route-reason" not in h for _, h, _ in served)  # no Check answered them
         else:
             for status, headers, payload in served:
@@ -130,19 +131,20 @@ def _wait_for_fallback(stack: Stack, engines: set[str]) -> dict[str, int]:
     return weights()
 
 
-def _fallback_clusters(dump: dict) -> list[dict]:  # type: ignore[type-arg]
+def _fallback_clusters(dump: dict[str, Any]) -> list[dict[str, Any]]:
     for config in dump["configs"]:
         for vhost in config["route_config"]["virtual_hosts"]:
             for route in vhost["routes"]:
                 if route.get("name") == "fallback:cortex":
-                    return route["route"]["weighted_clusters"]["clusters"]  # type: ignore[no-any-return]
+                    clusters: list[dict[str, Any]] = route["route"]["weighted_clusters"]["clusters"]
+                    return clusters
     return []
 
 
 def test_restarted_controlplane_takes_envoy_back(tmp_path: Path) -> None:
     """Kill the control plane, start a new one on the same port: Envoy reconnects its ADS stream (same content, same
     versions) and Checks pin requests again, with no request lost meanwhile under fail-open."""
-    from tests.harness import ThreadedControlPlane
+    from rig.threaded import ThreadedControlPlane
 
     stack = start_stack([("thor", "thor"), ("spark", "spark")], tmp_path, speed=20.0)
     try:
@@ -156,6 +158,7 @@ def test_restarted_controlplane_takes_envoy_back(tmp_path: Path) -> None:
         _kill_controlplane(stack)
         status, headers, _ = post(stack, "/chat/completions", chat())
         assert status == 200 and "x-sluice-route-reason" not in headers  # fail-open while it is down
+        assert stack.plane_config is not None
         stack.controlplane = ThreadedControlPlane(stack.plane_config)
         wait_for(lambda: stack.status().envoy_streams == 1, timeout=40, what="Envoy's ADS stream back")
         assert versions() == versions_before

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.harness import start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import start_stack
 
 SPEED = 10.0
 RATE_PER_S = 4.0

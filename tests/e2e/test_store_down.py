@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from controlplane.store.valkeyserver import ValkeyServer
-from tests.harness import Stack, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, start_stack
 
 
 @pytest.fixture

@@ -22,7 +22,8 @@ import pytest
 
 from controlplane.core.tenants import key_digest
 from sluice.admin.v1 import admin_pb2
-from tests.harness import Stack, start_stack, wait_for
+from rig.waits import wait_for
+from tests.harness import Stack, start_stack
 
 BURST_BUDGET = 3000
 BURST_MAX_TOKENS = 40

@@ -21,8 +21,9 @@ import yaml
 from controlplane.core.tenants import key_digest
 from controlplane.store.valkeyserver import ValkeyServer
 from sluice.up import REPLICA_PORT_STRIDE
-from tests.e2e.test_supervise import Up
-from tests.harness import Stack, start_stack, wait_for
+from tests.e2e.sluiceup import Up
+from rig.waits import wait_for
+from tests.harness import Stack, start_stack
 
 
 def post(base_url: str, key: str, max_tokens: int = 2) -> tuple[int, dict[str, str], dict[str, Any]]:

@@ -15,9 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_admission import body
-from tests.e2e.test_request_path import post
-from tests.harness import Stack, start_stack
+from tests.harness import Stack, chat_body, post, start_stack
 from tests.otlp import OtlpReceiver, ReceivedSpan
 from controlplane.tracing import CHECK_SPAN
 
@@ -67,7 +65,7 @@ def exported_check_span(stack: Stack, receiver: OtlpReceiver, trace_id: str) -> 
 
 def test_the_engine_continues_the_clients_trace_under_the_check_span(traced: Stack, receiver: OtlpReceiver) -> None:
     trace_id, parent = fresh_context()
-    status, headers, _ = post(traced, "/chat/completions", body(max_tokens=3),
+    status, headers, _ = post(traced, "/chat/completions", chat_body(max_tokens=3),
                               {"traceparent": f"00-{trace_id}-{parent}-01", "tracestate": "client=1"})
     assert status == 200 and headers["x-sluice-engine"] == "thor"
     span = exported_check_span(traced, receiver, trace_id)
@@ -83,7 +81,7 @@ def test_the_engine_continues_the_clients_trace_under_the_check_span(traced: Sta
 
 
 def test_without_a_client_trace_the_check_starts_one_for_the_engine(traced: Stack, receiver: OtlpReceiver) -> None:
-    status, _, _ = post(traced, "/chat/completions", body(max_tokens=7))  # this module's only 7-token request
+    status, _, _ = post(traced, "/chat/completions", chat_body(max_tokens=7))  # this module's only 7-token request
     assert status == 200
     served = [e for e in traced.sim_log("thor") if e["max_tokens"] == 7]
     assert len(served) == 1, f"one request without trace context should have reached the engine: {served}"
@@ -107,12 +105,12 @@ def test_tracing_off_the_clients_trace_context_reaches_the_engine_unchanged(untr
     assert untraced.controlplane is not None and untraced.controlplane.plane.tracing is None
     trace_id, parent = fresh_context()
     sent = f"00-{trace_id}-{parent}-01"
-    status, _, _ = post(untraced, "/chat/completions", body(max_tokens=3),
+    status, _, _ = post(untraced, "/chat/completions", chat_body(max_tokens=3),
                         {"traceparent": sent, "tracestate": "client=1,other=x"})
     assert status == 200
     served = served_in_trace(untraced, trace_id)
     assert served["traceparent"] == [sent] and served["tracestate"] == ["client=1,other=x"]
     # And nobody invents one: a request without trace context reaches the engine without it.
-    assert post(untraced, "/chat/completions", body(max_tokens=7))[0] == 200
+    assert post(untraced, "/chat/completions", chat_body(max_tokens=7))[0] == 200
     [plain] = [e for e in untraced.sim_log("thor") if e["max_tokens"] == 7]
     assert plain["traceparent"] == [] and plain["tracestate"] == []

@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import openai
 import yaml
 
-from tests.harness import free_port, wait_for
+from rig.waits import free_port, wait_for
 
 
 def _config(tmp_path: Path) -> Path:
@@ -48,10 +49,11 @@ def test_sluice_up_serves_streams_refuses_a_twin_and_stops_cleanly(tmp_path: Pat
     port = yaml.safe_load(config.read_text())["envoy"]["listen_port"]
     up = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(config)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert up.stdout is not None
     try:
         lines: list[str] = []
         while "Ctrl-C stops everything." not in "".join(lines):
-            line = up.stdout.readline()  # type: ignore[union-attr]
+            line = up.stdout.readline()
             assert line, f"sluice up ended early:\n{''.join(lines)}"
             lines.append(line)
         output = "".join(lines)
@@ -89,7 +91,7 @@ def test_sluice_up_serves_streams_refuses_a_twin_and_stops_cleanly(tmp_path: Pat
 
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=20) == 0
-        assert "sluice stopped." in up.stdout.read()  # type: ignore[union-attr]
+        assert "sluice stopped." in up.stdout.read()
         wait_for(lambda: not any(_alive(pid) for pid in children), timeout=10, what="children to exit")
     finally:
         if up.poll() is None:
@@ -101,7 +103,7 @@ def test_sluice_up_fronts_an_engine_already_running_elsewhere(tmp_path: Path) ->
     from tests.harness import launch_sim, stop
 
     engine, engine_port = launch_sim("spark", "their-vllm", 20.0, tmp_path)
-    raw = {
+    raw: dict[str, Any] = {
         "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
         "engines": [{"name": "their-vllm", "url": f"http://localhost:{engine_port}", "max_num_seqs": 2}],
@@ -110,10 +112,11 @@ def test_sluice_up_fronts_an_engine_already_running_elsewhere(tmp_path: Path) ->
     config.write_text(yaml.safe_dump(raw))
     up = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--config", str(config)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert up.stdout is not None
     try:
         output = ""
         while "Ctrl-C stops everything." not in output:
-            line = up.stdout.readline()  # type: ignore[union-attr]
+            line = up.stdout.readline()
             assert line, f"sluice up ended early:\n{output}"
             output += line
         assert len(_children(up.pid)) == 2  # the control plane and Envoy only

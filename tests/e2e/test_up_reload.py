@@ -19,8 +19,8 @@ import yaml
 
 from sluice.admin.v1 import admin_pb2, admin_pb2_grpc
 from sluice.up import REPLICA_PORT_STRIDE
-from tests.e2e.test_supervise import Up
-from tests.harness import wait_for
+from tests.e2e.sluiceup import Up
+from rig.waits import wait_for
 
 FLOOR = {"cortex": "99.0"}
 """Above every simulator's version: a request for cortex is then answered 503 version_floor."""

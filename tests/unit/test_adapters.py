@@ -5,6 +5,7 @@ interleavings, no admitted request ever waits inside an engine for an adapter sl
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -113,7 +114,7 @@ op = st.one_of(
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(op, min_size=1, max_size=60))
-def test_no_admitted_request_waits_inside_an_engine_for_an_adapter_slot(ops: list[tuple[object, ...]]) -> None:
+def test_no_admitted_request_waits_inside_an_engine_for_an_adapter_slot(ops: list[tuple[Any, ...]]) -> None:
     """After every event, each engine with known slots holds open tickets of at most that many distinct adapters (so
     every admitted request's adapter had a slot the moment it arrived), and parked requests are woken as slots free."""
     core = AdmissionCore(Policy(default_max_tokens=100, max_queue_depth=50, max_park_s=1000), Ledger(lease_seconds=10_000))
@@ -132,20 +133,20 @@ def test_no_admitted_request_waits_inside_an_engine_for_an_adapter_slot(ops: lis
     for kind, *args in ops:
         if kind == "submit":
             model, count = args
-            for _ in range(int(count)):  # type: ignore[call-overload]
+            for _ in range(int(count)):
                 seq += 1
                 outcome = core.check(f"r{seq}", ask(str(model)), core.fleet(views, now), now)
                 if outcome.ticket is not None:
                     open_tickets.append(outcome.ticket.ticket_id)
         elif kind == "release" and open_tickets:
-            ticket = open_tickets.pop(int(args[0]) % len(open_tickets))  # type: ignore[call-overload]
+            ticket = open_tickets.pop(int(args[0]) % len(open_tickets))
             core.release(ticket, now)
             for outcome in core.wake(core.fleet(views, now), now):
                 if outcome.ticket is not None:
                     open_tickets.append(outcome.ticket.ticket_id)
                 check_invariant()
         else:
-            now += float(args[0]) if kind == "tick" else 0.0  # type: ignore[arg-type]
+            now += float(args[0]) if kind == "tick" else 0.0
         check_invariant()
     # Every slot freed: what is still parked can run.
     for ticket in open_tickets:

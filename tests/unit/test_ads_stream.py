@@ -11,10 +11,10 @@ from envoy.config.core.v3 import base_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.service.discovery.v3 import discovery_pb2
-from google.protobuf import duration_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import status_pb2
 
-from controlplane.config import parse_config
+from controlplane.config import Config, parse_config
 from controlplane.xds.resources import (
     CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, build_cluster, build_listener, build_load_assignment,
     build_routes,
@@ -27,7 +27,7 @@ class ProtocolViolation(AssertionError):
     pass
 
 
-def _config(*names: str):  # type: ignore[no-untyped-def]
+def _config(*names: str) -> Config:
     return parse_config({"engines": [{"name": n, "url": f"http://127.0.0.1:{9000 + i}"} for i, n in enumerate(names)]})
 
 
@@ -140,7 +140,7 @@ class FakeEnvoy:
         self.run()
 
 
-def _name(packed) -> str:  # type: ignore[no-untyped-def]
+def _name(packed: any_pb2.Any) -> str:
     for cls, attr in ((cluster_pb2.Cluster, "name"), (endpoint_pb2.ClusterLoadAssignment, "cluster_name"),
                       (listener_pb2.Listener, "name")):
         if packed.Is(cls.DESCRIPTOR):
@@ -151,7 +151,7 @@ def _name(packed) -> str:  # type: ignore[no-untyped-def]
 
     msg = route_pb2.RouteConfiguration()
     packed.Unpack(msg)
-    return msg.name
+    return str(msg.name)
 
 
 def test_initial_handshake_delivers_everything_and_acks() -> None:

@@ -15,7 +15,8 @@ vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",waiting_lora_ad
 vllm:num_requests_waiting{model_name="m"} 3.0
 """
     full = parse_metrics(text)
-    assert (full.active_adapters, full.waiting_adapters, full.max_adapters) == ({"a", "b"}, {"c"}, 2)
+    assert (full.active_adapters, full.waiting_adapters, full.max_adapters) == (
+        frozenset({"a", "b"}), frozenset({"c"}), 2)
     room = EndpointMetrics(0, 1, 0.0, active_adapters=frozenset({"a"}), max_adapters=2)
     scores = {m: lora_affinity_scores(m, {"full": full, "room": room}) for m in ("a", "b", "c", "z")}
     assert scores["a"] == {"full": 1.0, "room": 1.0}

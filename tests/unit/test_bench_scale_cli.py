@@ -13,6 +13,7 @@ from bench.common import cpu_seconds
 from bench.common import cpu_times, stolen_share
 from bench.common import rotated_rounds
 from bench.scale import parse_sizes, summarize
+from rig.waits import wait_for
 
 
 def test_sizes_are_counts_or_counts_polled_at_an_interval() -> None:
@@ -72,15 +73,14 @@ def test_the_hypervisor_s_share_is_the_steal_column_over_all_cpu_time() -> None:
 
 def test_the_control_plane_s_cpu_includes_a_running_child() -> None:
     """The probe worker is a running child of the control plane: its CPU counts (it is the probing at 1000 engines)."""
-    import time
-
     child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.6\n"
                               "while time.process_time() < end: pass\ntime.sleep(30)"])
     try:
         before = cpu_seconds(os.getpid(), children=True)
-        time.sleep(1.5)  # the child spins 0.6 s of CPU, then sleeps: alive, not reaped
+        # The child spins 0.6 s of CPU, then sleeps: alive, not reaped.
+        wait_for(lambda: cpu_seconds(os.getpid(), children=True) - before >= 0.4, timeout=20,
+                 what="the child's CPU counted")
         assert child.poll() is None
-        assert cpu_seconds(os.getpid(), children=True) - before >= 0.4
     finally:
         child.kill()
         child.wait()

@@ -9,21 +9,17 @@ import json
 from typing import Any
 
 import pytest
-from envoy.service.auth.v3 import external_auth_pb2
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.app import ControlPlane
 from controlplane.servicers.authz import AuthorizationServicer
-from controlplane.config import parse_config
-from controlplane.core.engines import EngineSample, EngineView, ServedModel
-from controlplane.core.fleet import Fleet
 from controlplane.core.model import InferenceRequest
 from controlplane.core.request import MAX_JSON_DEPTH, MAX_TOKENS_LIMIT, RequestError, parse_request
 from controlplane.names import PRIORITY_HEADER, SESSION_HEADER, TTFT_HEADER
 from controlplane.edge import reply
-
-CHAT = "/v1/chat/completions"
+from tests.unit.extauthz import CHAT, OneEnginePlane, chat_body, check_request, denial, one_engine_plane
+from tests.unit.fakes import FakeContext
 
 
 def parse_or_refuse(body: bytes, headers: dict[str, str] | None = None, path: str = CHAT) -> InferenceRequest | RequestError:
@@ -40,10 +36,6 @@ def refused_code(body: bytes, headers: dict[str, str] | None = None) -> str:
     assert isinstance(answer, RequestError), f"expected a refusal, got {answer}"
     assert reply(answer.reason).status == 400
     return reply(answer.reason).code
-
-
-def chat_body(**fields: Any) -> bytes:
-    return json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
 
 
 def nested(depth: int, opener: str = "[", closer: str = "]") -> bytes:
@@ -174,59 +166,15 @@ def test_parse_is_total_over_json_fields(fields: dict[str, Any], path: str) -> N
 
 
 # -- the Check handler ----------------------------------------------------------------------------------------------------
-class FakeContext:
-    """What Check reads from a grpc.aio context: the time its deadline leaves."""
-
-    def __init__(self, remaining: float | None) -> None:
-        self.remaining = remaining
-
-    def time_remaining(self) -> float | None:
-        return self.remaining
-
-
-def check_request(body: bytes, headers: dict[str, str] | None = None) -> external_auth_pb2.CheckRequest:
-    request = external_auth_pb2.CheckRequest()
-    http = request.attributes.request.http
-    http.method, http.path, http.raw_body = "POST", CHAT, body
-    http.headers.update({"content-type": "application/json", **(headers or {})})
-    return request
-
-
 @pytest.fixture
-def plane(monkeypatch: pytest.MonkeyPatch) -> ControlPlane:
+def plane(monkeypatch: pytest.MonkeyPatch) -> OneEnginePlane:
     return one_engine_plane(monkeypatch, {"engines": [{"name": "thor", "url": "http://127.0.0.1:9"}],
                                           "controlplane": {"max_check_queue_ms": 1000,
                                                            "overload_retry_after_seconds": 3}})
 
 
-def one_engine_plane(monkeypatch: pytest.MonkeyPatch, raw: dict[str, Any]) -> ControlPlane:
-    """A control plane from ``raw`` that is never started; its fleet is one fresh engine serving cortex with
-    ``plane.cap_running[0]`` seats, ``plane.cap_running[1]`` of them taken."""
-    plane = ControlPlane(parse_config(raw))
-    plane.cap_running = (4, 0)  # type: ignore[attr-defined]
-
-    def fleet(now: float) -> Fleet:
-        cap, running = plane.cap_running  # type: ignore[attr-defined]
-        view = EngineView(name="thor", url="", max_num_seqs=cap, models=(ServedModel("cortex", 32_768),),
-                          version="0.11.0", sample=EngineSample(now, running=running, waiting=0, kv_usage=0.0,
-                                                                kv_capacity_tokens=100_000),
-                          last_ok_at=now, stale=False, chip_class="thor")
-        return plane.admission.fleet([view], now)
-
-    monkeypatch.setattr(plane.observation, "fleet", fleet)  # the servicer's port reads the fleet from observation
-    return plane
-
-
 def counter(plane: ControlPlane, name: str) -> float:
     return plane.metrics.registry.get_sample_value(name) or 0.0
-
-
-def denial(response: external_auth_pb2.CheckResponse) -> tuple[int, dict[str, str], dict[str, Any]]:
-    assert response.HasField("denied_response"), "expected a denial, got an admission"
-    denied = response.denied_response
-    headers = {h.header.key: h.header.value for h in denied.headers}
-    assert headers["content-type"] == "application/json"
-    return denied.status.code, headers, json.loads(denied.body)["error"]
 
 
 async def test_check_admits_in_the_fixture(plane: ControlPlane) -> None:
@@ -290,8 +238,8 @@ async def test_short_or_unknown_queueing_is_not_shed(plane: ControlPlane, waited
     assert counter(plane, "sluice_authz_overloaded_total") == 0
 
 
-async def test_cancelled_parked_check_propagates_and_leaves_nothing(plane: ControlPlane) -> None:
-    plane.cap_running = (1, 1)  # type: ignore[attr-defined]  # the only seat is taken: the request parks
+async def test_cancelled_parked_check_propagates_and_leaves_nothing(plane: OneEnginePlane) -> None:
+    plane.cap_running = (1, 1)  # the only seat is taken: the request parks
     task = asyncio.create_task(AuthorizationServicer(plane.service).Check(check_request(chat_body()), FakeContext(290.0)))
     for _ in range(100):
         await asyncio.sleep(0)
@@ -305,10 +253,10 @@ async def test_cancelled_parked_check_propagates_and_leaves_nothing(plane: Contr
     assert counter(plane, "sluice_authz_internal_errors_total") == 0, "a client leaving is not a control-plane defect"
 
 
-async def test_checks_sharing_a_client_request_id_keep_their_own_places(plane: ControlPlane) -> None:
+async def test_checks_sharing_a_client_request_id_keep_their_own_places(plane: OneEnginePlane) -> None:
     """A client may send its own x-request-id, twice: both requests park under distinct keys and both are answered when
     capacity frees (the second must not take the first's place in the lot, or one Check would never be answered)."""
-    plane.cap_running = (2, 2)  # type: ignore[attr-defined]
+    plane.cap_running = (2, 2)
     servicer = AuthorizationServicer(plane.service)
     same = {"x-request-id": "client-chosen"}
     tasks = [asyncio.create_task(servicer.Check(check_request(chat_body(max_tokens=5), same), FakeContext(290.0)))
@@ -318,7 +266,7 @@ async def test_checks_sharing_a_client_request_id_keep_their_own_places(plane: C
         if plane.admission.depth() == 2:
             break
     assert plane.admission.depth() == 2, "both requests should be parked, each under its own key"
-    plane.cap_running = (2, 0)  # type: ignore[attr-defined]
+    plane.cap_running = (2, 0)
     plane.service.wake()
     responses = await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
     assert all(r.HasField("ok_response") for r in responses)

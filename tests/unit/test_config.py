@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -150,7 +151,7 @@ def test_changed_sections_and_restarts_follow_reloadable() -> None:
     assert changed_sections(base, replace(base, source="elsewhere")) == []
 
 
-def test_unreadable_file_is_a_config_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(str(tmp_path / "missing.yaml"))
     bad = tmp_path / "bad.yaml"

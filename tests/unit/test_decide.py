@@ -78,7 +78,7 @@ def test_parse_estimates_prompt_tokens_and_reads_fields() -> None:
     parsed = parse_request("POST", "/v1/chat/completions?x=1", body, {"x-sluice-priority": "Critical"})
     rendered = "\x1esystem\x1f" + "x" * 400 + "\x1euser\x1f" + "y" * 399  # 813 characters: 3 blocks of 256
     assert parsed == InferenceRequest("POST", "/v1/chat/completions", "cortex", stream=True, prompt_tokens=200,
-                                      prompt_chars=799, prompt_messages=2, max_tokens=50, priority="critical",
+                                      prompt_chars=799, prompt_messages=2, max_tokens=50, priority=Priority.CRITICAL,
                                       prefix_blocks=prompt_blocks(rendered, 256, 256))
     assert len(parsed.prefix_blocks) == 3
     assert parse_request("POST", "/v1/completions", b'{"model": "m", "prompt": "abcdefgh"}').prompt_tokens == 2

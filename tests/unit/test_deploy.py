@@ -79,11 +79,12 @@ def validate(obj: dict[str, Any]) -> None:
 def test_committed_manifests_are_a_fresh_render(rendered: Path) -> None:
     """deploy/kubernetes is what `sluice deploy render --config deploy/kubernetes/config.yaml` writes (re-run it after
     changing the renderer)."""
-    written = sorted(p for p in rendered.rglob("*") if p.is_file())
-    assert len(written) >= 5, f"the render wrote {len(written)} files"
-    for path in written:
-        relative = path.relative_to(rendered)
-        assert filecmp.cmp(path, COMMITTED / relative, shallow=False), f"deploy/kubernetes/{relative} is stale"
+    written = sorted(p.relative_to(rendered) for p in rendered.rglob("*") if p.is_file())
+    committed = sorted(p.relative_to(COMMITTED) for p in COMMITTED.rglob("*") if p.is_file() and p != EXAMPLE_CONFIG)
+    assert written == committed, "the render and deploy/kubernetes hold different files"
+    for relative in written:
+        assert filecmp.cmp(rendered / relative, COMMITTED / relative, shallow=False), \
+            f"deploy/kubernetes/{relative} is stale"
 
 
 def test_every_rendered_object_validates_against_the_pinned_kubernetes_schemas(objects: list[dict[str, Any]]) -> None:

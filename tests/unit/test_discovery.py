@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from controlplane.core.engines import ServedModel
+from controlplane.core.engines import Flavor, ServedModel
 from controlplane.observe.discovery import Discovery, parse_discovery, parse_models, slots_kv_usage
-from controlplane.observe.parse import Flavor
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"
 
@@ -50,7 +50,7 @@ M = (ServedModel("m", 8192),)
     ],
     ids=["vllm", "vllm-no-version", "sglang-server-info", "sglang-dp-loads", "llamacpp-props", "tgi-info"],
 )
-def test_parse_discovery(flavor: Flavor, documents: dict, expected: Discovery) -> None:  # type: ignore[type-arg]
+def test_parse_discovery(flavor: Flavor, documents: dict[str, Any], expected: Discovery) -> None:
     assert parse_discovery(flavor, M, documents) == expected
 
 
@@ -69,7 +69,7 @@ def test_tgi_without_v1_models_takes_the_model_from_info() -> None:
     ],
     ids=["one-busy-slot", "no-slots", "no-context-size"],
 )
-def test_llamacpp_kv_usage_from_slots(slots: list, expected: float | None) -> None:  # type: ignore[type-arg]
+def test_llamacpp_kv_usage_from_slots(slots: list[dict[str, Any]], expected: float | None) -> None:
     assert slots_kv_usage(slots) == expected
 
 

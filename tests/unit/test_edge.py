@@ -155,8 +155,8 @@ def test_envoy_local_replies_are_the_edge_rendering() -> None:
 
 def test_envoy_direct_responses_are_the_edge_rendering() -> None:
     routes = {r.name: r for r in build_routes(CONFIG).virtual_hosts[0].routes}
-    expected = {"models": Failure.CONTROLPLANE_UNAVAILABLE, "unpinned": Failure.NOT_ADMITTED,
-                "unknown": Reason.UNKNOWN_PATH}
+    expected: dict[str, Reason | Failure] = {"models": Failure.CONTROLPLANE_UNAVAILABLE,
+                                             "unpinned": Failure.NOT_ADMITTED, "unknown": Reason.UNKNOWN_PATH}
     for name, key in expected.items():
         direct = routes[name].direct_response
         error = json.loads(direct.body.inline_string)["error"]

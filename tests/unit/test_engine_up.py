@@ -16,7 +16,7 @@ from controlplane.core.policy import Policy
 from controlplane.metrics import SluiceMetrics
 from controlplane.observe.observation import Observation
 from controlplane.observe.poller import EnginePoller
-from tests.unit.test_route import engine
+from tests.unit.coreinputs import engine
 
 
 def up(metrics: SluiceMetrics, name: str) -> float | None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controlplane.admission.service import AdmissionService
 from controlplane.config import parse_config
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.fairshare import ANONYMOUS, FairMode, FairShare, TenantCounters, service_order
@@ -19,7 +21,7 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.engines import EngineSample, EngineView, ServedModel
 from controlplane.core.model import InferenceRequest, Priority, QueueRule, Verdict
 from controlplane.core.policy import Policy
-from tests.unit import test_replicas_properties as rp
+from tests.unit.replicaworld import CAPACITY, ENGINES, WATERMARK, Replicas
 
 ENGINE = EngineView(
     name="one", url="", max_num_seqs=1, models=(ServedModel("m", 131_072),), version="1",
@@ -34,7 +36,7 @@ def chat(tenant: str | None, prompt: int = 100, out: int = 100,
                             priority=priority, tenant=tenant)
 
 
-def policy(enabled: bool = True, weights: dict[str, float] | None = None, **kw: float) -> Policy:
+def policy(enabled: bool = True, weights: dict[str, float] | None = None, **kw: Any) -> Policy:
     """No shedding on the way (long window, no overload bound, deep lot): the tests look at order alone."""
     return Policy(fairness=FairShare(enabled=enabled, weights=weights or {}), shed_decision_s=1000.0,
                   overload_shed_after_ms=0, max_park_s=1000.0, max_queue_depth=10_000, lifo_after_ms=0,
@@ -454,16 +456,16 @@ fair_op = st.one_of(
 def test_two_fair_replicas_keep_caps_and_answer_every_check(ops: list[tuple[object, ...]]) -> None:
     """Fair wakes admit with ``QueueRule.CLASS`` and leave no claims: with two replicas on one store every cap and KV
     limit still holds, no replica waits for the other's line head, and every Check is answered once released."""
-    class FairReplicas(rp.Replicas):
+    class FairReplicas(Replicas):
         def __init__(self) -> None:
             super().__init__()
             self.config = replace(self.config, policy=replace(self.config.policy, fairness=FairShare(enabled=True)))
             self.services = [self._service(f"r{i}") for i in range(2)]
 
         def check_invariants(self) -> None:  # caps and KV; the line's parking order is not fair share's
-            for engine, cap in rp.ENGINES.items():
+            for engine, cap in ENGINES.items():
                 assert len(self.state.by_engine.get(engine, set())) <= cap
-                assert self.state.kv.get(engine, 0) <= rp.CAPACITY * rp.WATERMARK
+                assert self.state.kv.get(engine, 0) <= CAPACITY * WATERMARK
 
     async def run() -> None:
         world = FairReplicas()
@@ -481,7 +483,7 @@ def test_two_fair_replicas_keep_caps_and_answer_every_check(ops: list[tuple[obje
                     async def check(service: object = service, rid: str = rid,
                                     request: InferenceRequest = request) -> None:
                         svc = service
-                        assert isinstance(svc, rp.AdmissionService)
+                        assert isinstance(svc, AdmissionService)
                         outcome = await svc.check(rid, request)
                         if outcome.decision.verdict is Verdict.PARK:
                             await svc.wait_parked(rid)

@@ -11,10 +11,9 @@ import pytest
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import Priority
+from controlplane.core.model import Decision, InferenceRequest, Priority, Verdict
+from controlplane.core.fleet import BatchRates, RateTables
 from controlplane.core.engines import EngineRates, EngineSample, EngineView, ServedModel
-from controlplane.core.fleet import RateTables
-from controlplane.core.model import InferenceRequest, Verdict
 from controlplane.core.policy import ModelPolicy, Policy
 
 MODELS = ("m", "n")
@@ -64,7 +63,7 @@ def build(seed: int) -> tuple[AdmissionCore, RateTables, list[EngineView], Polic
     tables = RateTables(
         solo_decode={("m", f"c{c}"): 50.0 for c in range(2)},
         prefill_median={(m, f"c{c}"): rng.uniform(1000, 12000) for m in MODELS for c in range(0, 4, 2)},
-        decode_by_batch={v.name: {b: rng.uniform(10, 60) for b in rng.sample(range(1, 9), 3)}
+        decode_by_batch={v.name: BatchRates({b: rng.uniform(10, 60) for b in rng.sample(range(1, 9), 3)})
                          for v in views if rng.random() < 0.6},
     )
     return core, tables, views, policy, rng
@@ -78,7 +77,7 @@ def random_request(rng: random.Random) -> InferenceRequest:
     )
 
 
-def same(a, b) -> None:  # type: ignore[no-untyped-def]
+def same(a: Decision, b: Decision) -> None:
     assert (a.verdict, a.reason, a.engine, a.detail) == (b.verdict, b.reason, b.engine, b.detail)
     assert a.expected_done_at == pytest.approx(b.expected_done_at)
     assert a.reserved_tokens == b.reserved_tokens
@@ -120,7 +119,9 @@ def test_indexed_choice_equals_full_scan(seed: int) -> None:
             core.decay_corrections(now + rng.choice([0.0, 90.0, 400.0]))
         if rng.random() < 0.3:
             i = rng.randrange(len(views))
-            views[i] = replace(random_view(rng, i), sample=replace(views[i].sample, taken_at=now))  # type: ignore[arg-type]
+            sample = views[i].sample
+            assert sample is not None
+            views[i] = replace(random_view(rng, i), sample=replace(sample, taken_at=now))
             core.note_view(views[i])
             core.ledger.note_probe(views[i].name, now)
             if rng.random() < 0.5:  # as the probe worker's batches do: the rows are redone between Checks

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from controlplane.giveway import BACKGROUND_PAUSE_S, give_way
+from rig.waits import wait_until
 
 STEPS = 5
 SLICE_S = 0.002
@@ -51,7 +52,7 @@ def slices_during_a_check(pause: Callable[[], Awaitable[None]]) -> int:
 
         loop.add_reader(ours.fileno(), step)
         job = asyncio.ensure_future(background())
-        await asyncio.sleep(0.05)  # the job is running its slices
+        await wait_until(lambda: slices > 0, what="the job running its slices")
         at_arrival = slices
         theirs.send(b"x")
         at_done = await done

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -99,10 +100,10 @@ def test_an_idle_engine_reaps_tickets_whose_log_entry_was_lost() -> None:
 def test_a_ticket_crosses_to_the_shared_clock_and_back_with_every_field_kept() -> None:
     """``SharedClock`` builds the shifted ticket field by field (every admission does it): a field it forgot would
     silently fall back to its default in the store and on the other replicas."""
-    values = {"ticket_id": "t1", "engine": "e", "model": "m", "admitted_at": 1.0, "lease_deadline": 2.0,
+    values: dict[str, Any] = {"ticket_id": "t1", "engine": "e", "model": "m", "admitted_at": 1.0, "lease_deadline": 2.0,
               "reserved_tokens": 7, "expected_done_at": 3.0, "expected_ttft_s": 0.5, "decode_tokens_per_s": 25.0}
     assert sorted(f.name for f in dataclasses.fields(Ticket)) == sorted(values), "a new field: SharedClock must copy it"
-    ticket = Ticket(**values)  # type: ignore[arg-type]
+    ticket = Ticket(**values)
     clock = SharedClock(100.0)
     shared = clock.to_shared(ticket)
     assert (shared.admitted_at, shared.lease_deadline, shared.expected_done_at) == (101.0, 102.0, 103.0)

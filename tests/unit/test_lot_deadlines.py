@@ -8,7 +8,7 @@ from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import QueueRule, Reason, Verdict
 from controlplane.core.policy import Policy
-from tests.unit.test_route import chat, engine
+from tests.unit.coreinputs import chat, engine
 
 POLICY = Policy(band_margin_ms=0)
 VIEWS = [engine("fast", seqs=1, prefill=10_000.0, decode=50.0), engine("slow", seqs=1, prefill=500.0, decode=20.0)]

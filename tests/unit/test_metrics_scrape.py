@@ -4,6 +4,7 @@ the loop stalled every Check for 0.2-0.3 s), and every engine's series exist fro
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from controlplane.metrics import EngineState, SluiceMetrics
 
@@ -67,23 +68,25 @@ def test_the_probe_gauges_are_built_off_the_event_loop_from_a_snapshot_taken_on_
 
     read_on: set[int] = set()
 
-    class Watched:
-        """An engine state that notes the thread reading it."""
+    class Watched(EngineState):
+        """An engine state that notes the thread reading its probe figures."""
 
-        def __init__(self, name: str) -> None:
-            self.name = name
+        def __getattribute__(self, field: str) -> Any:
+            if field != "name" and not field.startswith("_"):
+                read_on.add(threading.get_ident())
+            return super().__getattribute__(field)
 
-        def __getattr__(self, field: str) -> float:
-            read_on.add(threading.get_ident())
-            return 2.0 if field == "running" else 0.0
+    def watched(name: str) -> Watched:
+        return Watched(name, running=2.0, waiting=0.0, kv_usage=0.0, prefill_tokens_per_s=0.0,
+                       decode_tokens_per_s_each=0.0, degraded=False)
 
-    states = [Watched("a"), Watched("b")]
+    states = [watched("a"), watched("b")]
     metrics = SluiceMetrics(engine_states=lambda: list(states))
 
     async def scenario() -> tuple[int, str]:
         scrape = asyncio.create_task(metrics.exposition())
         await asyncio.sleep(0)  # the scrape's loop-side step has run: its snapshot is taken
-        states.append(Watched("late"))
+        states.append(watched("late"))
         return threading.get_ident(), (await scrape).decode()
 
     loop_thread, text = asyncio.run(scenario())
@@ -109,6 +112,7 @@ def test_the_per_engine_families_render_as_prometheus_client_would() -> None:
     families = {family.name: family for family in metrics._engine_families}
     reference = {name: (Counter if family.counter else Gauge)(name, family.documentation, ["engine"], registry=registry)
                  for name, family in families.items()}
+    gauges = {name: instrument for name, instrument in reference.items() if isinstance(instrument, Gauge)}
     names = ["e1", "e2", 'odd"name\\with\nbreaks', "quiet"]
     for name in names:
         metrics.engine(name)
@@ -116,6 +120,7 @@ def test_the_per_engine_families_render_as_prometheus_client_would() -> None:
         for family_name, instrument in reference.items():
             child = instrument.labels(name)
             if family_name == "sluice_ttft_correction":
+                assert isinstance(child, Gauge)
                 child.set(1.0)  # as the control plane starts it (no correction)
     rng = random.Random(7)
     for _ in range(3000):
@@ -127,9 +132,9 @@ def test_the_per_engine_families_render_as_prometheus_client_would() -> None:
         series.tickets_released.inc()
         reference["sluice_tickets_released"].labels(name).inc()
         series.up.set(value > 1)
-        reference["sluice_engine_up"].labels(name).set(value > 1)
+        gauges["sluice_engine_up"].labels(name).set(value > 1)
         series.ttft_correction.set(value / 3)
-        reference["sluice_ttft_correction"].labels(name).set(value / 3)
+        gauges["sluice_ttft_correction"].labels(name).set(value / 3)
     metrics.engine("e2").retries.inc(2)
     reference["sluice_engine_retries"].labels("e2").inc(2)
 

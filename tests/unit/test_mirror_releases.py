@@ -10,19 +10,26 @@ from dataclasses import replace
 from controlplane.core.model import Verdict
 from controlplane.store.base import Claim, Reserved
 from controlplane.store.memory import MemoryState, MemoryStore
-from tests.unit.test_store_line_order import REQUEST, answer, service
+from rig.waits import wait_until
+from tests.unit.storeservice import REQUEST, answer, service
 
 
-class SlowRefusals(MemoryStore):
-    """A memory store whose ``reserve`` decides at once but answers ``delay`` s later (as a reply on a busy connection)."""
+class HeldRefusals(MemoryStore):
+    """A memory store whose ``reserve`` decides at once but answers a refusal only once ``answer_refusals`` is set (a
+    reply held up on a busy connection); ``refused`` and ``answered`` count the refusals decided and answered."""
 
-    def __init__(self, state: MemoryState, replica: str, delay: float) -> None:
+    def __init__(self, state: MemoryState, replica: str) -> None:
         super().__init__(state, replica)
-        self.delay = delay
+        self.answer_refusals = asyncio.Event()
+        self.refused = 0
+        self.answered = 0
 
     async def reserve(self, claim: Claim) -> Reserved:
         reserved = await super().reserve(claim)
-        await asyncio.sleep(self.delay)
+        if not reserved.ok:
+            self.refused += 1
+            await self.answer_refusals.wait()
+            self.answered += 1
         return reserved
 
 
@@ -31,7 +38,8 @@ async def test_a_refusal_answered_after_this_replicas_own_release_does_not_bring
     # refusal lists the engine's tickets as the store held them when it decided; this replica's own release of one of
     # them is confirmed before that refusal is read. The mirror must not learn the released ticket again.
     state = MemoryState()
-    a = service(SlowRefusals(state, "a", 0.05), {"e": 2})
+    store = HeldRefusals(state, "a")
+    a = service(store, {"e": 2})
     other = MemoryStore(state, "b")
     await a.open_store()
     await other.open()
@@ -42,11 +50,12 @@ async def test_a_refusal_answered_after_this_replicas_own_release_does_not_bring
         pending = asyncio.create_task(a.check("x", REQUEST))  # decides on the mirror (one ticket: a slot is free)
         claim = Claim(a.mirror.shared.to_shared(replace(first.ticket, ticket_id="t2")), cap=2, kv_limit=None)
         assert (await other.reserve(claim)).ok  # another replica takes the last slot; a hears of it a turn later
-        await asyncio.sleep(0.01)  # x's reserve was refused (cap, listing t1 and t2); the answer is on its way
+        # x's reserve is refused (cap, listing t1 and t2); the answer is on its way
+        await wait_until(lambda: store.refused == 1, what="x's reserve refused")
         a.release_ticket("t1")  # the access log: released here, and in the store at once
-        await asyncio.sleep(0.01)
-        assert "t1" not in state.tickets
-        await asyncio.sleep(0.1)  # the refusal arrives; x is decided again
+        await wait_until(lambda: "t1" not in state.tickets, what="t1 released in the store")
+        store.answer_refusals.set()  # the refusal arrives; x is decided again
+        await wait_until(lambda: store.answered == 1, what="the refusal answered")
         assert "t1" not in {t.ticket_id for t in a.core.tickets()}, "the mirror learned a ticket it had released"
         await other.release("t2")
         outcome = await asyncio.wait_for(pending, 1.0)
@@ -70,7 +79,8 @@ async def test_an_access_log_entry_that_outruns_the_admission_event_leaves_no_ti
         admitted = await answer(b, "t")  # the memory store answers at once: a hears of it on the next turn
         assert admitted.ticket is not None
         a.release_ticket("t")  # the access log reached a first
-        await asyncio.sleep(0.05)
+        # Events reach every replica in the order they happened: once b heard of the release, a heard of the admission.
+        await wait_until(lambda: "t" not in {t.ticket_id for t in b.core.tickets()}, what="b heard of the release")
         assert "t" not in state.tickets
         assert "t" not in {t.ticket_id for t in a.core.tickets()}, "a learned a ticket it had released"
         assert "t" not in {t.ticket_id for t in b.core.tickets()}

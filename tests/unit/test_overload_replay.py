@@ -21,7 +21,7 @@ from controlplane.core.model import InferenceRequest, Outcome, Verdict
 from controlplane.core.ledger import Ledger
 from controlplane.core.fleet import BatchRates, RateTables
 from controlplane.core.policy import Policy
-from tests.unit.test_route import engine
+from tests.unit.coreinputs import engine
 
 SPEED = 10.0
 RATES = {"thor": {1: 18.18 * SPEED, 2: 50.71 / 2 * SPEED}, "spark": {1: 49.24 * SPEED, 2: 87.82 / 2 * SPEED}}

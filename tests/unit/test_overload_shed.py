@@ -17,7 +17,7 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.model import Reason, Verdict
 from controlplane.core.policy import Policy
 from controlplane.core.route import expected_frees
-from tests.unit.test_route import chat, engine
+from tests.unit.coreinputs import chat, engine
 
 POLICY = Policy(lifo_after_ms=2000, overload_shed_after_ms=4000, max_park_s=120)
 VIEWS = [engine("e", seqs=1)]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.core.engines import EngineSample
-from controlplane.observe.parse import Flavor, detect_flavor, missing_gauges, parse_metrics, read_series
+from controlplane.core.engines import EngineSample, Flavor
+from controlplane.observe.parse import detect_flavor, missing_gauges, parse_metrics, read_series
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"
 

@@ -10,21 +10,21 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.observe import parse
-from controlplane.observe.parse import _WANTED, parse_metrics, read_series
+from controlplane.observe.parse import _WANTED, Series, parse_metrics, read_series
 from bench.vllm_exposition import vllm_v1_exposition
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"
 
 
-def _norm(series: dict) -> dict:  # type: ignore[type-arg]
+def _norm(series: Series) -> dict[str, list[tuple[dict[str, str], float | str]]]:
     """nan != nan: compare values by repr; ints and floats by value."""
     return {name: [(labels, "nan" if math.isnan(v) else float(v)) for labels, v in rows] for name, rows in series.items()
             if rows}
 
 
-def _reference(text: str) -> dict:  # type: ignore[type-arg]
+def _reference(text: str) -> Series:
     """prometheus_client's full parse, restricted to the names sluice reads."""
-    out: dict[str, list] = {}  # type: ignore[type-arg]
+    out: Series = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in _WANTED:
@@ -95,7 +95,7 @@ def test_crlf_and_a_first_line_without_comments() -> None:
 ])
 def test_a_malformed_line_that_sluice_reads_is_an_error(line: str) -> None:
     with pytest.raises(ValueError):
-        text_string_to_metric_families(line + "\n").__next__()  # the reference rejects it too
+        next(iter(text_string_to_metric_families(line + "\n")))  # the reference rejects it too
     with pytest.raises(ValueError):
         read_series(f"# TYPE vllm:num_requests_running gauge\n{line}\n")
 

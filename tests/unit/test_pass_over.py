@@ -8,27 +8,19 @@ from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import QueueRule, Reason, Verdict
 from controlplane.core.policy import Policy
-from tests.unit.test_route import chat, engine
-
-# One slot each; a 1000-token prompt takes 0.1 s to prefill on fast, 2 s on slow.
-VIEWS = [engine("fast", seqs=1, prefill=10_000.0, decode=50.0), engine("slow", seqs=1, prefill=500.0, decode=20.0)]
-
-
-def busy_fast(core: AdmissionCore) -> None:
-    holder = core.check("holder", chat(prompt=10, max_tokens=10), core.fleet(VIEWS[:1], 0.0), 0.0)
-    assert holder.ticket is not None and holder.ticket.engine == "fast"  # frees in about 0.2 s
+from tests.unit.coreinputs import FAST_AND_SLOW, busy_fast, chat
 
 
 def test_an_arrival_takes_the_slot_a_waiting_head_refused() -> None:
     core = AdmissionCore(Policy(), Ledger(lease_seconds=600))
     busy_fast(core)
-    head = core.check("head", chat(prompt=1000, max_tokens=200), core.fleet(VIEWS, 0.05), 0.05)
+    head = core.check("head", chat(prompt=1000, max_tokens=200), core.fleet(FAST_AND_SLOW, 0.05), 0.05)
     assert (head.decision.verdict, head.decision.reason) == (Verdict.PARK, Reason.WAITING_FOR_FASTER)
     assert head.decision.idle_slot  # slow is free, and the head will not take it
-    short = core.check("short", chat(prompt=10, max_tokens=20), core.fleet(VIEWS, 0.1), 0.1)
+    short = core.check("short", chat(prompt=10, max_tokens=20), core.fleet(FAST_AND_SLOW, 0.1), 0.1)
     assert (short.ticket.engine if short.ticket else None, short.rule) == ("slow", QueueRule.NONE)
     core.release("holder", 0.2)
-    woken = core.wake(core.fleet(VIEWS, 0.2), 0.2)
+    woken = core.wake(core.fleet(FAST_AND_SLOW, 0.2), 0.2)
     assert [(o.request_id, o.ticket.engine if o.ticket else None) for o in woken] == [("head", "fast")]
 
 
@@ -38,8 +30,8 @@ def test_a_request_passing_counts_the_heads_waiting_for_the_same_engine() -> Non
     line, it would have waited for fast too)."""
     core = AdmissionCore(Policy(), Ledger(lease_seconds=600))
     busy_fast(core)
-    core.check("head", chat(prompt=1000, max_tokens=200), core.fleet(VIEWS, 0.05), 0.05)
-    twin = core.check("twin", chat(prompt=1000, max_tokens=200), core.fleet(VIEWS, 0.06), 0.06)
+    core.check("head", chat(prompt=1000, max_tokens=200), core.fleet(FAST_AND_SLOW, 0.05), 0.05)
+    twin = core.check("twin", chat(prompt=1000, max_tokens=200), core.fleet(FAST_AND_SLOW, 0.06), 0.06)
     assert (twin.decision.reason, twin.ticket.engine if twin.ticket else None) == (Reason.WORK_CONSERVING, "slow")
 
 
@@ -47,11 +39,11 @@ def test_nobody_passes_a_head_between_a_release_and_the_wake_that_decides_it_aga
     """The slot just freed may be the one the head waits for: an arrival before the wake parks behind it."""
     core = AdmissionCore(Policy(), Ledger(lease_seconds=600))
     busy_fast(core)
-    core.check("head", chat(prompt=1000, max_tokens=200), core.fleet(VIEWS, 0.05), 0.05)
+    core.check("head", chat(prompt=1000, max_tokens=200), core.fleet(FAST_AND_SLOW, 0.05), 0.05)
     core.release("holder", 0.2)
-    late = core.check("late", chat(prompt=1000, max_tokens=200), core.fleet(VIEWS, 0.21), 0.21)
+    late = core.check("late", chat(prompt=1000, max_tokens=200), core.fleet(FAST_AND_SLOW, 0.21), 0.21)
     assert (late.decision.verdict, late.decision.reason) == (Verdict.PARK, Reason.QUEUED_BEHIND)
-    woken = core.wake(core.fleet(VIEWS, 0.22), 0.22)
+    woken = core.wake(core.fleet(FAST_AND_SLOW, 0.22), 0.22)
     assert [(o.request_id, o.ticket.engine if o.ticket else None) for o in woken][0] == ("head", "fast")
 
 
@@ -59,8 +51,8 @@ def test_a_head_blocked_by_a_full_fleet_still_holds_the_line() -> None:
     core = AdmissionCore(Policy(), Ledger(lease_seconds=600))
     # Holders of 150 tokens (3 s on fast): both parked requests are expected to start within the 4 s overload bound.
     for rid in ("a", "b"):
-        assert core.check(rid, chat(prompt=10, max_tokens=150), core.fleet(VIEWS, 0.0), 0.0).ticket is not None
-    first = core.check("first", chat(prompt=10, max_tokens=20), core.fleet(VIEWS, 0.1), 0.1)
+        assert core.check(rid, chat(prompt=10, max_tokens=150), core.fleet(FAST_AND_SLOW, 0.0), 0.0).ticket is not None
+    first = core.check("first", chat(prompt=10, max_tokens=20), core.fleet(FAST_AND_SLOW, 0.1), 0.1)
     assert first.decision.verdict is Verdict.PARK and not first.decision.idle_slot  # nothing is free
-    second = core.check("second", chat(prompt=10, max_tokens=20), core.fleet(VIEWS, 0.2), 0.2)
+    second = core.check("second", chat(prompt=10, max_tokens=20), core.fleet(FAST_AND_SLOW, 0.2), 0.2)
     assert second.decision.reason is Reason.QUEUED_BEHIND

@@ -5,6 +5,7 @@ decide.py): prefill minus the hit, the band's preference, ``prefix_cache``, ``pr
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 import tracemalloc
 from dataclasses import replace
 
@@ -144,7 +145,7 @@ def test_holders_stay_nested_and_the_bound_holds(ops: list[tuple[str, int, int, 
         for k, h in enumerate(blocks):
             holders = {e for e, d in depth.items() if d > k}
             for e in range(3):
-                lru = index._lru.get(f"e{e}", {})
+                lru: Mapping[int, None] = index._lru.get(f"e{e}", {})
                 if h in lru:
                     assert all(blocks[j] in lru for j in range(k)), "a block is held without its parent"
             assert holders == {f"e{e}" for e in range(3) if all(b in index._lru.get(f"e{e}", {}) for b in blocks[:k + 1])}

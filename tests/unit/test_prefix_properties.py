@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from controlplane.core.policy import Policy
 from controlplane.core.prefix import prompt_blocks
-from tests.unit.test_admission_properties import POLICY, World, op, run_and_drain
+from tests.unit.admissionworld import POLICY, World, op, run_and_drain
 
 GROUPS = {group: prompt_blocks(group * 256 * 40, 256, 40) for group in ("g0", "s1", "s2")}
 

@@ -15,18 +15,18 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from controlplane.config import parse_config
-from controlplane.core.engines import EngineView, Flavor
+from controlplane.core.engines import EngineSample, EngineView, Flavor
 from controlplane.observe.parse import metrics_path, missing_gauges, read_series, sample_from_series
 from controlplane.observe.poller import EnginePoller
 from enginesim.exposition import restrict
 from bench.vllm_exposition import vllm_v1_exposition
-from tests.unit.test_httpget import Server, ok
+from tests.unit.scriptedhttp import Server, ok
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"
 VLLM_NAMES = parse_qs(urlsplit(metrics_path(Flavor.VLLM)).query)["name[]"]
 
 
-def _read(text: bytes, flavor: Flavor) -> tuple[object, tuple[str, ...]]:
+def _read(text: bytes, flavor: Flavor) -> tuple[EngineSample, tuple[str, ...]]:
     series = read_series(text.decode())
     return sample_from_series(series, 1.0, flavor), missing_gauges(series, flavor)
 
@@ -97,7 +97,7 @@ async def test_a_detected_vllm_engine_is_probed_filtered_after_its_first_probe()
     assert _metrics_requests(server) == ["/metrics", metrics_path(Flavor.VLLM), metrics_path(Flavor.VLLM)]
     assert view.flavor is Flavor.VLLM and view.degraded == ()
     whole_sample, _ = _read(vllm_v1_exposition(level=3), Flavor.VLLM)
-    assert view.sample is not None and view.sample.running == whole_sample.running  # type: ignore[attr-defined]
+    assert view.sample is not None and view.sample.running == whole_sample.running
     assert view.sample.kv_capacity_tokens == 20480 * 16  # cache_config_info is among the samples asked for
 
 

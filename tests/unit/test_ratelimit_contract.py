@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -22,12 +22,6 @@ from ratelimit.valkey import ValkeyRateLimiter
 
 T0 = 1_760_000_000.0
 """An epoch second: what replicas sharing a store pass as ``now``."""
-
-
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[ValkeyServer]:
-    with ValkeyServer() as server:
-        yield server
 
 
 @dataclass
@@ -256,7 +250,7 @@ async def test_a_charge_never_settled_frees_its_slot_when_its_lease_runs_out(bac
 async def test_retry_after_is_the_real_wait(backend: Backend, limits: dict[str, int], first: dict[str, int],
                                             then: dict[str, int]) -> None:
     limiter = backend.limiter()
-    scopes = scope(**limits)
+    scopes = scope("acme", **limits)
     for _ in range(first.get("requests", 1)):
         assert (await limiter.charge(ChargeRequest(scopes, tokens=first.get("tokens", 0)), T0)).allowed
     retry = ChargeRequest(scopes, tokens=then.get("tokens", 0), requests=then.get("requests", 1))

@@ -105,7 +105,8 @@ def test_headers_report_the_tightest_limit_of_each_kind() -> None:
     (lambda: Scope("", Limits()), "Scope.key"),
     (lambda: Scope("k", Limits(), requests_cost=-1), "Scope.requests_cost"),
     (lambda: ChargeRequest((), tokens=-1), "ChargeRequest.tokens"),
-    (lambda: ChargeRequest((), requests=1.5), "ChargeRequest.requests"),
+    # A float where the type says int: refused at run time too.
+    (lambda: ChargeRequest((), requests=1.5), "ChargeRequest.requests"),  # type: ignore[arg-type]
     (lambda: ChargeRequest((Scope("k", Limits()), Scope("k", Limits()))), "name a key twice"),
     (lambda: ChargeRequest((Scope("k", Limits(concurrent=1)),)), "needs a charge_id"),
     (lambda: ChargeRequest((), charge_id=""), "ChargeRequest.charge_id"),

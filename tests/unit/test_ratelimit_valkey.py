@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,12 +20,6 @@ from ratelimit.memory import MemoryRateLimiter
 from ratelimit.valkey import ValkeyRateLimiter
 
 T0 = 1_760_000_000.0
-
-
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[ValkeyServer]:
-    with ValkeyServer() as server:
-        yield server
 
 
 def prefix() -> str:
@@ -109,7 +102,9 @@ ops = st.lists(st.one_of(
 
 
 async def _run(limiter: Any, sequence: list[tuple[Any, ...]]) -> list[Any]:
-    now, seen, charged = T0, [], []
+    now = T0
+    seen: list[Any] = []
+    charged: list[tuple[str, int]] = []
     for i, op in enumerate(sequence):
         if op[0] == "charge":
             now += op[2]

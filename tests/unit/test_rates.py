@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -14,8 +15,8 @@ from controlplane.core.prefix import restarted
 from controlplane.observe.rates import MedianRing, RateBook, rates_between
 
 
-def s(t: float, **kw: float) -> EngineSample:
-    return EngineSample(taken_at=t, **kw)  # type: ignore[arg-type]
+def s(t: float, **kw: Any) -> EngineSample:
+    return EngineSample(taken_at=t, **kw)
 
 
 @pytest.mark.parametrize(
@@ -102,7 +103,7 @@ def test_tables_is_the_same_object_until_a_median_changes_and_its_medians_stay_r
     empty = book.tables()
     assert book.tables() is empty and empty.decode_by_batch == {} and empty.prefill_median == {}
     rng = random.Random(7)
-    history: dict[tuple, list[float]] = {}  # type: ignore[type-arg]
+    history: dict[tuple[str, str, Any], list[float]] = {}  # (kind, engine or model, batch size or chip class)
     held = []
     for step in range(400):
         engine, batch = f"e{rng.randrange(3)}", rng.choice((1, 2, 4))
@@ -120,8 +121,8 @@ def test_tables_is_the_same_object_until_a_median_changes_and_its_medians_stay_r
         if prefill is not None:
             history.setdefault(("prefill", model, chip), []).append(prefill)
 
-        def expected(kind: str) -> dict:  # type: ignore[type-arg]
-            out = {}
+        def expected(kind: str) -> dict[tuple[str, Any], float]:
+            out: dict[tuple[str, Any], float] = {}
             for (k, a, b), values in history.items():
                 if k == kind and len(values) >= 3:
                     out[(a, b)] = statistics.median(values[-6:])
@@ -188,8 +189,10 @@ def test_finished_requests_spread_over_the_length_histograms_buckets() -> None:
     assert lengths == [round(math.sqrt(20_000) * scale)] * 2 + [round(math.sqrt(100_000) * scale), round(1000 * scale)]
     assert sum(lengths) / 4 == pytest.approx(250, abs=1)
     # Different bounds, or a count that went backwards (a restart): no spread.
-    assert rates_between(a, replace(b, finished_length_buckets=((50.0, 7),))).finished_by_length == ()  # type: ignore[union-attr]
-    assert rates_between(b, replace(a, taken_at=2)).finished_by_length == ()  # type: ignore[union-attr]
+    other_bounds = rates_between(a, replace(b, finished_length_buckets=((50.0, 7),)))
+    assert other_bounds is not None and other_bounds.finished_by_length == ()
+    backwards = rates_between(b, replace(a, taken_at=2))
+    assert backwards is not None and backwards.finished_by_length == ()
 
 
 def test_a_busy_interval_keeps_its_spread_within_the_per_probe_limit() -> None:

@@ -10,26 +10,22 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import pytest
 import redis
 
+from controlplane.admission.service import AdmissionService
 from controlplane.core.model import Ticket
 from controlplane.store.base import Claim, QueueRule, Store
 from controlplane.store.memory import MemoryState, MemoryStore
 from controlplane.store.valkey import ValkeyStore
 from controlplane.store.valkeyserver import ValkeyServer
-from tests.unit.test_store_line_order import REQUEST, answer, running
+from rig.waits import wait_until
+from tests.unit.storeservice import REQUEST, answer, running
 
 _prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[ValkeyServer]:
-    with ValkeyServer() as server:
-        yield server
 
 
 @asynccontextmanager
@@ -65,6 +61,15 @@ async def tickets(store: Store) -> list[str]:
     return sorted(t.ticket_id for t, _ in (await store.load()).tickets)
 
 
+async def in_line(svc: AdmissionService, request_id: str) -> bool:
+    """Whether the service's member of ``request_id`` is in the store's line (its park landed)."""
+    return request_id in await svc.replication.store.members("m", 1)
+
+
+def store_calls(svc: AdmissionService, op: str) -> float:
+    return svc.metrics.registry.get_sample_value("sluice_store_seconds_count", {"op": op}) or 0.0
+
+
 @pytest.mark.parametrize("kind", ["memory", "valkey"])
 async def test_requests_parked_for_the_line_on_both_replicas_go_in_the_step_that_frees_it(
         kind: str, request: pytest.FixtureRequest) -> None:
@@ -75,13 +80,16 @@ async def test_requests_parked_for_the_line_on_both_replicas_go_in_the_step_that
         async with running(make("r0"), {"e": 8}) as r0, running(make("r1"), {"e": 8}) as r1:
             checks = []
             for i in range(4):  # a slot is free for each: refused only for the line, each parks with a claim
-                checks.append(asyncio.create_task(answer((r0, r1)[i % 2], f"q{i}")))
-                await asyncio.sleep(0.05)
+                replica = (r0, r1)[i % 2]
+                checks.append(asyncio.create_task(answer(replica, f"q{i}")))
+                await wait_until(lambda: in_line(replica, f"q{i}"), what=f"q{i} in line")
             assert not any(c.done() for c in checks)
-            assert await r0.replication.store.members("m", 1) == ["q0", "q2"] and await r1.replication.store.members("m", 1) == ["q1", "q3"]
+            assert await r0.replication.store.members("m", 1) == ["q0", "q2"]
+            assert await r1.replication.store.members("m", 1) == ["q1", "q3"]
             r0.wake()  # any event wakes a replica: its wake leaves claims for every head it would admit
             r1.wake()
-            await asyncio.sleep(0.1)
+            await wait_until(lambda: store_calls(r0, "claim") == store_calls(r1, "claim") == 1,
+                             what="both wakes' claims written")
             admitted = await holder.reserve(Claim(shared_ticket("head"), cap=8, kv_limit=None, queue=QueueRule.OLDEST))
             assert admitted.ok
             # The same store step admitted every claim behind the head, before either replica heard of it.
@@ -92,8 +100,11 @@ async def test_requests_parked_for_the_line_on_both_replicas_go_in_the_step_that
                 assert a.ticket is not None
                 (r0 if a.request_id in ("q0", "q2") else r1).release_ticket(a.ticket.ticket_id)
             await holder.release("head")
-            await asyncio.sleep(0.2)
-            assert await tickets(holder) == []
+
+            async def none_open() -> bool:
+                return await tickets(holder) == []
+
+            await wait_until(none_open, what="every ticket released")
 
 
 async def test_an_arrival_behind_its_replicas_requests_gone_on_their_claims_is_admitted_at_once() -> None:
@@ -106,7 +117,7 @@ async def test_an_arrival_behind_its_replicas_requests_gone_on_their_claims_is_a
     await holder.park("m", 1, "head", time.time())
     async with running(MemoryStore(state, "r0"), {"e": 8}) as svc:
         first = asyncio.create_task(answer(svc, "q0"))  # refused for the line: parks with its claim
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: in_line(svc, "q0"), what="q0 in line")
         assert await svc.replication.store.members("m", 1) == ["q0"]
         assert (await holder.reserve(Claim(shared_ticket("head"), cap=8, kv_limit=None, queue=QueueRule.OLDEST))).ok
         assert svc.core.where("q0") is not None, "q0's answer is on its way (the CLAIMED event)"
@@ -119,8 +130,7 @@ async def test_an_arrival_behind_its_replicas_requests_gone_on_their_claims_is_a
             assert outcome.ticket is not None
             svc.release_ticket(outcome.ticket.ticket_id)
         await holder.release("head")
-        await asyncio.sleep(0.1)
-        assert not state.tickets and not any(state.lines.values())
+        await wait_until(lambda: not state.tickets and not any(state.lines.values()), what="nothing left in the store")
 
 
 class SlowUnparks(MemoryStore):
@@ -136,14 +146,14 @@ async def test_a_request_admitted_on_its_claim_after_its_client_left_gives_its_t
     await holder.park("m", 1, "head", time.time())
     async with running(SlowUnparks(state, "r0"), {"e": 8}) as svc:
         check = asyncio.create_task(answer(svc, "x"))
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: in_line(svc, "x"), what="x in line")
         assert await svc.replication.store.members("m", 1) == ["x"]
         check.cancel()  # the client leaves; its unpark is on its way
         await asyncio.gather(check, return_exceptions=True)
         assert (await holder.reserve(Claim(shared_ticket("head"), cap=8, kv_limit=None, queue=QueueRule.OLDEST))).ok
         assert sorted(state.tickets) == ["head", "x"], "the store admitted x on its claim before the unpark landed"
-        await asyncio.sleep(0.3)
-        assert sorted(state.tickets) == ["head"], "x's ticket was released: nobody would ever use it"
+        await wait_until(lambda: sorted(state.tickets) == ["head"],
+                         what="x's ticket released (nobody would ever use it)")
         assert not svc.core.tickets() or [t.ticket_id for t in svc.core.tickets()] == ["head"]
 
 
@@ -159,7 +169,7 @@ async def test_the_survivor_admits_within_half_a_second_of_a_replica_dying(valke
             for k in range(3):  # the victim's parked requests head the line; nobody will ask for them again
                 await victim.park("m", 1, f"v{k}", time.time())
             parked = asyncio.create_task(answer(svc, "b"))
-            await asyncio.sleep(0.2)
+            await wait_until(lambda: in_line(svc, "b"), what="b in line behind the victim's requests")
             assert not parked.done()
             assert victim._liveness is not None
             victim._liveness.stopping.set()  # SIGKILL: the heartbeat stops, its key is left to lapse
@@ -185,9 +195,9 @@ async def test_a_replica_found_dead_while_alive_puts_its_lot_back_in_line(valkey
             first = await answer(svc, "a")
             assert first.ticket is not None
             x = asyncio.create_task(answer(svc, "x"))
-            await asyncio.sleep(0.02)
+            await wait_until(lambda: in_line(svc, "x"), what="x in line")
             y = asyncio.create_task(answer(svc, "y"))
-            await asyncio.sleep(0.2)
+            await wait_until(lambda: in_line(svc, "y"), what="y in line")
             assert await store.members("m", 1) == ["x", "y"]
             liveness = store._liveness
             assert liveness is not None

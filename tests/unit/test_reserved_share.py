@@ -319,13 +319,14 @@ def test_a_tenant_waiting_for_a_busy_engine_holds_no_free_slot() -> None:
     """b (half of 2 slots reserved) parks a long prompt that finishes sooner on the busy fast engine than on the free
     slow one (it waits for fast: ``waiting_for_faster``): the free slot is not one b would take, so a's short request
     takes it (as the pass-over rule lets it without reservations) instead of parking for b's share."""
-    from tests.unit.test_pass_over import VIEWS, busy_fast
-    from tests.unit.test_route import chat
+    from tests.unit.coreinputs import FAST_AND_SLOW, busy_fast, chat
 
     core = AdmissionCore(Policy(fairness=FairShare(reserved={"b": 0.5})), Ledger(lease_seconds=600))
     busy_fast(core)
-    head = core.check("head", replace(chat(prompt=1000, max_tokens=200), tenant="b"), core.fleet(VIEWS, 0.05), 0.05)
+    head = core.check("head", replace(chat(prompt=1000, max_tokens=200), tenant="b"), core.fleet(FAST_AND_SLOW, 0.05),
+                      0.05)
     assert (head.decision.reason, head.decision.idle_slot) == (Reason.WAITING_FOR_FASTER, True)
-    assert core.owed("cortex", core.fleet(VIEWS, 0.1), 0.1) == {}
-    short = core.check("short", replace(chat(prompt=10, max_tokens=20), tenant="a"), core.fleet(VIEWS, 0.1), 0.1)
+    assert core.owed("cortex", core.fleet(FAST_AND_SLOW, 0.1), 0.1) == {}
+    short = core.check("short", replace(chat(prompt=10, max_tokens=20), tenant="a"), core.fleet(FAST_AND_SLOW, 0.1),
+                       0.1)
     assert short.ticket is not None and short.ticket.engine == "slow"

@@ -12,35 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.fleet import EngineLedger, Fleet, RateTables
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
-from controlplane.core.model import InferenceRequest, Priority, Reason, Verdict
-from controlplane.core.engines import EngineSample, EngineView, ServedModel
+from controlplane.core.fleet import EngineLedger, Fleet, RateTables
+from controlplane.core.engines import EngineView
+from controlplane.core.model import Reason, Verdict
 from controlplane.core.policy import ModelPolicy, Policy
 from controlplane.core.route import ServeCounter, SessionMap, ttft_factor
 from controlplane.core.weights import compute_weights, moved
 from controlplane.edge import http_status
+from tests.unit.coreinputs import SEED_000, chat, engine
 
 P = Policy(default_max_tokens=111)
-
-
-def engine(name: str, running: int = 0, *, seqs: int = 2, prefill: float = 1000.0, decode: float = 20.0,
-           version: str = "0.10.1", stale: bool = False, drained: bool = False) -> EngineView:
-    return EngineView(name=name, url="", max_num_seqs=seqs, models=(ServedModel("cortex", 32_768),), version=version,
-                      sample=EngineSample(0.0, running=running, waiting=0, kv_usage=0.0, kv_capacity_tokens=100_000),
-                      last_ok_at=0.0, stale=stale, chip_class=name, anchor_prefill_tokens_per_s=prefill,
-                      anchor_decode_tokens_per_s=decode, drained=drained)
-
-
-def chat(prompt: int = 10, max_tokens: int = 111, ttft_ms: int | None = None, session: str | None = None,
-         priority: str = "standard") -> InferenceRequest:
-    return InferenceRequest("POST", "/v1/chat/completions", "cortex", prompt_tokens=prompt, max_tokens=max_tokens,
-                            max_ttft_ms=ttft_ms, session=session, priority=Priority(priority))
-
-
-# Seed 000: per-request decode at 1 and 2 streams (aggregate 18.18 / 50.71 and 49.24 / 87.82 tok/s).
-SEED_000 = {"thor": {1: 18.18, 2: 50.71 / 2}, "spark": {1: 49.24, 2: 87.82 / 2}}
 
 
 def t10_burst(n: int) -> Counter[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
 from controlplane.servicers.accesslog import AccessLogServicer, first_token
-from controlplane.core.fairshare import FairStanding, TenantAhead
+from controlplane.core.fairshare import FairStanding, TenantAhead, TenantShare
 from controlplane.core.feedback import FirstToken, TtftSummary
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules, PromptTokenSummary, TokenRule
 from controlplane.core.tenants import Usage
@@ -29,8 +29,11 @@ from controlplane.core.policy import Policy
 from controlplane.servicers.httpendpoint import HttpEndpoint
 from controlplane.metrics import SluiceMetrics
 from controlplane.ports import FloorResult, ReloadResult, StatusFacts
+from controlplane.admission.quota import TenantUsage
 from controlplane.admission.watch import DecisionEvent, DecisionFeed, Watcher
+from rig.waits import wait_until
 from sluice.admin.v1 import admin_pb2
+from tests.unit.fakes import AbortedError, FakeContext
 
 
 @dataclass
@@ -90,7 +93,7 @@ async def test_access_log_releases_the_ticket_it_names_and_marks_failed_engines(
         entry(ticket="t1", code=200, first_byte=True),
         entry(ticket=None, code=503, first_byte=False, connect_failure=True),
         entry(ticket="unknown", code=200, first_byte=True),
-    ), None)  # type: ignore[arg-type]
+    ), FakeContext())
     assert port.released == ["t1", "unknown"]
     assert port.failures and port.failures[0][0] == "thor" and "UF" in port.failures[0][1]
     assert port.metrics.registry.get_sample_value("sluice_access_log_entries_total", {"outcome": "no_ticket"}) == 1
@@ -123,8 +126,8 @@ def test_first_token_is_timed_at_the_streams_first_token_not_its_first_byte() ->
 
 def test_a_non_streaming_responses_first_token_is_its_whole_body() -> None:
     timing = first_token(timed_entry(content_type="application/json", first_token_after_s=None))
-    assert timing == FirstToken(engine_s=pytest.approx(2.75), gateway_s=pytest.approx(0.25), streamed=False,
-                                whole_s=pytest.approx(2.75))
+    assert timing is not None and not timing.streamed
+    assert (timing.engine_s, timing.gateway_s, timing.whole_s) == pytest.approx((2.75, 0.25, 2.75))
 
 
 @pytest.mark.parametrize("kwargs", [{"first_token_after_s": None}, {"code": 500}],
@@ -135,7 +138,7 @@ def test_no_first_token_without_a_token_or_a_200(kwargs: dict[str, Any]) -> None
 
 async def test_access_log_hands_each_served_requests_first_token_to_the_plane() -> None:
     port = FakeCompletions(open={"t1": Ticket("t1", "thor", "cortex", 0.0, 900.0, expected_ttft_s=0.4)})
-    await AccessLogServicer(port).StreamAccessLogs(stream(timed_entry()), None)  # type: ignore[arg-type]
+    await AccessLogServicer(port).StreamAccessLogs(stream(timed_entry()), FakeContext())
     assert [(ticket, round(t.engine_s, 3)) for ticket, t in port.first_tokens] == [("t1", 0.5)]
 
 
@@ -236,59 +239,45 @@ class FakeAdmin:
     def unwatch(self, watcher: Watcher) -> None:
         self.feed.unsubscribe(watcher)
 
+    async def tenant_usage(self) -> tuple[TenantUsage, ...]:
+        return ()
 
-class AbortedError(Exception):
-    pass
-
-
-class FakeContext:
-    def __init__(self, token: str | None = "operator-secret") -> None:
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.code: Any = None
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self.metadata
-
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:1"
-
-    async def abort(self, code: Any, details: str) -> None:
-        self.code = code
-        raise AbortedError(details)
+    def tenant_shares(self) -> list[TenantShare]:
+        return []
 
 
 async def test_admin_reports_what_its_port_says() -> None:
     port = FakeAdmin()
     admin = AdminServicer(port, guard())
-    status = await admin.GetStatus(admin_pb2.GetStatusRequest(), FakeContext())  # type: ignore[arg-type]
+    status = await admin.GetStatus(admin_pb2.GetStatusRequest(), FakeContext())
     assert (status.version, status.open_tickets, status.engines_total, status.engines_ready) == ("1.2.3", 3, 1, 1)
-    engines = (await admin.ListEngines(admin_pb2.ListEnginesRequest(), FakeContext())).engines  # type: ignore[arg-type]
+    engines = (await admin.ListEngines(admin_pb2.ListEnginesRequest(), FakeContext())).engines
     assert engines[0].open_tickets == 3 and engines[0].prefill_median_tokens_per_s == 900.0
     assert engines[0].solo_decode_median_tokens_per_s == -1.0  # unknown, never 0
     assert (engines[0].ttft_samples, engines[0].ttft_p50_seconds, engines[0].ttft_p90_seconds) == (12, 0.2, 0.9)
     assert (engines[0].ttft_estimate_error_median, engines[0].ttft_correction) == (-1.0, 1.5)
     assert (round(engines[0].prompt_chars_per_token, 2), engines[0].prompt_template_tokens_per_message) == (1.3, 7.0)
     assert (engines[0].prompt_token_samples, engines[0].prompt_tokens_error_median) == (40, 1.02)
-    drained = await admin.DrainEngine(admin_pb2.DrainEngineRequest(name="thor", drained=True), FakeContext())  # type: ignore[arg-type]
+    drained = await admin.DrainEngine(admin_pb2.DrainEngineRequest(name="thor", drained=True), FakeContext())
     assert drained.drained
     with pytest.raises(AbortedError, match="no engine named 'nope'"):
-        await admin.DrainEngine(admin_pb2.DrainEngineRequest(name="nope", drained=True), FakeContext())  # type: ignore[arg-type]
-    why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex"), FakeContext())  # type: ignore[arg-type]
+        await admin.DrainEngine(admin_pb2.DrainEngineRequest(name="nope", drained=True), FakeContext())
+    why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex"), FakeContext())
     assert (why.verdict, why.engine, why.queued_ahead) == ("admit", "thor", 2)
     assert [e.expected_cached_tokens for e in why.engines if e.name == "thor"] == [0]  # no body: no prompt to match
     assert not why.fairness.enabled and why.fairness.tenant == ""  # Policy() has no tenants: fair share off
-    why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", tenant="b"), FakeContext())  # type: ignore[arg-type]
+    why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", tenant="b"), FakeContext())
     assert (why.fairness.tenant, why.fairness.counter, why.fairness.lifted, why.fairness.ahead_in_class) == (
         "b", 900.0, True, 2)
     assert [(a.tenant, a.requests) for a in why.fairness.tenants_ahead] == [("a", 2)]
     assert dict(why.fairness.held_slots) == {"c": 1}
     body = '{"messages": [{"role": "user", "content": "%s"}]}' % ("x" * 1000)  # 1007 rendered characters: 3 blocks
-    why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", body_json=body),  # type: ignore[arg-type]
+    why = await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", body_json=body),
                                       FakeContext())
     assert [e.expected_cached_tokens for e in why.engines if e.name == "thor"] == [192]
     with pytest.raises(AbortedError, match="body_json"):
-        await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", body_json="[1"), FakeContext())  # type: ignore[arg-type]
-    reload = await admin.ReloadConfig(admin_pb2.ReloadConfigRequest(path="x.yaml"), FakeContext())  # type: ignore[arg-type]
+        await admin.ExplainDecision(admin_pb2.ExplainDecisionRequest(model="cortex", body_json="[1"), FakeContext())
+    reload = await admin.ReloadConfig(admin_pb2.ReloadConfigRequest(path="x.yaml"), FakeContext())
     assert not reload.applied and list(reload.problems) == ["admission.x: unknown field"] and port.reloads == ["x.yaml"]
 
 
@@ -311,24 +300,24 @@ async def test_admin_changes_without_or_with_a_wrong_token_are_refused_and_chang
                      lambda c: admin.ReloadConfig(admin_pb2.ReloadConfigRequest(path="evil.yaml"), c),
                      lambda c: admin.SetVersionFloor(admin_pb2.SetVersionFloorRequest(model_pattern="cortex",
                                                                                       version="9"), c)):
-            context = FakeContext(token)
+            context = FakeContext(token=token)
             with pytest.raises(AbortedError):
                 await call(context)
-            assert context.code is grpc.StatusCode.UNAUTHENTICATED
+            assert context.aborted_code is grpc.StatusCode.UNAUTHENTICATED
     assert port.drained == {} and port.reloads == [] and port.floors == {}
     assert (refused(port, "DrainEngine"), refused(port, "ReloadConfig"), refused(port, "SetVersionFloor")) == (2, 2, 2)
     audit = [json.loads(r.getMessage()) for r in caplog.records if r.name == "sluice.audit"]
     assert len(audit) == 6 and all(a["result"] == "refused: unauthenticated" and a["who"] == "-" for a in audit)
     assert "wrong-secret" not in caplog.text  # the token sent is never logged
     # Reads need no token by default; with require_token_for_reads they do.
-    assert (await admin.GetStatus(admin_pb2.GetStatusRequest(), FakeContext(None))).version == "1.2.3"  # type: ignore[arg-type]
+    assert (await admin.GetStatus(admin_pb2.GetStatusRequest(), FakeContext(token=None))).version == "1.2.3"
     strict = AdminServicer(port, guard(port, reads=True))
     with pytest.raises(AbortedError):
-        await strict.GetStatus(admin_pb2.GetStatusRequest(), FakeContext("wrong-secret"))  # type: ignore[arg-type]
+        await strict.GetStatus(admin_pb2.GetStatusRequest(), FakeContext(token="wrong-secret"))
     # The right token: applied, and audited with the token's name (never its secret) and before/after.
     caplog.clear()
     floor = await admin.SetVersionFloor(admin_pb2.SetVersionFloorRequest(model_pattern="cortex", version="0.11"),
-                                        FakeContext())  # type: ignore[arg-type]
+                                        FakeContext())
     assert floor.applied and port.floors == {"cortex": "0.11"}
     (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "sluice.audit"]
     assert (line["who"], line["what"]["method"], line["before"], line["after"], line["result"]) == (
@@ -340,7 +329,7 @@ async def test_no_token_configured_refuses_every_change() -> None:
     port = FakeAdmin()
     admin = AdminServicer(port, AdminGuard((), False, port.metrics))
     with pytest.raises(AbortedError, match="no admin token is configured"):
-        await admin.DrainEngine(admin_pb2.DrainEngineRequest(name="thor", drained=True), FakeContext())  # type: ignore[arg-type]
+        await admin.DrainEngine(admin_pb2.DrainEngineRequest(name="thor", drained=True), FakeContext())
     assert port.drained == {}
 
 
@@ -351,10 +340,9 @@ def event(n: int) -> DecisionEvent:
 async def test_a_slow_watcher_drops_events_and_is_told_how_many() -> None:
     port = FakeAdmin()
     admin = AdminServicer(port, guard(port))
-    stream = admin.WatchDecisions(admin_pb2.WatchDecisionsRequest(), FakeContext())  # type: ignore[arg-type]
+    stream = admin.WatchDecisions(admin_pb2.WatchDecisionsRequest(), FakeContext())
     first = asyncio.ensure_future(stream.__anext__())
-    await asyncio.sleep(0)
-    assert len(port.feed.watchers) == 1
+    await wait_until(lambda: len(port.feed.watchers) == 1, what="the stream subscribed")
     for n in range(5):  # a queue of 2 (FakeAdmin.watch): r0 and r1 queue, r2..r4 are dropped
         port.feed.publish(event(n))
     got = [await asyncio.wait_for(first, 2), await asyncio.wait_for(stream.__anext__(), 2)]
@@ -363,6 +351,7 @@ async def test_a_slow_watcher_drops_events_and_is_told_how_many() -> None:
     assert [e.request_id for e in got] == ["r0", "r1", "r5"]
     assert sum(e.dropped_since_last for e in got) == 3 and got[-1].dropped_since_last == 0
     assert port.metrics.registry.get_sample_value("sluice_admin_watch_dropped_total") == 3
+    assert isinstance(stream, AsyncGenerator)
     await stream.aclose()
     assert port.feed.watchers == []
 
@@ -385,5 +374,5 @@ async def test_access_log_hands_the_engines_prompt_count_to_the_plane() -> None:
     e.common_properties.metadata.filter_metadata["envoy.filters.http.ext_authz"].update(
         {"prompt_chars": 1300, "prompt_messages": 2, "prompt_tokens": 325})
     e.common_properties.metadata.filter_metadata["sluice.usage"].update({"prompt_tokens": 1010})
-    await AccessLogServicer(port).StreamAccessLogs(stream(e), None)  # type: ignore[arg-type]
+    await AccessLogServicer(port).StreamAccessLogs(stream(e), FakeContext())
     assert port.prompts == [(PromptShape(1300, 2), 325, 1010)]

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from controlplane.core.fleet import Fleet, RateTables
+from controlplane.core.fleet import BatchRates, EngineLedger, Fleet, RateTables
 from controlplane.core.sharedmap import FrozenMap, SharedMap
 
 
@@ -54,8 +54,8 @@ def test_a_snapshot_is_the_same_object_until_a_write_and_unchanged_entries_are_n
 
 
 def test_the_decision_core_takes_a_snapshot_as_read_only_without_copying_it() -> None:
-    ledger = SharedMap[str, object]().snapshot()
-    fleet = Fleet((), ledger)  # type: ignore[arg-type]
+    ledger = SharedMap[str, EngineLedger]().snapshot()
+    fleet = Fleet((), ledger)
     assert fleet.ledger is ledger
-    by_batch = SharedMap[str, object]().snapshot()
-    assert RateTables(decode_by_batch=by_batch).decode_by_batch is by_batch  # type: ignore[arg-type]
+    by_batch = SharedMap[str, BatchRates]().snapshot()
+    assert RateTables(decode_by_batch=by_batch).decode_by_batch is by_batch

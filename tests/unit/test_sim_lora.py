@@ -7,14 +7,18 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginesim.batcher import Batcher, SimRequest
 from enginesim.profiles import ESTIMATOR_WORLD, PROFILES
 from enginesim.server import EngineSimulator, parse_lora_modules
+from rig.waits import wait_until
 
-PROFILE = replace(PROFILES["spark"], max_num_seqs=4, **ESTIMATOR_WORLD)
+#: ``ESTIMATOR_WORLD`` (a ``dict[str, float]``) as ``Profile`` fields by name, for ``replace``.
+IN_ESTIMATOR_WORLD: dict[str, Any] = ESTIMATOR_WORLD
+PROFILE = replace(PROFILES["spark"], max_num_seqs=4, **IN_ESTIMATOR_WORLD)
 
 
 def step(b: Batcher, now: float) -> float:
@@ -92,8 +96,8 @@ def test_lora_modules_parse_as_vllm_takes_them() -> None:
         EngineSimulator(PROFILE, name="x", lora_modules={"sql": "/a"})
 
 
-async def _client(sim: EngineSimulator) -> TestClient:  # type: ignore[type-arg]
-    client = TestClient(TestServer(sim.app()))  # type: ignore[var-annotated]
+async def _client(sim: EngineSimulator) -> TestClient[web.Request, web.Application]:
+    client = TestClient(TestServer(sim.app()))
     await client.start_server()
     return client
 
@@ -171,7 +175,7 @@ async def test_a_request_waits_inside_the_engine_for_a_slot() -> None:
         long = client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 60,
                                                     "sim_output_tokens": 60})
         first = asyncio.ensure_future(long)
-        await asyncio.sleep(0.02)
+        await wait_until(lambda: sim.batcher.running or sim.batcher.waiting, what="the first request in the engine")
         second = await client.post("/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 1})
         assert second.status == 200 and (await first).status == 200
         a, b = sim.served

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 import json
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
@@ -15,6 +16,9 @@ from enginesim.batcher import Batcher, SimRequest
 from enginesim.prefixcache import block_hashes
 from enginesim.profiles import ESTIMATOR_WORLD, PROFILES, Profile
 from enginesim.server import EngineSimulator
+
+#: ``ESTIMATOR_WORLD`` (a ``dict[str, float]``) as ``Profile`` fields by name, for ``replace``.
+IN_ESTIMATOR_WORLD: dict[str, Any] = ESTIMATOR_WORLD
 
 TINY = Profile("tiny", "m", 2, 10, 16, 100.0, (10.0,), 1000, "0")
 """10 KV blocks of 16 tokens, 2 slots, 100 prompt tokens/s."""
@@ -134,13 +138,13 @@ def test_preemption_frees_shared_blocks_and_the_resumption_hits_them() -> None:
     assert b.free_blocks == 10
 
 
-async def _post(sim: EngineSimulator, path: str, body: dict[str, object]) -> dict[str, object]:
+async def _post(sim: EngineSimulator, path: str, body: dict[str, object]) -> dict[str, Any]:
     client = TestClient(TestServer(sim.app()))
     await client.start_server()
     try:
         response = await client.post(path, json=body)
         assert response.status == 200, await response.text()
-        answer: dict[str, object] = await response.json()
+        answer: dict[str, Any] = await response.json()
         return answer
     finally:
         await client.close()
@@ -148,19 +152,19 @@ async def _post(sim: EngineSimulator, path: str, body: dict[str, object]) -> dic
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_usage_reports_cached_tokens_and_metrics_count_them(stream: bool) -> None:
-    sim = EngineSimulator(replace(PROFILES["spark"], **ESTIMATOR_WORLD), name="s", speed=1000)
+    sim = EngineSimulator(replace(PROFILES["spark"], **IN_ESTIMATOR_WORLD), name="s", speed=1000)
     system = {"role": "system", "content": text("system prompt", 256)}  # 16 blocks at 4 characters a token
 
     def body(question: str) -> dict[str, object]:
         return {"model": "cortex", "max_tokens": 2, "messages": [system, {"role": "user", "content": question}]}
 
     first = await _post(sim, "/v1/chat/completions", body("what is a sluice?"))
-    assert "prompt_tokens_details" not in first["usage"]  # type: ignore[operator]  # nothing cached: vLLM leaves it out
+    assert "prompt_tokens_details" not in first["usage"]  # nothing cached: vLLM leaves it out
     probe = await _post(sim, "/sim/cache", body("and a weir?"))
     assert probe["cached_tokens"] == 256 and probe["running"] == 0
     if not stream:
         second = await _post(sim, "/v1/chat/completions", body("and a weir?"))
-        assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}  # type: ignore[index]
+        assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
     else:
         client = TestClient(TestServer(sim.app()))
         await client.start_server()
@@ -174,7 +178,8 @@ async def test_usage_reports_cached_tokens_and_metrics_count_them(stream: bool) 
         assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
     assert sim.served[-1]["cached_tokens"] == 256
     answer = await sim.metrics_endpoint(make_mocked_request("GET", "/metrics"))
-    series = read_series(answer.body.decode())  # type: ignore[union-attr]
+    assert isinstance(answer.body, bytes)
+    series = read_series(answer.body.decode())
     prompt = sim.served[0]["prompt_tokens"] + sim.served[-1]["prompt_tokens"]
     assert series["vllm:prefix_cache_queries_total"][0][1] == prompt
     assert series["vllm:prefix_cache_hits_total"][0][1] == 256

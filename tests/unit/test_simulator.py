@@ -6,13 +6,19 @@ import json
 import math
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
-from aiohttp.test_utils import make_mocked_request
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from controlplane.observe.parse import parse_metrics
 from enginesim.batcher import Batcher, SimRequest
 from enginesim.profiles import ESTIMATOR_WORLD, PROFILES, Profile
+from enginesim.server import EngineSimulator
+
+#: ``ESTIMATOR_WORLD`` (a ``dict[str, float]``) as ``Profile`` fields by name, for ``replace``.
+IN_ESTIMATOR_WORLD: dict[str, Any] = ESTIMATOR_WORLD
 
 
 def run_to_completion(batcher: Batcher, limit_s: float = 10_000) -> float:
@@ -68,7 +74,7 @@ def test_chunked_prefill_slows_decode_and_a_plain_step_does_not() -> None:
     """Without chunked prefill a decode step runs at the table's rate whatever prefills beside it (thor, one request
     decoding: 18.18 tokens/s); with 512-token chunks each of its steps also prefills 512 of the other's prompt, so its
     100 tokens take their decode steps plus the whole 30,000-token prefill (20 s at 1500 tokens/s)."""
-    plain = replace(PROFILES["thor"], **ESTIMATOR_WORLD)
+    plain = replace(PROFILES["thor"], **IN_ESTIMATOR_WORLD)
     assert decode_time_with_a_prefill_alongside(plain) == pytest.approx(100 / 18.18, rel=0.02)
     chunked = decode_time_with_a_prefill_alongside(replace(plain, prefill_chunk_tokens=512))
     assert chunked == pytest.approx(100 / 18.18 + 30_000 / 1500, rel=0.03)
@@ -97,7 +103,7 @@ def test_kv_exhaustion_preempts_and_recomputes() -> None:
 
 
 def test_two_65k_prompts_fit_without_preemption() -> None:
-    b = Batcher(replace(PROFILES["v100pp2"], **ESTIMATOR_WORLD))
+    b = Batcher(replace(PROFILES["v100pp2"], **IN_ESTIMATOR_WORLD))
     for i in range(2):
         b.submit(SimRequest(str(i), prompt_tokens=65_000, max_tokens=100, arrived_at=0))
     elapsed = run_to_completion(b, limit_s=100_000)
@@ -119,11 +125,10 @@ def test_abort_frees_kv() -> None:
 
 
 async def test_sim_metrics_parse_as_vllm_v1() -> None:
-    from enginesim.server import EngineSimulator
-
     sim = EngineSimulator(PROFILES["v100pp2"], name="x")
     answer = await sim.metrics_endpoint(make_mocked_request("GET", "/metrics"))
-    text = answer.body.decode()  # type: ignore[union-attr]
+    assert isinstance(answer.body, bytes)
+    text = answer.body.decode()
     sample = parse_metrics(text, taken_at=0)
     assert (sample.running, sample.waiting, sample.kv_usage, sample.preemptions_total) == (0, 0, 0, 0)
     assert sample.kv_capacity_tokens == 9527 * 16 == 152_432
@@ -152,10 +157,8 @@ def test_output_length_median_and_long_tail(profile: str) -> None:
     assert sum(lengths) / len(lengths) > median  # so the mean sits above the median
 
 
-def plan(body: dict[str, object], prompt: int = 10, **kwargs: object) -> tuple[int, int | None]:
-    from enginesim.server import EngineSimulator
-
-    sim = EngineSimulator(PROFILES["thor"], name="t", seed=3, **kwargs)  # type: ignore[arg-type]
+def plan(body: dict[str, object], prompt: int = 10, **kwargs: Any) -> tuple[int, int | None]:
+    sim = EngineSimulator(PROFILES["thor"], name="t", seed=3, **kwargs)
     out = sim.plan_output({"model": "cortex", **body}, prompt)
     assert isinstance(out, tuple), out
     return out
@@ -172,12 +175,10 @@ def test_output_plan_caps_forces_and_ignores_eos() -> None:
 
 
 def test_output_plan_refuses_what_does_not_fit() -> None:
-    from enginesim.server import EngineSimulator
-
     sim = EngineSimulator(PROFILES["thor"], name="t")
-    assert sim.plan_output({"max_tokens": 0.5}, 10).status == 400  # type: ignore[union-attr]
-    assert sim.plan_output({"max_tokens": 100}, 32_700).status == 400  # type: ignore[union-attr]
-    assert sim.plan_output({}, 32_768).status == 400  # type: ignore[union-attr]
+    for body, prompt in (({"max_tokens": 0.5}, 10), ({"max_tokens": 100}, 32_700), ({}, 32_768)):
+        refused = sim.plan_output(body, prompt)
+        assert isinstance(refused, web.Response) and refused.status == 400, refused
     with pytest.raises(ValueError):
         EngineSimulator(PROFILES["thor"], name="t", output_model="sometimes")
 
@@ -194,10 +195,9 @@ def test_a_request_stops_at_its_natural_length() -> None:
     assert b.generation_tokens_total == 27
 
 
-async def _post(sim: object, path: str, body: dict[str, object]) -> tuple[dict[str, object] | None, list[dict]]:  # type: ignore[type-arg]
-    from aiohttp.test_utils import TestClient, TestServer
-
-    client = TestClient(TestServer(sim.app()))  # type: ignore[attr-defined]
+async def _post(sim: EngineSimulator, path: str,
+                body: dict[str, object]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    client = TestClient(TestServer(sim.app()))
     await client.start_server()
     try:
         response = await client.post(path, json=body)
@@ -220,16 +220,14 @@ async def _post(sim: object, path: str, body: dict[str, object]) -> tuple[dict[s
 ])
 async def test_finish_reason_over_http(stream: bool, path: str, extra: dict[str, object], tokens: int,
                                        reason: str) -> None:
-    from enginesim.server import EngineSimulator
-
     sim = EngineSimulator(PROFILES["spark"], name="s", speed=1000)
     content = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
     body = {"model": "cortex", "max_tokens": 6, "stream": stream, "stream_options": {"include_usage": True},
             **content, **extra}
     full, chunks = await _post(sim, path, body)
     if full is not None:
-        assert full["choices"][0]["finish_reason"] == reason  # type: ignore[index]
-        assert full["usage"]["completion_tokens"] == tokens  # type: ignore[index]
+        assert full["choices"][0]["finish_reason"] == reason
+        assert full["usage"]["completion_tokens"] == tokens
     else:
         reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
         assert reasons[-1] == reason and reasons.count(reason) == 1

@@ -15,9 +15,10 @@ from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
 from controlplane.core.fleet import EngineLedger, Fleet
+from controlplane.core.engines import EngineView
 from controlplane.core.model import Reason, Verdict
 from controlplane.core.policy import Policy
-from tests.unit.test_route import chat, engine
+from tests.unit.coreinputs import chat, engine
 
 # Two fast engines and two slow ones, 2 slots each (seed 000's per-request decode rates at one stream); the two sparks
 # measured a percent apart, as two boxes of one kind do.
@@ -27,7 +28,8 @@ SPREAD = Policy(max_share_over_capacity=1.3, near_tie_fraction=0.0)
 """The fair-share spread alone."""
 
 
-def light_load(policy: Policy, requests: int = 200, fleet: tuple = FLEET, every_s: float = 2.0) -> Counter[str]:
+def light_load(policy: Policy, requests: int = 200, fleet: tuple[EngineView, ...] = FLEET,
+               every_s: float = 2.0) -> Counter[str]:
     """One request every ``every_s`` (a spark answers in about 2.3 s): the fleet is mostly idle, each request is released
     when its estimate says it is done."""
     core = AdmissionCore(policy, Ledger(lease_seconds=600))

@@ -32,7 +32,7 @@ def test_a_hung_step_is_abandoned_and_the_servers_still_stop(caplog: pytest.LogC
             hung.set()
             await asyncio.sleep(3600)
 
-        plane.service.stop = stuck_store_close  # type: ignore[method-assign]
+        plane.service.stop = stuck_store_close  # type: ignore[method-assign]  # its store's close hangs
         started = time.monotonic()
         await plane.stop()
         return time.monotonic() - started, plane.grpc_port

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from controlplane.store.base import Claim, EventKind, QueueRule, Refusal, Store, StoreEvent
-from tests.unit.sharedstore import BASE, Handles, handles, ticket, valkey  # noqa: F401  (fixtures)
+from tests.unit.sharedstore import BASE, Handles, ticket
 
 
 def claim(tid: str, queue: QueueRule = QueueRule.ARRIVAL, cap: int | None = None, fresh_s: float = 5.0,

@@ -13,7 +13,7 @@ from controlplane.store.base import (
 )
 from controlplane.store.valkey import ValkeyStore
 from controlplane.store.valkeyserver import ValkeyServer
-from tests.unit.sharedstore import BASE, Handles, handles, ticket, valkey  # noqa: F401  (fixtures)
+from tests.unit.sharedstore import BASE, Handles, ticket
 
 Factory = Callable[[str], Store]
 

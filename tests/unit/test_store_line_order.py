@@ -13,58 +13,34 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, cast
 
 import pytest
 
-from controlplane.admission.service import AdmissionService
-from controlplane.config import load_config
-from controlplane.core.admission import AdmissionCore
-from controlplane.core.model import InferenceRequest, Outcome, Verdict
-from controlplane.core.ledger import Ledger
-from controlplane.metrics import SluiceMetrics
-from controlplane.store.base import Claim, Landed, LineChange, Store
+from controlplane.store.base import Claim, Landed, LineChange
 from controlplane.store.memory import MemoryState, MemoryStore
 from controlplane.store.valkey import ValkeyStore
 from controlplane.store.valkeyserver import ValkeyServer
-from tests.unit.test_replicas_properties import FakeObservation
-
-REQUEST = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=10, max_tokens=10)
-
-
-def service(store: Store, caps: dict[str, int], max_park_s: float = 3.0) -> AdmissionService:
-    base = load_config(None)
-    config = replace(base, policy=replace(base.policy, lifo_after_ms=0, backfill=False, max_park_s=max_park_s,
-                                          max_queue_depth=5000))
-    core = AdmissionCore(config.policy, Ledger(lease_seconds=10_000))
-    return AdmissionService(config, core, cast(Any, FakeObservation(core, caps, kv_capacity_tokens=100_000)), SluiceMetrics(), time.monotonic, store)
-
-
-@asynccontextmanager
-async def running(store: Store, caps: dict[str, int], max_park_s: float = 3.0) -> AsyncIterator[AdmissionService]:
-    """An admission service on ``store``, joined and started, stopped on the way out."""
-    svc = service(store, caps, max_park_s)
-    await svc.open_store()
-    svc.start()
-    try:
-        yield svc
-    finally:
-        await svc.stop()
+from rig.waits import wait_until
+from tests.unit.storeservice import answer, line, parked, running
 
 
 class SlowParks(MemoryStore):
-    """A memory store whose ``park`` calls take ``delays[request id]`` seconds to land (0 when unnamed)."""
+    """A memory store whose ``park`` calls take ``delays[request id]`` seconds to land (0 when unnamed); ``landed``: the
+    request ids whose parks landed, in order."""
 
     def __init__(self, state: MemoryState, delays: dict[str, float]) -> None:
         super().__init__(state, "r0")
         self.delays = delays
+        self.landed: list[str] = []
 
     async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
         await asyncio.sleep(self.delays.get(request_id, 0.0))
-        return await super().park(model, klass, request_id, at, claim)
+        try:
+            return await super().park(model, klass, request_id, at, claim)
+        finally:
+            self.landed.append(request_id)
 
 
 class RoundTrips(MemoryStore):
@@ -90,18 +66,6 @@ class RoundTrips(MemoryStore):
             self.batching = False
 
 
-async def answer(svc: AdmissionService, request_id: str) -> Outcome:
-    """A Check as the ext_authz handler makes it: decide, and wait in the lot when parked."""
-    outcome = await svc.check(request_id, REQUEST)
-    if outcome.decision.verdict is Verdict.PARK:
-        outcome = await svc.wait_parked(request_id)
-    return outcome
-
-
-def line(state: MemoryState) -> list[str]:
-    return [m for members in state.lines.values() for m in members]
-
-
 async def test_parks_landing_out_of_order_do_not_deadlock_the_line() -> None:
     # b parks before c, but b's park lands after c's: the store's line says c first, the replica's lot says b first.
     state = MemoryState()
@@ -109,9 +73,9 @@ async def test_parks_landing_out_of_order_do_not_deadlock_the_line() -> None:
         a = await answer(svc, "a")
         assert a.ticket is not None
         b = asyncio.create_task(answer(svc, "b"))
-        await asyncio.sleep(0)
+        await wait_until(lambda: parked(svc) == ["b"], what="b in the lot")
         c = asyncio.create_task(answer(svc, "c"))
-        await asyncio.sleep(0.1)  # both parks landed
+        await wait_until(lambda: sorted(line(state)) == ["r0|b", "r0|c"], what="both parks landed")
         svc.release_ticket(a.ticket.ticket_id)
         first = await asyncio.wait_for(b, 1.0)  # before the fix: refused 'queued' until park_timeout
         assert first.ticket is not None, first.decision
@@ -152,16 +116,18 @@ async def test_requests_parked_together_reach_the_line_in_one_round_trip_and_in_
 
 async def test_a_request_woken_before_its_park_landed_gets_its_admission_and_leaves_no_member() -> None:
     state = MemoryState()
-    async with running(SlowParks(state, {"b": 0.05}), {"e": 1}) as svc:
+    store = SlowParks(state, {"b": 0.05})
+    async with running(store, {"e": 1}) as svc:
         a = await answer(svc, "a")
         assert a.ticket is not None
         b = asyncio.create_task(answer(svc, "b"))
-        await asyncio.sleep(0)  # b is in the lot; its park is in flight
+        await wait_until(lambda: parked(svc) == ["b"], what="b in the lot")  # its park is in flight
         svc.release_ticket(a.ticket.ticket_id)
         woken = await asyncio.wait_for(b, 1.0)  # before the fix: never answered (its admission was released)
         assert woken.ticket is not None, woken.decision
-        await asyncio.sleep(0.1)
-        assert line(state) == [], "an admitted request's park landed after its admission and stayed in the line"
+        await wait_until(lambda: store.landed == ["b"], what="b's park landed")
+        await wait_until(lambda: line(state) == [],
+                         what="no member of b: an admitted request's park landed after its admission and stayed")
         svc.release_ticket(woken.ticket.ticket_id)
         c = await asyncio.wait_for(answer(svc, "c"), 1.0)  # the engine is idle: admitted at once, not queued
         assert c.ticket is not None and c.parked_for == 0, c.decision
@@ -176,15 +142,13 @@ async def test_a_parked_request_a_wake_answers_without_an_admission_leaves_the_l
         a = await answer(svc, "a")
         assert a.ticket is not None
         b = asyncio.create_task(answer(svc, "b"))
-        await asyncio.sleep(0.05)  # b is parked and in the line
-        assert line(state) == ["r0|b"]
+        await wait_until(lambda: line(state) == ["r0|b"], what="b parked and in the line")
         policy = svc.core.policy
         svc.core.set_policy(replace(policy, version_floors=(("m", "9.0"),)), admit_stale=True)
         svc.wake()
         refused = await asyncio.wait_for(b, 1.0)
         assert refused.ticket is None and refused.decision.reason.value == "version_floor", refused.decision
-        await asyncio.sleep(0.05)
-        assert line(state) == [], "a request answered by a wake stayed in the shared line"
+        await wait_until(lambda: line(state) == [], what="b out of the line: a request answered by a wake stayed in it")
         svc.core.set_policy(policy, admit_stale=True)
         svc.release_ticket(a.ticket.ticket_id)
         c = await asyncio.wait_for(answer(svc, "c"), 1.0)  # before the fix: refused 'queued', parked until park_timeout
@@ -198,8 +162,8 @@ async def test_a_parked_request_shed_at_its_deadline_leaves_the_line() -> None:
         assert a.ticket is not None
         b = await asyncio.wait_for(answer(svc, "b"), 2.0)  # parks behind a, which never finishes
         assert b.ticket is None and b.decision.reason.value == "park_timeout", b.decision
-        await asyncio.sleep(0.05)
-        assert line(state) == [], "a request shed by the park sweep stayed in the shared line"
+        await wait_until(lambda: line(state) == [],
+                         what="b out of the line: a request shed by the park sweep stayed in it")
 
 
 async def test_a_stray_member_of_this_replica_is_taken_out_of_the_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -211,8 +175,8 @@ async def test_a_stray_member_of_this_replica_is_taken_out_of_the_line(monkeypat
     async with running(store, {"e": 1}, max_park_s=30.0) as svc:
         a = await answer(svc, "a")
         assert a.ticket is not None
-        b = asyncio.create_task(answer(svc, "b"))  # the lot now has a line for m
-        await asyncio.sleep(0.05)
+        b = asyncio.create_task(answer(svc, "b"))
+        await wait_until(lambda: line(state) == ["r0|b"], what="b parked: the lot has a line for m")
         svc.release_ticket(a.ticket.ticket_id)
         first = await asyncio.wait_for(b, 1.0)
         assert first.ticket is not None, first.decision
@@ -241,12 +205,6 @@ class RecordedParks(ValkeyStore):
         return landed
 
 
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[ValkeyServer]:
-    with ValkeyServer() as server:
-        yield server
-
-
 async def test_a_burst_on_one_replica_over_valkey_is_admitted_in_line_order(valkey: ValkeyServer) -> None:
     store = RecordedParks(valkey.url, "r0", prefix="lineorder")
     store.parks = []
@@ -269,6 +227,8 @@ async def test_a_burst_on_one_replica_over_valkey_is_admitted_in_line_order(valk
         line = list(dict.fromkeys(store.parks))
         assert admitted_from_park == [r for r in line if r in admitted_from_park], \
             "parked requests admitted out of line order"
-        await asyncio.sleep(0.2)
-        leftover = [k async for k in store.client.scan_iter(match="lineorder:q:*")]
-        assert not leftover or all(await store.client.zcard(k) == 0 for k in leftover)
+
+        async def line_empty() -> bool:
+            return all([await store.client.zcard(k) == 0 async for k in store.client.scan_iter(match="lineorder:q:*")])
+
+        await wait_until(line_empty, what="every member out of the line")

@@ -28,6 +28,7 @@ from controlplane.metrics import SluiceMetrics
 from controlplane.admission.quota import Charged, Quota, Refused, make_limiter
 from ratelimit import LimitKind, Limits
 from ratelimit.memory import MemoryRateLimiter
+from tests.unit.fakes import FakeContext
 
 ACME = key_digest("sk-acme-1")
 ENGINES = [{"name": "a", "url": "http://127.0.0.1:1"}]
@@ -264,7 +265,7 @@ async def test_the_access_log_settles_a_tenants_request_with_what_it_used() -> N
         _entry("usage", {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42, "deltas": 30}),
         _entry("deltas", {"deltas": 7}),  # the estimate 10 + 7
         _entry("uncharged", {"deltas": 100}, charged=False),  # counted, but its charge (if any) stays
-    ), None)  # type: ignore[arg-type]
+    ), FakeContext())
     await asyncio.sleep(0)
     (usage,) = await quota.usage()
     assert [s.remaining for s in usage.states] == [1000 - 42 - 17 - 300]

@@ -66,8 +66,9 @@ def test_tls_blocks_are_all_or_nothing(sections: dict[str, Any], expected: str) 
 
 
 def _cluster(text: str) -> dict[str, Any]:
-    (cluster,) = [c for c in yaml.safe_load(text)["static_resources"]["clusters"] if c["name"] == "sluice_controlplane"]
-    return cluster  # type: ignore[no-any-return]
+    clusters: list[dict[str, Any]] = yaml.safe_load(text)["static_resources"]["clusters"]
+    (cluster,) = [c for c in clusters if c["name"] == "sluice_controlplane"]
+    return cluster
 
 
 def test_bootstrap_transport_socket() -> None:

@@ -21,8 +21,10 @@ from controlplane.servicers.authz import AuthorizationServicer
 from controlplane.config import DEFAULTS, ConfigError, TracingConfig, parse_config
 from controlplane.core.engines import EngineSample, EngineView, ServedModel
 from controlplane.tracing import CHECK_SPAN, SCOPE, CheckTracing, TracedAuthorizationServicer
+from rig.waits import wait_until
 from tests.otlp import OtlpReceiver, ReceivedSpan
-from tests.unit.test_check_total import FakeContext, chat_body, check_request, denial, one_engine_plane
+from tests.unit.extauthz import OneEnginePlane, chat_body, check_request, denial, one_engine_plane
+from tests.unit.fakes import FakeContext
 
 ONE = {"engines": [{"name": "thor", "url": "http://127.0.0.1:9"}]}
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -95,14 +97,14 @@ def receiver() -> Iterator[OtlpReceiver]:
     r.close()
 
 
-def make_plane(monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver, **tracing: Any) -> ControlPlane:
-    """A control plane that is never started, tracing to ``receiver`` (its fleet as in test_check_total)."""
+def make_plane(monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver, **tracing: Any) -> OneEnginePlane:
+    """A control plane that is never started, tracing to ``receiver`` (its fleet as ``one_engine_plane``'s)."""
     return one_engine_plane(monkeypatch, {**ONE, "tracing": {"enabled": True, "otlp_endpoint": receiver.endpoint,
                                                              "service_name": "sluice-test", **tracing}})
 
 
 @pytest.fixture
-async def plane(monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver) -> AsyncIterator[ControlPlane]:
+async def plane(monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver) -> AsyncIterator[OneEnginePlane]:
     p = make_plane(monkeypatch, receiver)
     yield p
     await p.stop()
@@ -188,8 +190,8 @@ async def test_a_refusal_carries_its_reason_and_status_and_sends_nothing_upstrea
     assert span.status_code == 0, "a refused request is the client's error, not the span's"
 
 
-async def test_a_shed_carries_its_retry_after(plane: ControlPlane, receiver: OtlpReceiver) -> None:
-    plane.cap_running = (1, 1)  # type: ignore[attr-defined]  # no seat: a sheddable request is shed, not parked
+async def test_a_shed_carries_its_retry_after(plane: OneEnginePlane, receiver: OtlpReceiver) -> None:
+    plane.cap_running = (1, 1)  # no seat: a sheddable request is shed, not parked
     status, headers, _ = denial(await check(plane, {"x-sluice-priority": "sheddable"}))
     [span] = await exported(plane, receiver)
     a = span.attributes
@@ -197,24 +199,20 @@ async def test_a_shed_carries_its_retry_after(plane: ControlPlane, receiver: Otl
     assert a["sluice.retry_after_s"] == int(headers["retry-after"]) and a["sluice.priority"] == "sheddable"
 
 
-async def test_a_parked_admission_records_its_wait_and_a_cancelled_park_is_marked(plane: ControlPlane,
+async def test_a_parked_admission_records_its_wait_and_a_cancelled_park_is_marked(plane: OneEnginePlane,
                                                                                   receiver: OtlpReceiver) -> None:
-    plane.cap_running = (1, 1)  # type: ignore[attr-defined]
+    plane.cap_running = (1, 1)
     traced = servicer(plane)
     parked = asyncio.create_task(traced.Check(check_request(chat_body(max_tokens=5), {"x-request-id": "waits"}),
                                               FakeContext(290.0)))
     left = asyncio.create_task(traced.Check(check_request(chat_body(max_tokens=5), {"x-request-id": "leaves"}),
                                             FakeContext(290.0)))
-    for _ in range(100):
-        await asyncio.sleep(0.001)
-        if plane.admission.depth() == 2:
-            break
-    assert plane.admission.depth() == 2
+    await wait_until(lambda: plane.admission.depth() == 2, what="both Checks parked")
     left.cancel()
     with pytest.raises(asyncio.CancelledError):
         await left
-    await asyncio.sleep(0.02)
-    plane.cap_running = (1, 0)  # type: ignore[attr-defined]
+    await wait_until(lambda: plane.admission.depth() == 1, what="the cancelled Check out of the lot")
+    plane.cap_running = (1, 0)
     plane.service.wake()
     assert (await asyncio.wait_for(parked, 5)).HasField("ok_response")
     spans = {s.attributes["sluice.request_id"]: s for s in await exported(plane, receiver, 2)}

@@ -12,7 +12,7 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.model import Decision, Reason, Verdict
 from controlplane.core.policy import ModelPolicy, Policy
 from controlplane.core.request import parse_request
-from tests.unit.test_route import engine
+from tests.unit.coreinputs import engine
 
 BODY = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}).encode()
 HOLDER = json.dumps({"model": "cortex", "messages": [{"role": "user", "content": "x" * 400}],

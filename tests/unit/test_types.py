@@ -30,7 +30,8 @@ def test_config_strings_become_enums_that_still_compare_as_strings() -> None:
     assert engine.flavor is EngineFlavor.SGLANG and engine.flavor.configured is Flavor.SGLANG
     assert engine.sim_flavor is SimFlavor.LLAMACPP and not engine.sim_flavor.vllm
     assert config.observe.on_stale is OnStale.CLOSED and config.envoy.on_controlplane_failure is OnFailure.CLOSED
-    assert config.observe.on_stale == "closed" and f"{engine.flavor}" == "sglang"  # YAML, logs, labels: as before
+    on_stale: str = config.observe.on_stale  # a StrEnum is a str
+    assert on_stale == "closed" and f"{engine.flavor}" == "sglang"  # YAML, logs, labels: as before
 
 
 @pytest.mark.parametrize(("section", "key", "allowed"), [
@@ -52,15 +53,16 @@ def test_frozen_dataclasses_hold_read_only_copies() -> None:
     ledger["b"] = EngineLedger()
     assert list(fleet.ledger) == ["a"]
     by_batch = {"a": {1: 10.0}}
-    tables = RateTables(decode_by_batch=by_batch)
+    # RateTables takes plain mappings and copies them (__post_init__); its field's type names only BatchRates.
+    tables = RateTables(decode_by_batch=by_batch)  # type: ignore[arg-type]
     by_batch["a"][2] = 5.0
     assert dict(tables.decode_by_batch["a"]) == {1: 10.0}
     for mapping in (policy.models, fleet.ledger, fleet.expected_output, tables.solo_decode, tables.decode_by_batch):
         assert isinstance(mapping, MappingProxyType)
         with pytest.raises(TypeError):
-            mapping["x"] = None  # type: ignore[index]
+            mapping["x"] = None  # type: ignore[index]  # the write its type forbids, tried at run time
     with pytest.raises(TypeError):  # an engine's rates by batch (BatchRates): read-only, kept sorted for bisection
-        tables.decode_by_batch["a"][3] = 1.0  # type: ignore[index]
+        tables.decode_by_batch["a"][3] = 1.0  # type: ignore[index]  # likewise
 
 
 @settings(max_examples=300, deadline=None)

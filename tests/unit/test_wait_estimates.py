@@ -13,17 +13,17 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.admission import AdmissionCore
+from controlplane.core.model import Outcome, Reason, Verdict
 from controlplane.core.decide import decide
-from controlplane.core.waits import retry_after
 from controlplane.core.fit import misfits
+from controlplane.core.waits import retry_after
 from controlplane.core.ledger import Ledger
-from controlplane.core.engines import EngineSample, EngineView
 from controlplane.core.fleet import EngineLedger, Fleet, RateTables
-from controlplane.core.model import Reason, Verdict
+from controlplane.core.engines import EngineSample, EngineView
 from controlplane.core.output_length import MEMORYLESS, OutputLengthBook, OutputTail
 from controlplane.core.policy import Policy
 from controlplane.core.route import estimate, expected_frees, expected_output_tokens, slot_wait
-from tests.unit.test_route import SEED_000, chat, engine
+from tests.unit.coreinputs import SEED_000, chat, engine
 
 P = Policy(default_max_tokens=1024, default_expected_output_tokens=100)
 
@@ -59,12 +59,12 @@ def test_backlog_behind_a_request_lengthens_the_wait_for_a_busy_engine() -> None
 # -- expected output length ---------------------------------------------------------------------------------------------
 def test_expected_output_is_learned_capped_and_separate_from_the_reservation() -> None:
     fleet = Fleet((engine("e"),))
-    assert expected_output_tokens(chat(max_tokens=None), fleet, P) == 100  # type: ignore[arg-type]  # the policy default
+    assert expected_output_tokens(chat(max_tokens=None), fleet, P) == 100  # the policy default
     assert expected_output_tokens(chat(max_tokens=30), fleet, P) == 30  # never beyond max_tokens
     learned = Fleet((engine("e"),), expected_output={"cortex": 42.5})
-    assert expected_output_tokens(chat(max_tokens=None), learned, P) == 42.5  # type: ignore[arg-type]
+    assert expected_output_tokens(chat(max_tokens=None), learned, P) == 42.5
     assert expected_output_tokens(chat(max_tokens=500), learned, P) == 42.5
-    decision = decide(chat(prompt=10, max_tokens=None), learned, P, now=0.0)  # type: ignore[arg-type]
+    decision = decide(chat(prompt=10, max_tokens=None), learned, P, now=0.0)
     assert decision.reserved_tokens == 10 + 1024  # KV still holds the worst case
     assert decision.expected_done_at == pytest.approx(10 / 1000 + 1 / 20 + 42.5 / 20)  # time uses the expected length
 
@@ -125,12 +125,12 @@ def test_the_tail_is_rebuilt_at_most_once_a_second_however_fast_lengths_come() -
 def test_the_ledger_expects_finishes_from_the_learned_length() -> None:
     core = AdmissionCore(P, Ledger(lease_seconds=600))
     views = [engine("e", decode=20.0)]
-    first = core.check("a", chat(max_tokens=None), core.fleet(views, 0.0), 0.0)  # type: ignore[arg-type]
+    first = core.check("a", chat(max_tokens=None), core.fleet(views, 0.0), 0.0)
     assert first.ticket is not None and first.ticket.expected_done_at == pytest.approx(0.01 + 0.05 + 100 / 20)
     core.release("a", 1.0)
     for _ in range(20):
         core.record_output("cortex", 40)
-    second = core.check("b", chat(max_tokens=None), core.fleet(views, 1.0), 1.0)  # type: ignore[arg-type]
+    second = core.check("b", chat(max_tokens=None), core.fleet(views, 1.0), 1.0)
     assert second.ticket is not None and second.ticket.expected_done_at == pytest.approx(1.0 + 0.01 + 0.05 + 40 / 20)
     assert second.ticket.reserved_tokens == 10 + 1024
 
@@ -167,18 +167,18 @@ def test_a_ticket_past_its_expected_finish_is_expected_to_run_on() -> None:
         core.record_output("cortex", length)
     views = [engine("thor", decode=25.35, prefill=1500.0), engine("spark", decode=43.91, prefill=4000.0)]
     for rid in ("a", "b"):
-        outcome = core.check(rid, chat(prompt=300, max_tokens=None), core.fleet(views, 0.0), 0.0)  # type: ignore[arg-type]
+        outcome = core.check(rid, chat(prompt=300, max_tokens=None), core.fleet(views, 0.0), 0.0)
         assert outcome.ticket is not None and outcome.ticket.engine == "spark"
     late = max(t.expected_done_at for t in core.ledger.tickets())
     now = late + 0.5
     fleet = core.fleet(views, now)
     frees = expected_frees("spark", fleet, now)
     assert all(f > now + 1.0 for f in frees)  # not "now": each has most of a long answer left
-    decision = decide(chat(prompt=300, max_tokens=None), fleet, P, now=now, arriving=True)  # type: ignore[arg-type]
+    decision = decide(chat(prompt=300, max_tokens=None), fleet, P, now=now, arriving=True)
     assert (decision.verdict, decision.engine) == (Verdict.ADMIT, "thor")
     # Without the progress (a hand-built view), overdue tickets free now and the arrival waits for Spark: the old fault.
     blind = Fleet(fleet.engines, {"spark": replace(fleet.of("spark"), running=())}, expected_output=fleet.expected_output)
-    assert decide(chat(prompt=300, max_tokens=None), blind, P, now=now,  # type: ignore[arg-type]
+    assert decide(chat(prompt=300, max_tokens=None), blind, P, now=now,
                   arriving=True).reason is Reason.WAITING_FOR_FASTER
 
 
@@ -261,7 +261,7 @@ def test_equal_rates_never_leave_a_free_slot_idle_while_a_request_waits(
         ledger[name] = EngineLedger(open_tickets=tickets, expected_done=tuple(sorted(done[:tickets])))
     fleet = Fleet(tuple(engines), ledger)
     policy = Policy(max_wait_for_faster_services=bound)
-    request = chat(prompt=prompt, max_tokens=max_tokens, ttft_ms=deadline_ms, priority=priority,  # type: ignore[arg-type]
+    request = chat(prompt=prompt, max_tokens=max_tokens, ttft_ms=deadline_ms, priority=priority,
                    session="s" if affinity is not None else None)
     sticky = f"e{affinity}" if affinity is not None and affinity < len(engines) else None
     decision = decide(request, fleet, policy, now=0.0, affinity=sticky, pick=pick, behind=behind)
@@ -281,7 +281,7 @@ def sustained(per_s: float, seconds: float, tokens: int, max_tokens: int | None,
     core = AdmissionCore(policy or Policy(), Ledger(lease_seconds=600))
     views = [engine("thor", decode=18.18, prefill=1500.0), engine("spark", decode=49.24, prefill=4000.0)]
     tables = RateTables(decode_by_batch=SEED_000)
-    request = chat(prompt=10, max_tokens=max_tokens)  # type: ignore[arg-type]
+    request = chat(prompt=10, max_tokens=max_tokens)
     events: list[tuple[float, int, str]] = [(i / per_s, 1, f"r{i}") for i in range(int(per_s * seconds))]
     heapq.heapify(events)
     arrived: dict[str, float] = {}
@@ -289,7 +289,7 @@ def sustained(per_s: float, seconds: float, tokens: int, max_tokens: int | None,
     ttfts: list[float] = []
     e2e: list[float] = []
 
-    def started(outcome, now: float) -> None:  # type: ignore[no-untyped-def]
+    def started(outcome: Outcome, now: float) -> None:
         assert outcome.ticket is not None
         name = outcome.ticket.engine
         rate = SEED_000[name][2]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import pytest
 from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf import any_pb2
 
@@ -17,7 +18,7 @@ from controlplane.metrics import SluiceMetrics
 from controlplane.xds.publisher import XdsPublisher
 from controlplane.xds.resources import CLUSTER_TYPE, ROUTE_TYPE
 from controlplane.xds.snapshot import Snapshot, TypeResources
-from tests.unit.test_route import engine
+from tests.unit.coreinputs import engine
 
 
 def fleet(thor_running: int, spark_running: int = 0, drained: str = "") -> Fleet:
@@ -89,7 +90,8 @@ def test_a_weights_push_rebuilds_only_the_routes_and_equals_a_full_build() -> No
 
 
 
-def test_on_an_indexed_fleet_eligibility_is_recomputed_only_when_an_engine_moves(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_on_an_indexed_fleet_eligibility_is_recomputed_only_when_an_engine_moves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """At scale the staleness tick reads which engines are eligible from the index's eligibility number instead of a
     pass over every engine; a drain (or staleness, a floor) still leaves the route at once."""
     from controlplane.core import weights
@@ -104,9 +106,14 @@ def test_on_an_indexed_fleet_eligibility_is_recomputed_only_when_an_engine_moves
     core.set_engines(["thor", "spark"])
     for view in fleet(0).engines:
         core.note_view(view)
-    passes = []
+    passes: list[int] = []
     real = weights.eligible_engines
-    monkeypatch.setattr(publisher_module, "eligible_engines", lambda f, p: passes.append(1) or real(f, p))
+
+    def counted(fleet: Fleet, policy: Policy) -> dict[str, frozenset[str]]:
+        passes.append(1)
+        return real(fleet, policy)
+
+    monkeypatch.setattr(publisher_module, "eligible_engines", counted)
     publisher = XdsPublisher(config, SluiceMetrics())
     publisher.start(core.indexed_fleet(0.0), {}, (), now=0.0)
 
