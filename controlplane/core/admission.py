@@ -47,6 +47,12 @@ class AdmissionCore(Waking):
             return decision
         return self._park_verdict("", request, decision, fleet, now)[0]
 
+    def passed_over(self, request_id: str) -> bool:
+        """Whether parked ``request_id`` was last decided to wait although a slot was free (``Decision.idle_slot``: it
+        waits for a busy engine that finishes it sooner, or no free engine meets its deadline) and no slot has freed
+        since: requests behind it may pass it, in a wake or on arrival."""
+        return self.lot.passable(request_id, self._frees)
+
     def _arrival(self, request: InferenceRequest, fleet: Fleet, now: float, ahead_elsewhere: int = 0,
                  preview: bool = False) -> tuple[Decision, QueueRule]:
         """The decision for an arrival and its place against the shared line, changing nothing (``preview``: counting

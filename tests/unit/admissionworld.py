@@ -81,9 +81,10 @@ class World:
         outcomes = self.core.wake(self.fleet(), self.now)
         if not self.core.policy.backfill:  # backfill reorders on purpose
             limit, fraction = self.core.policy.lifo_after_ms, self.core.policy.lifo_deadline_fraction
-            # A head with a TTFT deadline that no free slot can meet is passed over and stays parked (wake): the order
-            # holds among the others.
-            still = {p.request_id for p in self.core.parked() if p.request.max_ttft_ms}
+            # A head passed over (a TTFT deadline no free slot can meet, or it waits for a busy engine that finishes it
+            # sooner, e.g. its prefix's holders) stays parked (wake): the order holds among the others.
+            still = {p.request_id for p in self.core.parked()
+                     if p.request.max_ttft_ms or self.core.passed_over(p.request_id)}
             for klass, order in before.items():
                 answered = [o.request_id for o in outcomes if o.request_id in order]
                 waited_ms = (self.now - oldest[klass][0]) * 1000 if klass in oldest else 0.0
