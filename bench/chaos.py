@@ -314,7 +314,7 @@ class Stack:
 
     @property
     def metrics_port(self) -> int:
-        return self.plane.plane.metrics_port if self.plane is not None else self.config.controlplane.metrics_port
+        return self.plane.plane.http.port if self.plane is not None else self.config.controlplane.metrics_port
 
     def engines(self) -> dict[str, admin_pb2.Engine]:
         return list_engines(self.grpc_port)

@@ -9,7 +9,7 @@ lands them at this scale: in the batches the worker sends every ``FLUSH_S``, ``F
 slice followed by ``Observation.refresh_rows`` (their engines' index rows redone between Checks; until 756a9ff
 (2026-12-02) the bench left every row to the next Check's snapshot, and until 450c765 (2026-12-03) a slice's last rows
 when the batch ended short of a slice, which the real process does not), every Check as ``authz.py`` makes it
-(``plane.fleet(now)`` then ``plane.admission.check``, ``record_outcome``, a parked Check waiting on the future ``wake``
+(``plane.observation.fleet(now)`` then ``plane.admission.check``, ``record_outcome``, a parked Check waiting on the future ``wake``
 resolves), every release as the access log makes it (``plane.release_ticket``: ledger, wake, and the loop turns its
 store write and wake take, while they are in flight; until 6c2f4d2 (2026-12-03) four turns, empty or not), the
 park-deadline sweep every 0.1 s and the staleness loop's ``refresh_weights`` every 0.5 s. Start-up objects are frozen
@@ -150,7 +150,7 @@ class Plane:
         for config in self.plane.config.engines:
             # This bench never lets a poller probe (``probe`` below stores what a probe would).
             poller = EnginePoller(config, self.plane.config.observe, self.plane.observation.probed, clock=lambda: self.now)
-            self.plane.pollers.append(poller)
+            self.plane.observation.pollers.append(poller)
             self.pollers[config.name] = poller
         self.cpu: defaultdict[str, float] = defaultdict(float)
         self.probes = 0
@@ -228,7 +228,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
     sim.probes = 0
 
     # Idle: probes jitter (a little bypass traffic), no requests; pushes counted.
-    pushes_before_idle = plane.weight_pushes
+    pushes_before_idle = plane.xds.weight_pushes
     events: list[tuple[float, int, str, str]] = []
     seq = 0
     pending: list[Report] = []  # reports the probe worker has not sent yet (a batch every FLUSH_S)
@@ -264,7 +264,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
         else:
             await plane.refresh_weights()
     flush()
-    idle_pushes = plane.weight_pushes - pushes_before_idle
+    idle_pushes = plane.xds.weight_pushes - pushes_before_idle
     # The requests start where the idle phase ended: the clock runs on (the plane's staleness deadlines stay true).
     base = sim.now = IDLE_SECONDS
     events = [(at, s, k, n) for at, s, k, n in events if k == "probe"]
@@ -294,7 +294,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
     last_arrival = base + jobs[-1].at
     last_event = base
     window: dict[str, Any] = {}
-    pushes_before = plane.weight_pushes
+    pushes_before = plane.xds.weight_pushes
     ttft: dict[str, float] = {}
     shed: dict[str, str] = {}
     over_shed = 0
@@ -352,7 +352,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
             sim.cpu["checks"] += time.process_time() - started
         elif kind == "finish":
             del owner.pop(name).running[name]
-            sim.timed("releases", lambda: plane.release_ticket(name))
+            sim.timed("releases", lambda: plane.service.release_ticket(name))
             # The wake a release schedules (and the store write before it) runs on the next turns of the loop: turned
             # while that work is in flight (an empty turn is the bench's, not the release's).
             started = time.process_time()
@@ -372,7 +372,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
             flush()
         elif kind == "sweep":
             if plane.admission.depth():
-                sim.timed("sweeps", lambda: plane.service.answer(plane.admission.expire_parked(plane.fleet(sim.now), sim.now)))
+                sim.timed("sweeps", lambda: plane.service.answer(plane.admission.expire_parked(plane.observation.fleet(sim.now), sim.now)))
         elif kind == "weights":
             started = time.process_time()
             await plane.refresh_weights()
@@ -411,7 +411,7 @@ async def _run(sim: Plane, plane: ControlPlane, engines: list[SimEngine], jobs: 
         "shed_reasons": Counter(shed.values()),
         "served_sorted": served,
         "pushes_per_min_idle": idle_pushes / IDLE_SECONDS * 60,
-        "pushes_per_min_traffic": (plane.weight_pushes - pushes_before) / duration * 60,
+        "pushes_per_min_traffic": (plane.xds.weight_pushes - pushes_before) / duration * 60,
     }
 
 

@@ -91,7 +91,7 @@ class ControlPlane:
         self.version = _version()
         self.ledger = Ledger(config.tickets.lease_seconds)
         self.metrics = SluiceMetrics(
-            open_tickets=lambda: {p.config.name: self.ledger.open_tickets(p.config.name) for p in self.pollers},
+            open_tickets=lambda: {p.config.name: self.ledger.open_tickets(p.config.name) for p in self.observation.pollers},
             prefix_index=lambda: (self.admission.prefixes.held, self.admission.prefixes.limit_blocks),
             engine_states=lambda: self.observation.engine_states(),
             tenant_shares=lambda: [(self.observation.model_label(t.model), t.tenant, t.counter, t.served_tokens,
@@ -121,50 +121,10 @@ class ControlPlane:
         self._admin_server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
 
-    # -- shortcuts tests and benches read ----------------------------------------------------------------------------
-    @property
-    def pollers(self) -> list[EnginePoller]:
-        return self.observation.pollers
-
-    @property
-    def rates(self) -> RateBook:
-        return self.observation.rates
-
-    @property
-    def metrics_port(self) -> int:
-        return self.http.port
-
-    @property
-    def cache(self) -> SnapshotCache:
-        return self.xds.cache
-
-    @property
-    def ads(self) -> AdsServicer:
-        return self.xds.ads
-
-    @property
-    def weight_pushes(self) -> int:
-        return self.xds.weight_pushes
-
-    @property
-    def published_weights(self) -> Weights:
-        return self.xds.weights
-
-    def fleet(self, now: float) -> Fleet:
-        return self.observation.fleet(now)
-
-    def release_ticket(self, ticket_id: str) -> Ticket | None:
-        return self.service.release_ticket(ticket_id)
-
-    def wake(self, models: list[str] | None = None) -> None:
-        self.service.wake(models)
-
-    async def publish(self) -> Snapshot:
-        return await self.xds.publish()
-
     async def refresh_weights(self) -> bool:
+        """Recompute the fallback weights from the fleet now and push them if they moved enough (``XdsPublisher``)."""
         now = self.clock()
-        return await self.xds.refresh_weights(self.fleet(now), now)
+        return await self.xds.refresh_weights(self.observation.fleet(now), now)
 
     # -- events between the parts ------------------------------------------------------------------------------------
     def _set_config(self, config: Config) -> None:
@@ -177,7 +137,7 @@ class ControlPlane:
         self.service.on_probe(view)
         if self._server is not None and self.xds.caps_changed(view.name, view.discovered_concurrency):
             # The engine's circuit breaker follows the cap it reports (llama.cpp slots, SGLang max_running_requests).
-            self._tasks.append(asyncio.create_task(self.publish(), name="publish-caps"))
+            self._tasks.append(asyncio.create_task(self.xds.publish(), name="publish-caps"))
 
     def _note_cache(self, view: EngineView) -> None:
         """The prefix index follows the engine: its capacity, and nothing cached after a restart or a drain."""
@@ -215,8 +175,8 @@ class ControlPlane:
         now = self.clock()
         redirectors = [(r.host, r.metrics_port) for r in cfg.controlplane.addresses(self.http.port)] \
             if cfg.envoy.retry_on_engine_failure else []
-        self.xds.start(self.fleet(now), self.observation.reported_caps(now), redirectors, now)
-        await self.publish()
+        self.xds.start(self.observation.fleet(now), self.observation.reported_caps(now), redirectors, now)
+        await self.xds.publish()
         server = grpc.aio.server(options=grpc_options(cfg))
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.xds.ads, server)
         authz = (AuthorizationServicer(self.service, self.quota) if self.tracing is None
@@ -244,7 +204,7 @@ class ControlPlane:
         log.info(
             "control plane on %s:%d (ADS, ext_authz, ALS; %s), admin on %s:%d (%s), metrics on :%d, %d engines",
             cfg.controlplane.host, self.grpc_port, _tls_mode(cfg.controlplane.tls), cfg.controlplane.admin_host,
-            self.admin_port, _tls_mode(cfg.admin.tls), self.metrics_port, len(cfg.engines),
+            self.admin_port, _tls_mode(cfg.admin.tls), self.http.port, len(cfg.engines),
         )
 
     async def stop(self) -> None:

@@ -134,10 +134,10 @@ class Stack:
         if self.plane_config is None:
             given = plane.config
             self.plane_config = replace(given, controlplane=replace(
-                given.controlplane, grpc_port=plane.grpc_port, metrics_port=plane.metrics_port,
+                given.controlplane, grpc_port=plane.grpc_port, metrics_port=plane.http.port,
                 admin_port=plane.admin_port))
         self.config = replace(self.config, controlplane=replace(
-            self.config.controlplane, grpc_port=plane.grpc_port, metrics_port=plane.metrics_port,
+            self.config.controlplane, grpc_port=plane.grpc_port, metrics_port=plane.http.port,
             admin_port=plane.admin_port))
 
     @property
@@ -300,7 +300,7 @@ def start_stack(
 
 def push_broken_cluster(stack: Stack) -> None:
     """Set a snapshot Envoy must NACK on the stack's control plane: what it publishes plus a cluster with a negative
-    connect timeout. The control plane's next publish (``plane.publish()``, or any refresh) replaces it."""
+    connect timeout. The control plane's next publish (``plane.xds.publish()``, or any refresh) replaces it."""
     from envoy.config.cluster.v3 import cluster_pb2
     from google.protobuf import any_pb2, duration_pb2
 

@@ -78,7 +78,7 @@ async def measure(size: int, view0: EngineView, rates0: EngineRates) -> list[tup
     pollers: dict[str, EnginePoller] = {}
     for config in plane.config.engines:
         poller = EnginePoller(config, plane.config.observe, plane.observation.probed, clock=lambda: now[0])
-        plane.pollers.append(poller)
+        plane.observation.pollers.append(poller)
         pollers[config.name] = poller
     rng = random.Random(1)
     names = list(pollers)

@@ -185,7 +185,7 @@ def _metrics(stack: Stack) -> str:
     import urllib.request
 
     assert stack.controlplane is not None
-    port = stack.controlplane.plane.metrics_port
+    port = stack.controlplane.plane.http.port
     text: str = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return text
 

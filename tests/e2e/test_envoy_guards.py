@@ -147,7 +147,7 @@ def test_fail_open_is_bounded_by_each_engines_cap(tmp_path: Path) -> None:
 
 def _metric(stack: Stack, name: str, **labels: str) -> float:
     assert stack.controlplane is not None
-    text = urllib.request.urlopen(f"http://127.0.0.1:{stack.controlplane.plane.metrics_port}/metrics", timeout=5).read()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{stack.controlplane.plane.http.port}/metrics", timeout=5).read()
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     for line in text.decode().splitlines():
         if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(name + " ")):

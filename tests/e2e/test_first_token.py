@@ -53,7 +53,7 @@ def timed_stream(stack: Stack, body: bytes) -> tuple[float, float]:
 
 def metric(stack: Stack, pattern: str) -> float:
     assert stack.controlplane is not None
-    port = stack.controlplane.plane.metrics_port
+    port = stack.controlplane.plane.http.port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     found = re.search(pattern, text)
     return float(found[1]) if found else 0.0

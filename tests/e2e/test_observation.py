@@ -20,7 +20,7 @@ from tests.harness import Stack, set_metrics_fault, start_stack
 
 def metrics_text(stack: Stack) -> str:
     assert stack.controlplane is not None
-    port = stack.controlplane.plane.metrics_port
+    port = stack.controlplane.plane.http.port
     text: str = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return text
 

@@ -38,10 +38,10 @@ def test_a_probe_worker_observes_serves_keeps_drains_and_comes_back(tmp_path: Pa
 
         # A drain lives in the control plane; the worker's next views do not undo it.
         assert stack.controlplane.call(plane.admin.set_drained("spark", True))
-        spark = next(p for p in plane.pollers if p.config.name == "spark")
+        spark = next(p for p in plane.observation.pollers if p.config.name == "spark")
         drained_at = spark.probes
         wait_for(lambda: spark.probes >= drained_at + 3, timeout=10, what="several probes of spark after the drain")
-        views = {v.name: v for v in plane.fleet(plane.clock()).engines}
+        views = {v.name: v for v in plane.observation.fleet(plane.clock()).engines}
         assert views["spark"].drained and not views["spark"].stale
         for _ in range(4):
             reply = client.chat.completions.with_raw_response.create(
@@ -52,9 +52,9 @@ def test_a_probe_worker_observes_serves_keeps_drains_and_comes_back(tmp_path: Pa
         os.kill(mine[0], signal.SIGKILL)
         wait_for(lambda: [p for p in _worker_pids() if p not in before and p != mine[0]], timeout=10,
                  what="a new probe worker")
-        probes = sum(p.probes for p in plane.pollers)
-        wait_for(lambda: sum(p.probes for p in plane.pollers) > probes + 4, timeout=10, what="probes after the restart")
-        views = {v.name: v for v in plane.fleet(plane.clock()).engines}
+        probes = sum(p.probes for p in plane.observation.pollers)
+        wait_for(lambda: sum(p.probes for p in plane.observation.pollers) > probes + 4, timeout=10, what="probes after the restart")
+        views = {v.name: v for v in plane.observation.fleet(plane.clock()).engines}
         assert not views["thor"].stale and views["spark"].drained
     finally:
         stack.close()
@@ -88,8 +88,8 @@ def test_the_probe_worker_runs_idle_and_comes_back_at_nice_when_every_core_is_bu
         wait_for(lambda: [p for p in _worker_pids() if p not in before and p != first[0]], timeout=10,
                  what="a worker restarted at nice")
         second = [p for p in _worker_pids() if p not in before and p != first[0]]
-        probes = sum(p.probes for p in plane.pollers)
-        wait_for(lambda: sum(p.probes for p in plane.pollers) > probes + 4, timeout=15,
+        probes = sum(p.probes for p in plane.observation.pollers)
+        wait_for(lambda: sum(p.probes for p in plane.observation.pollers) > probes + 4, timeout=15,
                  what="probes from the nice worker while every core is busy")
         # It probes, so it has read its setup and chosen its scheduling: a normal process at nice 10.
         assert os.sched_getscheduler(second[0]) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, second[0]) == 10

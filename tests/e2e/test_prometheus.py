@@ -143,8 +143,8 @@ def _drive_traffic(stack: Stack) -> dict[int, int]:
     assert stack.controlplane is not None
     plane = stack.controlplane.plane
     push_broken_cluster(stack)
-    wait_for(lambda: plane.ads.nacks_total >= 1, what="Envoy's NACK")
-    stack.controlplane.call(plane.publish())
+    wait_for(lambda: plane.xds.ads.nacks_total >= 1, what="Envoy's NACK")
+    stack.controlplane.call(plane.xds.publish())
     return statuses
 
 
@@ -217,7 +217,7 @@ def catalogue() -> dict[str, tuple[str, set[str]]]:
 def exposition(stack: Stack) -> dict[str, tuple[str, set[str] | None]]:
     """The live /metrics: exposed name -> (type, labels, or None when the metric has no sample yet)."""
     assert stack.controlplane is not None
-    text = urllib.request.urlopen(f"http://127.0.0.1:{stack.controlplane.plane.metrics_port}/metrics",
+    text = urllib.request.urlopen(f"http://127.0.0.1:{stack.controlplane.plane.http.port}/metrics",
                                   timeout=5).read().decode()
     found: dict[str, tuple[str, set[str] | None]] = {}
     for family in text_string_to_metric_families(text):

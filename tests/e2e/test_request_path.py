@@ -158,12 +158,12 @@ def test_invalid_resource_is_nacked_and_traffic_keeps_flowing(stack: Stack, clie
     assert {c["cluster"]["name"] for c in dump["configs"]} == {"thor", "spark"}
     completion = client.chat.completions.create(model="cortex", messages=[{"role": "user", "content": "x"}], max_tokens=2)
     assert completion.choices[0].message.content == "the quick"
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{plane.metrics_port}/metrics").read().decode()
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{plane.http.port}/metrics").read().decode()
     assert 'sluice_xds_nacks_total{type_url="type.googleapis.com/envoy.config.cluster.v3.Cluster"} 1.0' in metrics
     # The rejected version is not resent in a loop: the count stays put.
-    stack.controlplane.call(plane.publish())
+    stack.controlplane.call(plane.xds.publish())
     cds = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
-    snapshot = plane.cache.snapshot
+    snapshot = plane.xds.cache.snapshot
     assert snapshot is not None
     good = snapshot.version(cds)
     wait_for(lambda: _acked(stack, cds) == good, what="ACK of the restored config")
@@ -187,7 +187,7 @@ def test_burst_releases_every_ticket(stack: Stack) -> None:
     final = stack.status()
     assert final.open_tickets == 0 and final.tickets_expired_total == 0
     assert stack.controlplane is not None
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.controlplane.plane.metrics_port}/metrics").read().decode()
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.controlplane.plane.http.port}/metrics").read().decode()
     assert 'sluice_tickets_open{engine="thor"} 0.0' in metrics and 'sluice_tickets_open{engine="spark"} 0.0' in metrics
 
 

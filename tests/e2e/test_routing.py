@@ -48,7 +48,7 @@ def test_deadline_skips_the_engine_too_slow_to_prefill(tmp_path: Path) -> None:
         assert status == 400 and json.loads(payload)["error"]["code"] == "invalid_max_ttft_ms"
         # Every served request's first token (these non-streaming answers' whole body) is timed by the access log.
         assert stack.controlplane is not None
-        port = stack.controlplane.plane.metrics_port
+        port = stack.controlplane.plane.http.port
 
         def timed() -> float:
             metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

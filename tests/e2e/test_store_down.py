@@ -50,7 +50,7 @@ def _ask(client: openai.OpenAI, max_tokens: int = 3) -> int:
 
 def _metric(stack: Stack, name: str) -> float:
     assert stack.controlplane is not None
-    with urllib.request.urlopen(f"http://127.0.0.1:{stack.controlplane.plane.metrics_port}/metrics",
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.controlplane.plane.http.port}/metrics",
                                 timeout=5) as response:
         text = response.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))

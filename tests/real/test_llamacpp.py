@@ -41,7 +41,7 @@ def client_for(stack: Stack, timeout: float = 60) -> openai.OpenAI:
 
 def controlplane_metrics(stack: Stack) -> str:
     assert stack.controlplane is not None
-    port = stack.controlplane.plane.metrics_port
+    port = stack.controlplane.plane.http.port
     text: str = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return text
 

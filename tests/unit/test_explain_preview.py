@@ -156,11 +156,11 @@ def test_explain_counts_the_line_as_a_check_does(monkeypatch: pytest.MonkeyPatch
     given only the count of requests parked ahead would have said it parks behind them)."""
     plane = plane_with(monkeypatch, {"backfill": True})
     core = plane.admission
-    assert core.check("running", chat(59_000, 1_000), plane.fleet(0.0), 0.0).ticket is not None
-    assert core.check("head", chat(39_000, 1_000), plane.fleet(0.1), 0.1).decision.verdict is Verdict.PARK
+    assert core.check("running", chat(59_000, 1_000), plane.observation.fleet(0.0), 0.0).ticket is not None
+    assert core.check("head", chat(39_000, 1_000), plane.observation.fleet(0.1), 0.1).decision.verdict is Verdict.PARK
     short = chat(4_000, 1_000)
     decision, ahead = plane.admin.decide_for(short, 1.0)
-    checked = core.check("short", short, plane.fleet(1.0), 1.0).decision
+    checked = core.check("short", short, plane.observation.fleet(1.0), 1.0).decision
     assert ahead == 1
     assert (decision.verdict, decision.reason, decision.engine) == (checked.verdict, checked.reason, checked.engine)
     assert decision.verdict is Verdict.ADMIT

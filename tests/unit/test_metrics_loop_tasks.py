@@ -50,7 +50,7 @@ def test_the_control_plane_exposes_it_on_metrics() -> None:
         await plane.start()
         try:
             async with aiohttp.ClientSession() as session:
-                async with session.get(f"http://127.0.0.1:{plane.metrics_port}/metrics") as response:
+                async with session.get(f"http://127.0.0.1:{plane.http.port}/metrics") as response:
                     return await response.text()
         finally:
             await plane.stop()
