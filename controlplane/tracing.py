@@ -1,35 +1,15 @@
 """OpenTelemetry traces of the Checks (opt-in: ``tracing.enabled``, ``TracingConfig`` in ``config/sections.py``).
 
 One span per ext_authz Check, ``sluice.check`` (kind SERVER): a child of the client's W3C ``traceparent`` when the Check's
-request headers carry one (Envoy hands the Check every request header), else the root of a new trace. It carries the
-decision (``record``: verdict, reason, engine, model, priority, parked ms, expected TTFT, Retry-After, request and ticket
-ids) and the answer (``finish``: the status of a denial, the failure code of an answer the Check made without a decision).
-An admission sends the engine a ``traceparent`` (and the span's ``tracestate``) naming this span, through the ext_authz OK
-response's upstream headers, so the engine's own spans continue the trace under the Check; they replace whatever the client
-sent (``edge.header`` overwrites). Tracing off, nothing here runs: the wiring registers the plain servicer, the admission
-service's hook is None, and a client's ``traceparent`` reaches the engine as Envoy forwards it (the Lua strip filter removes
-only ``x-sluice-*``; the HTTP connection manager has no tracing of its own).
+request headers carry one, else the root of a new trace. It carries the decision (``record``) and the answer
+(``finish``). An admission sends the engine a ``traceparent`` (and the span's ``tracestate``) naming this span, through
+the ext_authz OK response's upstream headers, replacing whatever the client sent. Tracing off, nothing here runs.
 
-Spans leave in batches (``BatchSpanProcessor``: a worker thread, a bounded queue that drops rather than waits, so a slow or
-absent collector never slows a Check) to ``tracing.otlp_endpoint``. ``shutdown`` flushes what is queued, in a thread: the
-export is blocking HTTP and must not stall the control plane's event loop while it stops (bounded by
-``tracing.export_timeout_seconds``). The provider is this control plane's own, never OpenTelemetry's global one, so several
-control planes in one process (the tests) keep their spans apart.
-
-**Why OTLP/HTTP with JSON** (``opentelemetry-exporter-otlp-json-http``), not the protobuf exporters
-(``opentelemetry-exporter-otlp-proto-grpc`` or ``-proto-http``): both of those encode through ``opentelemetry-proto``'s
-generated modules under ``opentelemetry/proto/``, and ``xds-protos`` (Envoy's protos, which the control plane needs) ships
-its own, older copy of exactly those files (OTLP before ``InstrumentationScope``), plus ``opentelemetry/__init__.py``.
-Two distributions then own one path: whichever pip installs last wins. ``pip install -e '.[dev]'`` installs ``xds-protos``
-last, so the exporters failed at import (``cannot import name 'InstrumentationScope' from
-opentelemetry.proto.common.v1.common_pb2``); reinstalling ``opentelemetry-proto`` afterwards made them import, but
-then removing or upgrading either package deletes or replaces the other's files. The gRPC exporter also pulls
-``googleapis-common-protos``, whose 59 ``google/api`` and ``google/rpc`` modules collide with ``xds-protos``' in the same way
-(different generated contents; the ext_authz responses use ``google.rpc.status_pb2``). The JSON exporter encodes with
-``opentelemetry-proto-json`` (plain dataclasses under ``opentelemetry/proto_json/``) and needs neither package, so no file
-has two owners. JSON is one of OTLP/HTTP's two specified encodings; the OpenTelemetry Collector's OTLP receiver takes it on
-the same port and path as protobuf (4318, ``/v1/traces``). The price is CPU: the JSON encoder is pure Python (see the cost
-in ``docs/architecture.md``, Tracing). Measured in a scratch venv; the versions are pinned in ``pyproject.toml``.
+Spans leave in batches (``BatchSpanProcessor``: a bounded queue that drops rather than waits, so a slow or absent
+collector never slows a Check) to ``tracing.otlp_endpoint`` over OTLP/HTTP in JSON (why not protobuf: decision 0024).
+``shutdown`` flushes what is queued in a thread, off the event loop (bounded by ``tracing.export_timeout_seconds``). The
+provider is this control plane's own, never OpenTelemetry's global one, so several control planes in one process (the
+tests) keep their spans apart. The attributes, sampling and cost: docs/architecture.md, Tracing.
 """
 
 from __future__ import annotations

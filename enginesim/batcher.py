@@ -7,23 +7,11 @@ current prefills (capped at ``MAX_PREFILL_STEP_S``). Without chunked prefill (``
 beside a decode step at its full rate; with it, a decode step also prefills up to that many tokens and lasts their
 prefill time longer, as vLLM V1's scheduler mixes them in one batch.
 
-KV is allocated in blocks as tokens are computed, like vLLM V1, so admission only needs a free slot and one free block. When a
-running request needs a block and none is free, the most recently admitted running request is preempted (recompute mode): its
-blocks are freed, it goes back to the head of the queue and must prefill its prompt plus what it already generated again. That
-is exactly the over-commit seed 004 describes, counted in ``preemptions``.
-
-Automatic prefix caching (prefixcache.py): a request scheduled from the queue shares the cached blocks its prompt starts
-with and prefills only the rest; the prompt blocks it fills are registered; freed cached blocks stay cached, counted as free
-(``kv_usage`` does not include them, as in vLLM), until a block is needed and none was never used: then the least
-recently freed is evicted. ``free_blocks`` is every block that can be allocated (never used + cached and free).
-
-LoRA adapters, like vLLM V1 with ``--enable-lora --max-loras N`` (``max_loras`` > 0): the engine has ``max_loras`` adapter
-slots on the GPU. A request for an adapter is scheduled only if its adapter is resident, or a slot is free, or a resident
-adapter no running request uses can be evicted (the least recently used one goes); otherwise it stays in the queue and
-later requests whose adapter can run pass it (vLLM's scheduler skips it for that step). Loading an adapter into a slot is a
-swap: it stalls the whole batch for ``lora_swap_s`` emulated seconds (the model runner activates adapters before the
-step's forward pass), counted in ``swaps``. A resident adapter stays resident until it is evicted, so the distinct
-adapters of the running set never exceed ``max_loras``.
+KV is allocated in blocks as tokens are computed (vLLM V1): admission needs a free slot and one free block; a running
+request that needs a block when none is free preempts the most recently admitted one (recompute: it returns to the head
+of the queue and prefills its prompt and output again), counted in ``preemptions``. ``free_blocks`` counts never-used
+and cached-but-free blocks (prefixcache.py); ``kv_usage`` excludes the latter, as vLLM does. LoRA adapters: at most
+``max_loras`` resident at once (``Batcher``).
 """
 
 from __future__ import annotations
@@ -100,6 +88,13 @@ class SimRequest:
 
 
 class Batcher:
+    """LoRA adapters, like vLLM V1 with ``--enable-lora --max-loras N`` (``max_loras`` > 0): ``max_loras`` adapter slots.
+    A request for an adapter is scheduled only if its adapter is resident, or a slot is free, or a resident adapter no
+    running request uses can be evicted (least recently used first); otherwise it stays in the queue and later requests
+    whose adapter can run pass it (vLLM's scheduler skips it for that step). Loading an adapter into a slot is a swap:
+    it stalls the whole batch for ``lora_swap_s`` emulated seconds, counted in ``swaps``. A resident adapter stays until
+    evicted, so the distinct adapters of the running set never exceed ``max_loras``."""
+
     def __init__(self, profile: Profile, metrics_time_scale: float = 1.0, *, max_loras: int = 0,
                  lora_swap_s: float = 0.0) -> None:
         if max_loras < 0 or lora_swap_s < 0:

@@ -1,30 +1,17 @@
 """Automatic prefix caching the way vLLM V1 does it, sans I/O: the simulator's KV blocks remember which prompt block they
 hold, so a later request that starts with the same tokens skips their prefill.
 
-**Tokens and blocks.** The simulator has no tokenizer; it counts a prompt as ``ceil(characters / c)`` tokens, ``c`` its
-profile's ``chars_per_token`` (3.3 for ``cortex``; ``CHARS_PER_TOKEN``, 4, where none is given), so KV block ``k``
-(``block_size`` 16 tokens, the profiles' value) is characters ``[span k, span (k + 1))`` of the prompt text, ``span =
-round(16 c)`` (53 at 3.3, 64 at 4). Only full blocks are cached, as in vLLM. A block's hash is chained: ``h_k =
-blake2b(h_{k-1} || the block's characters)``, so a block matches only when everything before it matches too (vLLM:
-``hash(parent_hash, token_ids)``).
+**Blocks.** With no tokenizer, a prompt is ``ceil(characters / c)`` tokens (``c`` the profile's ``chars_per_token``,
+``CHARS_PER_TOKEN`` where none is given), so KV block ``k`` (``block_size`` 16 tokens) is characters ``[span k,
+span (k + 1))`` of the prompt text, ``span = round(16 c)``. Only full blocks are cached. Hashes are chained, ``h_k =
+blake2b(h_{k-1} || the block's characters)``, so a block matches only when everything before it matches too.
 
-**Cache life** (vLLM's ``KVCacheManager``/``BlockPool``):
-
-- A request being scheduled looks up its leading block hashes; every hit is a block it shares (its reference count goes
-  up) and whose tokens it does not prefill. At most ``(tokens - 1) // block_size`` blocks hit: the last token is always
-  computed, to produce the first output's logits (vLLM's ``max_cache_hit_length = num_tokens - 1``).
-- A block the request fills while prefilling gets its hash registered; a hash some other request registered first stays a
-  private block of this request (vLLM keeps such duplicates out of the lookup table too).
-- When a request finishes, is aborted or preempted, its blocks are freed in reverse order: a cached block whose reference
-  count reaches zero keeps its contents and goes to the end of the free queue, so the tail of a prompt is evicted before
-  its head (a later request still finds the shared head). It is **evicted** (forgotten) only when a free block is needed
-  and no never-used one is left: least recently freed first.
-- Counters, vLLM V1's ``PrefixCacheStats``: every scheduling of a request from the waiting queue (a preempted request's
-  resumption included) adds its token count to ``queries`` and its hit tokens to ``hits``
-  (``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``, in tokens).
-
-Simplification: only prompt blocks are hashed. vLLM also caches the blocks of generated tokens, so a conversation's next
-turn can hit on the previous answer too; here it hits on the previous turn's prompt only.
+**Cache life** (vLLM's ``KVCacheManager``/``BlockPool``): a request scheduled from the queue shares its leading cached
+blocks, at most ``(tokens - 1) // block_size`` (the last token is always computed); the blocks it fills are registered
+unless another request registered the hash first; a finished, aborted or preempted request frees its blocks tail
+first, and a cached block nobody uses keeps its contents until a block is needed and no never-used one is left (least
+recently freed evicted first). ``queries`` and ``hits`` count tokens per scheduling from the queue, resumptions
+included. Only prompt blocks are hashed (vLLM also caches generated ones).
 """
 
 from __future__ import annotations

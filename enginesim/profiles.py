@@ -1,28 +1,17 @@
-"""Simulated engine profiles, each built from measured numbers.
+"""Simulated engine profiles, each built from measured numbers (their sources: ``PROFILES``).
 
-- ``thor`` / ``spark``: seed 000 (Jetson AGX Thor vs DGX Spark GB10, both ``max_num_seqs=2``). Aggregate decode rates are the
-  measured ones (Thor 18.18 tok/s at 1 stream and 50.71 at 2; Spark 49.24 and 87.82). KV capacity from the same report: Thor's KV
-  holds 4.03x and Spark's 2.90x a full ``max_model_len`` (32768) sequence. Prefill rates were not measured there: the values are
-  assumptions in the same ratio as decode, stated here so nobody mistakes them for data.
-- ``v100pp2``: seed 004 (Qwen3-32B-GPTQ-Int4 on 2x V100, pipeline parallel 2, ``max_num_seqs=4``): 9527 blocks x 16 tokens =
-  152,432 KV tokens, uncached prefill 262 tok/s contended. Decode is shaped to the measured fleet aggregate (~30.9 tok/s).
+Output lengths (``output_model="eos"``, the default): each request's natural length is drawn from a lognormal
+(``exp(N(ln median, sigma))``, at least one token), then capped by ``max_tokens`` (or ``max_model_len - prompt`` when
+the request sets none). The medians and spreads are assumptions, not measurements (seeds 000 and 004 fixed
+``max_tokens`` and ignored EOS), picked to resemble chat traffic: ``cortex`` median 180 tokens, sigma 0.8 (p90 ~500,
+p99 ~1,150); ``reasoning`` median 300, sigma 1.0 (p90 ~1,080, p99 ~3,070). ``output_model="max_tokens"``: every request
+generates exactly ``max_tokens`` (64 when it names none).
 
-Output lengths (``output_model="eos"``, the default): a real engine stops at end of sequence, usually long before
-``max_tokens``. Each request's natural length is drawn from a lognormal (``exp(N(ln median, sigma))``, at least one token), then
-capped by ``max_tokens`` (or the engine's own limit, ``max_model_len - prompt``, when the request sets none). The medians and
-spreads are assumptions, not measurements (seed 000 and 004 fixed ``max_tokens`` and ignored EOS), picked to resemble chat
-traffic: ``cortex`` (thor, spark) median 180 tokens, sigma 0.8 (p90 ~500, p99 ~1,150); the ``reasoning`` model (v100pp2)
-median 300, sigma 1.0 (p90 ~1,080, p99 ~3,070: thinking traces run long). ``output_model="max_tokens"`` is the old behaviour:
-every request generates exactly ``max_tokens`` (64 when it names none), for benchmarks written before EOS existed here.
-
-The world differs from sluice's estimator on purpose (its priors: 4 characters a token, no template tokens, prefill and
-decode side by side, decode independent of context), so that what sluice decides from has to be learned from the
-engines: ``cortex`` counts 3.3 characters a token (code and prose mixed) and 5 template tokens a chat message (a
-Llama-3-style header and end-of-turn); ``reasoning`` 3.8 and 5 (a Qwen-style ``<|im_start|>role ... <|im_end|>``);
-every profile runs chunked prefill with a 2,048-token budget a step (vLLM V1's default on smaller GPUs) and decodes
-1.5% slower per 1,000 tokens of mean context. These are assumptions, not measurements; ``sluice sim`` flags (and
-``Profile`` fields) set each back to the estimator's prior (``--chars-per-token 4 --template-tokens 0
---prefill-chunk-tokens 0 --decode-slowdown 0``: ``ESTIMATOR_WORLD``).
+The world differs from sluice's estimator on purpose, so that what sluice decides from has to be learned from the
+engines: ``cortex`` counts 3.3 characters a token and 5 template tokens a chat message, ``reasoning`` 3.8 and 5; every
+profile runs chunked prefill with a 2,048-token budget a step (vLLM V1's default on smaller GPUs) and decodes 1.5%
+slower per 1,000 tokens of mean context. These are assumptions, not measurements; ``ESTIMATOR_WORLD`` sets each back to
+the estimator's prior (4 characters a token, no template tokens, prefill beside decode, context-free decode).
 """
 
 from __future__ import annotations
@@ -139,3 +128,10 @@ PROFILES: dict[str, Profile] = {
         ),
     )
 }
+"""The profiles by name. ``thor`` / ``spark``: seed 000 (Jetson AGX Thor vs DGX Spark GB10, ``max_num_seqs=2``):
+measured aggregate decode rates (Thor 18.18 tok/s at 1 stream and 50.71 at 2; Spark 49.24 and 87.82) and KV capacity
+(Thor holds 4.03x and Spark 2.90x a full 32768-token sequence); their prefill rates were not measured: assumptions in
+the same ratio as decode. ``v100pp2``: seed 004 (Qwen3-32B-GPTQ-Int4 on 2x V100, pipeline parallel 2,
+``max_num_seqs=4``): 9527 blocks x 16 tokens = 152,432 KV tokens, uncached prefill 262 tok/s contended, decode shaped
+to the measured fleet aggregate (~30.9 tok/s). ``cortex`` is Llama-3-style (a header and end-of-turn a message),
+``reasoning`` Qwen-style (``<|im_start|>role ... <|im_end|>``)."""

@@ -1,52 +1,17 @@
 """The engine simulator's HTTP shell: an OpenAI-compatible server in front of ``Batcher``.
 
 Speaks what vLLM speaks (V1 metric names, ``/v1/models`` with ``max_model_len``, ``/health``, ``/version``) so the control
-plane cannot tell it from a real engine. Extras for tests, all under ``/sim/``: the log of what it served and the most requests
-it ever ran at once. Each log entry keeps the headers the request arrived with that tests check end to end: the
-``x-sluice-*`` ones, ``x-request-id``, and the W3C trace context (``traceparent``, ``tracestate``: every value, in order,
-so a duplicated header shows), which is what a real engine's tracing would continue.
+plane cannot tell it from a real engine; ``flavor`` picks another dialect (``exposition.py``). Extras for tests, all under
+``/sim/``: the log of what it served (each entry with the ``x-sluice-*``, ``x-request-id``, ``traceparent`` and
+``tracestate`` headers it arrived with: every value, in order), the most requests it ever ran at once, the prefix cache
+oracle (``sim_cache``) and ``/metrics`` faults. Request extensions, ignored by real engines: ``sim_prompt_tokens`` forces
+the prompt's token count (``_prompt``), ``sim_output_tokens`` its natural output length (``plan_output``).
 
-Request extensions (ignored by real engines, honoured here):
-- ``sim_prompt_tokens``: the prompt's token count, so a 65k-token prompt fits in a small body.
-  Without it the prompt is counted as ``ceil(characters / chars_per_token)`` (the profile's: 3.3 for ``cortex``, not
-  the estimator's 4; ``chars_per_token`` overrides it) plus, for a chat, the profile's ``template_tokens_per_message``
-  for each message (5; the chat template's tokens); the prompt text is the
-  messages' contents one after another, or the completion prompt.
-
-Streams send their headers first, as vLLM's OpenAI server does (a Starlette ``StreamingResponse`` sends the response start
-before it iterates the body): the first byte comes before the prefill has produced a token. ``headers_at_first_token``
-holds them until the first token instead, as some servers do.
-
-Automatic prefix caching, like vLLM V1 with ``--enable-prefix-caching`` (prefixcache.py): the prompt text's 64-character
-spans are its 16-token blocks; cached ones skip prefill. A response's ``usage.prompt_tokens_details.cached_tokens`` says how
-many prompt tokens were found cached when the request was first scheduled (present when there were any, as vLLM does with
-``--enable-prompt-tokens-details``); ``/metrics`` carries ``vllm:prefix_cache_queries_total`` and
-``vllm:prefix_cache_hits_total`` (SGLang: ``sglang:cached_tokens_total``); ``POST /sim/cache`` with a request body answers how
-many of its prompt tokens are cached right now, and the engine's queue, without running it (the benchmarks' oracle).
-- ``sim_output_tokens``: the request's natural output length (where it stops, ``finish_reason: stop``), still capped by
-  ``max_tokens``.
-
-Output length, like a real engine: each request stops at end of sequence, at a natural length drawn from the profile's
-lognormal (profiles.py; seeded per simulator, so a run replays) unless ``sim_output_tokens`` forces one, and never beyond
-``max_tokens`` (``finish_reason: length``) or, when the request names none, the engine's own limit ``max_model_len - prompt``.
-``ignore_eos: true`` (vLLM's sampling parameter) generates exactly the limit. ``output_model="max_tokens"`` (constructor, or
-the profile's field) restores the simulator's old behaviour for every request: exactly ``max_tokens``, 64 when absent.
-
-LoRA adapters, like vLLM with ``--enable-lora --max-loras N --lora-modules name=path ...`` (``max_loras`` > 0, batcher.py
-for the slots and the swap): ``/v1/models`` lists each registered adapter after the base model as vLLM's
-``OpenAIServingModels.show_available_models`` does (``id`` the adapter's name, ``root`` its path, ``parent`` the base
-model, no ``max_model_len``); a request naming an adapter runs with it (its response's ``model`` is the adapter);
-``/metrics`` carries ``vllm:lora_requests_info{max_lora, waiting_lora_adapters, running_lora_adapters}`` as vLLM V1's
-``PrometheusStatLogger`` does: after every engine step the series of that step's labels (adapters comma-joined) is set to
-the current Unix time, and every series ever set stays, so the newest value is the current state. With
-``runtime_lora_updating`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) ``POST /v1/load_lora_adapter``
-``{"lora_name", "lora_path"}`` registers an adapter and puts it in a slot (200, a plain-text success line; 400 when a field
-is missing or the name is already loaded) and ``POST /v1/unload_lora_adapter`` ``{"lora_name"}`` removes it (404 when
-unknown); without it those paths do not exist (404). ``/sim/stats`` counts ``lora_swaps`` and lists ``resident_adapters``.
-
-``speed`` is emulated seconds per wall second: ``--speed 20`` runs the engine twenty times faster than the profile's rates.
-``/metrics`` publishes wall-clock durations (what a real engine that fast would report), so the control plane learns rates
-it can compare with real deadlines; ``/sim/log`` and ``/sim/stats`` are in emulated time, for benchmarks.
+Like vLLM: streams send their headers first (``headers_at_first_token`` holds them); automatic prefix caching
+(prefixcache.py) reports ``cached_tokens`` and ``vllm:prefix_cache_*``; LoRA adapters (``max_loras`` > 0, batcher.py)
+are listed by ``/v1/models``, loaded at runtime with ``runtime_lora_updating``, published as ``vllm:lora_requests_info``.
+``speed`` is emulated seconds per wall second: ``/metrics`` publishes wall-clock durations (what a real engine that
+fast would report), ``/sim/log`` and ``/sim/stats`` emulated time (docs/architecture.md, Engine simulator).
 """
 
 from __future__ import annotations
@@ -254,6 +219,8 @@ class EngineSimulator:
         return web.json_response(out)
 
     async def models(self, request: web.Request) -> web.Response:
+        """The base model, then each registered adapter as vLLM's ``OpenAIServingModels.show_available_models`` lists
+        it (``id`` its name, ``root`` its path, ``parent`` the base model, no ``max_model_len``)."""
         p = self.profile
         if self.flavor is Dialect.LLAMACPP:
             entry = {"id": p.model, "object": "model", "created": int(self._t0), "owned_by": "llamacpp",
@@ -270,7 +237,9 @@ class EngineSimulator:
         return web.json_response({"object": "list", "data": cards})
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        """vLLM's runtime LoRA loading: register the adapter and activate it in a slot (a swap)."""
+        """vLLM's runtime LoRA loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): ``{"lora_name", "lora_path"}`` registers
+        the adapter and activates it in a slot (a swap): 200 and a plain-text line; 400 when a field is missing or the
+        name is already loaded. Without ``runtime_lora_updating`` the path does not exist (404)."""
         body = await _json_object(request)
         if isinstance(body, web.Response):
             return body
@@ -286,7 +255,8 @@ class EngineSimulator:
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        """vLLM's runtime LoRA unloading: the adapter is no longer served and leaves its slot."""
+        """vLLM's runtime LoRA unloading (``{"lora_name"}``): the adapter is no longer served and leaves its slot (404
+        when unknown)."""
         body = await _json_object(request)
         if isinstance(body, web.Response):
             return body
@@ -448,7 +418,12 @@ class EngineSimulator:
         return block_hashes(text, prompt_tokens, self.profile.block_size, self.profile.chars_per_token)
 
     def plan_output(self, body: dict[str, Any], prompt_tokens: int) -> tuple[int, int | None] | web.Response:
-        """``(max_tokens, natural output length or None to run to max_tokens)`` for a request body, or its 400."""
+        """``(max_tokens, natural output length or None to run to max_tokens)`` for a request body, or its 400.
+
+        Each request stops at a natural length drawn from the profile's lognormal (seeded per simulator, so a run
+        replays) unless ``sim_output_tokens`` forces one (``finish_reason: stop``), never beyond ``max_tokens``
+        (``finish_reason: length``) or, when the request names none, ``max_model_len - prompt``. ``ignore_eos: true``
+        generates exactly the limit; ``output_model="max_tokens"`` does so for every request (64 when absent)."""
         legacy = self.profile.output_model == "max_tokens"
         # Draw for every request, used or not, so the n-th request's length does not depend on earlier requests' flags.
         natural = self.profile.draw_output_tokens(self.rng)

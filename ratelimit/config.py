@@ -1,29 +1,13 @@
 """Limits from YAML, checked all-or-nothing: every problem is reported at once with its dotted path
 (``descriptors[0].rate_limit.unit: ...``), and a file with any problem is refused whole (``LimitsConfigError``).
 
-Two shapes:
+Two shapes: ``parse_limits``, one key's limits as a tenant's ``limits:`` section carries them; and
+``load_descriptor_config``, what ``sluice ratelimit`` (Envoy's rate-limit service) enforces, in the format of
+envoyproxy/ratelimit's files (its subset: no ``shadow_mode``, ``replaces``, ``detailed_metric``).
 
-- ``parse_limits``: one key's limits, as a tenant's ``limits:`` section will carry them::
-
-      requests_per_minute: 600      # integers >= 1; each one optional (absent: no limit of that kind)
-      tokens_per_minute: 200000     # prompt + output tokens
-      concurrent_requests: 16
-
-- ``load_descriptor_config``: what ``sluice ratelimit`` (Envoy's rate-limit service) enforces, in the format of
-  envoyproxy/ratelimit's files (its subset: no ``shadow_mode``, ``replaces``, ``detailed_metric``)::
-
-      domain: sluice                 # the ratelimit filter's domain; requests for another domain are not limited
-      descriptors:
-        - key: generic_key           # a descriptor entry's key ...
-          value: models              # ... and value; without value: one budget per distinct value
-          rate_limit:
-            unit: minute             # second | minute | hour | day | week | month (30 d) | year (365 d)
-            requests_per_unit: 60    # integer >= 1
-          descriptors: [...]         # entries that follow this one in the same descriptor
-
-  A request descriptor ``[(k1, v1), (k2, v2)]`` walks the tree: at each level the node with that key and value, else
-  the node with that key and no value; the limit is the ``rate_limit`` of the node its last entry reaches. A descriptor
-  that leaves the tree, or ends on a node without ``rate_limit``, is not limited.
+A request descriptor ``[(k1, v1), (k2, v2)]`` walks the descriptor tree: at each level the node with that key and value,
+else the node with that key and no value; the limit is the ``rate_limit`` of the node its last entry reaches. A
+descriptor that leaves the tree, or ends on a node without ``rate_limit``, is not limited.
 """
 
 from __future__ import annotations
@@ -75,7 +59,12 @@ def _mapping(raw: Any, path: str, problems: list[str], allowed: Sequence[str]) -
 
 
 def parse_limits(raw: Any, path: str = "limits") -> tuple[Limits, list[str]]:
-    """One key's limits and the problems found (an empty ``Limits`` when there are any)."""
+    """One key's limits and the problems found (an empty ``Limits`` when there are any)::
+
+        requests_per_minute: 600      # integers >= 1; each one optional (absent: no limit of that kind)
+        tokens_per_minute: 200000     # prompt + output tokens
+        concurrent_requests: 16
+    """
     problems: list[str] = []
     section = _mapping(raw, path, problems, LIMIT_FIELDS)
     if section is None:
@@ -219,7 +208,17 @@ def parse_descriptor_config(raw: Any, source: str = "") -> DescriptorConfig:
 
 
 def load_descriptor_config(path: str | Path) -> DescriptorConfig:
-    """Read and check a descriptor file (``LimitsConfigError`` naming the file and every problem)."""
+    """Read and check a descriptor file (``LimitsConfigError`` naming the file and every problem)::
+
+        domain: sluice                 # the ratelimit filter's domain; requests for another domain are not limited
+        descriptors:
+          - key: generic_key           # a descriptor entry's key ...
+            value: models              # ... and value; without value: one budget per distinct value
+            rate_limit:
+              unit: minute             # second | minute | hour | day | week | month (30 d) | year (365 d)
+              requests_per_unit: 60    # integer >= 1
+            descriptors: [...]         # entries that follow this one in the same descriptor
+    """
     try:
         text = Path(path).read_text()
     except OSError as exc:

@@ -1,66 +1,17 @@
 """The limiter's arithmetic: GCRA meters for rates, leased slots for concurrency, charges that are settled later.
 
-Pure: no I/O, no clock reads (every function takes ``now``), no state of its own. The memory backend (``memory.py``)
-runs these functions over dicts; the Valkey backend (``valkey.py``) runs the same steps, line for line, as Lua scripts
-inside the server, and hands the raw numbers back here to become a ``Verdict``.
-
-**Algorithm: GCRA** (the generic cell rate algorithm, a leaky bucket that stores one time). A rate of ``limit`` units
-per ``period_s`` has an emission interval ``T = period_s / limit`` seconds per unit. Each meter (one key, one kind)
-stores its *theoretical arrival time* ``TAT``; ``debt = max(TAT, now) - now`` is how much of the period is in use, and
-``used = debt / T`` units. A charge of ``cost`` units fits when::
+Pure: no I/O, no clock reads (every function takes ``now``, caller seconds, non-decreasing), no state of its own.
+``memory.py`` runs these functions over dicts; ``valkey.py`` runs the same steps as Lua scripts and hands the raw numbers
+back here to become a ``Verdict``. A rate of ``limit`` units per ``period_s`` has ``T = period_s / limit``; a meter
+stores its TAT, ``debt = max(TAT, now) - now``, and a charge of ``cost`` units fits when (why GCRA: ratelimit/README.md)::
 
     debt + cost x T <= period_s                       (then TAT := max(TAT, now) + cost x T)
-    remaining  = floor((period_s - debt) / T)          units that would still fit now
-    reset_s    = debt                                  seconds until the meter is back to its full budget
-    wait_s     = debt + cost x T - period_s            seconds until a refused charge fits (the retry-after)
+    remaining = floor((period_s - debt) / T)     reset_s = debt     wait_s = debt + cost x T - period_s (retry-after)
 
-Why GCRA and not a window:
-
-- A **fixed window** (a count per calendar minute: envoyproxy/ratelimit's INCRBY + EXPIRE) lets a client spend the
-  whole budget at 0:59.9 and again at 1:00.0: twice the limit within a tenth of a second.
-- A **sliding log** is exact over every window but stores every charge (a tokens-per-minute meter at 1000
-  requests/min holds 1000 entries per key) and sums them on every charge.
-- **GCRA** stores one meter per key and kind, supports any cost (a request's tokens) in O(1), and refills
-  continuously: at most ``limit`` units pass at once, and over any interval of ``W`` seconds at most
-  ``limit + W x limit / period_s``. It is what OpenAI's own headers show (5000 requests/min reports
-  ``x-ratelimit-reset-requests: 12ms`` after one request: 60 s / 5000). The price: over exactly one period a client
-  can spend ``2 x limit``, but only by starting with a full budget and then spending at the sustained rate.
-
-**Pre-charge and settle.** A request is charged up front (its prompt estimate + ``max_tokens``): the charge occupies
-the segment ``[end_s - cost x T, end_s]`` of its meter's timeline, where ``end_s`` is the TAT right after it. When the
-actual usage is known, ``settle`` gives back the unused top ``(cost - actual) x T`` of that segment, *but only the part
-still ahead of now* (``refund_s``): a segment that has drained returned its budget to everyone in the meantime, and
-crediting it again would let a late refund buy a second burst. A refund moves every later segment down; the meter counts
-the seconds refunded (``MeterState.credit_s``) so that a later settle finds its segment where it is now, not where it
-was charged (a hypothesis property found the over-credit the recorded end alone gives); since only refunds of the
-segments below it move it, the move is at most the debt below it at its charge (``ChargedMeter.below_s``: without that
-bound, a later request's refund settled first took an early request's refund away). Usage beyond the charge (a
-prompt estimate that was low) is billed at settle time on top of the meter, unchecked; it can overdraw the meter (a
-debt beyond the period), and then every charge waits, even one of 0 units, until the overdraft drains. Hence the bounds
-the property tests check: a settle never credits more than exact accounting would; over any interval ``W``, the final
-usage of the requests charged in it is at most ``limit + W x limit / period_s`` plus the extra of those still
-unsettled when the last of them was charged. Racing requests never overshoot: each charge sees every earlier one's
-full pre-charge.
-
-**Concurrency** is a set of leased slots per key: a charge holds one slot until it is settled or its lease
-(``LimiterSettings.lease_s``) runs out, so a lost completion signal cannot leak a slot. An expired charge keeps its
-tokens charged (nothing said how many were used) and a later settle of it is a no-op.
-
-**All or nothing.** A charge names one or more scopes (a tenant, a tenant and model: each a key with its ``Limits``);
-it is admitted only if every rate of every scope has room and every concurrency limit has a free slot, and only then
-is anything written.
-
-**Limits travel with every call**, so a reload changes them without touching stored state. The debt is seconds of the
-period, so a key keeps the share of its budget in use (30 of 60 requests/min is 60 of 120 after a raise).
-
-**Time** is caller time in seconds, non-decreasing. Backends shared by several processes need a clock all of them agree
-on: wall-clock seconds (``time.time()``); a replica whose clock is behind sees a little more debt than there is (skew x
-rate units). Meters keep their times relative to when they were created (``MeterState``), since an epoch timestamp's
-rounding, summed over thousands of charges, would cost whole units.
-
-**Float slack.** Costs and limits are integers but ``T`` is not, and a ``now`` computed from an epoch carries ~0.2 us of
-rounding: every comparison allows ``SLACK_S`` (1 us), worth ``1 us / T`` units (under 0.02 of a unit up to a million
-per minute).
+Invariants: a charge is all or nothing over every rate and concurrency slot of every scope it names, written only when
+all fit; over any ``W`` seconds at most ``limit + W x limit / period_s`` units pass, plus the extra usage settles bill
+beyond a pre-charge (``settle_meter``); a settle never credits more than exact accounting would; racing charges never
+overshoot. Limits travel with every call, so a reload keeps each key's debt (in seconds of the period).
 """
 from __future__ import annotations
 
@@ -70,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 SLACK_S = 1e-6
-"""Seconds of rounding every comparison tolerates (see the module docstring)."""
+"""Seconds of rounding every comparison tolerates: ``T`` is not an integer and a ``now`` computed from an epoch carries
+~0.2 us of rounding. Worth ``1 us / T`` units (under 0.02 of a unit up to a million per minute)."""
 
 
 class LimitKind(enum.StrEnum):
@@ -201,6 +153,9 @@ class Meter:
 
 @dataclass(frozen=True, slots=True)
 class SlotSet:
+    """One concurrency limit of one scope: a charge holds a slot until it is settled or its lease
+    (``LimiterSettings.lease_s``) runs out, so a lost completion cannot leak a slot."""
+
     key: str
     limit: int
 
@@ -400,7 +355,8 @@ def settle_meter(meter: ChargedMeter, state: MeterState | None, now: float, actu
 
     Unused units give back ``refund_s`` of the charge's segment where it is now, at worst: its recorded end moved down
     by every credit since, but never by more than the debt that lay below it when it was charged (only refunds of those
-    segments move it); an extra is put on top, unchecked."""
+    segments move it); an extra is put on top, unchecked: it may overdraw the meter (a debt beyond the period), and then
+    every charge waits, even one of 0 units, until the overdraft drains."""
     current = live(state, now)
     if meter.kind is LimitKind.TOKENS:
         unused = meter.cost - actual_tokens

@@ -3,28 +3,14 @@ number of limiter instances (control-plane replicas) on one server enforce one b
 
 The scripts are ``core.py``'s steps written in Lua: ``CHARGE`` is ``check_meter`` + ``decide_charge`` +
 ``open_charge``, ``SETTLE`` is ``settle_meter`` per meter; both hand raw numbers back, and the verdict is built by the
-same Python code as the memory backend's. They run by ``EVALSHA``; a server that answers ``NOSCRIPT`` (restarted,
-``SCRIPT FLUSH``ed, another server behind the same address) gets the script loaded and the call repeated once.
-
-Keys (``key_prefix`` default ``sluice:rl:``; the scope key is the caller's, e.g. ``acme/cortex``)::
-
-    <prefix>k:<scope key>:requests     string  "<born> <tat_s> <credit_s>" TTL: until the TAT (the meter is full again)
-    <prefix>k:<scope key>:tokens       string  the same, for tokens        TTL: until the TAT
-    <prefix>k:<scope key>:concurrent   zset    charge id -> lease deadline TTL: the lease, renewed by each charge
-    <prefix>c:<charge id>              string  the open charge (JSON)      TTL: the lease
-
-so an idle key vanishes as soon as it holds nothing a new charge would see. Floats cross the script boundary as
-``%.17g`` strings (Lua's own ``tostring`` keeps 14 digits: 0.1 ms of an epoch timestamp). TTLs run on the server's
-clock while the numbers use the caller's: a key may outlive its TAT or vanish up to the clock skew early (then it
-forgets up to skew x rate units).
-
-A settle reads the charge first (one ``GET``) to learn which keys its script touches, then runs the script, which
-re-reads the charge atomically: a concurrent second settle finds it gone and changes nothing. Every key a script touches
-is passed in ``KEYS``. One charge may span several scopes, whose keys do not share a hash slot: this backend is for one
-Valkey primary (with replicas for failover), not Valkey Cluster.
-
-No client retries (``retries=0``): a script whose reply was lost may have run, and running a charge twice charges twice.
-A failed call raises ``StoreUnavailable``; the next call reconnects.
+same Python code as the memory backend's. They run by ``EVALSHA``; on ``NOSCRIPT`` the script is loaded and the call
+repeated once. Keys live under ``key_prefix`` (``sluice:rl:``; listed with their TTLs in ratelimit/README.md), each
+expiring as soon as it holds nothing a new charge would see; TTLs run on the server's clock, the numbers on the
+caller's (a key may vanish up to the clock skew early, forgetting up to skew x rate units). Floats cross the script
+boundary as ``%.17g`` strings (Lua's ``tostring`` keeps 14 digits). A settle re-reads its charge inside the script, so
+a concurrent second settle changes nothing. One charge may span several hash slots: one Valkey primary, not Cluster.
+No client retries (``retries=0``): a script whose reply was lost may have run, and running a charge twice charges
+twice. A failed call raises ``StoreUnavailable``; the next call reconnects.
 """
 
 from __future__ import annotations

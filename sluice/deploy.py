@@ -2,40 +2,16 @@
 
 Written under ``--out`` (default ``deploy/kubernetes``):
 
-- ``base/``: a kustomize base, regenerated on every render. The config becomes the ``sluice-config`` ConfigMap (the
-  policy the control plane runs), the Envoy bootstrap the ``sluice-envoy-bootstrap`` ConfigMap (its one static cluster,
-  ``sluice_controlplane``, is the control plane's Service by DNS: ADS, ext_authz and the access log all go there).
+- ``base/``: a kustomize base, regenerated on every render: the config as the ``sluice-config`` ConfigMap, the Envoy
+  bootstrap as ``sluice-envoy-bootstrap`` (its one static cluster, ``sluice_controlplane``, is the control plane's
+  Service by DNS: ADS, ext_authz and the access log all go there), and the objects of ``base_manifests``.
 - ``overlays/<name>/``: an overlay (namespace, image, replicas, a patch), written only when it does not exist yet, so
   an operator's edits survive the next render.
-- ``<name>.yaml``: the overlay built (base + overlay), ready for ``kubectl apply -f``. ``kubectl kustomize
-  overlays/<name>`` builds the same objects; sluice builds it itself so that no kustomize binary is needed. It
-  understands the kustomization fields the overlays use: ``resources``, ``namespace``, ``images``, ``replicas`` and
-  ``patches`` (files of strategic-merge patches: mappings merge, lists of named items merge by ``name``, other lists
-  are replaced).
+- ``<name>.yaml``: the overlay built (base + overlay, ``build``), ready for ``kubectl apply -f``: the objects ``kubectl
+  kustomize overlays/<name>`` builds, for the kustomization fields the overlays use (``resources``, ``namespace``,
+  ``images``, ``replicas``, ``patches`` of strategic-merge patches: ``strategic_merge``), with no kustomize binary.
 
-What the manifests describe, and why:
-
-- The control plane: a Deployment of **2 replicas** (``CONTROLPLANE_REPLICAS``; its PodDisruptionBudget keeps one up)
-  sharing one exact ledger in the Valkey StatefulSet (``store.backend: valkey``, ``store.url`` the StatefulSet's Service,
-  written into the config unless it names a store of its own; a config that insists on ``memory`` gets 1 replica).
-  Valkey keeps an append-only file on its volume. Each replica advertises its own pod IP as the retry redirector, so the
-  xDS resources of two replicas differ in that endpoint (Envoy follows the replica its ADS stream is on).
-  The pod binds its own IP (``controlplane.host`` is the pod IP, put into the config at start by the container's
-  command, ``@POD_IP@`` -> ``$POD_IP``): the control plane advertises that address to Envoy as the retry redirector
-  endpoint of every engine cluster, so it must be an address other pods reach. A changed policy ConfigMap rolls the
-  Deployment (the pod template carries the config's hash).
-- Envoy: a Deployment (2 replicas, an HPA on CPU) whose bootstrap points at the Service ``sluice-controlplane``.
-- The admin API listens on the pod (``controlplane.admin_host: 0.0.0.0``, ``controlplane.admin_port``, a Service port
-  ``admin``) with its bearer token from the Secret ``sluice-admin-token``, mounted read-only at
-  ``/etc/sluice-admin/token`` (``admin.token_file``; any ``admin.token_env`` of the source config is dropped: the pod has
-  no such variable). The Secret is declared empty: fill it in (its ``sluice.io/fill-in`` annotation) before the pod can
-  start (a token file that cannot be read refuses the start). ``sluice-tenant-keys`` is declared empty for tenants to
-  come; nothing reads it yet.
-- NetworkPolicy: the gRPC port (ADS, ext_authz, access log) admits Envoy's pods alone; the admin port admits namespaces
-  labelled ``sluice.io/operator: "true"``; the metrics port admits the monitoring namespace (Prometheus) and Envoy (the
-  retry redirector is served on it).
-- ServiceMonitor and PrometheusRule (``monitoring.coreos.com/v1``, the Prometheus Operator's CRDs) carry the scrape and
-  ``deploy/prometheus/alerts.yaml``.
+What the manifests describe (control plane, Envoy, Valkey, admin token, NetworkPolicies): README.md, Operating.
 """
 
 from __future__ import annotations
@@ -93,8 +69,11 @@ Manifest = dict[str, Any]
 
 # -- the config and the bootstrap as the cluster sees them ---------------------------------------------------------------------
 def cluster_raw_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """The config as the control plane pod runs it: bound to the pod IP, the admin listener on the pod with the token
-    Secret as its token file, Envoy's listener on every interface."""
+    """The config as the control plane pod runs it: bound to the pod IP (``@POD_IP@``, replaced by the container's
+    command: the control plane advertises that address to Envoy as every engine cluster's retry redirector, so it must
+    be one other pods reach, and two replicas' xDS differ in that endpoint), the admin listener on the pod with the token
+    Secret as its token file (any ``admin.token_env`` dropped: the pod has no such variable), Envoy's listener on every
+    interface."""
     out = copy.deepcopy(raw)
     out.setdefault("controlplane", {})["host"] = POD_IP_PLACEHOLDER
     out["controlplane"]["admin_host"] = "0.0.0.0"
@@ -165,7 +144,10 @@ _SECURITY = {
 
 
 def base_manifests(raw: dict[str, Any], config: Config) -> dict[str, list[Manifest]]:
-    """File name (in ``base/``) -> the objects it holds."""
+    """File name (in ``base/``) -> the objects it holds. The control plane runs ``CONTROLPLANE_REPLICAS`` sharing the
+    Valkey StatefulSet's ledger (1 when the config's store is not Valkey); its pod template carries the
+    config's hash, so a changed policy ConfigMap rolls the Deployment. The Secrets ``sluice-admin-token`` (fill it in
+    before the pod can start) and ``sluice-tenant-keys`` (nothing reads it yet) are declared empty."""
     cfg_text = yaml.safe_dump(raw, sort_keys=False)
     bootstrap_text = "# Rendered by `sluice deploy render` from envoy/bootstrap.yaml.\n" + yaml.safe_dump(
         cluster_bootstrap(config), sort_keys=False)

@@ -2,59 +2,15 @@
 Envoy answers; prints where to point a client; supervises until Ctrl-C/SIGTERM; then stops every child it started (Envoy
 first, so no request is cut at an engine while Envoy still accepts new ones).
 
-Supervision. Envoy is the data plane: when the control plane goes away it keeps its last xDS config and every stream it
-carries (and serves new requests per ``envoy.on_controlplane_failure``); when a simulator goes away only that engine's
-streams are cut. So those two are restarted while Envoy keeps serving:
-
-- the control plane and each simulator are restarted whenever they exit (a crash, kill -9, even exit code 0: only
-  ``sluice up`` itself stops them), after an exponential backoff: ``RESTART_INITIAL_DELAY_S`` (0.5 s) doubling per restart up
-  to ``RESTART_MAX_DELAY_S`` (10 s). A child that stayed up ``RESTART_RESET_AFTER_S`` (30 s) or longer before it exited
-  starts the sequence over (0.5 s again). Every exit and every restart is written to stderr with the child's name, its exit
-  code (or signal), the attempt and the delay; the child's log file is appended to, with a marker line per restart.
-- a child that would need more than ``CRASH_LOOP_RESTARTS`` (5) restarts within ``CRASH_LOOP_WINDOW_S`` (60 s) is
-  crash-looping: ``sluice up`` gives up, says so, stops everything and exits 1.
-- Envoy exiting is fatal: stop everything, exit 1, saying so. Every stream through it is already cut, so a restart saves
-  no work, and it is the process clients talk to: a gateway that silently reappears on its port hides the failure from
-  whoever runs it. Run ``sluice up`` under a service manager (systemd ``Restart=on-failure``) to restart the whole stack.
-- a child exiting before the stack first answers (start-up) is fatal too: that is a port or config problem, not a crash.
-- Ctrl-C/SIGTERM stops every running child (Envoy first) and cancels any restart still waiting out its backoff.
-
-The restart policy is pure (``RestartPolicy``, ``RestartHistory``, ``next_restart``): the delay or the give-up follows from the
-history and the time alone; ``Supervisor`` is the process loop around it.
-
-Configuration. The config is validated whole before anything starts, every simulated engine's ``sim:`` profile checked
-(an unknown one is refused with its dotted path). Engine hostnames are resolved once here, before anything is rendered.
-Every port must be fixed: ``sluice up`` cannot learn a port 0 bound by one child to tell another.
-
-What ``sluice up`` adds to the config (``Additions``: simulator profile defaults, the run's admin token, each replica's
-ports and the store it started) is a rule, not a copy: every control plane reads the user's file F itself (``sluice
-controlplane --config F --additions A``, A a small JSON file in the log directory) and applies the rule to what it read,
-at start-up and on every reload. So F stays the running file: a control plane restarted after a crash starts from F as
-it is now, and ``controlplane-<i>.yaml`` in the log directory is only a snapshot of what replica i started on.
-
-Reloading. Edit F, then either:
-
-- ``sluice admin reload [F]`` to any control plane: it re-reads F and applies it with the additions (all or nothing;
-  its answer says what changed or why not). With ``--replicas N`` a replica that applied it sends ``sluice up`` SIGHUP,
-  which passes it on to every replica (the one asked reloads again, finding nothing changed), so all N run the same
-  policy; naming a file other than F is then refused (replicas on different files would split the Checks between
-  policies).
-- SIGHUP to ``sluice up``: every running control plane gets SIGHUP and re-reads F (the outcome is in its log). A
-  control plane waiting out a restart backoff reads F when it starts; one still starting (not yet catching SIGHUP,
-  which it does from before it reads F) is skipped, so passing a reload on never kills a control plane.
-
-Scheduling. Every child runs in a process group of its own (Ctrl-C at the terminal reaches ``sluice up`` alone) but in
-``sluice up``'s session: on Linux with autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, on by default
-on most distributions) each session is scheduled as one group: the kernel shares the CPU between groups first and
-between a group's processes second, so the probe worker's ``SCHED_IDLE`` (``observe.worker_priority``) ranks it below
-the processes of its own group only. In one session the control plane, the worker, Envoy and the simulators are
-scheduled as peers, and the worker takes only CPU none of them wants; children in sessions of their own put the
-worker's bursts level with Envoy (figures: docs/decisions/0011-probe-worker-idle.md). A
-deployment that puts the control plane and Envoy in containers of their own (``deploy/``) schedules them as separate
-cgroups all the same; there the worker's CPU counts against the control plane's container.
-
-Only one ``sluice up`` per Envoy listen port: a second one fails at once with a message naming the first (an exclusive
-``flock`` on a lock file in ``$XDG_RUNTIME_DIR`` or the temp dir, released by the kernel however the first one dies).
+Supervision: the control plane and each simulator are restarted whenever they exit (even with code 0), after the
+backoff ``next_restart`` computes (pure; ``Supervisor`` is the process loop around it); a crash-looping child, Envoy
+exiting, or any child exiting before the stack first answers is fatal: everything stops and ``sluice up`` exits 1,
+saying why. Every exit and restart is written to stderr and marked in the child's log. The config is validated whole
+before anything starts; engine hostnames are resolved once; every port must be fixed (no port 0). What ``sluice up``
+adds to the config is a rule (``Additions``), applied by every control plane to the user's file as it reads it, at
+start-up and on every reload; SIGHUP to ``sluice up`` passes a reload on to every running control plane. Every child
+runs in a process group of its own but in ``sluice up``'s session, so the kernel schedules them as one group (decision
+0011). Only one ``sluice up`` per Envoy listen port (``acquire_lock``). In full: docs/architecture.md, Processes.
 """
 
 from __future__ import annotations
@@ -114,6 +70,11 @@ class NotReady(RuntimeError):
 # -- restart policy (pure) --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class RestartPolicy:
+    """Backoff ``initial_delay_s`` doubling per restart up to ``max_delay_s``, back to the start once a child stayed up
+    ``reset_after_s``; more than ``max_restarts`` restarts within ``window_s`` is a crash loop. Envoy is never
+    restarted: its exit has cut every stream already, and a gateway that silently reappears on its port hides the
+    failure from whoever runs it (run ``sluice up`` under a service manager to restart the whole stack)."""
+
     initial_delay_s: float = RESTART_INITIAL_DELAY_S
     max_delay_s: float = RESTART_MAX_DELAY_S
     reset_after_s: float = RESTART_RESET_AFTER_S
@@ -303,6 +264,8 @@ def _lock_path(config: Config) -> Path:
 
 
 def acquire_lock(config: Config) -> IO[str]:
+    """An exclusive ``flock`` on a lock file per Envoy listen port, in ``$XDG_RUNTIME_DIR`` or the temp dir, released by
+    the kernel however its holder dies; a second ``sluice up`` on the port fails at once naming the first."""
     path = _lock_path(config)
     handle = path.open("a+")
     try:
@@ -528,7 +491,7 @@ def replica_configs(completed: dict[str, Any], config: Config, replicas: int, st
 @dataclass(frozen=True, slots=True)
 class Additions:
     """What ``sluice up`` adds to the config file for one control plane, as a rule applied to the file as it is each
-    time it is read (module docstring, Configuration and Reloading). ``apply``, in order:
+    time it is read (docs/architecture.md, Config and reloads under ``sluice up``). ``apply``, in order:
 
     - each simulated engine's profile defaults (``sluice/simulated.py``) for the engines the file lists then;
     - ``admin.token_file``: ``token_file`` (the run's admin token) while the file names no token source of its own;

@@ -4,26 +4,14 @@ Pure: samples in, rates out. For probes ``a`` then ``b`` (``dt = b.taken_at - a.
 
     prompt_tokens_per_s       = d(prompt_tokens_total) / dt
     generation_tokens_per_s   = d(generation_tokens_total) / dt
-    prefill_tokens_per_s      = d(prefill_tokens_total) / d(prefill_seconds_total)    (tokens computed per second of
+    prefill_tokens_per_s      = d(prefill_tokens_total) / d(prefill_seconds_total)    (computed tokens per second of
                                 prefill; when prefill_tokens_total counts cache hits too, x (1 - cached))
-    cached                    = d(prefix_cache_hits_total) / d(prefix_cache_queries_total), else the counters' ratio
-                                since start (0 for an engine without a prefix cache's counters)
+    cached                    = d(prefix_cache_hits_total) / d(prefix_cache_queries_total)     (``cached_share``)
     decode_tokens_per_s_each  = d(decode_tokens_total) / d(decode_seconds_total)        (one request's decode rate)
     mean_output_tokens        = d(finished_output_tokens_total) / d(finished_requests_total)  (real answer lengths)
     finished_by_length        = d(each bucket of that histogram)                (how those lengths spread)
 
-A counter that went backwards means the engine restarted: no rate from that pair (core/prefix.py's ``restarted``). A
-delta of zero is no new information and gives no rate (seed 002: a value that did not change since the last poll is not a new sample). A prefill
-rate needs at least ``min_prefill_tokens`` computed prompt tokens in the interval: an engine's prefill time carries a fixed
-cost per request (scheduling, the first step), so a few tiny prompts would read as a prefill rate ten times too slow and
-inflate every TTFT estimate. A prompt token the prefix cache served costs no prefill time: every hit counted as prefill
-work would read as faster prefill, and a cold prompt would then be estimated as cheap as a cached one. vLLM's newer
-``request_prefill_kv_computed_tokens`` histogram counts only computed tokens, finished when the prefill-time histogram is,
-and is read when present; older vLLMs only have the per-request prompt-token histogram, which counts the hits, and the
-``cached`` share corrects it roughly (its counters move when requests are scheduled, the histograms when they finish: with
-long prompts and a mix of hits and misses it swings from one interval to the next, so the median needs many samples).
-A decode rate is **solo** only when the engine ran exactly one request and queued none at both ends of the interval (seed 002: quality caps
-need the model's own uncontended rate).
+A restart, a delta of zero or too few prefill tokens gives no rate; a decode rate may be solo (``rates_between``).
 """
 
 from __future__ import annotations
@@ -53,6 +41,15 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def rates_between(a: EngineSample, b: EngineSample, min_prefill_tokens: float = 256) -> EngineRates | None:
+    """The rates of the module docstring between ``a`` and ``b``; None when ``b`` is not later. A counter that went
+    backwards means the engine restarted (core/prefix.py's ``restarted``) and a delta of zero is no new sample (seed
+    002): neither gives a rate. A prefill rate needs at least ``min_prefill_tokens`` computed prompt tokens in the
+    interval: prefill time carries a fixed cost per request, so a few tiny prompts would read ten times too slow. A
+    cached prompt token costs no prefill time, so hits are not counted as prefill work: vLLM's
+    ``request_prefill_kv_computed_tokens`` counts only computed tokens and is read when present; older vLLMs' prompt
+    histogram counts the hits, and the ``cached`` share corrects it roughly (it swings between intervals, so the median
+    needs many samples). A decode rate is **solo** only when the engine ran exactly one request and queued none at both
+    ends of the interval (seed 002: quality caps need the model's own uncontended rate)."""
     dt = b.taken_at - a.taken_at
     if dt <= 0:
         return None

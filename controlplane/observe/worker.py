@@ -1,29 +1,16 @@
 """The probe worker: every engine's poller in a process of its own, so probing a large fleet never takes the event loop
-that answers Checks (issue 9, item 5: at 1000 engines, probes in the loop made the end-to-end p99 30x the 2-engine one).
+that answers Checks (issue 9, item 5; docs/architecture.md, Fleet scale).
 
 The control plane starts ``python -m controlplane.observe.worker`` when ``observe.probe_process`` says so and writes one
-frame to its stdin: the engines and the observe settings. The worker runs a real ``EnginePoller`` per engine (the same
-code, the same first probe round, the same stagger and backoff) and reports every probe on stdout:
-
-- ``("ready",)`` once the first round is done (the control plane answers no Check before it);
-- ``("probed", view, rates)`` after a good probe: the ``EngineView`` as the poller built it;
-- ``("failed", view)`` after a failed one (its ``last_error``).
-
-Reports go out in batches, a list of them every ``FLUSH_S`` (and at once for ``ready``): at 1000 engines a write per
-probe was 1000 pipe writes and 1000 frame reads a second, an eighth of the worker's CPU and a share of the control
-plane's. A batch is a 4-byte big-endian length and a pickle (parent and child are the same program; nothing else writes
-to the pipe) of a list of reports each pickled on its own (``encode_batch``): the control plane unpickles a report when
-it applies it, a few per turn of its loop (``decode_report``; why: docs/decisions/0010-background-work-in-slices.md).
-The control plane's ``EnginePoller``s hold the views (``adopt``):
-drains and request failures stay there. Both processes read ``time.monotonic``, one clock on one host, so the worker's
-times are the control plane's. The worker exits when its stdin closes (the control plane went away) and the control
-plane restarts a worker that dies. It runs at nice
-``WORKER_NICE`` and, with ``observe.worker_priority: idle`` (the default), under Linux's ``SCHED_IDLE``: probes take only
-CPU that nothing else wants, so the Checks' loop and Envoy never wait for a probe's time slice (among processes Linux
-schedules in the same group: ``sluice up`` keeps its children in its own session for that, see its Scheduling note;
-Envoy in another container or session competes with the control plane's whole group). Idle, it watches its own
-timer (``starved_for``); starved past ``observe.worker_starved_after_seconds`` (every core busy), it reports
-``("starved", seconds_late)`` and stops, and the control plane restarts it at nice only (``Observation._run_worker``).
+frame to its stdin (``WorkerSetup``). The worker runs a real ``EnginePoller`` per engine (the same code, first probe
+round, stagger and backoff) and reports on stdout, in batches every ``FLUSH_S`` (``encode_batch``): ``("ready",)`` once
+the first round is done (at once; the control plane answers no Check before it), ``("probed", view, rates)`` after a
+good probe, ``("failed", view)`` after a failed one. The control plane unpickles a report when it applies it, a few per
+turn of its loop (decision 0010), and its ``EnginePoller``s hold the views (``adopt``). Both processes read
+``time.monotonic`` on one host. The worker exits when its stdin closes; the control plane restarts a worker that dies.
+It runs at nice ``WORKER_NICE`` and, with ``observe.worker_priority: idle``, under ``SCHED_IDLE`` (decision 0011);
+starved past ``observe.worker_starved_after_seconds`` (``starved_for``) it reports ``("starved", seconds_late)`` and
+stops, and the control plane restarts it at nice only (``Observation._run_worker``).
 """
 
 from __future__ import annotations
@@ -60,7 +47,8 @@ def encode(frame: Any) -> bytes:
 
 
 def encode_batch(reports: list[Any]) -> bytes:
-    """One write of several reports, each still pickled (``decode_report`` opens one)."""
+    """One write of several reports, each still pickled (``decode_report`` opens one): a 4-byte big-endian length and a
+    pickle (parent and child are the same program; nothing else writes to the pipe)."""
     return encode([pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL) for report in reports])
 
 

@@ -2,30 +2,16 @@
 
 A parked request keeps its Check open: the handler awaits a future that the control plane resolves when a wake admits the
 request or its park deadline sheds it. When the client goes away Envoy cancels the RPC; the handler then drops the request
-from the parking lot (it holds nothing) or, if an admission raced the cancellation, releases the ticket it was given.
+from the parking lot or, if an admission raced the cancellation, releases the ticket it was given.
 
-A Check always answers (issue 8). Envoy runs ext_authz fail-open and treats *every* failed Check, not only an unreachable
-control plane, as "let the request through unpinned", past every cap. So:
-
-- a defect anywhere behind the handler is answered 500 ``internal_error`` (counted, logged with the request id), and a
-  ticket or parked entry the failed Check already held is given back;
-- a call that waited in gRPC's queue longer than ``controlplane.max_check_queue_ms`` is answered 503
-  ``controlplane_overloaded`` + retry-after before any parsing. The wait is read from the deadline Envoy sets
-  (``authz_timeout_s``): grpc-core fixes the deadline when the call arrives, so ``authz_timeout_s -
-  context.time_remaining()`` includes the time the call queued before this handler ran (measured, not assumed).
-
-Only a cancelled Check (the client left) ends without an answer, and it leaves no ticket or parked entry behind.
-
-**Tenants** (``tenants:`` configured; ``core/tenants.py``, ``quota.py``): before the body is read the bearer key is
-hashed and looked up (unknown or missing: 401 ``invalid_api_key``); after it, the model must be one the tenant may use
-(403 ``model_not_allowed``), ``x-sluice-priority`` is capped at the tenant's highest class (a request without one gets
-the tenant's default), and the request is pre-charged under its id (over a budget: 429 ``rate_limit_exceeded``) before
-admission decides. Whatever the Check then answers other than an admission gives the charge back. An admission carries
-the tenant, the prompt estimate and whether it was charged to the access log (ext_authz metadata), and the limits'
-``x-ratelimit-*`` headers to the client.
-
-With ``tracing.enabled`` the wiring registers ``tracing.TracedAuthorizationServicer`` instead, which runs this Check as it is
-inside an OpenTelemetry span; tracing off, nothing here changes.
+A Check always answers (issue 8): Envoy runs ext_authz fail-open and lets *every* failed Check through unpinned, past
+every cap. A defect behind the handler is answered 500 ``internal_error`` (counted, logged with the request id), giving
+back the ticket, parked entry or pre-charge the Check held; a call that queued in gRPC longer than
+``controlplane.max_check_queue_ms`` is answered 503 ``controlplane_overloaded`` + retry-after before any parsing
+(``queued_s``). Only a cancelled Check (the client left) ends without an answer, and it leaves nothing behind.
+With ``tenants:`` configured a request is authenticated, its model and class checked and it is pre-charged before
+admission (``_tenant_gate``); any answer other than an admission gives the charge back. With ``tracing.enabled`` the
+wiring registers ``tracing.TracedAuthorizationServicer``, which runs this Check as it is inside a span.
 """
 
 from __future__ import annotations
@@ -61,8 +47,10 @@ MAX_CHARGED_REQUEST_ID = 200
 
 
 def queued_s(context: grpc.aio.ServicerContext[Any, Any], authz_timeout_s: float) -> float | None:
-    """How long the call waited before its handler ran: Envoy's timeout minus what its deadline leaves. None without a
-    deadline (a caller other than Envoy), which is never shed."""
+    """How long the call waited before its handler ran: Envoy's timeout minus what its deadline leaves. grpc-core fixes
+    the deadline when the call arrives, so this includes the time it queued before the handler ran (measured, not
+    assumed: docs/architecture.md, Failure modes). None without a deadline (a caller other than Envoy), which is never
+    shed."""
     remaining = context.time_remaining()
     return None if remaining is None else max(0.0, authz_timeout_s - remaining)
 
@@ -208,7 +196,10 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
 
     async def _tenant_gate(self, tenant: Tenant, parsed: InferenceRequest, request_id: str,
                            asked_priority: str | None) -> _Gate:
-        """A tenant's request before admission: its model allowed, its class capped, its pre-charge taken."""
+        """A tenant's request before admission (its key was hashed and found before the body was read: else 401
+        ``invalid_api_key``): its model allowed (else 403 ``model_not_allowed``), ``x-sluice-priority`` capped at the
+        tenant's highest class (absent: the tenant's default), its pre-charge taken under the request id (over a
+        budget: 429 ``rate_limit_exceeded``)."""
         port = self.admission
         if parsed.model is None:  # GET /v1/models: answered, never charged
             return _Gate(request_id, parsed)

@@ -1,60 +1,17 @@
 """The ``Store`` port: the state that must outlive a control-plane process or be shared by several (issue 11).
 
-What it holds:
+It holds tickets (engine, model, reserved KV, expected finish, lease, owner) and each engine's open tickets and KV; the
+parking line per model and class across replicas (a member is ``<replica>|<request id>``: only its place is shared),
+each member's first-park time and its claim (``Claim``); sessions, with a TTL; each engine's decayed recent-serve count;
+which replicas are alive. Recent-serve counts, the prefix index and learned rates are otherwise derived by every
+replica from the events it hears (``StoreEvent``) and its own probes.
 
-- **tickets**, with their engine, model, reserved KV tokens, expected finish, lease and owner (the replica that admitted
-  them), and for each engine its open tickets and the KV they reserve;
-- the **parking order** per model and class, across replicas (a member is ``<replica>|<request id>``; the parked Check
-  itself can only be answered by the replica holding it, so only its place in line is shared), when each parked
-  request first parked (a Check Envoy asks again of another replica after its replica went away keeps that time), and
-  a member's **claim**: the admission its replica decided for it when the store refused it for the line alone;
-- **sessions** (``x-sluice-session`` -> the engine that served it last), with a TTL;
-- each engine's **recent-serve count** (decayed, and when it was last admitted to): what a replica that starts, or
-  missed events, reads to warm its own (warm near ties, route.py).
-- which replicas are **alive**: a heartbeat with a lapse of a few beats (``start_liveness``).
-
-Recent-serve counts are otherwise derived by every replica from the admissions it hears about (``StoreEvent``), which
-carry everything a serve count needs. The prefix index (core/prefix.py) is not stored either: an admission's event carries
-its prompt's block hashes, so every replica notes every admission's blocks against its engine, in the order it hears
-them, and all replicas hold the same index up to that order (a replica that starts later begins empty). Learned rate medians are not stored either: every replica probes every engine and
-learns them itself within a few probes (the issue made them optional).
-
-**Exactness.** ``reserve`` is the one place a ticket comes into being, and it checks and writes in one atomic step: the
-engine's open tickets below its cap, the engine's reserved KV plus this request's within its KV limit, and the request's
-place in line (``QueueRule``). A replica decides on its local mirror of the ledger (kept current by ``listen``), so a
-``reserve`` may be refused because another replica took the slot a moment earlier; it then learns the engine's true
-tickets from the refusal (``Reserved.engine_tickets``) and decides again. Caps and KV therefore hold exactly with any
-number of replicas, whatever the mirrors' lag.
-
-**Claims: the line moves without a round trip between replicas.** Only the replica holding a parked Check can decide its
-admission, so a line whose members alternate between replicas would move one admission per event hop: each replica
-waits to hear the other's admission before its own head is first. Instead, a request the store refuses for the line
-alone (``Refusal.QUEUED``: its admission fitted, someone was ahead) leaves that admission with its member: ``park``'s
-``claim`` for an arrival, ``reserve`` itself for a woken member already in line, and ``claim`` for the woken members
-behind that one (a wake decides all of its replica's heads at once). Whenever the line or capacity
-changes (every ``reserve``, ``release``, expiry, ``park``, ``unpark`` and a dead replica's removal), the store admits
-the line's heads on their claims, in line order (critical before standard), while the head has a claim that is fresh
-(``fresh_s``, from when it was left) and fits the engine's cap and KV exactly; it stops at the first head that has
-none, or whose claim does not fit (kept while fresh). Each such admission is a ``CLAIMED`` event that every replica
-hears, the one holding the Check too, which answers it with the ticket. A claim never overtakes: it is admitted only at
-the head of its line, so the order of admissions is the line's order, and it is what its replica decided moments
-before; a member's own replica may still admit it itself (a ``reserve`` that takes it out of the line drops its claim),
-or take it out.
-
-**Liveness.** A replica renews its heartbeat every ``every_s`` from a thread of its own (a busy event loop does not make
-a live replica look dead) and is dead once it is ``lapse_s`` old. Each renewal also removes every dead replica
-(``reap``): its members leave every line at once, with their claims (a ``DEAD`` event names it; its first-park times are
-kept a minute for its Checks that Envoy asks again elsewhere), then the lines it was in move on claims as above. Its
-tickets stay: their streams may still run, and the access log releases them. A ``reserve`` that meets a dead member
-at a line's head removes that replica the same way (the check and the removal are one atomic step). A replica whose
-renewal finds its own heartbeat had lapsed (its beats were held up longer than the lapse, or the store lost its data)
-puts its parked requests back in line, at the back, in its lot's order.
-
-**Time** in the store is shared time: seconds since the epoch (``time.time()``), so replicas on different hosts agree.
-The admission service converts its monotonic clock to shared time (``SharedClock``) at this port, and back.
-
-Two backends run the same contract suite (``tests/unit/test_store_contract.py``): ``memory.py`` (one process; the default)
-and ``valkey.py`` (Valkey or Redis, server-side Lua scripts).
+Invariants: ``reserve`` is the one place a ticket comes into being, checking the engine's cap, its reserved KV and the
+request's place in line (``QueueRule``) and writing in one atomic step, so caps and KV hold exactly with any number of
+replicas whatever their mirrors' lag. The store admits a line's heads on their fresh claims in line order only (a claim
+never overtakes). A dead replica's members leave every line at once; its tickets stay (``reap``). Times are shared
+time, seconds since the epoch (``SharedClock`` converts at this port). ``memory.py`` and ``valkey.py`` run one contract
+suite (``tests/unit/test_store_contract.py``); the design in full: docs/architecture.md, Replicas and the shared store.
 """
 
 from __future__ import annotations
@@ -83,7 +40,15 @@ class StoreUnavailable(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """A request a replica decided to admit, as ``reserve`` checks and writes it (times in shared time)."""
+    """A request a replica decided to admit, as ``reserve`` checks and writes it (times in shared time).
+
+    Left with a member the store refused for the line alone (``Refusal.QUEUED``: it fitted, someone was ahead), it is
+    that member's *claim*: whenever the line or capacity changes (every ``reserve``, ``release``, expiry, ``park``,
+    ``unpark`` and a dead replica's removal) the store admits the line's heads on their claims, in line order (critical
+    before standard), while the head's claim is fresh (``fresh_s``) and fits the engine's cap and KV exactly; it stops at
+    the first head that has none, or whose claim does not fit (kept while fresh). Each such admission is a ``CLAIMED``
+    event every replica hears, the one holding the Check too. A ``reserve`` that takes a member out of line drops its
+    claim."""
 
     ticket: Ticket
     cap: int | None
@@ -98,7 +63,7 @@ class Claim:
     """The prompt's block hashes (core/prefix.py), passed on in the admission's event (and kept with a claim)."""
     fresh_s: float = 0.0
     """A ``reserve`` refused only for the line (``QUEUED``) of a request already in it leaves this claim with its member
-    for this long (0: none; see Claims)."""
+    for this long (0: none)."""
     serve_half_life_s: float = 0.0
     """The half-life of recent-serve counts (``admission.serve_half_life_seconds``): an admission adds one to its
     engine's shared count, decayed with it (0: not counted)."""
@@ -211,10 +176,10 @@ class Store(Protocol):
         request id is in that line (Envoy asked the request's Check again of this replica after that one went away:
         resources/listener.py ``_check_retry``) or was until that replica was found dead, the time that member parked; that
         member leaves the line (an UNPARKED event), so the request is in line once, at the back. ``claim``: the
-        admission the store refused it for the line alone, left with its member for ``claim.fresh_s`` (Claims)."""
+        admission the store refused it for the line alone, left with its member for ``claim.fresh_s``."""
     async def claim(self, model: str, klass: int, claims: Sequence[tuple[str, Claim]]) -> None:
         """Leave each claim with this replica's member of its request id in the line ``(model, klass)`` for its
-        ``fresh_s`` (a request not in that line is skipped); then the line's heads go on their claims (Claims)."""
+        ``fresh_s`` (a request not in that line is skipped); then the line's heads go on their claims (``Claim``)."""
     async def unpark(self, model: str, klass: int, request_id: str) -> bool:
         """Take a request out of the line (its claim too); False if it was not there (admitted, or unparked before)."""
     async def change_lines(self, changes: Sequence[LineChange]) -> list[Landed]:
@@ -226,11 +191,16 @@ class Store(Protocol):
     async def heartbeat(self, ttl_s: float) -> None:
         """This replica is alive for ``ttl_s`` more seconds (``start_liveness`` renews it from then on)."""
     async def reap(self) -> list[str]:
-        """Remove every replica whose heartbeat lapsed (see Liveness; a ``DEAD`` event each); returns their ids."""
+        """Remove every replica whose heartbeat lapsed; returns their ids. Its members leave every line at once, with
+        their claims (a ``DEAD`` event each; their first-park times are kept ``DEAD_FIRSTS_S`` for Checks Envoy asks again
+        elsewhere), then those lines move on claims. Its tickets stay: their streams may still run, and the access log
+        releases them. A ``reserve`` that meets a dead member at a line's head removes its replica the same way."""
     def start_liveness(self, every_s: float, lapse_s: float, on_lapsed: Callable[[], None]) -> None:
         """Until ``close``: renew this replica's heartbeat every ``every_s`` with a lapse of ``lapse_s``, and ``reap``
-        after each renewal, off the event loop. ``on_lapsed`` is called (from any thread) when a renewal finds this
-        replica's own heartbeat had lapsed meanwhile."""
+        after each renewal, from a thread of its own (a busy event loop does not make a live replica look dead).
+        ``on_lapsed`` is called (from any thread) when a renewal finds this replica's own heartbeat had lapsed
+        meanwhile (beats held up past the lapse, or the store lost its data): the caller puts its parked requests back
+        in line, at the back, in its lot's order."""
     async def load(self) -> StoreState: ...
     async def listen(self, handler: Callable[[StoreEvent], None], on_connected: Callable[[], None]) -> None:
         """Deliver every other replica's events to ``handler`` until cancelled (reconnecting when the store comes back;

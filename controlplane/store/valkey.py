@@ -3,28 +3,10 @@
 Every change is one server-side Lua script, so it is atomic against every other replica's: ``reserve`` checks the line,
 the engine's cap and its reserved KV and then writes, or refuses, in one step; ``release`` and lease expiry close a ticket
 once, whoever asks first; every script that changes a line or frees capacity then admits the lines' heads on their
-claims (``drain``, base.py Claims), in the same atomic step. Each script also publishes what it did on
+claims (``drain``, base.py ``Claim``), in the same atomic step. Each script also publishes what it did on
 ``<prefix>:events``, which every replica's ``listen`` turns into ``StoreEvent``s for its mirror. Scripts read the
-server's clock (``TIME``) for claims only, so replicas on several hosts agree on a claim's freshness.
-
-Keys (``<p>`` = ``store.prefix``, default ``sluice``)::
-
-    <p>:t:<ticket>          hash   engine model admitted_at lease reserved done ttft owner  (expires lease + grace)
-    <p>:e:<engine>          set    open ticket ids of the engine (its cap is checked against SCARD)
-    <p>:kv                  hash   engine -> KV tokens its open tickets reserve
-    <p>:leases              zset   ticket id by lease deadline (any replica's sweep closes the lapsed ones)
-    <p>:q:<model>:<class>   zset   "<replica>|<request id>" by arrival sequence (<p>:seq)
-    <p>:qa:<model>:<class>  hash   request id -> "<replica>|<when it first parked>", one per member of the line above
-    <p>:qd:<model>:<class>  hash   the same for members of dead replicas (expires DEAD_FIRSTS_S after the last one)
-    <p>:c:<model>:<class>   hash   member -> its claim (JSON: ticket record, cap, KV limit, session, until when, ...)
-    <p>:ml:<replica>        set    "<model>:<class>" of every line the replica parked in (its removal's index)
-    <p>:s:<session>         string the session's engine (EX store.session_ttl_seconds)
-    <p>:w                   hash   engine -> "<recent-serve count>|<when last admitted to>" (shared time)
-    <p>:r:<replica>         string a replica's heartbeat (PX store.heartbeat_seconds x store.dead_after_beats);
-                                   absent = dead
-    <p>:replicas            set    replicas with a heartbeat (each renewal looks for lapsed ones among them)
-
-A ticket's hash also expires ``TICKET_KEY_GRACE_S`` after its lease as a backstop; the lease sweep closes it long before.
+server's clock (``TIME``) for claims only, so replicas on several hosts agree on a claim's freshness. The keys are
+listed in ``ValkeyStore``'s docstring; the scripts are in ``valkeyscripts.py``.
 """
 
 from __future__ import annotations
@@ -92,7 +74,7 @@ def _claim_text(claim: Claim, owner: str, session_ttl_s: float) -> str:
 
 class _Liveness(threading.Thread):
     """A replica's heartbeat, renewed from its own thread and connection (so a busy event loop does not make a live
-    replica look dead), and the reaping of dead replicas after each renewal (base.py, Liveness)."""
+    replica look dead), and the reaping of dead replicas after each renewal (base.py ``Store.reap``)."""
 
     def __init__(self, store: ValkeyStore, every_s: float, lapse_s: float, on_lapsed: Callable[[], None]) -> None:
         super().__init__(name=f"store-liveness-{store.replica_id}", daemon=True)
@@ -124,6 +106,24 @@ class _Liveness(threading.Thread):
 
 
 class ValkeyStore:
+    """Keys (``<p>`` = ``store.prefix``, default ``sluice``; a ticket's hash also expires ``TICKET_KEY_GRACE_S`` after
+    its lease as a backstop, the lease sweep closes it long before)::
+
+        <p>:t:<ticket>          hash   engine model admitted_at lease reserved done ttft owner  (expires lease + grace)
+        <p>:e:<engine>          set    open ticket ids of the engine (its cap is checked against SCARD)
+        <p>:kv                  hash   engine -> KV tokens its open tickets reserve
+        <p>:leases              zset   ticket id by lease deadline (any replica's sweep closes the lapsed ones)
+        <p>:q:<model>:<class>   zset   "<replica>|<request id>" by arrival sequence (<p>:seq)
+        <p>:qa:<model>:<class>  hash   request id -> "<replica>|<when it first parked>", one per member of the line
+        <p>:qd:<model>:<class>  hash   the same for members of dead replicas (expires DEAD_FIRSTS_S after the last one)
+        <p>:c:<model>:<class>   hash   member -> its claim (JSON: ticket record, cap, KV limit, session, until when, ...)
+        <p>:ml:<replica>        set    "<model>:<class>" of every line the replica parked in (its removal's index)
+        <p>:s:<session>         string the session's engine (EX store.session_ttl_seconds)
+        <p>:w                   hash   engine -> "<recent-serve count>|<when last admitted to>" (shared time)
+        <p>:r:<replica>         string heartbeat (PX store.heartbeat_seconds x store.dead_after_beats); absent = dead
+        <p>:replicas            set    replicas with a heartbeat (each renewal looks for lapsed ones among them)
+    """
+
     def __init__(self, url: str, replica_id: str, prefix: str = "sluice", timeout_s: float = 0.5,
                  session_ttl_s: float = 3600.0, max_connections: int = 64) -> None:
         self.url = url
