@@ -11,7 +11,6 @@ import socket
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
