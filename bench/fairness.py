@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.common import Target, exit_code, median, pct, rotated_rounds, verdicts, write_report
+from bench.common import Target, exit_code, pct, rotated_rounds, verdicts, write_report
 from bench.workload import Result, gateway, stream_chat, unique_prompt
 
 SPEED = 5.0

@@ -69,7 +69,7 @@ from bench.common import Target, exit_code, pct, rotated_rounds, sim_world, verd
 from bench.epp_arm import epp_arm
 from bench.plain import plain_envoy_arm
 from bench.prefix import (ENGINES, EPP, HASH_HEADER, MAX_TOKENS, Arm, Outcome, Texts, _epp_note, _sims, _wait_idle,
-                          send, text, _rng)
+                          send)
 from bench.workload import gateway
 from enginesim.profiles import PROFILES
 

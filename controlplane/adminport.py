@@ -19,7 +19,6 @@ from controlplane.admission.service import AdmissionService
 from controlplane.admission.watch import Watcher
 from controlplane.config import RELOADABLE, Config, ConfigError, OnStale, changed_sections, resolve_engines
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.decide import decide
 from controlplane.core.fairshare import FairStanding, TenantShare
 from controlplane.core.feedback import TtftSummary
 from controlplane.core.ledger import Ledger

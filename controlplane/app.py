@@ -38,15 +38,10 @@ from controlplane.config import (
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.ledger import Ledger
 from controlplane.core.engines import EngineRates, EngineView
-from controlplane.core.fleet import Fleet
-from controlplane.core.model import Ticket
-from controlplane.core.weights import Weights
 from controlplane.giveway import give_way
 from controlplane.servicers.httpendpoint import HttpEndpoint
 from controlplane.metrics import SluiceMetrics
 from controlplane.observe.observation import Observation
-from controlplane.observe.poller import EnginePoller
-from controlplane.observe.rates import RateBook
 from controlplane.store.base import Store
 from controlplane.store.memory import MemoryStore
 from controlplane.store.valkey import ValkeyStore
@@ -54,8 +49,6 @@ from controlplane.tls import server_credentials
 from controlplane.tracing import CheckTracing, TracedAuthorizationServicer
 from controlplane.admission.quota import Quota, make_limiter
 from controlplane.xds.publisher import XdsPublisher
-from controlplane.xds.server import AdsServicer
-from controlplane.xds.snapshot import Snapshot, SnapshotCache
 from sluice.admin.v1 import admin_pb2_grpc
 
 log = logging.getLogger("sluice.controlplane")

@@ -91,7 +91,7 @@ def shown_path(path: str) -> str:
     return f"{base}?<{query.count('&') + 1} filter parameters>"
 
 
-ProbeCallback = Callable[[EngineView, "EngineRates | None"], None]
+ProbeCallback = Callable[[EngineView, EngineRates | None], None]
 
 
 class EnginePoller:
