@@ -281,3 +281,21 @@ def test_soonest_row_breaks_ties_as_the_full_scan_orders_them(seed: int) -> None
         return (round(float(finish[i]), 6), float(load[i]), float(headroom), names[i])
 
     assert _soonest_row(rows, among, finish) == min((int(i) for i in among), key=key)
+
+
+def test_the_core_counts_its_decisions_and_those_the_index_answered() -> None:
+    """``AdmissionCore.decisions``: every Check's ``decide`` counted once, those decided on the fleet index apart (what
+    ``bench fleet`` reports); a preview (``sluice admin explain``) counts nothing."""
+    core = AdmissionCore(Policy(), Ledger(3600))
+    view = EngineView(name="e", url="", max_num_seqs=4, models=(ServedModel("m", 32_768),), version="0.11.0",
+                      sample=EngineSample(0.0, running=0, waiting=0, kv_usage=0.0, kv_capacity_tokens=200_000),
+                      last_ok_at=0.0, stale=False, chip_class="c")
+    core.set_engines(["e"])
+    core.note_view(view)
+    request = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=100, max_tokens=50)
+    indexed = core.check("a", request, core.indexed_fleet(0.0), 0.0)
+    assert indexed.decision.on_index and indexed.ticket is not None
+    scanned = core.check("b", request, core.fleet([view], 0.0), 0.0)
+    assert not scanned.decision.on_index and scanned.ticket is not None
+    core.preview(request, core.indexed_fleet(0.0), 0.0)
+    assert (core.decisions.decided, core.decisions.on_index, core.decisions.full_scan) == (2, 1, 1)
