@@ -1,4 +1,4 @@
-"""Protobuf helpers the resource builders share."""
+"""Protobuf building blocks the resource builders share."""
 
 from __future__ import annotations
 
