@@ -4,24 +4,18 @@ pasted back into one."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import asdict
 from typing import Any
 
 import yaml
 
 from controlplane.config.policy import admission_values
+from controlplane.config.setting import plain
 from controlplane.core.policy import Policy
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items() if v is not None}
-    return value
+    return plain(value, drop_none=True)
 
 
 def policy_raw(policy: Policy) -> dict[str, Any]:

@@ -109,14 +109,16 @@ def key_of(shape: type, name: str) -> Key:
     return next(k for k in keys_of(shape) if k.name == name)
 
 
-def plain(value: Any) -> Any:
-    """A default as YAML writes it: an enum as its string, a tuple as a list, a mapping as a dict."""
+def plain(value: Any, *, drop_none: bool = False) -> Any:
+    """A value as YAML writes it: an enum as its string, a tuple as a list, a mapping as a dict with string keys.
+    ``drop_none``: a mapping's unset (None) entries are left out, at every depth (the policy as text does; the
+    defaults keep them)."""
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
+        return [plain(v, drop_none=drop_none) for v in value]
     if isinstance(value, Mapping):
-        return {k: plain(v) for k, v in value.items()}
+        return {str(k): plain(v, drop_none=drop_none) for k, v in value.items() if not (drop_none and v is None)}
     return value
 
 
