@@ -63,6 +63,8 @@ class Failure(enum.StrEnum):
     REQUEST_HEADER_FIELDS_TOO_LARGE = "request_header_fields_too_large"
     REQUEST_TIMEOUT = "request_timeout"
     INVALID_HTTP_REQUEST = "invalid_http_request"
+    PREEMPTED = "preempted"
+    """A running sheddable stream ended for a critical request (``fairness.preempt_sheddable``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,7 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Reason.WAITING_FOR_FASTER: _OK,
     Reason.TTFT_DEADLINE: _OK,
     Reason.RESERVED_SHARE: _OK,
+    Reason.PREEMPTING: _OK,
     # shed (always with retry-after)
     Reason.NO_READY_ENGINE: _server("no_ready_engine"),
     Reason.VERSION_FLOOR: _server("version_floor"),
@@ -142,6 +145,7 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Failure.INTERNAL_ERROR: _server("internal_error", 500),
     Failure.CONTROLPLANE_OVERLOADED: _server("controlplane_overloaded"),
     Failure.UPSTREAM_UNAVAILABLE: _server("upstream_unavailable"),
+    Failure.PREEMPTED: _server("preempted"),
     # ... and Envoy's local replies (xds/resources/listener.py)
     Failure.CONTROLPLANE_UNAVAILABLE: _server("controlplane_unavailable"),
     Failure.NOT_ADMITTED: _server("not_admitted"),

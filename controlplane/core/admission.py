@@ -115,8 +115,11 @@ class AdmissionCore(Waking):
         if tenant not in backlogged:  # back in line after none of its requests waited: no idle time banked
             self.fair.lift(model, tenant, backlogged)
         self.lot.take_seq()
-        if verdict.verdict is not Verdict.PARK:  # it would start past its bound: told now
-            return Outcome(request_id, verdict)
+        if verdict.verdict is not Verdict.PARK:  # it would start past its bound: told now, unless it preempts
+            preempting = self._preempting(entry, verdict, fleet, now)
+            if preempting is None:
+                return Outcome(request_id, verdict)
+            decision = preempting
         self.lot.park(entry)
         if decision.idle_slot:
             self.lot.note_passable(request_id, self._frees, decision.waits_for)
