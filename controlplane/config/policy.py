@@ -210,6 +210,10 @@ class FairnessConfig:
     round trip to the control plane per response chunk); critical and standard traffic never does."""
     preempt_max_per_minute: int = field(default=_FAIR.preempt_max_per_minute, metadata=setting(minimum=1))
     """Preemptions allowed in any 60 s, all models together; past it critical requests are shed early as usual."""
+    preempt_grace_ms: int = field(default=_FAIR.preempt_grace_ms, metadata=setting(minimum=1, maximum=60_000))
+    """How long a preempted stream that already answered 200 waits for its next chunk, which is replaced by the SSE
+    error event before the stream is reset; past it (an engine still prefilling) the stream is reset without the
+    event (the client sees the connection end)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,8 @@ class FairShare:
     Applied whether or not ``enabled``."""
     preempt_max_per_minute: int = 6
     """At most this many preemptions in any 60 s (>= 1)."""
+    preempt_grace_ms: int = 500
+    """The shell's: how long a started stream being ended waits for its next chunk to carry the error event."""
 
     def __post_init__(self) -> None:
         if type(self.weights) is not MappingProxyType:
