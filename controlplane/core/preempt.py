@@ -144,6 +144,8 @@ class Preemptible:
         return frozenset(self._attached & self._sheddable)
 
     def mark(self, request_id: str, victims: tuple[Ticket, ...]) -> None:
+        for done in [r for r, ids in self._for.items() if not any(t in self._marked for t in ids)]:
+            del self._for[done]  # every victim closed: nothing left to wait for (bounded by the rate bound anyway)
         ids = tuple(t.ticket_id for t in victims)
         self._for[request_id] = ids
         self._marked.update(ids)
@@ -157,7 +159,3 @@ class Preemptible:
             return True
         del self._for[request_id]
         return False
-
-    def forget(self, request_id: str) -> None:
-        """``request_id`` left the lot: it waits for nothing now (its victims stay marked until they close)."""
-        self._for.pop(request_id, None)

@@ -181,10 +181,12 @@ class Turns(FleetState):
                         self.service_times.get(model), lambda: any(self._committed(p, now) for p in line))
 
     # -- preemption (preempt.py) ---------------------------------------------------------------------------------------
-    def _preempting(self, parked: Parked, early: Decision, fleet: Fleet, now: float) -> Decision | None:
+    def _preempting(self, parked: Parked, early: Decision, fleet: Fleet, now: float,
+                    preview: bool = False) -> Decision | None:
         """Instead of shedding critical ``parked`` early (``early``), the park it keeps while sheddable streams end for
         it: those already ended for it (until every one is closed), or new victims (preempt.py's rule, within the rate
-        bound), queued for the shell (``take_preemptions``). None: shed it."""
+        bound), queued for the shell (``take_preemptions``). None: shed it. ``preview``: what it would be, nothing
+        marked, spent or queued."""
         fairness = self.policy.fairness
         request = parked.request
         if not fairness.preempt_sheddable or request.priority is not Priority.CRITICAL or request.model is None:
@@ -198,8 +200,8 @@ class Turns(FleetState):
             return None
         running = self.preemptible.candidates(self.ledger.get(t) for t in self.preemptible.attached)
         found = choose_victims(request, fleet, self.policy, now, running)
-        if found is None:
-            return None
+        if found is None or preview:
+            return None if found is None else waiting
         engine, victims = found
         self._preempt_budget.spend(now)
         self.preemptible.mark(parked.request_id, victims)

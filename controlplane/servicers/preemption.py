@@ -3,7 +3,8 @@
 
 Only a sheddable admission with ``fairness.preempt_sheddable`` reaches here (the route ``pinned_preemptible``). Its
 ext_proc stream opens with the request's headers (its ``x-sluice-ticket`` names it), is attached to the admission
-(``PreemptPort.attach``) and passes every message on unchanged at once, until ``Ending.end`` asks for its end:
+(``PreemptPort.attach``; a ticket this replica did not admit is not, and passes unprocessed) and passes every message
+on unchanged at once, until ``Ending.end`` asks for its end:
 
 - before the response started (no response headers yet): an unsolicited ``immediate_response`` (503, ``retry-after``,
   the OpenAI error ``preempted``), which Envoy sends as its local reply;

@@ -132,3 +132,11 @@ def test_the_budget_counts_a_sliding_minute() -> None:
         assert budget.allows(at, 2)
         budget.spend(at)
     assert not budget.allows(59.9, 2) and budget.allows(60.0, 2) and budget.allows(70.1, 1)
+
+
+def test_the_preview_says_preempting_and_ends_nothing() -> None:
+    core = AdmissionCore(replace(ON, fairness=replace(ON.fairness, preempt_max_per_minute=1)), Ledger(600))
+    running(core)
+    seen = core.preview(chat(ttft_ms=500, priority="critical"), core.fleet(VIEWS, 2.0), 2.0)
+    assert (seen.verdict, seen.reason) == (Verdict.PARK, Reason.PREEMPTING) and core.take_preemptions() == []
+    assert urgent(core, 2.0) is Verdict.PARK and len(core.take_preemptions()) == 1  # the budget was not spent
