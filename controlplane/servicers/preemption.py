@@ -1,19 +1,17 @@
-"""Envoy's external processing (ext_proc) stream of each preemptible stream: how the control plane ends one (decision
-0028).
+"""Envoy's ext_proc stream of each preemptible stream: how the control plane ends one (decision 0028).
 
-Only a sheddable admission with ``fairness.preempt_sheddable`` reaches here (the route ``pinned_preemptible``). Its
-ext_proc stream opens with the request's headers (its ``x-sluice-ticket`` names it), is attached to the admission
-(``PreemptPort.attach``; a ticket this replica did not admit is not, and passes unprocessed) and passes every message
-on unchanged at once, until ``Ending.end`` asks for its end:
+Only a sheddable admission with ``fairness.preempt_sheddable`` reaches here (route ``pinned_preemptible``). Its stream
+opens with the request's headers, whose ``x-sluice-ticket`` attaches it to its admission (``PreemptPort.attach``; a
+ticket this replica did not admit passes unprocessed); every message passes on unchanged at once until
+``Ending.end`` asks for its end:
 
-- before the response started (no response headers yet): an unsolicited ``immediate_response`` (503, ``retry-after``,
-  the OpenAI error ``preempted``), which Envoy sends as its local reply;
-- after: the next body chunk is replaced by an SSE error event and an ``immediate_response`` follows, which resets the
-  stream (downstream after the event, and upstream: the engine aborts it as for a client that leaves). A stream that
-  sends no chunk within ``fairness.preempt_grace_ms`` is reset without the event.
+- before the response started: an unsolicited ``immediate_response`` (503, ``retry-after``, the OpenAI error
+  ``preempted``), Envoy's local reply;
+- after: the next body chunk becomes an SSE error event and an ``immediate_response`` follows, which resets the stream
+  (downstream after the event; upstream, so the engine aborts it as for a client that leaves). No chunk within
+  ``fairness.preempt_grace_ms``: the reset alone.
 
-Either way Envoy ends the stream, so its access-log entry releases the ticket as for every stream. The stream detaches
-when it ends, however it ends.
+Either way the access-log entry releases the ticket as for every stream; the stream detaches however it ends.
 """
 
 from __future__ import annotations
