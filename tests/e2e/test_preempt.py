@@ -83,6 +83,7 @@ def test_a_critical_request_ends_one_sheddable_stream_only_when_on(stack: Stack)
     results = [f.result() for f in streams]
     assert results.count("left") == (1 if on else 2), results
     wait_for(lambda: stack.status().open_tickets == 0, timeout=10, what="the ledger empty")
+    assert stack.status().tickets_expired_total == 0  # every ticket released by its stream's access-log entry
     log = stack.sim_log("a")  # the victim and the clients that left: every sheddable stream aborted at the engine
     assert [e["status"] for e in log].count("aborted") == 2, log
     assert preempted_total(stack) == (1 if on else 0)

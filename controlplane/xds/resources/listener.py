@@ -159,16 +159,17 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         clear_route_cache=True,
         status_on_error=http_status_pb2.HttpStatus(code=FAILURE_STATUS),
     )
-    _mode = processing_mode_pb2.ProcessingMode
-    # Present always, so that a reload can turn preemption on and off without a listener change; opened only on the
-    # route ``pinned_preemptible`` (every other route disables it): a stream the Check did not mark never reaches it.
+    # Present always, so that a reload can turn preemption on and off without a listener change; it processes nothing
+    # (every mode SKIP or NONE: no stream to the control plane) except on the route ``pinned_preemptible``, whose
+    # per-route override sets PREEMPTIBLE_MODE (routing.py; every other route disables it). A reply Envoy makes before
+    # any route is chosen (a codec error) finds it inert too.
     preempt = ext_proc_pb2.ExternalProcessor(
         grpc_service=_controlplane_grpc(),
         failure_mode_allow=True,  # a control plane that cannot answer leaves the stream running, unprocessed
         message_timeout=seconds(ev.preempt_message_timeout_ms / 1000),
-        processing_mode=_mode(request_header_mode=_mode.SEND, response_header_mode=_mode.SEND,
-                              request_body_mode=_mode.NONE, response_body_mode=_mode.STREAMED,
-                              request_trailer_mode=_mode.SKIP, response_trailer_mode=_mode.SKIP),
+        processing_mode=processing_mode_pb2.ProcessingMode(
+            request_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SKIP),
     )
     access_log = als_pb2.HttpGrpcAccessLogConfig(
         common_config=als_pb2.CommonGrpcAccessLogConfig(

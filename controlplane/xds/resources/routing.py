@@ -11,7 +11,7 @@ from envoy.config.core.v3 import address_pb2, base_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
 from envoy.type.matcher.v3 import regex_pb2
 from envoy.type.matcher.v3 import string_pb2
@@ -29,6 +29,12 @@ ROUTE_CONFIG_NAME = "sluice_routes"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 """The filter that lets the control plane end a preemptible stream (decision 0028): in the listener's chain, enabled
 on one route only."""
+_MODE = processing_mode_pb2.ProcessingMode
+PREEMPTIBLE_MODE = _MODE(request_header_mode=_MODE.SEND, response_header_mode=_MODE.SEND,
+                         request_body_mode=_MODE.NONE, response_body_mode=_MODE.STREAMED,
+                         request_trailer_mode=_MODE.SKIP, response_trailer_mode=_MODE.SKIP)
+"""What ext_proc sends of a preemptible stream: its request headers (the ticket), its response headers and every
+response chunk, each waiting for the control plane's answer; not the request body, not trailers."""
 INFERENCE_PATH_REGEX = "^/v1/(chat/completions|completions|embeddings)$"
 """The OpenAI paths that carry a model and are routed to an engine (the same set ``parse_request`` accepts)."""
 
@@ -98,7 +104,7 @@ def build_routes(config: Config, weights: dict[str, dict[str, int]] | None = Non
     preemptible.match.headers.append(route_components_pb2.HeaderMatcher(name=PREEMPTIBLE_HEADER, present_match=True))
     preemptible.request_headers_to_remove.append(PREEMPTIBLE_HEADER)
     preemptible.typed_per_filter_config[EXT_PROC_FILTER].Pack(
-        ext_proc_pb2.ExtProcPerRoute(overrides=ext_proc_pb2.ExtProcOverrides()))
+        ext_proc_pb2.ExtProcPerRoute(overrides=ext_proc_pb2.ExtProcOverrides(processing_mode=PREEMPTIBLE_MODE)))
     fallback = [
         route_components_pb2.Route(
             name=f"fallback:{model}",
