@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from controlplane.config import ConfigError, parse_config
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.fairshare import FairShare
 from controlplane.core.ledger import Ledger
@@ -140,3 +141,15 @@ def test_the_preview_says_preempting_and_ends_nothing() -> None:
     seen = core.preview(chat(ttft_ms=500, priority="critical"), core.fleet(VIEWS, 2.0), 2.0)
     assert (seen.verdict, seen.reason) == (Verdict.PARK, Reason.PREEMPTING) and core.take_preemptions() == []
     assert urgent(core, 2.0) is Verdict.PARK and len(core.take_preemptions()) == 1  # the budget was not spent
+
+
+def test_the_settings_are_read_and_bounded() -> None:
+    engines = [{"name": "e", "url": "http://127.0.0.1:9"}]
+    assert not parse_config({"engines": engines}).policy.fairness.preempt_sheddable  # off by default
+    fairness = parse_config({"engines": engines, "fairness": {"preempt_sheddable": True, "preempt_max_per_minute": 3,
+                                                              "preempt_grace_ms": 250}}).policy.fairness
+    assert (fairness.preempt_sheddable, fairness.preempt_max_per_minute, fairness.preempt_grace_ms) == (True, 3, 250)
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"engines": engines, "fairness": {"preempt_max_per_minute": 0, "preempt_grace_ms": 0}})
+    assert {p.split(":")[0] for p in caught.value.problems} >= {"fairness.preempt_max_per_minute",
+                                                                "fairness.preempt_grace_ms"}
