@@ -24,6 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.auth.v3 import external_auth_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from controlplane.adminport import AdminAdapter, ConfigReader, ReloadListener
@@ -32,6 +33,7 @@ from controlplane.servicers.admin import AdminServicer
 from controlplane.servicers.adminauth import AdminGuard, load_tokens
 from controlplane.admission.service import AdmissionService
 from controlplane.servicers.authz import AuthorizationServicer
+from controlplane.servicers.preemption import PreemptionServicer
 from controlplane.config import (
     Config, ConfigError, OnStale, ServerTls, StoreBackend, is_loopback, load_config, resolve_engines,
 )
@@ -176,6 +178,7 @@ class ControlPlane:
                  else TracedAuthorizationServicer(self.service, self.tracing, self.quota))
         external_auth_pb2_grpc.add_AuthorizationServicer_to_server(authz, server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(self.service, self.quota), server)
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(PreemptionServicer(self.service), server)
         self.grpc_port = _bind(server, f"{cfg.controlplane.host}:{cfg.controlplane.grpc_port}", grpc_tls)
         if not self.grpc_port:
             raise OSError(f"cannot bind gRPC on {cfg.controlplane.host}:{cfg.controlplane.grpc_port}")

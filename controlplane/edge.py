@@ -28,7 +28,8 @@ from google.rpc import code_pb2, status_pb2
 from controlplane.core.engines import ServedModel
 from controlplane.core.model import Decision, InferenceRequest, Reason, Verdict
 from controlplane.names import (
-    CONTENT_TYPE_HEADER, ENGINE_HEADER, PARKED_MS_HEADER, RETRY_AFTER_HEADER, ROUTE_REASON_HEADER, TICKET_HEADER,
+    CONTENT_TYPE_HEADER, ENGINE_HEADER, PARKED_MS_HEADER, PREEMPTIBLE_HEADER, RETRY_AFTER_HEADER, ROUTE_REASON_HEADER,
+    TICKET_HEADER,
 )
 
 if TYPE_CHECKING:
@@ -63,6 +64,8 @@ class Failure(enum.StrEnum):
     REQUEST_HEADER_FIELDS_TOO_LARGE = "request_header_fields_too_large"
     REQUEST_TIMEOUT = "request_timeout"
     INVALID_HTTP_REQUEST = "invalid_http_request"
+    PREEMPTED = "preempted"
+    """A running sheddable stream ended for a critical request (``fairness.preempt_sheddable``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,7 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Reason.WAITING_FOR_FASTER: _OK,
     Reason.TTFT_DEADLINE: _OK,
     Reason.RESERVED_SHARE: _OK,
+    Reason.PREEMPTING: _OK,
     # shed (always with retry-after)
     Reason.NO_READY_ENGINE: _server("no_ready_engine"),
     Reason.VERSION_FLOOR: _server("version_floor"),
@@ -142,6 +146,7 @@ REPLIES: Mapping[Reason | Failure, Reply] = {
     Failure.INTERNAL_ERROR: _server("internal_error", 500),
     Failure.CONTROLPLANE_OVERLOADED: _server("controlplane_overloaded"),
     Failure.UPSTREAM_UNAVAILABLE: _server("upstream_unavailable"),
+    Failure.PREEMPTED: _server("preempted"),
     # ... and Envoy's local replies (xds/resources/listener.py)
     Failure.CONTROLPLANE_UNAVAILABLE: _server("controlplane_unavailable"),
     Failure.NOT_ADMITTED: _server("not_admitted"),
@@ -168,6 +173,12 @@ def error_json(key: Reason | Failure, message: str) -> str:
     if not r.is_error:
         raise ValueError(f"{key} is not an error")
     return openai_error(message, r.type, r.code)
+
+
+def sse_error_event(error: str) -> bytes:
+    """An error in a stream that already answered 200: one SSE event carrying the OpenAI error object (``error``, as
+    ``error_json`` renders it), which the ``openai`` client raises as ``APIError``."""
+    return b"data: " + error.encode() + b"\n\n"
 
 
 def model_list_json(models: tuple[ServedModel, ...]) -> str:
@@ -233,17 +244,18 @@ def _parked(outcome: Outcome) -> list[base_pb2.HeaderValueOption]:
 
 
 def check_admit(outcome: Outcome, charge: TenantCharge | None = None,
-                request: InferenceRequest | None = None) -> external_auth_pb2.CheckResponse:
+                request: InferenceRequest | None = None, preemptible: bool = False) -> external_auth_pb2.CheckResponse:
     """An admission: the engine pinned for the route, the ticket for the retry redirector, the reason (and a tenant's
-    ``x-ratelimit-*``) for the client."""
+    ``x-ratelimit-*``) for the client. ``preemptible``: the stream goes through ext_proc, which can end it."""
     decision, ticket = outcome.decision, outcome.ticket
     assert decision.engine is not None and ticket is not None
     limits = [header(k, v) for k, v in charge.headers] if charge is not None else []
+    pin = [header(ENGINE_HEADER, decision.engine), header(TICKET_HEADER, ticket.ticket_id)]
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.OK),
         ok_response=external_auth_pb2.OkHttpResponse(
             # The ticket rides to the engine (never back to the client) so the retry redirector can release it.
-            headers=[header(ENGINE_HEADER, decision.engine), header(TICKET_HEADER, ticket.ticket_id)],
+            headers=[*pin, header(PREEMPTIBLE_HEADER, "1")] if preemptible else pin,
             response_headers_to_add=[header(ENGINE_HEADER, decision.engine),
                                      header(ROUTE_REASON_HEADER, decision.reason.value), *_parked(outcome), *limits],
             # A tenant's API key is sluice's secret, not the engine's: it never reaches an engine (or its logs). Without

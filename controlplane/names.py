@@ -21,6 +21,9 @@ ENGINE_HEADER = "x-sluice-engine"
 """The engine a Check chose; the pinned route sends the request to the cluster it names (also returned to the client)."""
 TICKET_HEADER = "x-sluice-ticket"
 """The admission's ticket, for the retry redirector to release; rides to the engine, never back to the client."""
+PREEMPTIBLE_HEADER = "x-sluice-preemptible"
+"""On a sheddable admission with ``fairness.preempt_sheddable``: the route that passes the stream through ext_proc
+(decision 0028) matches it; removed before the engine."""
 MODEL_HEADER = "x-sluice-model"
 """The body's ``model``, set by Envoy itself so the fail-open fallback routes can match on it."""
 

@@ -3,6 +3,7 @@ alone with a fake and no module imports ``app.py`` (the wiring) — not even for
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -137,3 +138,30 @@ class AdminPort(Protocol):
     async def tenant_usage(self) -> tuple[TenantUsage, ...]: ...
     def tenant_shares(self) -> list[TenantShare]: ...
     def fair_standing(self, request: InferenceRequest, now: float) -> FairStanding: ...
+
+
+class Ending:
+    """One attached stream's end, asked for at most once (``end``) and awaited by its ext_proc handler."""
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+        self.retry_after_s = 0
+        self.message = ""
+
+    def end(self, retry_after_s: int, message: str) -> None:
+        if not self.asked.is_set():
+            self.retry_after_s, self.message = retry_after_s, message
+            self.asked.set()
+
+
+class PreemptPort(Protocol):
+    """The admission service as the ext_proc servicer sees it."""
+
+    def attach(self, ticket_id: str, ending: Ending) -> bool:
+        """A preemptible stream's ext_proc stream opened; False: it is no (open) sheddable admission here."""
+        ...
+
+    def detach(self, ticket_id: str) -> None: ...
+
+    @property
+    def grace_s(self) -> float: ...

@@ -32,7 +32,7 @@ from controlplane.core.tenants import Usage
 from controlplane.core.engines import EngineView
 from controlplane.metrics import NO_TENANT_LABEL, SluiceMetrics
 from controlplane.observe.observation import Observation
-from controlplane.ports import CheckSettings
+from controlplane.ports import CheckSettings, Ending
 from controlplane.store.base import Claim, Refusal, Store
 from controlplane.store.memory import MemoryStore
 from controlplane.admission.replication import Replication
@@ -69,6 +69,8 @@ class AdmissionService:
         self._wake_models: set[str] | None = set()
         """Models a scheduled wake will look at (None: all); empty with no wake scheduled."""
         self._wake_task: asyncio.Task[None] | None = None
+        self._endings: dict[str, Ending] = {}
+        """Attached preemptible streams (ticket -> its end), while their ext_proc stream lasts."""
         self._decision_counters: dict[tuple[str, str, str], Any] = {}
         """``sluice_admission_decisions`` children by (model label, verdict, reason): looked up once, not per Check
         (prometheus_client's ``labels`` validates and locks, about 10 us)."""
@@ -99,6 +101,7 @@ class AdmissionService:
                 outcome = self.core.force_park(request_id, request, fleet, now)
             else:
                 outcome = self.core.check(request_id, request, fleet, now, ahead_elsewhere)
+            self._preempt()
             if outcome.decision.verdict is Verdict.PARK:
                 behind = False
                 if queued is None and outcome.decision.reason is Reason.QUEUED_BEHIND and mirror.line_shared(now):
@@ -273,6 +276,35 @@ class AdmissionService:
         if changed:
             self.wake()
 
+    # -- PreemptPort (decision 0028) ------------------------------------------------------------------------------------
+    def attach(self, ticket_id: str, ending: Ending) -> bool:
+        if not self.core.preemptible.attach(ticket_id):
+            return False
+        self._endings[ticket_id] = ending
+        return True
+
+    def detach(self, ticket_id: str) -> None:
+        self._endings.pop(ticket_id, None)
+        self.core.preemptible.detach(ticket_id)
+
+    @property
+    def grace_s(self) -> float:
+        return self.core.policy.fairness.preempt_grace_ms / 1000
+
+    def _preempt(self) -> None:
+        """Carry out the preemptions the core decided: each victim counted, logged and its stream asked to end."""
+        for preemption in self.core.take_preemptions():
+            for victim in preemption.victims:
+                self.metrics.preempted.labels(self.model_label(preemption.model), preemption.engine).inc()
+                ending = self._endings.get(victim.ticket_id)
+                log.info("preempted %s on %s for critical %s (%s): sheddable stream ended, retry-after %d s%s",
+                         victim.ticket_id, preemption.engine, preemption.request_id, preemption.model,
+                         preemption.retry_after_s, "" if ending is not None else " (its stream had just ended)",
+                         extra={"request_id": victim.ticket_id})
+                if ending is not None:
+                    ending.end(preemption.retry_after_s, f"This sheddable request was ended to make room for a "
+                               f"critical request to {preemption.model}")
+
     # -- capacity events ---------------------------------------------------------------------------------------------
     def wake(self, models: list[str] | None = None) -> None:
         """Capacity may have freed: admit whatever parked requests now fit, in order (on the next turn of the loop, one
@@ -362,6 +394,7 @@ class AdmissionService:
             if self.core.depth():
                 now = self.clock()
                 expired = self.core.expire_parked(self.observation.fleet(now), now)
+                self._preempt()
                 for outcome in expired:
                     self.replication.left_lot(outcome)
                 self.answer(expired)

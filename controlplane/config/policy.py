@@ -202,6 +202,18 @@ class FairnessConfig:
     """What an output token adds to its tenant's counter."""
     default_weight: float = field(default=_FAIR.default_weight, metadata=setting(minimum=0.001))
     """The weight of a tenant without its own, and of requests without a tenant."""
+    preempt_sheddable: bool = _FAIR.preempt_sheddable
+    """A critical request whose expected start is past its bound (shed early would refuse it) may end running
+    sheddable streams on an engine where their end lets it start: the least work lost first (core/preempt.py,
+    decision 0028). Each one's client gets 503 ``preempted`` with a Retry-After (mid-stream: an SSE error event, then
+    the stream ends); the engine stops it. While on, sheddable streams pass through Envoy's ext_proc filter (one
+    round trip to the control plane per response chunk); critical and standard traffic never does."""
+    preempt_max_per_minute: int = field(default=_FAIR.preempt_max_per_minute, metadata=setting(minimum=1))
+    """Preemptions allowed in any 60 s, all models together; past it critical requests are shed early as usual."""
+    preempt_grace_ms: int = field(default=_FAIR.preempt_grace_ms, metadata=setting(minimum=1, maximum=60_000))
+    """How long a preempted stream that already answered 200 waits for its next chunk, which is replaced by the SSE
+    error event before the stream is reset; past it (an engine still prefilling) the stream is reset without the
+    event (the client sees the connection end)."""
 
 
 @dataclass(frozen=True, slots=True)

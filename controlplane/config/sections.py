@@ -155,6 +155,10 @@ class EnvoyConfig:
     timeout is this less 10 s."""
     connect_timeout_seconds: float = field(default=1.0, metadata=setting(minimum=0.01))
     """Connect timeout to an engine."""
+    preempt_message_timeout_ms: int = field(default=500, metadata=setting(minimum=1, maximum=10_000))
+    """How long Envoy's ext_proc filter waits for the control plane's answer to each message of a preemptible stream
+    (``fairness.preempt_sheddable``: its headers and every response chunk, decision 0028); past it the stream runs on
+    unprocessed, and can no longer be preempted."""
     client_headers_kept: tuple[str, ...] = CLIENT_HEADERS
     """``x-sluice-*`` request headers a client may send (inputs, never routing); every other one is stripped."""
     on_controlplane_failure: OnFailure = OnFailure.OPEN

@@ -40,12 +40,15 @@ class AdmissionCore(Waking):
     def preview(self, request: InferenceRequest, fleet: Fleet, now: float) -> Decision:
         """What ``check`` would decide for ``request`` now, on this replica, changing nothing: no ticket, no park, no
         counter, no draw (the band draws ``PREVIEW_PICK``, so its engine may differ from a Check's; its verdict does
-        not). Requests parked ahead, the lot's passing rule, backfill, reserved shares, the depth bound and shed early
-        all apply as in ``check``."""
+        not). Requests parked ahead, the lot's passing rule, backfill, reserved shares, the depth bound, shed early and
+        preemption (a park ``preempting``, no stream marked) all apply as in ``check``."""
         decision, _ = self._arrival(request, fleet, now, preview=True)
         if decision.verdict is not Verdict.PARK:
             return decision
-        return self._park_verdict("", request, decision, fleet, now)[0]
+        verdict, entry = self._park_verdict("", request, decision, fleet, now)
+        if verdict.verdict is Verdict.PARK or entry is None:
+            return verdict
+        return self._preempting(entry, verdict, fleet, now, preview=True) or verdict
 
     def passed_over(self, request_id: str) -> bool:
         """Whether parked ``request_id`` was last decided to wait although a slot was free (``Decision.idle_slot``: it
@@ -115,8 +118,11 @@ class AdmissionCore(Waking):
         if tenant not in backlogged:  # back in line after none of its requests waited: no idle time banked
             self.fair.lift(model, tenant, backlogged)
         self.lot.take_seq()
-        if verdict.verdict is not Verdict.PARK:  # it would start past its bound: told now
-            return Outcome(request_id, verdict)
+        if verdict.verdict is not Verdict.PARK:  # it would start past its bound: told now, unless it preempts
+            preempting = self._preempting(entry, verdict, fleet, now)
+            if preempting is None:
+                return Outcome(request_id, verdict)
+            decision = preempting
         self.lot.park(entry)
         if decision.idle_slot:
             self.lot.note_passable(request_id, self._frees, decision.waits_for)

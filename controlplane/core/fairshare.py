@@ -61,6 +61,13 @@ class FairShare:
     reserved: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     """Tenant -> its reserved share of each model's slots (``tenants.NAME.reserved_share``, (0, 1], adding up to at
     most 1; core/reserve.py). Applied whether or not ``enabled``."""
+    preempt_sheddable: bool = False
+    """A critical request that would start past its bound may end running sheddable streams (core/preempt.py).
+    Applied whether or not ``enabled``."""
+    preempt_max_per_minute: int = 6
+    """At most this many preemptions in any 60 s (>= 1)."""
+    preempt_grace_ms: int = 500
+    """The shell's: how long a started stream being ended waits for its next chunk to carry the error event."""
 
     def __post_init__(self) -> None:
         if type(self.weights) is not MappingProxyType:

@@ -27,9 +27,10 @@ from controlplane.core.fleet import Fleet, RateTables
 from controlplane.core.fleetindex import DecayedServes, FleetIndex, LastServed
 from controlplane.core.ledger import Ledger
 from controlplane.core.lot import tenant_of
-from controlplane.core.model import Decision, InferenceRequest, Outcome, Parked, QueueRule, Ticket
+from controlplane.core.model import Decision, InferenceRequest, Outcome, Parked, Priority, QueueRule, Ticket
 from controlplane.core.output_length import OutputLengthBook
 from controlplane.core.policy import Policy
+from controlplane.core.preempt import Preemptible
 from controlplane.core.prefix import PrefixIndex, restarted
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenBook
 from controlplane.core.route import ServeCounter, SessionMap
@@ -79,6 +80,8 @@ class FleetState:
         """Each tenant's virtual token counter per model (fairshare.py), charged at every admission here."""
         self.swaps = SwapBook(policy.adapters.swap_min_samples)
         self.service_times = ServiceTimes()
+        self.preemptible = Preemptible()
+        """Sheddable admissions whose streams the shell can end (preempt.py; only with ``preempt_sheddable``)."""
         self._last_sample: dict[str, EngineSample] = {}
         self._adapter_bases: dict[str, str] = {}
         """Adapter -> base model, as the engines' ``/v1/models`` name them (``note_view``)."""
@@ -312,6 +315,8 @@ class FleetState:
         self.fair.charge(ticket.ticket_id, request.model, tenant_of(request), *self._expected_tokens(request),
                          self.policy.fairness)
         noted = self.prefixes.note(decision.engine, request.prefix_blocks) if self.policy.prefix_routing else ()
+        if request.priority is Priority.SHEDDABLE and self.policy.fairness.preempt_sheddable:
+            self.preemptible.admitted(ticket.ticket_id)
         if self.is_adapter(request.model):
             self._note_adapter(decision.engine, request.model, now)
             self._timed[ticket.ticket_id] = (decision.engine, decision.expected_ttft_s, decision.swap_s)
@@ -341,6 +346,7 @@ class FleetState:
         (``restore`` puts a woken one back)."""
         if outcome.ticket is not None and self.ledger.retract(outcome.ticket.ticket_id) is not None:
             self.fair.retract(outcome.ticket.ticket_id)
+            self.preemptible.closed(outcome.ticket.ticket_id)
             self.serves.remove(outcome.ticket.engine, now)
             self.index.note_serve(outcome.ticket.engine)
             self.prefixes.remove(outcome.ticket.engine, outcome.noted)
@@ -369,6 +375,7 @@ class FleetState:
         ticket = self.ledger.release(ticket_id, now)
         if ticket is not None:
             self._frees += 1
+            self.preemptible.closed(ticket_id)
             if completed:
                 self.fair.close(ticket_id)
             else:
@@ -386,6 +393,7 @@ class FleetState:
         self._frees += bool(reaped)
         for ticket in reaped:  # no longer running; a late settle still finds its charge
             self.fair.close(ticket.ticket_id)
+            self.preemptible.closed(ticket.ticket_id)
         return reaped
 
     def expire_leases(self, now: float) -> list[Ticket]:
@@ -394,6 +402,7 @@ class FleetState:
         self._frees += bool(expired)
         for ticket in expired:  # no longer running; a late settle still finds its charge
             self.fair.close(ticket.ticket_id)
+            self.preemptible.closed(ticket.ticket_id)
         return expired
 
     def settle_usage(self, ticket_id: str, prompt_tokens: int, completion_tokens: int) -> float | None:

@@ -123,6 +123,9 @@ class Reason(enum.Enum):
     """No engine's TTFT estimate meets the deadline now, but one would after a slot frees (parked until the park limit)."""
     RESERVED_SHARE = "reserved_share"
     """The free slots are held back for other tenants' reserved shares while they have work (core/reserve.py)."""
+    PREEMPTING = "preempting"
+    """A critical request that would have been shed early waits for sheddable streams being ended for it
+    (``fairness.preempt_sheddable``, core/preempt.py)."""
     # shed
     NO_READY_ENGINE = "no_ready_engine"
     VERSION_FLOOR = "version_floor"

@@ -24,7 +24,9 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.lot import PARK_CLASSES, ParkingLot, class_of, tenant_of
 from controlplane.core.model import Decision, InferenceRequest, Parked, Priority, Reason, Verdict
 from controlplane.core.policy import Policy
+from controlplane.core.preempt import Budget, Preemption, choose_victims
 from controlplane.core.shedearly import committed, overload_bound_s, too_late
+from controlplane.core.waits import retry_after
 
 Rank = Callable[[str], tuple[float, float]]
 
@@ -34,6 +36,8 @@ class Turns(FleetState):
                  draw: Callable[[], float] = lambda: 0.5) -> None:
         super().__init__(policy, ledger, admit_stale, draw)
         self.lot = ParkingLot()
+        self._preempt_budget = Budget()
+        self._preemptions: list[Preemption] = []
 
     # -- the lot -------------------------------------------------------------------------------------------------------
     def depth(self, model: str | None = None) -> int:
@@ -175,6 +179,41 @@ class Turns(FleetState):
         line: deque[Parked] = self.lot.line(model, class_of(parked.request))
         return too_late(parked, ahead, fleet, now, self.policy, self.expected_cached(parked.request),
                         self.service_times.get(model), lambda: any(self._committed(p, now) for p in line))
+
+    # -- preemption (preempt.py) ---------------------------------------------------------------------------------------
+    def _preempting(self, parked: Parked, early: Decision, fleet: Fleet, now: float,
+                    preview: bool = False) -> Decision | None:
+        """Instead of shedding critical ``parked`` early (``early``), the park it keeps while sheddable streams end for
+        it: those already ended for it (until every one is closed), or new victims (preempt.py's rule, within the rate
+        bound), queued for the shell (``take_preemptions``). None: shed it. ``preview``: what it would be, nothing
+        marked, spent or queued."""
+        fairness = self.policy.fairness
+        request = parked.request
+        if not fairness.preempt_sheddable or request.priority is not Priority.CRITICAL or request.model is None:
+            return None
+        model = request.model
+        waiting = Decision(Verdict.PARK, Reason.PREEMPTING, detail=f"sheddable streams of {model} are being ended "
+                           f"for it (instead of: {early.detail})", park_limit_s=request.planned_ttft_s())
+        if self.preemptible.awaiting(parked.request_id):
+            return waiting
+        if not self._preempt_budget.allows(now, fairness.preempt_max_per_minute):
+            return None
+        running = self.preemptible.candidates(self.ledger.get(t) for t in self.preemptible.attached)
+        found = choose_victims(request, fleet, self.policy, now, running)
+        if found is None or preview:
+            return None if found is None else waiting
+        engine, victims = found
+        self._preempt_budget.spend(now)
+        self.preemptible.mark(parked.request_id, victims)
+        candidates = [e for e in fleet.engines if e.serves(model)]
+        self._preemptions.append(Preemption(parked.request_id, model, engine, victims,
+                                            retry_after(candidates, fleet, self.policy, now, self.depth(model))))
+        return waiting
+
+    def take_preemptions(self) -> list[Preemption]:
+        """The preemptions decided since the last call, for the shell to carry out (each once)."""
+        out, self._preemptions = self._preemptions, []
+        return out
 
     def overload_bound_s(self, model: str, estimated_s: float = 0.0) -> float:
         """The overload bound of ``model`` (shedearly.py; ``estimated_s``: the engines' expected service, until a

@@ -182,6 +182,8 @@ class Waking(Turns):
                                             f"no capacity for {model} within {self.policy.max_park_s:g} s", wait)
                     elif not self._committed(parked, now):
                         decision = self._too_late(parked, ahead, fleet, now)
+                        if decision is not None and self._preempting(parked, decision, fleet, now) is not None:
+                            decision = None
                     if decision is None:
                         ahead += 1
                         continue

@@ -114,6 +114,9 @@ class SluiceMetrics:
             "What the engine's TTFT estimates (prefill and first token) are multiplied by, from the measured TTFTs "
             "against the estimates (1: none).", counter=False, initial=1.0,
         )
+        self.preempted = Counter(
+            "sluice_preempted", "Sheddable streams ended for a critical request (fairness.preempt_sheddable): each "
+            "counted when the control plane ends it.", ["model", "engine"], registry=r)
         self.park_cancelled = Counter(
             "sluice_admission_park_cancelled", "Parked requests whose client went away.", registry=r
         )

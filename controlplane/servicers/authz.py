@@ -25,7 +25,7 @@ from urllib.parse import parse_qs
 import grpc
 from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 
-from controlplane.core.model import Decision, InferenceRequest, Outcome, Reason, Verdict
+from controlplane.core.model import Decision, InferenceRequest, Outcome, Priority, Reason, Verdict
 from controlplane.core.waits import refuse
 from controlplane.core.tenants import Tenant, tenant_priority
 from controlplane.ports import CheckPort, CheckSettings, QuotaPort
@@ -245,7 +245,9 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
             self.admission.release_ticket(outcome.ticket.ticket_id)
             return _error(Failure.UPSTREAM_UNAVAILABLE, f"Engine {avoided} failed this request and no other engine "
                           "could take it; retry later", 1)
-        return _admit(outcome, charge, request)
+        preemptible = request is not None and request.priority is Priority.SHEDDABLE and \
+            self.admission.settings.policy.fairness.preempt_sheddable
+        return _admit(outcome, charge, request, preemptible)
 
     def _overloaded(self, queued: float, settings: CheckSettings) -> external_auth_pb2.CheckResponse:
         """Shed before any work: under overload the cheapest answer is the one that lets the backlog drain."""

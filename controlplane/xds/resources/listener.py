@@ -1,7 +1,8 @@
 """The one listener: it carries the whole request path (DESIGN.md): strip client ``x-sluice-*`` headers (Lua, first
 filter) -> the body's model as a header (for the fail-open routes) -> the response reader (Lua, response side only: when
 an admitted stream's first token passed, its deltas and usage, for the access log) -> ext_authz (body up to
-``max_request_bytes`` as raw bytes; larger bodies get 413 from Envoy before any Check) -> router. Its access log goes to
+``max_request_bytes`` as raw bytes; larger bodies get 413 from Envoy before any Check) -> ext_proc (only on the route of
+preemptible streams: decision 0028) -> router. Its access log goes to
 the control plane over gRPC ALS; that entry is the completion signal that releases a ticket. Envoy's own errors are
 rewritten into the OpenAI error shape by local-reply mappers (edge.py's table).
 
@@ -18,6 +19,7 @@ from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
@@ -31,7 +33,7 @@ from controlplane.edge import JSON_CONTENT_TYPE, REPLIES, Failure, error_json, h
 from controlplane.names import CONTENT_TYPE_HEADER, ENGINE_HEADER, RETRY_AFTER_HEADER
 from controlplane.xds.resources.lua import METADATA_NAMESPACE, MODEL_HEADER_LUA, USAGE_LUA, strip_headers_lua
 from controlplane.xds.resources.protos import ads_source, pack, seconds
-from controlplane.xds.resources.routing import ROUTE_CONFIG_NAME
+from controlplane.xds.resources.routing import EXT_PROC_FILTER, ROUTE_CONFIG_NAME
 
 LISTENER_NAME = "sluice_openai"
 CONTROLPLANE_CLUSTER = "sluice_controlplane"
@@ -157,6 +159,18 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         clear_route_cache=True,
         status_on_error=http_status_pb2.HttpStatus(code=FAILURE_STATUS),
     )
+    # Present always, so that a reload can turn preemption on and off without a listener change; it processes nothing
+    # (every mode SKIP or NONE: no stream to the control plane) except on the route ``pinned_preemptible``, whose
+    # per-route override sets PREEMPTIBLE_MODE (routing.py; every other route disables it). A reply Envoy makes before
+    # any route is chosen (a codec error) finds it inert too.
+    preempt = ext_proc_pb2.ExternalProcessor(
+        grpc_service=_controlplane_grpc(),
+        failure_mode_allow=True,  # a control plane that cannot answer leaves the stream running, unprocessed
+        message_timeout=seconds(ev.preempt_message_timeout_ms / 1000),
+        processing_mode=processing_mode_pb2.ProcessingMode(
+            request_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SKIP),
+    )
     access_log = als_pb2.HttpGrpcAccessLogConfig(
         common_config=als_pb2.CommonGrpcAccessLogConfig(
             log_name=ACCESS_LOG_NAME,
@@ -178,6 +192,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
             hcm_pb2.HttpFilter(name="sluice.model_header", typed_config=pack(model_header)),
             hcm_pb2.HttpFilter(name="sluice.usage", typed_config=pack(usage)),
             hcm_pb2.HttpFilter(name="envoy.filters.http.ext_authz", typed_config=pack(authz)),
+            hcm_pb2.HttpFilter(name=EXT_PROC_FILTER, typed_config=pack(preempt)),
             hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router_pb2.Router())),
         ],
         access_log=[accesslog_pb2.AccessLog(name="envoy.access_loggers.http_grpc", typed_config=pack(access_log))],

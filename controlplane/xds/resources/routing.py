@@ -11,6 +11,7 @@ from envoy.config.core.v3 import address_pb2, base_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
 from envoy.type.matcher.v3 import regex_pb2
 from envoy.type.matcher.v3 import string_pb2
@@ -21,10 +22,19 @@ from controlplane.config import Config, EngineConfig
 from controlplane.core.model import Reason
 from controlplane.core.request import MODELS_PATH
 from controlplane.edge import JSON_CONTENT_TYPE, REPLIES, Failure, error_json, header
-from controlplane.names import CONTENT_TYPE_HEADER, ENGINE_HEADER, MODEL_HEADER, RETRY_AFTER_HEADER
+from controlplane.names import CONTENT_TYPE_HEADER, ENGINE_HEADER, MODEL_HEADER, PREEMPTIBLE_HEADER, RETRY_AFTER_HEADER
 from controlplane.xds.resources.protos import ads_source, pack, seconds
 
 ROUTE_CONFIG_NAME = "sluice_routes"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+"""The filter that lets the control plane end a preemptible stream (decision 0028): in the listener's chain, enabled
+on one route only."""
+_MODE = processing_mode_pb2.ProcessingMode
+PREEMPTIBLE_MODE = _MODE(request_header_mode=_MODE.SEND, response_header_mode=_MODE.SEND,
+                         request_body_mode=_MODE.NONE, response_body_mode=_MODE.STREAMED,
+                         request_trailer_mode=_MODE.SKIP, response_trailer_mode=_MODE.SKIP)
+"""What ext_proc sends of a preemptible stream: its request headers (the ticket), its response headers and every
+response chunk, each waiting for the control plane's answer; not the request body, not trailers."""
 INFERENCE_PATH_REGEX = "^/v1/(chat/completions|completions|embeddings)$"
 """The OpenAI paths that carry a model and are routed to an engine (the same set ``parse_request`` accepts)."""
 
@@ -67,7 +77,9 @@ def _retry_elsewhere() -> tuple[route_components_pb2.RetryPolicy, route_componen
 def build_routes(config: Config, weights: dict[str, dict[str, int]] | None = None) -> route_pb2.RouteConfiguration:
     """Only the OpenAI paths reach an engine, whether the control plane is up or down:
 
-    1. ``pinned``: an inference path that ext_authz pinned (``x-sluice-engine``) -> that engine's cluster.
+    1. ``pinned``: an inference path that ext_authz pinned (``x-sluice-engine``) -> that engine's cluster;
+       ``pinned_preemptible`` the same for a stream the Check marked preemptible (``x-sluice-preemptible``), through
+       ext_proc, which the virtual host disables on every other route (decision 0028).
     2. ``fallback:<model>``: an inference path ext_authz let through unanswered (fail-open: the control plane is
        unreachable) -> the model's engines by their last capacity weights, each behind its per-engine circuit breaker.
     3. ``models``: ``GET /v1/models`` is answered by the control plane; reaching the route means it could not answer.
@@ -86,6 +98,13 @@ def build_routes(config: Config, weights: dict[str, dict[str, int]] | None = Non
     if config.envoy.retry_on_engine_failure:
         pinned.route.retry_policy.CopyFrom(retry)
         pinned.route.internal_redirect_policy.CopyFrom(redirect)
+    preemptible = route_components_pb2.Route()
+    preemptible.CopyFrom(pinned)
+    preemptible.name = "pinned_preemptible"
+    preemptible.match.headers.append(route_components_pb2.HeaderMatcher(name=PREEMPTIBLE_HEADER, present_match=True))
+    preemptible.request_headers_to_remove.append(PREEMPTIBLE_HEADER)
+    preemptible.typed_per_filter_config[EXT_PROC_FILTER].Pack(
+        ext_proc_pb2.ExtProcPerRoute(overrides=ext_proc_pb2.ExtProcOverrides(processing_mode=PREEMPTIBLE_MODE)))
     fallback = [
         route_components_pb2.Route(
             name=f"fallback:{model}",
@@ -114,11 +133,10 @@ def build_routes(config: Config, weights: dict[str, dict[str, int]] | None = Non
     unknown = _direct_error("unknown", route_components_pb2.RouteMatch(prefix="/"), Reason.UNKNOWN_PATH,
                             "Unknown request URL (sluice routes only /v1/chat/completions, /v1/completions, "
                             "/v1/embeddings and /v1/models)", skip_authz=True)
-    return route_pb2.RouteConfiguration(
-        name=ROUTE_CONFIG_NAME,
-        virtual_hosts=[route_components_pb2.VirtualHost(name="openai", domains=["*"],
-                                                         routes=[pinned, *fallback, models, unpinned, unknown])],
-    )
+    host = route_components_pb2.VirtualHost(name="openai", domains=["*"],
+                                            routes=[preemptible, pinned, *fallback, models, unpinned, unknown])
+    host.typed_per_filter_config[EXT_PROC_FILTER].Pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))
+    return route_pb2.RouteConfiguration(name=ROUTE_CONFIG_NAME, virtual_hosts=[host])
 
 
 def engine_max_requests(engine: EngineConfig, config: Config, reported_cap: int | None = None) -> int:
