@@ -202,6 +202,11 @@ class FairnessConfig:
     """What an output token adds to its tenant's counter."""
     default_weight: float = field(default=_FAIR.default_weight, metadata=setting(minimum=0.001))
     """The weight of a tenant without its own, and of requests without a tenant."""
+    across_replicas: bool = _FAIR.across_replicas
+    """With several replicas on one store, ``true``: a woken request is admitted only if it is the fair pick among every
+    replica's parked requests of its class, by counters the store keeps, charged in the admission's own atomic step
+    (two replicas decide as one would; decision 0025). ``false``: each replica is fair among the requests it holds, by
+    counters of its own (the per-replica fair queue of other gateways, kept to measure against)."""
 
 
 @dataclass(frozen=True, slots=True)

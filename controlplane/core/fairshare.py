@@ -154,7 +154,9 @@ class FairCounters:
 
 
 class TenantCounters:
-    """The counters, by model then tenant, and the open charges that ``settle`` corrects."""
+    """The counters, by model then tenant, and the open charges that ``settle`` corrects. With fair share in the shared
+    store (decision 0025) the store's counters decide the line and these are this replica's copy, charged by its own
+    admissions and settles and replaced by the store's when it refuses a fair pick (``adopt``)."""
 
     def __init__(self) -> None:
         self._counters: dict[str, dict[str, float]] = {}
