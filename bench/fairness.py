@@ -24,8 +24,10 @@ same arrival times in every arm of a round and workload (seeded per round):
 - ``fair reserved``: as ``fair``, ``b`` with ``reserved_share: 0.5`` (2 of the 4 slots held for it while it has work
   waiting, core/reserve.py);
 - ``fair 2 replicas``: as ``fair``, ``sluice up --replicas 2 --store valkey`` (Envoy spreads the Checks over two
-  control planes on one Valkey): each replica is fair among the requests it holds, with counters of its own (the
-  issue's per-replica fair queue, as the anchors run it; exact across replicas is not built);
+  control planes on one Valkey): the counters and the fair pick are the store's (``fairness.across_replicas``, the
+  default; decision 0025), so the two replicas should serve as one does;
+- ``per-replica fair``: as ``fair 2 replicas`` with ``fairness.across_replicas: false``: each replica is fair among the
+  requests it holds, with counters of its own (the issue's per-replica fair queue, as the anchors run it);
 - ``8 no flood``: the eight tenants' arrivals without ``a``'s (the reference TTFT of ``b`` and the light tenants);
 - ``8 fifo``, ``8 fair``: the eight tenants, FIFO or fair share.
 Each window sends ``WARMUP_S`` s of traffic that is not measured (the control plane learns the engines' rates and the
@@ -40,13 +42,12 @@ Jain's index (over served tokens per weight, equal weights here): ``(sum x)^2 / 
 tenants' offered token rates): a tenant asking less than its share is owed its demand, not the share (the issue's
 "among backlogged tenants": ``b`` at 30% is not backlogged under fair share, so its allocation is its demand).
 
-Targets (the issue's, on one replica), for two tenants (fair, and fair with b's reserved share) and for eight (fair):
+Targets (the issue's), for two tenants (fair, and fair with b's reserved share) and for eight (fair):
 - ``b``'s TTFT p90 (every request) with ``a`` flooding <= 1.25x ``b``'s without the flood;
 - work-conserving: throughput >= 0.95x the FIFO arm's of the same workload;
-- Jain's index >= 0.95.
-The FIFO arms' and the per-replica arm's figures are printed beside them. The issue's arm "fair with 2 replicas",
-exact across replicas (counters and the fair line in the store), is not built: today's two replicas are the per-replica
-arm.
+- Jain's index >= 0.95;
+and with 2 replicas the same as with 1: ``fair 2 replicas``' b TTFT p90 <= 1.25x ``fair``'s, its throughput >= 0.95x
+``fair``'s, its Jain's index >= 0.95. The FIFO arms' and the per-replica arm's figures are printed beside them.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class Arm:
     reserved: float = 0.0
     """``b``'s reserved_share."""
     replicas: int = 1
+    across: bool = True
+    """``fairness.across_replicas`` (with ``replicas`` > 1): the store's fair line, or each replica's own."""
 
 
 ARMS = (
@@ -104,6 +107,7 @@ ARMS = (
     Arm("fair", "2", ("a", "b")),
     Arm("fair reserved", "2", ("a", "b"), reserved=RESERVED_B),
     Arm("fair 2 replicas", "2", ("a", "b"), replicas=2),
+    Arm("per-replica fair", "2", ("a", "b"), replicas=2, across=False),
     Arm("8 no flood", "8", ("b", *LIGHT)),
     Arm("8 fifo", "8", ("a", "b", *LIGHT), fair=False),
     Arm("8 fair", "8", ("a", "b", *LIGHT)),
@@ -246,7 +250,9 @@ def _shares(metrics_url: str) -> list[str]:
 
 
 def run_window(arm: Arm, plan: list[Sent], rates: dict[str, float], figures: ArmFigures) -> None:
-    fairness = {"enabled": arm.fair}
+    fairness: dict[str, bool] = {"enabled": arm.fair}
+    if arm.replicas > 1:
+        fairness["across_replicas"] = arm.across
     up_args = () if arm.replicas == 1 else ("--replicas", str(arm.replicas), "--store", "valkey")
     with gateway(engines(), up_args=up_args, tenants=tenants_config(rates, arm.reserved),
                  fairness=fairness) as config:
@@ -327,7 +333,7 @@ def run_fairness_bench() -> int:
     alone, alone8 = b_p90("b alone"), b_p90("8 no flood")
     fair_b, fifo_b, reserved_b = b_p90("fair"), b_p90("fifo"), b_p90("fair reserved")
     fair8_b, fifo8_b = b_p90("8 fair"), b_p90("8 fifo")
-    replicas_b = b_p90("fair 2 replicas")
+    replicas_b, per_replica_b = b_p90("fair 2 replicas"), b_p90("per-replica fair")
     targets = [
         Target("2 tenants: b's TTFT p90 with a flooding, fair, over b alone's", fair_b / alone, 1.25, at_least=False,
                unit="x"),
@@ -343,6 +349,11 @@ def run_fairness_bench() -> int:
         Target("8 tenants: throughput, fair over FIFO (work-conserving)", figures["8 fair"].throughput()
                / figures["8 fifo"].throughput(), 0.95, unit="x"),
         Target("8 tenants: Jain's index over served tokens per weight (max-min normalised), fair", jains["8 fair"], 0.95),
+        Target("2 replicas (the store's fair line): b's TTFT p90 with a flooding over 1 replica's", replicas_b / fair_b,
+               1.25, at_least=False, unit="x"),
+        Target("2 replicas (the store's fair line): throughput over 1 replica's", figures["fair 2 replicas"].throughput()
+               / figures["fair"].throughput(), 0.95, unit="x"),
+        Target("2 replicas (the store's fair line): Jain's index", jains["fair 2 replicas"], 0.95),
     ]
     minutes = (time.monotonic() - started) / 60
     body = "\n".join([
@@ -359,7 +370,8 @@ def run_fairness_bench() -> int:
         f"rounds, arms rotated",
         "- sluice: defaults (`admission` untouched), tenants with limits "
         f"{LIMIT_HEADROOM:g}x their rates; `fairness.enabled` false (fifo) or true (fair); `fair reserved`: "
-        f"`tenants.b.reserved_share: {RESERVED_B:g}`",
+        f"`tenants.b.reserved_share: {RESERVED_B:g}`; 2 replicas: `--replicas 2 --store valkey`, "
+        f"`fairness.across_replicas` true (`fair 2 replicas`) or false (`per-replica fair`)",
         f"- run time: {minutes:.1f} min",
         "",
         "## Targets",
@@ -371,9 +383,12 @@ def run_fairness_bench() -> int:
         f"Jain's index {jains['fair reserved']:.3f}. Eight tenants: b's p90 {fair8_b:.0f} ms fair, {fifo8_b:.0f} ms "
         f"FIFO, {alone8:.0f} ms without the flood; the light tenants' p90 {light_p90('8 fair'):.0f} ms fair, "
         f"{light_p90('8 fifo'):.0f} ms FIFO, {light_p90('8 no flood'):.0f} ms without the flood; FIFO's Jain's index "
-        f"{jains['8 fifo']:.3f}. Per replica (2 replicas, each fair on its own): b's p90 {replicas_b / alone:.2f}x b "
-        f"alone's ({replicas_b:.0f} ms), throughput {figures['fair 2 replicas'].throughput() / figures['fifo'].throughput():.2f}x "
-        f"FIFO's, Jain's index {jains['fair 2 replicas']:.3f}.",
+        f"{jains['8 fifo']:.3f}. Two replicas, the store's fair line: b's p90 {replicas_b / alone:.2f}x b alone's "
+        f"({replicas_b:.0f} ms; one replica {fair_b:.0f} ms). Per replica (2 replicas, each fair on its own, "
+        f"`fairness.across_replicas: false`): b's p90 {per_replica_b / alone:.2f}x b alone's ({per_replica_b:.0f} ms), "
+        f"{per_replica_b / fair_b:.2f}x one replica's, throughput "
+        f"{figures['per-replica fair'].throughput() / figures['fifo'].throughput():.2f}x FIFO's, Jain's index "
+        f"{jains['per-replica fair']:.3f}.",
         "",
         "## Per arm and tenant (measured windows of every round)",
         "",
@@ -401,8 +416,14 @@ def run_fairness_bench() -> int:
         "request waiting and runs fewer than 2 goes to b whatever the counters, so the second request of a burst no "
         "longer waits for one of a's. The slots are lent to a while b has nothing waiting, and nothing running is "
         "stopped: b's first request of a burst still waits for a slot to free, which is why its TTFT stays above b "
-        "alone's. Per replica (`fair 2 replicas`): each replica orders only the requests it holds, by counters of "
-        "its own, so a replica holding none of b's requests serves a's while the other has b's waiting.",
+        "alone's.",
+        "",
+        "Two replicas (`fair 2 replicas`): the counters live in the store and are charged in each admission's own "
+        "step; a woken request is admitted only if it is the store's fair pick among both replicas' parked requests "
+        "(a replica whose pick is refused learns the store's counters and tries again), so the slot that frees goes "
+        "to b whichever replica holds b's request. Per replica (`per-replica fair`): each replica orders only the "
+        "requests it holds, by counters of its own, so a replica holding none of b's requests serves a's while the "
+        "other has b's waiting.",
         "",
         "Eight tenants: equal weights, so while they wait together each is owed an eighth of the slots. The light "
         "tenants (4% each) seldom wait more than one request at a time and go first when they come (lifted to the "

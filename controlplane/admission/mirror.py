@@ -10,7 +10,9 @@ store's). The asyncio shell (``replication.py``) makes the store calls and feeds
   (``LineQueue``); a wake does not admit a request whose park has not landed (``parking``);
 - after a refusal in a wake, every later admission of that model goes back to its place (``Settlement``);
 - a request the store admits on its claim is answered with the decision the claim stands for (``claims``); one answered
-  otherwise meanwhile has its ticket released.
+  otherwise meanwhile has its ticket released;
+- with fair share in the store (``shared_fair``) every admission carries its charge and every park its tenant; a fair
+  wake refused for the line learns the store's counters once the wake's admissions are settled (``counters``).
 
 The rules behind these: docs/architecture.md, "Replicas and the shared store".
 """
@@ -23,14 +25,15 @@ from dataclasses import dataclass, replace
 from typing import Generic, Protocol, TypeVar
 
 from controlplane.config import Config, StoreOnFailure
-from controlplane.core.lot import PARK_CLASSES
+from controlplane.core.fairshare import FairCounters
+from controlplane.core.lot import PARK_CLASSES, tenant_of
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.model import Decision, InferenceRequest, Outcome, Parked, QueueRule, Ticket, Verdict
 from controlplane.core.decide import decide
 from controlplane.core.engines import EngineView
 from controlplane.core.fleet import Fleet
 from controlplane.store.base import (
-    LINE_CLASSES, Claim, EventKind, LineChange, Refusal, Reserved, SharedClock, StoreEvent, StoreState,
+    LINE_CLASSES, Claim, EventKind, FairCharge, LineChange, Refusal, Reserved, SharedClock, StoreEvent, StoreState,
 )
 
 RECENT_RELEASES = 100_000
@@ -135,6 +138,9 @@ class LedgerMirror:
         self.line_shared_until = -math.inf
         """Until when another replica is taken to hold members of this replica's lines (a refusal for the line said so
         lately): meanwhile requests parked behind this replica's own get claims too (``claim_behind``)."""
+        self.counters: dict[str, FairCounters] = {}
+        """The store's counters, by model, from fair admissions it refused for the line: learned by the lot once the
+        wake's admissions are settled (``learn_counters``), so that none of their retractions applies to them."""
 
     # -- releases ----------------------------------------------------------------------------------------------------
     def released_lately(self, ticket_id: str) -> bool:
@@ -194,7 +200,35 @@ class LedgerMirror:
         return Claim(self.shared.to_shared(ticket), view.cap,
                      math.floor(capacity * policy.kv_high_watermark) if capacity else None,
                      request.session, outcome.rule, self.core.class_index(request), request.prefix_blocks,
-                     fresh_s=self.fresh_s(request), serve_half_life_s=policy.serve_half_life_s)
+                     fresh_s=self.fresh_s(request), serve_half_life_s=policy.serve_half_life_s,
+                     charge=self._charge(ticket.ticket_id))
+
+    # -- fair share in the store (decision 0025) ---------------------------------------------------------------------
+    @property
+    def shared_fair(self) -> bool:
+        """Whether the store keeps the counters and decides the fair line (``fairness.across_replicas``)."""
+        fairness = self.core.policy.fairness
+        return fairness.enabled and fairness.across_replicas
+
+    def _charge(self, ticket_id: str) -> FairCharge | None:
+        """The charge the core made for this admission, as the store adds it to the tenant's counter."""
+        charged = self.core.fair.charged(ticket_id) if self.shared_fair else None
+        if charged is None:
+            return None
+        tenant, cost = charged
+        fairness = self.core.policy.fairness
+        return FairCharge(tenant, cost, fairness.prompt_weight, fairness.output_weight, fairness.weight(tenant))
+
+    def line_tenant(self, request: InferenceRequest) -> str | None:
+        """The tenant a park counts for in the store (None: fair share is not the store's)."""
+        return tenant_of(request) if self.shared_fair else None
+
+    def learn_counters(self) -> set[str]:
+        """The store's counters from this wake's refusals replace the lot's; returns the models whose counters
+        differed (their wake runs again: its order may have changed)."""
+        changed = {model for model, held in self.counters.items() if self.core.fair.adopt(held)}
+        self.counters.clear()
+        return changed
 
     def reserved(self, outcome: Outcome, answer: Reserved | None, decided_at: float, now: float) -> Reserved:
         """The store's answer to ``outcome``'s admission (None: unreachable), as it stands: written, the ticket is this
@@ -213,6 +247,8 @@ class LedgerMirror:
             return answer
         self.core.retract(outcome, decided_at)
         self.learn_held(answer, now)
+        if answer.counters is not None:
+            self.counters[answer.counters.model] = answer.counters
         return answer
 
     # -- claims ------------------------------------------------------------------------------------------------------
@@ -303,7 +339,8 @@ class LedgerMirror:
             self.claims[request_id] = PendingClaim(parked_at, {claim.ticket.admitted_at: decision})
         offer = replace(queued[1], queue=QueueRule.ARRIVAL) if behind and queued is not None else None
         self.parking.add(request_id)
-        return LineChange(model, self.core.class_index(request), request_id, at, claim, offer)
+        return LineChange(model, self.core.class_index(request), request_id, at, claim, offer,
+                          tenant=self.line_tenant(request))
 
     def park_landed(self, request_id: str, model: str) -> bool:
         """A park's call ended (or its Check left): whether a wake stopped at it and must run again."""

@@ -95,7 +95,8 @@ class Replication:
         woken = {o.request_id for o in outcomes if o.parked is not None}
         self.mirror.settling |= woken
         try:
-            return await self._settle_in_order(outcomes, Settlement(self.mirror, now))
+            again = await self._settle_in_order(outcomes, Settlement(self.mirror, now))
+            return again | self.mirror.learn_counters()
         finally:
             self.mirror.settling -= woken
             self.mirror.claimed_done -= woken
@@ -270,7 +271,8 @@ class Replication:
                     continue
                 try:
                     await self._timed("park", self.store.park(model, self.core.class_index(entry.request),
-                                                              entry.request_id, self.shared.offset + entry.parked_at))
+                                                              entry.request_id, self.shared.offset + entry.parked_at,
+                                                              tenant=self.mirror.line_tenant(entry.request)))
                 except StoreUnavailable:
                     return  # the store lost everything or is down: its return resynchronises and lapses again
 
@@ -320,6 +322,20 @@ class Replication:
             await asyncio.gather(*self._release_tasks, return_exceptions=True)
         else:
             await asyncio.sleep(0)
+
+    def settle_charge(self, ticket_id: str, prompt_tokens: int, output_tokens: int) -> None:
+        """A finished request's usage corrects its tenant's counter in the store too (whichever replica admitted it), in
+        the background; a wake waits for it as for a release (``before_wake``). Nothing to do when fair share is not
+        the store's."""
+        if not self.mirror.shared_fair or not self.store_up:
+            return
+
+        async def settle() -> None:
+            try:
+                await self._timed("settle", self.store.settle(ticket_id, prompt_tokens, output_tokens))
+            except StoreUnavailable:
+                pass  # the estimate stands in the store
+        self._release_tasks.add(self._spawn(settle()))
 
     # -- events and upkeep -------------------------------------------------------------------------------------------
     def _heard(self, event: StoreEvent) -> None:

@@ -9,8 +9,9 @@ access-log servicer (``CompletionPort``) use.
 
 Each admission is written to the shared store (``replication.py``; its rules in ``mirror.py``): a refusal undoes it and
 the request is decided again, at most ``store.reserve_attempts`` times before it parks, and a parked request enters the
-shared line. Under fair share a refused admission leaves no claim: the store admits claims in the line's parking order,
-and each replica orders its own parked requests by its tenants' counters (``QueueRule.CLASS``; decision 0015).
+shared line. Under fair share a refused admission leaves no claim (the store admits claims in the line's parking order):
+the store checks a fair wake's pick against every replica's parked requests by the counters it keeps (``QueueRule.FAIR``;
+decision 0025), or with ``fairness.across_replicas`` off only against higher classes (``QueueRule.CLASS``).
 """
 
 from __future__ import annotations
@@ -260,8 +261,10 @@ class AdmissionService:
         self.core.observe_prompt_tokens(ticket.model, ticket.engine, shape, counted, estimated)
 
     def settle_usage(self, ticket_id: str, usage: Usage) -> None:
-        """A finished request's real usage (the access log): its tenant's fair-share counter is corrected."""
+        """A finished request's real usage (the access log): its tenant's fair-share counter is corrected, here and, with
+        fair share in the store, there."""
         self.core.settle_usage(ticket_id, usage.prompt_tokens, usage.completion_tokens)
+        self.replication.settle_charge(ticket_id, usage.prompt_tokens, usage.completion_tokens)
 
     def ttft_summary(self, engine: str) -> TtftSummary:
         """What ``engine``'s recent requests' first tokens took (``sluice admin engines``)."""

@@ -214,6 +214,11 @@ class FairnessConfig:
     """How long a preempted stream that already answered 200 waits for its next chunk, which is replaced by the SSE
     error event before the stream is reset; past it (an engine still prefilling) the stream is reset without the
     event (the client sees the connection end)."""
+    across_replicas: bool = _FAIR.across_replicas
+    """With several replicas on one store, ``true``: a woken request is admitted only if it is the fair pick among every
+    replica's parked requests of its class, by counters the store keeps, charged in the admission's own atomic step
+    (two replicas decide as one would; decision 0025). ``false``: each replica is fair among the requests it holds, by
+    counters of its own (the per-replica fair queue of other gateways, kept to measure against)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,15 +114,15 @@ class AdmissionCore(Waking):
             return Outcome(request_id, verdict)
         model, tenant = entry.request.model, tenant_of(request)
         assert model is not None
-        backlogged = self.lot.backlogged(model)
-        if tenant not in backlogged:  # back in line after none of its requests waited: no idle time banked
-            self.fair.lift(model, tenant, backlogged)
         self.lot.take_seq()
         if verdict.verdict is not Verdict.PARK:  # it would start past its bound: told now, unless it preempts
             preempting = self._preempting(entry, verdict, fleet, now)
             if preempting is None:
                 return Outcome(request_id, verdict)
             decision = preempting
+        backlogged = self.lot.backlogged(model)
+        if tenant not in backlogged:  # back in line after none of its requests waited: no idle time banked
+            self.fair.lift(model, tenant, backlogged)
         self.lot.park(entry)
         if decision.idle_slot:
             self.lot.note_passable(request_id, self._frees, decision.waits_for)

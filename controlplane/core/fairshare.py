@@ -68,6 +68,9 @@ class FairShare:
     """At most this many preemptions in any 60 s (>= 1)."""
     preempt_grace_ms: int = 500
     """The shell's: how long a started stream being ended waits for its next chunk to carry the error event."""
+    across_replicas: bool = True
+    """The fair line is the shared store's (``QueueRule.FAIR``, decision 0025): counters charged and lifted there, every
+    replica's parked requests ordered together; False: each replica fair among its own (``QueueRule.CLASS``)."""
 
     def __post_init__(self) -> None:
         if type(self.weights) is not MappingProxyType:
@@ -147,8 +150,20 @@ class FairStanding:
     of its tenant takes a free slot only if one is left beyond them all. Its own tenant's are not held from it."""
 
 
+@dataclass(frozen=True, slots=True)
+class FairCounters:
+    """One model's counters as the shared store holds them (decision 0025): tenant -> (counter, its weighted service
+    without lifts), and the tenant charged last (None: none yet). A tenant absent stands at 0."""
+
+    model: str
+    counters: Mapping[str, tuple[float, float]] = field(default_factory=lambda: MappingProxyType({}))
+    last: str | None = None
+
+
 class TenantCounters:
-    """The counters, by model then tenant, and the open charges that ``settle`` corrects."""
+    """The counters, by model then tenant, and the open charges that ``settle`` corrects. With fair share in the shared
+    store (decision 0025) the store's counters decide the line and these are this replica's copy, charged by its own
+    admissions and settles and replaced by the store's when it refuses a fair pick (``adopt``)."""
 
     def __init__(self) -> None:
         self._counters: dict[str, dict[str, float]] = {}
@@ -206,6 +221,25 @@ class TenantCounters:
         running = self._running.setdefault(model, {})
         running[tenant] = running.get(tenant, 0) + 1
         return cost
+
+    def charged(self, ticket_id: str) -> tuple[str, float] | None:
+        """The tenant and cost of ``ticket_id``'s open charge here (None: not admitted here, or closed)."""
+        charge = self._open.get(ticket_id)
+        return None if charge is None else (charge.tenant, charge.cost)
+
+    def adopt(self, held: FairCounters) -> bool:
+        """The store's counters of ``held.model`` replace this replica's (the store's are the ones its line is decided
+        by); returns whether any counter or the tenant charged last differed."""
+        model = held.model
+        counters = {t: c for t, (c, _) in held.counters.items()}
+        raw = {t: r for t, (_, r) in held.counters.items()}
+        before = (self._counters.get(model, {}), self._raw.get(model, {}), self._last.get(model))
+        changed = _nonzero(before[0]) != _nonzero(counters) or _nonzero(before[1]) != _nonzero(raw) \
+            or (held.last is not None and held.last != before[2])
+        self._counters[model], self._raw[model] = counters, raw
+        if held.last is not None:
+            self._last[model] = held.last
+        return changed
 
     def running(self, model: str) -> Mapping[str, int]:
         """Each tenant's open tickets of ``model`` admitted here (released, retracted, lapsed or settled: no longer)."""
@@ -265,6 +299,27 @@ class TenantCounters:
         keys = {(m, t) for m, counters in self._counters.items() for t in counters} | set(waiting)
         return [TenantShare(m, t, self.counter(m, t), self._served.get(m, {}).get(t, 0.0), waiting.get((m, t), 0))
                 for m, t in sorted(keys)]
+
+
+def _nonzero(values: Mapping[str, float]) -> dict[str, float]:
+    return {k: v for k, v in values.items() if v}
+
+
+def fair_pick(members: Iterable[tuple[str, int, str]], rank_of: Callable[[str], tuple[float, float]],
+              newest_first: bool = False) -> str | None:
+    """The member a fair wake serves next among a class's parked ``members`` (member, parking sequence, tenant): the
+    oldest (``newest_first``: newest) of the tenant with the lowest rank (``rank_of``: its counter, then its service
+    without lifts; last ties: the tenant whose candidate parked first), as ``service_order``'s first pick. None if
+    empty. The shared store's ``FAIR`` check (store/memory.py; valkeyscripts.py ``fair_pick`` is the same rule)."""
+    heads: dict[str, tuple[int, str]] = {}
+    for held, seq, tenant in members:
+        at = heads.get(tenant)
+        if at is None or (seq > at[0] if newest_first else seq < at[0]):
+            heads[tenant] = (seq, held)
+    if not heads:
+        return None
+    tenant = min(heads, key=lambda t: (*rank_of(t), -heads[t][0] if newest_first else heads[t][0]))
+    return heads[tenant][1]
 
 
 _Entry = tuple[float, float, int, str]

@@ -45,8 +45,14 @@ class QueueRule(enum.StrEnum):
     NEWEST = "newest"
     """A woken head under adaptive LIFO: it must be the newest of its class, and no higher class may be parked."""
     CLASS = "class"
-    """A woken head picked by tenant fair share (core/fairshare.py): no higher class may be parked; its place within its
-    class is its replica's lot's to decide (the shared line keeps parking order, which fair share does not follow)."""
+    """A woken head picked by tenant fair share with ``fairness.across_replicas`` off: no higher class may be parked; its
+    place within its class is its replica's lot's to decide (each replica fair among the requests it holds)."""
+    FAIR = "fair"
+    """A woken head picked by tenant fair share (core/fairshare.py), the store's: no higher class may be parked, and it
+    must be the fair pick (``fairshare.fair_pick``) among every replica's parked requests of its class, by the
+    counters the store holds (decision 0025)."""
+    FAIR_NEWEST = "fair_newest"
+    """``FAIR`` under adaptive LIFO: the pick is its tenant's newest."""
 
 
 class Priority(enum.StrEnum):

@@ -89,7 +89,7 @@ class Waking(Turns):
                     self.lot.take(head)
                     if decision.verdict is Verdict.ADMIT:
                         # Past a passed-over head the line is not the store's to check (as backfill): that head stays.
-                        rule = QueueRule.NONE if passed else QueueRule.CLASS if fair else \
+                        rule = QueueRule.NONE if passed else self._fair_rule(lifo) if fair else \
                             QueueRule.NEWEST if lifo else QueueRule.OLDEST
                         out.append(self._admit(head.request_id, head.request, decision, now, now - head.parked_at,
                                                rule, head))
@@ -99,6 +99,13 @@ class Waking(Turns):
                 if blocked:
                     break  # critical before standard: a blocked critical head holds the standard class too
         return out
+
+    def _fair_rule(self, lifo: bool) -> QueueRule:
+        """A fair wake's check against the shared line: the store's fair pick (``FAIR``, newest-first under adaptive
+        LIFO), or with ``fairness.across_replicas`` off higher classes only (``CLASS``: the lot's order stands)."""
+        if not self.policy.fairness.across_replicas:
+            return QueueRule.CLASS
+        return QueueRule.FAIR_NEWEST if lifo else QueueRule.FAIR
 
     def _wake_reserved(self, model: str, queues: dict[Priority, deque[Parked]], fleet_of: Callable[[], Fleet],
                        refresh: Callable[[], None], now: float, skipped: set[str]) -> list[Outcome]:

@@ -24,6 +24,7 @@ from typing import Protocol
 
 # QueueRule is defined beside the core that chooses it; the store checks it (re-exported for the backends).
 from controlplane.core.model import QueueRule as QueueRule, Ticket
+from controlplane.core.fairshare import FairCounters as FairCounters
 
 
 LINE_CLASSES = 2
@@ -67,6 +68,25 @@ class Claim:
     serve_half_life_s: float = 0.0
     """The half-life of recent-serve counts (``admission.serve_half_life_seconds``): an admission adds one to its
     engine's shared count, decayed with it (0: not counted)."""
+    charge: FairCharge | None = None
+    """Fair share in the store (decision 0025): the written admission adds ``charge.cost`` to its tenant's counter for
+    the model in the same step, and the store keeps the charge for ``Store.settle`` (None: nothing charged)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FairCharge:
+    """What an admission adds to its tenant's virtual token counter (core/fairshare.py), with the weights that priced
+    it, so that ``Store.settle`` can price the real usage on any replica: ``(prompt_weight x prompt + output_weight x
+    output) / weight``, the formula of ``FairShare.cost``, computed in the same order."""
+
+    tenant: str
+    cost: float
+    prompt_weight: float
+    output_weight: float
+    weight: float
+
+    def priced(self, prompt_tokens: float, output_tokens: float) -> float:
+        return (self.prompt_weight * prompt_tokens + self.output_weight * output_tokens) / self.weight
 
 
 class Refusal(enum.StrEnum):
@@ -83,6 +103,9 @@ class Reserved:
     refusal: Refusal | None = None
     engine_tickets: tuple[Ticket, ...] = ()
     """On a CAP or KV refusal: every open ticket of the engine, as the store holds them (the caller's mirror catches up)."""
+    counters: FairCounters | None = None
+    """On a QUEUED refusal of a ``FAIR`` or ``FAIR_NEWEST`` admission: the model's counters as the store holds them (the
+    caller's lot learns them and decides again)."""
 
     @property
     def ok(self) -> bool:
@@ -104,6 +127,8 @@ class LineChange:
     claim: Claim | None = None
     offer: Claim | None = None
     unpark: bool = False
+    tenant: str | None = None
+    """The parked request's tenant when fair share is the store's (decision 0025): lifted as ``Store.park`` says."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,13 +195,23 @@ class Store(Protocol):
         """Close tickets whose lease ended by ``now`` (shared time), at most ``limit`` per call; each goes to one caller."""
     async def restore(self, tickets: list[Ticket]) -> int:
         """Write back tickets this replica owns that the store lacks (after a store outage), without checks; how many."""
-    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
+                   tenant: str | None = None) -> float:
         """Put ``request_id`` at the back of the line ``(model, klass)`` as this replica's member; ``at``: now, in
         shared time. Returns when the request first parked: ``at``, or, when another replica's member of the same
         request id is in that line (Envoy asked the request's Check again of this replica after that one went away:
         resources/listener.py ``_check_retry``) or was until that replica was found dead, the time that member parked; that
         member leaves the line (an UNPARKED event), so the request is in line once, at the back. ``claim``: the
-        admission the store refused it for the line alone, left with its member for ``claim.fresh_s``."""
+        admission the store refused it for the line alone, left with its member for ``claim.fresh_s``. ``tenant`` (fair
+        share in the store): the member counts for its tenant, which, with no member of that tenant parked for the
+        model in any class, is first lifted to the lowest counter among the model's backlogged tenants (none: the
+        counter of the tenant charged last), never lowered (decision 0015's lift, over every replica's members)."""
+    async def settle(self, ticket_id: str, prompt_tokens: int, output_tokens: int) -> float | None:
+        """What an admission charged with ``Claim.charge`` really used (the access log, on whichever replica): its
+        tenant's counter moves by ``charge.priced(usage) - charge.cost``, returned; None when the store holds no charge
+        for it (charged nothing, settled already, or its lease lapsed: the estimate stands)."""
+    async def counters(self, model: str) -> FairCounters:
+        """The model's tenant counters as the store holds them."""
     async def claim(self, model: str, klass: int, claims: Sequence[tuple[str, Claim]]) -> None:
         """Leave each claim with this replica's member of its request id in the line ``(model, klass)`` for its
         ``fresh_s`` (a request not in that line is skipped); then the line's heads go on their claims (``Claim``)."""

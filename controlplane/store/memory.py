@@ -13,16 +13,22 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
+from controlplane.core.fairshare import fair_pick
 from controlplane.core.model import Ticket
 from controlplane.store.base import (
-    DEAD_FIRSTS_S, LINE_CLASSES, Claim, EventKind, Landed, LineChange, QueueRule, Refusal, Reserved, StoreEvent,
-    StoreState, member,
+    DEAD_FIRSTS_S, LINE_CLASSES, Claim, EventKind, FairCharge, FairCounters, Landed, LineChange, QueueRule, Refusal,
+    Reserved, StoreEvent, StoreState, member,
 )
 
 SESSION_TTL_S = 3600.0
+CHARGES_KEPT = 100_000
+"""Fair-share charges kept for their settle (``Store.settle``), the oldest forgotten first (their estimates stand)."""
+FAIR_RULES = (QueueRule.FAIR, QueueRule.FAIR_NEWEST)
 
 Line = tuple[str, int]
 """(model, class index)."""
@@ -68,6 +74,16 @@ class MemoryState:
     replicas: dict[str, float] = field(default_factory=dict)
     """replica -> the wall-clock time its heartbeat lapses."""
     listeners: list[_Listener] = field(default_factory=list)
+    fair: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    """model -> tenant -> (its virtual token counter, its charges without lifts) (decision 0025)."""
+    fair_last: dict[str, str] = field(default_factory=dict)
+    """model -> the tenant charged last."""
+    tenants: dict[Line, dict[str, str]] = field(default_factory=dict)
+    """(model, class) -> member -> its tenant, for members parked with one."""
+    backlog: dict[str, dict[str, int]] = field(default_factory=dict)
+    """model -> tenant -> its members in the model's lines (those in ``tenants``)."""
+    charges: OrderedDict[str, tuple[str, FairCharge]] = field(default_factory=OrderedDict)
+    """ticket id -> (model, its charge), until settled, its lease lapses, or ``CHARGES_KEPT`` newer ones."""
 
     def alive(self, replica: str) -> bool:
         return self.replicas.get(replica, float("-inf")) > self.wall()
@@ -98,6 +114,12 @@ class MemoryState:
         if self.lines.get((model, klass), {}).pop(held, None) is None:
             return False
         self.claims.get((model, klass), {}).pop(held, None)
+        tenant = self.tenants.get((model, klass), {}).pop(held, None)
+        if tenant is not None:
+            backlog = self.backlog[model]
+            backlog[tenant] -= 1
+            if not backlog[tenant]:
+                del backlog[tenant]
         firsts = self.firsts.get((model, klass), {})
         if firsts.get(request_id, ("", 0.0))[0] == replica:
             del firsts[request_id]
@@ -122,6 +144,43 @@ class MemoryState:
                 models.append(model)
         self.publish(StoreEvent(EventKind.DEAD, replica, ""))
         return models
+
+    def rank(self, model: str, tenant: str) -> tuple[float, float]:
+        return self.fair.get(model, {}).get(tenant, (0.0, 0.0))
+
+    def counters(self, model: str) -> FairCounters:
+        return FairCounters(model, MappingProxyType(dict(self.fair.get(model, {}))), self.fair_last.get(model))
+
+    def fair_first(self, model: str, klass: int, newest: bool) -> str | None:
+        """The line's fair pick (``fair_pick``) among members of live replicas; a dead replica picked is removed."""
+        while (line := self.lines.get((model, klass))):
+            tenants = self.tenants.get((model, klass), {})
+            pick = fair_pick(((m, seq, tenants.get(m, "")) for m, seq in line.items()),
+                             lambda t: self.rank(model, t), newest)
+            assert pick is not None
+            replica = pick.partition("|")[0]
+            if self.alive(replica):
+                return pick
+            self.purge(replica)
+        return None
+
+    def lift(self, model: str, tenant: str) -> None:
+        """``tenant`` parks with no member of it in the model's lines: raised to the lowest counter among the tenants
+        with members (none: the counter of the tenant charged last), never lowered."""
+        others = [self.rank(model, t)[0] for t in self.backlog.get(model, {}) if t != tenant]
+        last = self.fair_last.get(model)
+        floor = min(others) if others else self.rank(model, last)[0] if last is not None else 0.0
+        counter, raw = self.rank(model, tenant)
+        if floor > counter:
+            self.fair.setdefault(model, {})[tenant] = (floor, raw)
+
+    def charge(self, model: str, ticket_id: str, charge: FairCharge) -> None:
+        counter, raw = self.rank(model, charge.tenant)
+        self.fair.setdefault(model, {})[charge.tenant] = (counter + charge.cost, raw + charge.cost)
+        self.fair_last[model] = charge.tenant
+        self.charges[ticket_id] = (model, charge)
+        while len(self.charges) > CHARGES_KEPT:
+            self.charges.popitem(last=False)
 
     def write(self, ticket: Ticket, owner: str) -> None:
         self.tickets[ticket.ticket_id] = (ticket, owner)
@@ -151,6 +210,8 @@ class MemoryState:
         ticket = claim.ticket
         self.write(ticket, owner)
         self.serve(ticket.engine, ticket.admitted_at, claim.serve_half_life_s)
+        if claim.charge is not None:
+            self.charge(ticket.model, ticket.ticket_id, claim.charge)
         if claim.session:
             self.sessions[claim.session] = (ticket.engine, self.wall() + SESSION_TTL_S)
 
@@ -207,14 +268,17 @@ class MemoryStore:
         if claim.queue is not QueueRule.NONE:
             higher = claim.klass if claim.queue is not QueueRule.ARRIVAL else claim.klass + 1
             queued = any(s.first(model, k) is not None for k in range(higher))
-            if not queued and claim.queue not in (QueueRule.ARRIVAL, QueueRule.CLASS):
+            if not queued and claim.queue in (QueueRule.OLDEST, QueueRule.NEWEST):
                 head = s.first(model, claim.klass, newest=claim.queue is QueueRule.NEWEST)
                 queued = head is not None and head != mine
+            elif not queued and claim.queue in FAIR_RULES:
+                pick = s.fair_first(model, claim.klass, newest=claim.queue is QueueRule.FAIR_NEWEST)
+                queued = pick is not None and pick != mine
             if queued:
                 if (claim.queue is QueueRule.OLDEST and claim.fresh_s > 0
                         and mine in s.lines.get((model, claim.klass), {})):
                     s.claims.setdefault((model, claim.klass), {})[mine] = (claim, s.wall() + claim.fresh_s)
-                return Reserved(Refusal.QUEUED)
+                return Reserved(Refusal.QUEUED, counters=s.counters(model) if claim.queue in FAIR_RULES else None)
         refusal = s.fits(claim)
         if refusal is not None:
             return Reserved(refusal, self._engine_tickets(ticket.engine))
@@ -231,8 +295,11 @@ class MemoryStore:
     def _engine_tickets(self, engine: str) -> tuple[Ticket, ...]:
         return tuple(self.state.tickets[t][0] for t in sorted(self.state.by_engine.get(engine, ())))
 
-    def _close(self, ticket_id: str) -> Ticket | None:
+    def _close(self, ticket_id: str, lapsed: bool = False) -> Ticket | None:
+        """Close a ticket; ``lapsed`` (its lease ran out): its charge is dropped, no settle will come."""
         s = self.state
+        if lapsed:
+            s.charges.pop(ticket_id, None)
         held = s.tickets.pop(ticket_id, None)
         if held is None:
             return None
@@ -248,7 +315,7 @@ class MemoryStore:
 
     async def expire(self, now: float, limit: int = 256) -> list[Ticket]:
         due = sorted((t.lease_deadline, t.ticket_id) for t, _ in self.state.tickets.values() if t.lease_deadline <= now)
-        return [t for _, ticket_id in due[:limit] if (t := self._close(ticket_id)) is not None]
+        return [t for _, ticket_id in due[:limit] if (t := self._close(ticket_id, lapsed=True)) is not None]
 
     async def restore(self, tickets: list[Ticket]) -> int:
         fresh = [t for t in tickets if t.ticket_id not in self.state.tickets]
@@ -256,7 +323,8 @@ class MemoryStore:
             self.state.write(ticket, self.replica_id)
         return len(fresh)
 
-    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
+                   tenant: str | None = None) -> float:
         s = self.state
         first = at
         held = s.firsts.get((model, klass), {}).get(request_id)
@@ -268,12 +336,33 @@ class MemoryStore:
             first = dead[1]
         s.seq += 1
         mine = member(self.replica_id, request_id)
+        tenants = s.tenants.setdefault((model, klass), {})
+        if tenant is not None and mine not in tenants:
+            backlog = s.backlog.setdefault(model, {})
+            if not backlog.get(tenant):
+                s.lift(model, tenant)
+            backlog[tenant] = backlog.get(tenant, 0) + 1
+            tenants[mine] = tenant
         s.lines.setdefault((model, klass), {})[mine] = s.seq
         s.firsts.setdefault((model, klass), {})[request_id] = (self.replica_id, first)
         if claim is not None and claim.fresh_s > 0:
             s.claims.setdefault((model, klass), {})[mine] = (claim, s.wall() + claim.fresh_s)
         s.drain(model)
         return first
+
+    async def settle(self, ticket_id: str, prompt_tokens: int, output_tokens: int) -> float | None:
+        s = self.state
+        held = s.charges.pop(ticket_id, None)
+        if held is None:
+            return None
+        model, charge = held
+        delta = charge.priced(prompt_tokens, output_tokens) - charge.cost
+        counter, raw = s.rank(model, charge.tenant)
+        s.fair.setdefault(model, {})[charge.tenant] = (counter + delta, raw + delta)
+        return delta
+
+    async def counters(self, model: str) -> FairCounters:
+        return self.state.counters(model)
 
     async def claim(self, model: str, klass: int, claims: Sequence[tuple[str, Claim]]) -> None:
         s = self.state
@@ -307,7 +396,7 @@ class MemoryStore:
                     continue
                 if offered.refusal is not Refusal.QUEUED:
                     claim = None
-            first = await self.park(change.model, change.klass, change.request_id, change.at, claim)
+            first = await self.park(change.model, change.klass, change.request_id, change.at, claim, change.tenant)
             out.append(Landed(first, offered))
         return out
 

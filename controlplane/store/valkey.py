@@ -25,7 +25,8 @@ from redis.exceptions import RedisError
 from controlplane.core.model import Ticket
 from controlplane.core.prefix import blocks_from_text, blocks_text
 from controlplane.store.base import (
-    Claim, EventKind, Landed, LineChange, Refusal, Reserved, StoreEvent, StoreState, StoreUnavailable, member,
+    Claim, EventKind, FairCharge, FairCounters, Landed, LineChange, Refusal, Reserved, StoreEvent, StoreState,
+    StoreUnavailable, member,
 )
 from controlplane.store.valkeyscripts import SCRIPTS
 
@@ -64,12 +65,36 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _charge_text(charge: FairCharge | None) -> str:
+    """A fair charge as the scripts take it (``fair_charge``): its numbers as exact text ('' for none)."""
+    if charge is None:
+        return ""
+    return json.dumps([charge.tenant, repr(charge.cost), repr(charge.prompt_weight), repr(charge.output_weight),
+                       repr(charge.weight)])
+
+
+def _counters(model: str, text: Any) -> FairCounters:
+    """``fair_state``'s answer: [the tenant charged last or null, [tenant, "counter|raw", ...]]."""
+    last, flat = json.loads(_text(text))
+    pairs = list(flat) if isinstance(flat, list) else []
+    counters = {}
+    for tenant, value in zip(pairs[::2], pairs[1::2]):
+        counter, _, raw = value.partition("|")
+        counters[tenant] = (float(counter), float(raw))
+    return FairCounters(model, counters, last)
+
+
+def _tenant_args(tenant: str | None) -> list[str]:
+    """``park``'s last two arguments: whether the member counts for a tenant, and which."""
+    return ["", ""] if tenant is None else ["1", tenant]
+
+
 def _claim_text(claim: Claim, owner: str, session_ttl_s: float) -> str:
     """A claim as ``park`` keeps it (the scripts' layout; its fifth field, fresh seconds, becomes a server time)."""
     return json.dumps([_record(claim.ticket, owner), -1 if claim.cap is None else claim.cap,
                        -1 if claim.kv_limit is None else claim.kv_limit, claim.session or "", claim.fresh_s,
                        blocks_text(claim.prefix_blocks), int(session_ttl_s), TICKET_KEY_GRACE_S,
-                       claim.serve_half_life_s])
+                       claim.serve_half_life_s, _charge_text(claim.charge)])
 
 
 class _Liveness(threading.Thread):
@@ -122,6 +147,11 @@ class ValkeyStore:
         <p>:w                   hash   engine -> "<recent-serve count>|<when last admitted to>" (shared time)
         <p>:r:<replica>         string heartbeat (PX store.heartbeat_seconds x store.dead_after_beats); absent = dead
         <p>:replicas            set    replicas with a heartbeat (each renewal looks for lapsed ones among them)
+        <p>:fv:<model>          hash   tenant -> "<virtual token counter>|<its charges without lifts>" (decision 0025)
+        <p>:fl                  hash   model -> the tenant charged last
+        <p>:qt:<model>:<class>  hash   member -> its tenant (members parked with fair share in the store)
+        <p>:fb:<model>          hash   tenant -> its members in the model's lines (a tenant absent parks lifted)
+        <p>:fc:<ticket>         string the admission's charge, for its settle (JSON; expires with the ticket's key)
     """
 
     def __init__(self, url: str, replica_id: str, prefix: str = "sluice", timeout_s: float = 0.5,
@@ -172,13 +202,15 @@ class ValkeyStore:
         return [json.dumps(_record(claim.ticket, self.replica_id)), -1 if claim.cap is None else claim.cap,
                 -1 if claim.kv_limit is None else claim.kv_limit, claim.queue.value, claim.klass, claim.session or "",
                 int(self.session_ttl_s), TICKET_KEY_GRACE_S, blocks_text(claim.prefix_blocks), claim.fresh_s,
-                claim.serve_half_life_s]
+                claim.serve_half_life_s, _charge_text(claim.charge)]
 
     async def reserve(self, claim: Claim) -> Reserved:
         answer = await self._run("reserve", *self._reserve_args(claim))
         verdict = _text(answer[0])
         if verdict == "ok":
             return Reserved()
+        if verdict == Refusal.QUEUED and len(answer) > 1:
+            return Reserved(Refusal.QUEUED, counters=_counters(claim.ticket.model, answer[1]))
         tickets = tuple(_ticket(json.loads(_text(x)))[0] for x in answer[1:])
         return Reserved(Refusal(verdict), tickets)
 
@@ -196,10 +228,18 @@ class ValkeyStore:
         return int(await self._run("restore", json.dumps([_record(t, self.replica_id) for t in tickets]),
                                    TICKET_KEY_GRACE_S, self.replica_id))
 
-    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
+                   tenant: str | None = None) -> float:
         held = "" if claim is None or claim.fresh_s <= 0 else _claim_text(claim, self.replica_id, self.session_ttl_s)
         return float(_text(await self._run("park", f"{model}:{klass}", self.replica_id, request_id, repr(at), model,
-                                           held)))
+                                           held, *_tenant_args(tenant))))
+
+    async def settle(self, ticket_id: str, prompt_tokens: int, output_tokens: int) -> float | None:
+        delta = await self._run("settle", ticket_id, prompt_tokens, output_tokens)
+        return None if delta is None else float(_text(delta))
+
+    async def counters(self, model: str) -> FairCounters:
+        return _counters(model, await self._run("counters", model))
 
     async def claim(self, model: str, klass: int, claims: Sequence[tuple[str, Claim]]) -> None:
         if claims:
@@ -225,7 +265,8 @@ class ValkeyStore:
             claim = change.claim
             held = "" if claim is None or claim.fresh_s <= 0 else _claim_text(claim, self.replica_id,
                                                                              self.session_ttl_s)
-            park = [q, self.replica_id, change.request_id, repr(change.at), change.model, held]
+            park = [q, self.replica_id, change.request_id, repr(change.at), change.model, held,
+                    *_tenant_args(change.tenant)]
             if change.offer is None:
                 await self._scripts["park"](args=[self.prefix, *park], client=pipe)
             else:

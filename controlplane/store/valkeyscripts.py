@@ -10,7 +10,9 @@ from controlplane.store.base import DEAD_FIRSTS_S, LINE_CLASSES
 
 # Shared by the scripts: a ticket as a JSON array, closing one (publishing it), a member leaving a line, a dead
 # replica's removal, a line's first live member, the shared serve counts, an admission, and draining a model's lines on
-# claims.
+# claims; fair share's counters (decision 0025): read and written as '%.17g' text (exact doubles), a line's fair pick
+# (core/fairshare.py ``fair_pick``'s rule), a charge (its JSON: tenant, cost, prompt weight, output weight, weight, the
+# numbers as text) and the lift.
 _LIB = r"""
 local p = ARGV[1]
 local CLASSES = @CLASSES@
@@ -32,6 +34,12 @@ local function leave(q, replica, rid)
   local m = replica .. '|' .. rid
   if redis.call('ZREM', p .. ':q:' .. q, m) == 0 then return false end
   redis.call('HDEL', p .. ':c:' .. q, m)
+  local tenant = redis.call('HGET', p .. ':qt:' .. q, m)
+  if tenant then
+    redis.call('HDEL', p .. ':qt:' .. q, m)
+    local fb = p .. ':fb:' .. string.match(q, '^(.*):%d+$')
+    if redis.call('HINCRBY', fb, tenant, -1) <= 0 then redis.call('HDEL', fb, tenant) end
+  end
   local held = redis.call('HGET', p .. ':qa:' .. q, rid)
   if held and string.match(held, '^(.-)|') == replica then redis.call('HDEL', p .. ':qa:' .. q, rid) end
   return true
@@ -78,6 +86,83 @@ local function first(model, k, newest)
   end
   return nil
 end
+local function fair_get(model, tenant)
+  local v = redis.call('HGET', p .. ':fv:' .. model, tenant)
+  if not v then return 0, 0 end
+  local c, r = string.match(v, '^(.-)|(.*)$')
+  return tonumber(c), tonumber(r)
+end
+local function fair_set(model, tenant, c, r)
+  redis.call('HSET', p .. ':fv:' .. model, tenant, string.format('%.17g|%.17g', c, r))
+end
+local function fair_state(model)
+  return cjson.encode({redis.call('HGET', p .. ':fl', model) or cjson.null,
+                       redis.call('HGETALL', p .. ':fv:' .. model)})
+end
+local function fair_pick(model, k, newest)
+  local q = model .. ':' .. k
+  local qkey = p .. ':q:' .. q
+  for _ = 1, 1000 do
+    local line = redis.call('ZRANGE', qkey, 0, -1, 'WITHSCORES')
+    if #line == 0 then return nil end
+    local tenants, flat = {}, redis.call('HGETALL', p .. ':qt:' .. q)
+    for i = 1, #flat, 2 do tenants[flat[i]] = flat[i + 1] end
+    local heads, order = {}, {}
+    for i = 1, #line, 2 do
+      local t, seq = tenants[line[i]] or '', tonumber(line[i + 1])
+      local h = heads[t]
+      if not h then
+        heads[t] = {seq, line[i]}
+        table.insert(order, t)
+      elseif (newest and seq > h[1]) or (not newest and seq < h[1]) then
+        heads[t] = {seq, line[i]}
+      end
+    end
+    local best, bc, br, bs
+    for _, t in ipairs(order) do
+      local c, r = fair_get(model, t)
+      local s = heads[t][1]
+      if newest then s = -s end
+      if best == nil or c < bc or (c == bc and (r < br or (r == br and s < bs))) then
+        best, bc, br, bs = heads[t][2], c, r, s
+      end
+    end
+    local replica, rid = string.match(best, '^(.-)|(.*)$')
+    if replica and redis.call('EXISTS', p .. ':r:' .. replica) == 1 then return best end
+    if replica then
+      purge(replica)
+      leave(q, replica, rid)
+    else
+      redis.call('ZREM', qkey, best)
+    end
+  end
+  return nil
+end
+local function fair_charge(model, id, text, lease, grace)
+  local f = cjson.decode(text)
+  local c, r = fair_get(model, f[1])
+  local cost = tonumber(f[2])
+  fair_set(model, f[1], c + cost, r + cost)
+  redis.call('HSET', p .. ':fl', model, f[1])
+  local key = p .. ':fc:' .. id
+  redis.call('SET', key, cjson.encode({model, f[1], f[2], f[3], f[4], f[5]}))
+  redis.call('PEXPIREAT', key, math.floor((tonumber(lease) + grace) * 1000))
+end
+local function fair_lift(model, tenant)
+  local floor = nil
+  for _, t in ipairs(redis.call('HKEYS', p .. ':fb:' .. model)) do
+    if t ~= tenant then
+      local c = fair_get(model, t)
+      if floor == nil or c < floor then floor = c end
+    end
+  end
+  if floor == nil then
+    local last = redis.call('HGET', p .. ':fl', model)
+    if last then floor = fair_get(model, last) else floor = 0 end
+  end
+  local c, r = fair_get(model, tenant)
+  if floor > c then fair_set(model, tenant, floor, r) end
+end
 local function serve(engine, at, hl)
   if hl <= 0 then return end
   local old = redis.call('HGET', p .. ':w', engine)
@@ -109,12 +194,14 @@ local function fits(r, cap, kvlimit)
   if kvlimit >= 0 and held + tonumber(r[6]) > kvlimit then return 'kv' end
   return nil
 end
-local function admit(r, session, session_ttl, grace, hl)
+local function admit(r, session, session_ttl, grace, hl, charge)
   write(r, grace)
   serve(r[2], tonumber(r[4]), hl)
   if session ~= '' then redis.call('SET', p .. ':s:' .. session, r[2], 'EX', session_ttl) end
+  if charge and charge ~= '' then fair_charge(r[3], r[1], charge, r[5], grace) end
 end
--- A claim: {record, cap, kv limit, session, until (server time), block hashes, session ttl, grace, serve half-life}
+-- A claim: {record, cap, kv limit, session, until (server time), block hashes, session ttl, grace, serve half-life,
+-- fair charge ('' for none)}
 local function drain(model)
   local n, now = 0, nil
   local claims = {}
@@ -136,7 +223,7 @@ local function drain(model)
         return n
       end
       if fits(r, tonumber(c[2]), tonumber(c[3])) then return n end
-      admit(r, c[4], c[7], tonumber(c[8]), tonumber(c[9]))
+      admit(r, c[4], c[7], tonumber(c[8]), tonumber(c[9]), c[10])
       local replica = string.match(head, '^(.-)|')
       leave(q, replica, r[1])
       publish('claimed', replica, cjson.encode(r), c[4], c[6])
@@ -162,9 +249,11 @@ end
 # The scripts that write an admission or a park, as functions of their arguments (``A``: as the scripts' ARGV), so
 # that ``offer`` runs both in one step.
 # reserve's A: prefix, ticket record (JSON array), cap (-1: none), kv limit (-1: none), queue rule, class, session,
-#       session ttl s, key grace s, the prompt's block hashes (hex, only passed on), claim fresh s, serve half-life s
+#       session ttl s, key grace s, the prompt's block hashes (hex, only passed on), claim fresh s, serve half-life s,
+#       fair charge (JSON; '' for none). A FAIR refusal carries the model's counters (``fair_state``).
 # park's A: prefix, queue key suffix, replica, request id, now (shared time), model, claim (JSON, its fourth field
-#       fresh s; '' for none). Returns when the request first parked.
+#       fresh s; '' for none), '1' when the member counts for a tenant (then lifted), the tenant. Returns when the
+#       request first parked.
 _LINE_LIB = r"""
 local function reserve(A)
   local r = cjson.decode(A[2])
@@ -179,16 +268,21 @@ local function reserve(A)
     local higher = klass
     if rule == 'arrival' then higher = klass + 1 end
     local queued = false
+    local fair = rule == 'fair' or rule == 'fair_newest'
     for k = 0, higher - 1 do if first(model, k, false) then queued = true break end end
-    if not queued and rule ~= 'arrival' and rule ~= 'class' then
+    if not queued and (rule == 'oldest' or rule == 'newest') then
       local head = first(model, klass, rule == 'newest')
       queued = head ~= nil and head ~= mine
+    elseif not queued and fair then
+      local pick = fair_pick(model, klass, rule == 'fair_newest')
+      queued = pick ~= nil and pick ~= mine
     end
     if queued then
       if rule == 'oldest' and fresh > 0 and redis.call('ZSCORE', p .. ':q:' .. q, mine) then
         redis.call('HSET', p .. ':c:' .. q, mine, cjson.encode({r, cap, kvlimit, session, clock() + fresh, A[10],
-                                                               tonumber(A[8]), tonumber(A[9]), hl}))
+                                                               tonumber(A[8]), tonumber(A[9]), hl, A[13]}))
       end
+      if fair then return {'queued', fair_state(model)} end
       return {'queued'}
     end
   end
@@ -201,7 +295,7 @@ local function reserve(A)
     end
     return out
   end
-  admit(r, session, A[8], tonumber(A[9]), hl)
+  admit(r, session, A[8], tonumber(A[9]), hl, A[13])
   if not leave(q, owner, id) then
     local parked = redis.call('HGET', p .. ':qa:' .. q, id)
     if parked then leave(q, string.match(parked, '^(.-)|'), id) end  -- parked by a replica its Check was retried after
@@ -230,6 +324,12 @@ local function park(A)
     end
   end
   local m = me .. '|' .. rid
+  if A[8] == '1' and not redis.call('HGET', p .. ':qt:' .. q, m) then
+    local fb = p .. ':fb:' .. A[6]
+    if tonumber(redis.call('HGET', fb, A[9]) or '0') <= 0 then fair_lift(A[6], A[9]) end
+    redis.call('HINCRBY', fb, A[9], 1)
+    redis.call('HSET', p .. ':qt:' .. q, m, A[9])
+  end
   redis.call('ZADD', p .. ':q:' .. q, redis.call('INCR', p .. ':seq'), m)
   redis.call('HSET', p .. ':qa:' .. q, rid, me .. '|' .. since)
   redis.call('SADD', p .. ':ml:' .. me, q)
@@ -252,10 +352,11 @@ _RELEASE = _LIB + r"""
 return close(ARGV[2], ARGV[3])
 """
 
-# ARGV: prefix, now, limit, by
+# ARGV: prefix, now, limit, by. A lapsed ticket's fair charge goes with it (no settle will come: the estimate stands).
 _EXPIRE = _LIB + r"""
 local out = {}
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. ':leases', '-inf', ARGV[2], 'LIMIT', 0, tonumber(ARGV[3]))) do
+  redis.call('DEL', p .. ':fc:' .. id)
   local text = close(id, ARGV[4])
   if text then table.insert(out, text) end
 end
@@ -275,24 +376,43 @@ end
 return n
 """
 
-# ARGV: prefix, queue key suffix, replica, request id, now (shared time), model, claim (JSON, its fourth field fresh s;
-#       '' for none). Returns when the request first parked.
+# ARGV: park's A. Returns when the request first parked.
 _PARK = _LIB + _LINE_LIB + r"""
 return park(ARGV)
 """
 
-# ARGV: prefix, reserve's A[2..12], park's A[2..7]. Offers a park as an arrival (``reserve``); refused, parks it (with
+# ARGV: prefix, reserve's A[2..13], park's A[2..9]. Offers a park as an arrival (``reserve``); refused, parks it (with
 # its claim only when refused for the line alone). Returns {'ok'}, or {refusal, first park time, the engine's
 # tickets on a CAP or KV refusal...}.
 _OFFER = _LIB + _LINE_LIB + r"""
 local R, P = {ARGV[1]}, {ARGV[1]}
-for i = 2, 12 do R[i] = ARGV[i] end
-for i = 13, 18 do P[i - 11] = ARGV[i] end
+for i = 2, 13 do R[i] = ARGV[i] end
+for i = 14, 21 do P[i - 12] = ARGV[i] end
 local out = reserve(R)
 if out[1] == 'ok' then return out end
 if out[1] ~= 'queued' then P[7] = '' end
 table.insert(out, 2, park(P))
 return out
+"""
+
+# ARGV: prefix, ticket id, prompt tokens, output tokens. Corrects the ticket's tenant's counter by its real usage priced
+# with the charge's weights (base.py ``FairCharge.priced``); returns the correction as text, or nil without a charge.
+_SETTLE = _LIB + r"""
+local key = p .. ':fc:' .. ARGV[2]
+local text = redis.call('GET', key)
+if not text then return false end
+redis.call('DEL', key)
+local f = cjson.decode(text)
+local cost = (tonumber(f[4]) * tonumber(ARGV[3]) + tonumber(f[5]) * tonumber(ARGV[4])) / tonumber(f[6])
+local delta = cost - tonumber(f[3])
+local c, r = fair_get(f[1], f[2])
+fair_set(f[1], f[2], c + delta, r + delta)
+return string.format('%.17g', delta)
+"""
+
+# ARGV: prefix, model. The model's counters (``fair_state``).
+_COUNTERS = _LIB + r"""
+return fair_state(ARGV[2])
 """
 
 # ARGV: prefix, queue key suffix, replica, model, then pairs of request id and claim (JSON, its fifth field fresh s)
@@ -356,6 +476,6 @@ return 1
 
 SCRIPTS: dict[str, str] = {
     "reserve": _RESERVE, "release": _RELEASE, "expire": _EXPIRE, "restore": _RESTORE, "park": _PARK, "offer": _OFFER,
-    "unpark": _UNPARK, "claim": _CLAIM, "heartbeat": _HEARTBEAT, "reap": _REAP, "open": _OPEN,
+    "unpark": _UNPARK, "claim": _CLAIM, "settle": _SETTLE, "counters": _COUNTERS, "heartbeat": _HEARTBEAT, "reap": _REAP, "open": _OPEN,
 }
 """Every script ``ValkeyStore`` registers, by the name it runs it under."""

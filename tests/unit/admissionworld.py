@@ -17,6 +17,7 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.engines import EngineSample, EngineView, ServedModel
 from controlplane.core.fleet import Fleet
 from controlplane.core.policy import Policy
+from controlplane.core.shedearly import committed as is_committed
 
 CAPACITY = 20_000
 ENGINES = (
@@ -68,15 +69,15 @@ class World:
     def wake(self) -> list[Outcome]:
         """``core.wake``, checking each class's order: while its oldest parked request has waited no longer than
         ``lifo_after_ms`` (nor ``lifo_deadline_fraction`` of its own TTFT deadline), or any of its requests is committed
-        (parked longer than ``shed_decision_s``), the wake answers the oldest first (FIFO); else the newest first
-        (adaptive LIFO)."""
+        (``shedearly.committed``: parked past its decision window less the answer margin), the wake answers the oldest
+        first (FIFO); else the newest first (adaptive LIFO)."""
         before: dict[Priority, list[str]] = {Priority.CRITICAL: [], Priority.STANDARD: []}
         oldest: dict[Priority, tuple[float, int | None]] = {}
         committed: set[Priority] = set()
         for p in self.core.parked():  # per class, in parking order
             before[p.request.priority].append(p.request_id)
             oldest.setdefault(p.request.priority, (p.parked_at, p.request.max_ttft_ms))
-            if self.now - p.parked_at >= self.core.policy.shed_decision_s:
+            if is_committed(p, self.now, self.core.policy):  # its window less the answer margin (shedearly.py)
                 committed.add(p.request.priority)
         outcomes = self.core.wake(self.fleet(), self.now)
         if not self.core.policy.backfill:  # backfill reorders on purpose

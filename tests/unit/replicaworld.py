@@ -37,9 +37,10 @@ class RecordedParks(MemoryStore):
         super().__init__(state, replica)
         self.order = order
 
-    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
+                   tenant: str | None = None) -> float:
         self.order.append(request_id)
-        return await super().park(model, klass, request_id, at, claim)
+        return await super().park(model, klass, request_id, at, claim, tenant)
 
 
 class Replicas:

@@ -10,10 +10,9 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from controlplane.admission.service import AdmissionService
 from controlplane.config import parse_config
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.fairshare import ANONYMOUS, FairMode, FairShare, TenantCounters, service_order
@@ -21,6 +20,9 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.engines import EngineSample, EngineView, ServedModel
 from controlplane.core.model import InferenceRequest, Priority, QueueRule, Verdict
 from controlplane.core.policy import Policy
+from controlplane.core.tenants import Usage
+from controlplane.store.base import Claim
+from controlplane.store.memory import MemoryState
 from tests.unit.replicaworld import CAPACITY, ENGINES, WATERMARK, Replicas
 
 ENGINE = EngineView(
@@ -314,15 +316,16 @@ def test_shed_early_counts_who_is_ahead_in_the_fair_order() -> None:
 
 # -- the shared store ---------------------------------------------------------------------------------------------------
 
-def test_a_fair_wake_admits_with_the_class_rule() -> None:
-    lot = Lot(policy())
+@pytest.mark.parametrize(("across", "rule"), [(True, QueueRule.FAIR), (False, QueueRule.CLASS)])
+def test_a_fair_wake_admits_with_the_stores_fair_rule_or_the_class_rule(across: bool, rule: QueueRule) -> None:
+    lot = Lot(replace(policy(), fairness=FairShare(enabled=True, across_replicas=across)))
     lot.submit("a")
     lot.submit("a")
     lot.submit("b")
     lot.now += 0.001
     lot.core.release(lot.running or "", lot.now)
     outcomes = lot.core.wake(lot.core.fleet([ENGINE], lot.now), lot.now)
-    assert [o.rule for o in outcomes] == [QueueRule.CLASS]
+    assert [o.rule for o in outcomes] == [rule]
     off = Lot(policy(enabled=False))
     off.submit("a")
     off.now += 0.001
@@ -442,56 +445,103 @@ def test_explain_text_names_the_counters() -> None:
     assert off.startswith("fair share off: its class is FIFO; 4 of its class and 1 of higher classes parked ahead")
 
 
-# -- two replicas, fair share on: per-replica order, nothing stuck ------------------------------------------------------
+# -- two replicas, fair share in the store: exactly the order of one ------------------------------------------------------
+
+class Admissions(MemoryState):
+    """A shared ledger that notes every admission it writes, in its order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+
+    def admitted(self, claim: Claim, owner: str) -> None:
+        self.order.append(claim.ticket.ticket_id)
+        super().admitted(claim, owner)
+
+
+class FairReplicas(Replicas):
+    """``count`` replicas (``Replicas``'s services) with fair share on, over one store that notes its admissions; shed
+    early off (the replicas' lots see different lines, and only the order is compared here)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        policy = replace(self.config.policy, fairness=FairShare(enabled=True), shed_decision_s=0.0)
+        self.config = replace(self.config, policy=policy)
+        self.state = self.admissions = Admissions()
+        self.services = [self._service(f"r{i}") for i in range(count)]
+        self.tenants: dict[str, str] = {}
+
+    def check_invariants(self) -> None:  # caps and KV; the line's parking order is not fair share's
+        for engine, cap in ENGINES.items():
+            assert len(self.state.by_engine.get(engine, set())) <= cap
+            assert self.state.kv.get(engine, 0) <= CAPACITY * WATERMARK
+
+    async def arrive(self, replica: int, who: str | None, max_tokens: int) -> None:
+        service = self.services[replica % len(self.services)]
+        rid = f"q{next(self.ids)}"
+        self.tenants[rid] = who or ANONYMOUS
+        request = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=100, max_tokens=max_tokens,
+                                   tenant=who)
+
+        async def check() -> None:
+            outcome = await service.check(rid, request)
+            if outcome.decision.verdict is Verdict.PARK:
+                await service.wait_parked(rid)
+        self.checks[rid] = asyncio.create_task(check())
+        await self.settle()
+
+    async def complete(self, pick: int, via: int, used_out: int | None) -> None:
+        """An open ticket's request ends; its access-log entry reaches replica ``via`` (settling its usage, if told)."""
+        open_ids = sorted(self.state.tickets)
+        if open_ids:
+            service = self.services[via % len(self.services)]
+            ticket_id = open_ids[pick % len(open_ids)]
+            service.release_ticket(ticket_id)
+            if used_out is not None:
+                service.settle_usage(ticket_id, Usage(100, used_out, reported=True))
+        await self.settle()
+
+    def order(self) -> list[str]:
+        return [self.tenants[r] for r in self.admissions.order]
+
 
 fair_op = st.one_of(
-    st.tuples(st.just("submit"), st.integers(0, 1), st.sampled_from([100, 2_000]), st.sampled_from([100, 1_000]),
-              st.sampled_from(["a", "b", None])),
-    st.tuples(st.just("release"), st.integers(0, 40), st.integers(0, 1)),
+    st.tuples(st.just("arrive"), st.integers(0, 1), st.sampled_from(["a", "b", "c", None]),
+              st.sampled_from([100, 400])),
+    st.tuples(st.just("flood"), st.integers(0, 1), st.sampled_from(["a", "b", "c", None]), st.integers(2, 6)),
+    st.tuples(st.just("complete"), st.integers(0, 40), st.integers(0, 1), st.one_of(st.none(), st.integers(0, 800))),
 )
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(fair_op, min_size=1, max_size=50))
-def test_two_fair_replicas_keep_caps_and_answer_every_check(ops: list[tuple[object, ...]]) -> None:
-    """Fair wakes admit with ``QueueRule.CLASS`` and leave no claims: with two replicas on one store every cap and KV
-    limit still holds, no replica waits for the other's line head, and every Check is answered once released."""
-    class FairReplicas(Replicas):
-        def __init__(self) -> None:
-            super().__init__()
-            self.config = replace(self.config, policy=replace(self.config.policy, fairness=FairShare(enabled=True)))
-            self.services = [self._service(f"r{i}") for i in range(2)]
-
-        def check_invariants(self) -> None:  # caps and KV; the line's parking order is not fair share's
-            for engine, cap in ENGINES.items():
-                assert len(self.state.by_engine.get(engine, set())) <= cap
-                assert self.state.kv.get(engine, 0) <= CAPACITY * WATERMARK
-
+@given(st.lists(fair_op, min_size=1, max_size=60))
+# The five slots taken by a, then a parked on r0 and b on r1: b goes first (lifted level with a, served less), though
+# r0 hears the release first and a is the pick of its own lot.
+@example(ops=[("arrive", 0, "a", 100)] * 6 + [("arrive", 1, "b", 100), ("complete", 0, 0, None)])
+def test_two_replicas_admit_in_the_order_one_would(ops: list[tuple[Any, ...]]) -> None:
+    """The same arrivals and completions (their access-log entries reaching either replica) on two replicas sharing one
+    store and on one replica alone: the same requests admitted in the same order, after every step, whichever replica
+    holds each parked request and whichever admitted each finished one (the counters and the fair pick are the
+    store's). Every cap and KV limit holds and every Check is answered once everything is released."""
     async def run() -> None:
-        world = FairReplicas()
-        await world.start()
+        one, two = FairReplicas(1), FairReplicas(2)
+        worlds = (one, two)
+        for world in worlds:
+            await world.start()
         try:
             for kind, *args in ops:
-                if kind == "submit":
-                    replica, prompt, max_tokens, who = args
-                    service = world.services[int(str(replica))]
-                    rid = f"q{next(world.ids)}"
-                    request = InferenceRequest("POST", "/v1/chat/completions", "m", prompt_tokens=int(str(prompt)),
-                                               max_tokens=int(str(max_tokens)), tenant=who if isinstance(who, str)
-                                               else None)
-
-                    async def check(service: object = service, rid: str = rid,
-                                    request: InferenceRequest = request) -> None:
-                        svc = service
-                        assert isinstance(svc, AdmissionService)
-                        outcome = await svc.check(rid, request)
-                        if outcome.decision.verdict is Verdict.PARK:
-                            await svc.wait_parked(rid)
-                    world.checks[rid] = asyncio.create_task(check())
-                    await world.settle()
-                else:
-                    await world.release(int(str(args[0])), int(str(args[1])))
-            await world.drain()
+                for world in worlds:
+                    if kind == "flood":  # one tenant's burst on one replica
+                        replica, who, n = args
+                        for _ in range(n):
+                            await world.arrive(replica, who, 100)
+                    else:
+                        await (world.arrive(*args) if kind == "arrive" else world.complete(*args))
+                assert two.admissions.order == one.admissions.order, (two.order(), one.order())
+            for world in worlds:
+                await world.drain()
+            assert two.admissions.order == one.admissions.order, (two.order(), one.order())
         finally:
-            await world.stop()
+            for world in worlds:
+                await world.stop()
     asyncio.run(run())

@@ -35,10 +35,11 @@ class SlowParks(MemoryStore):
         self.delays = delays
         self.landed: list[str] = []
 
-    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
+                   tenant: str | None = None) -> float:
         await asyncio.sleep(self.delays.get(request_id, 0.0))
         try:
-            return await super().park(model, klass, request_id, at, claim)
+            return await super().park(model, klass, request_id, at, claim, tenant)
         finally:
             self.landed.append(request_id)
 
@@ -52,10 +53,11 @@ class RoundTrips(MemoryStore):
         self.round_trip_s = round_trip_s
         self.batching = False
 
-    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
+                   tenant: str | None = None) -> float:
         if not self.batching:
             await asyncio.sleep(self.round_trip_s)
-        return await super().park(model, klass, request_id, at, claim)
+        return await super().park(model, klass, request_id, at, claim, tenant)
 
     async def change_lines(self, changes: Sequence[LineChange]) -> list[Landed]:
         await asyncio.sleep(self.round_trip_s)
@@ -195,9 +197,10 @@ class RecordedParks(ValkeyStore):
 
     parks: list[str]
 
-    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None) -> float:
+    async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
+                   tenant: str | None = None) -> float:
         self.parks.append(request_id)
-        return await super().park(model, klass, request_id, at, claim)
+        return await super().park(model, klass, request_id, at, claim, tenant)
 
     async def change_lines(self, changes: Sequence[LineChange]) -> list[Landed]:
         landed = await super().change_lines(changes)
