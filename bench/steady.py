@@ -177,11 +177,12 @@ ROUNDS = 2
 arm's figures pool every round's requests; each round's figure stands beside them (the spread)."""
 ROUND_SEED_STRIDE = 10_007
 QUICK_ARMS = ("sluice", "LR+scan+cap", "RR+w+cap", EPP, REFERENCE)
-"""``--quick``'s arms: sluice, the two capped Envoy arms that were a cell's best baseline most often in the full runs
-(full-scan ``LEAST_REQUEST`` on equal weights; weighted round robin, which stands for the load-blind weighted arms
-``LR+w+cap b=0`` too), the EPP arm (which also stands for the uncapped ``RR`` and ``LR``: it routes on queue depth and
-KV) and the clairvoyant arm (only at ``TARGET_LEVELS``, where its target is). Left out: ``RR``, ``LR``, ``LR+w+cap``
-and its duplicate ``LR+w+cap b=1``, ``b=0``, ``b=2``. The full run keeps every arm."""
+"""``--quick``'s arms: sluice, the two capped Envoy arms that were a cell's best baseline most often in the latest run
+with every arm (``bench/results/steady-limit.md``, 2026-12-05: four of its twelve best-arm picks each; full-scan
+``LEAST_REQUEST`` on equal weights, and weighted round robin, load-blind like ``LR+w+cap b=0``), the EPP arm (uncapped
+like ``RR`` and ``LR``, but routing on queue depth and KV) and the clairvoyant arm (only at ``TARGET_LEVELS``, where its
+target is). Left out: ``RR``, ``LR``, ``LR+w+cap`` and its duplicate ``LR+w+cap b=1``, ``b=0``, ``b=2``. The full run
+keeps every arm."""
 QUICK_WINDOWS_S = (6.0, 14.0)
 """``--quick``'s wall seconds of arrivals per round: up to 100%, and above (a transient, not a sustained overload:
 ``OVERLOAD_WINDOW_S``)."""
@@ -932,7 +933,7 @@ changed{'' if not admission else ' except admission ' + ', '.join(f'`{k}: {v}`' 
 ## The limit: every cell at {' and '.join(f'{t:.0%}' for t in TARGET_LEVELS)} against the clairvoyant arm
 
 Target (issue 38 item 6, judged on this run's figures): sluice's TTFT p90 at most {CLAIRVOYANT_FACTOR:g}x the
-clairvoyant arm's, and at most the best baseline arm's (the lowest p90 among {', '.join(f'`{a}`' for a in BASELINES)}). TTFT p90 here
+clairvoyant arm's, and at most the best baseline arm's (the lowest p90 among {', '.join(f'`{a}`' for a in BASELINES if any(a in c.figures for c in cells))}). TTFT p90 here
 counts every request, a refused (429/503) or failed one as infinite; the cells below show the served-only figures beside
 it. Goodput: requests served with TTFT within the SLO, per wall second of the arrival window.
 
@@ -985,9 +986,13 @@ def _rounds_note(rounds: int, windows: Mapping[str, float]) -> str:
     """The report's words for the rounds, the windows and what ``--quick`` left out."""
     if _T.quick:
         per = f"{QUICK_WINDOWS_S[0]:g} s of arrivals per round in every cell up to 100%, {QUICK_WINDOWS_S[1]:g} s above"
+        left = [a for a in ARMS if a not in QUICK_ARMS]
         only = (f" `--quick`: arms {', '.join(f'`{a}`' for a in QUICK_ARMS)} only (the clairvoyant arm at "
-                f"{' and '.join(f'{t:.0%}' for t in TARGET_LEVELS)} only; why: `QUICK_ARMS`), and windows that make "
-                "the cell above 100% a transient rather than a sustained overload.")
+                f"{' and '.join(f'{t:.0%}' for t in TARGET_LEVELS)} only, where its target is); "
+                f"{', '.join(f'`{a}`' for a in left)} are left out to fit about ten minutes (some of them were a "
+                "cell's best baseline in a full run: the full run keeps every arm, and a quick verdict is against "
+                "the arms it ran); windows that make the cell above 100% a transient rather than a sustained "
+                "overload.")
     else:
         per = (f"arrivals for {', '.join(f'{w:g} s ({f})' for f, w in windows.items())} per round of a cell, "
                f"{OVERLOAD_WINDOW_S:g} s in every cell above 100%")
