@@ -58,6 +58,8 @@ LOAD_REQUESTS = 2000
 SLOWLORIS = 200
 LEAK_BATCHES = 10
 LEAK_BATCH = 1000
+LEAK_CHECK_QUEUE_MS = 60_000.0
+"""Fault 11's ``controlplane.max_check_queue_ms``: long enough that no Check of a batch is shed before it parks."""
 CUT_STREAMS = 5
 CRASH_STREAMS = 2
 
@@ -835,8 +837,11 @@ def fault_controlplane_crash(work: Path) -> Row:
 
 # -- fault 11: leaks -------------------------------------------------------------------------------------------------
 def fault_leaks(work: Path) -> Row:
+    # LEAK_CHECK_QUEUE_MS: a batch of 1000 Checks at once queues past the default 1 s and the rest would be shed as
+    # controlplane_overloaded (fault 2's subject); here every request must park so that its cancel is what is measured.
     stack = Stack([("thor", "thor"), ("spark", "spark")], work, 1.0, subprocess_plane=True,
-                  admission={"max_queue_depth": 4000, "max_park_seconds": 200.0})
+                  admission={"max_queue_depth": 4000, "max_park_seconds": 200.0},
+                  controlplane={"max_check_queue_ms": LEAK_CHECK_QUEUE_MS})
     try:
         assert stack.plane_process is not None
         pid, port = stack.plane_process.pid, stack.metrics_port
@@ -1017,7 +1022,8 @@ simulators' `/sim/log`.
 Setup: local stack = thor + spark simulators (2 slots each, x{SPEED:g}), the control plane in this process's thread,
 Envoy with `request_headers_timeout_seconds: {HEADER_TIMEOUT_S:g}`, `admission.max_queue_depth: 4000`,
 `max_park_seconds: 200`, default `max_check_queue_ms` (1000). Fault 3 runs `sluice up` (x2 simulators) as a subprocess;
-fault 11 runs `sluice controlplane --config F` as a subprocess behind Envoy (x1 simulators).
+fault 11 runs `sluice controlplane --config F` as a subprocess behind Envoy (x1 simulators, `controlplane.max_check_queue_ms`
+{LEAK_CHECK_QUEUE_MS:g}: every request of a batch parks instead of part of it being shed as overloaded).
 
 Details:
 
