@@ -32,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
                    "1000p1: 1000 engines polled every second, probe budget lifted (default 2,200,1000,1000p1)")
     p.add_argument("--seconds", type=float, help="scale: seconds of traffic per size (default 40)")
     p.add_argument("--rounds", type=int, help="scale: interleaved segments per size, the seconds split among them "
-                   "(default 3)")
-    p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open); replicas: a "
+                   "(default 3); steady, prefix: rounds per cell, every arm once a round in an order rotated each "
+                   "round, figures pooled over the rounds (default 2)")
+    p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open), five arms "
+                   "(sluice, LR+scan+cap, RR+w+cap, EPP; the clairvoyant arm at 80%% and 95%%), 6 s windows (14 s "
+                   "above 100%%) per round: about 10 minutes with 2 rounds; replicas: a "
                    "400-request burst through 1 and 2 replicas, shorter windows (about a minute and a half); ratelimit: "
                    "shorter windows and a tenth of the limiter's charges; prefix: the system workload at 90%%, shorter "
                    "windows, no two-replica arm; lora: loads 60%% and 95%%, one round, shorter windows; "
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                         "repeatable; the report names it")
     parser = p
     args = p.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds: must be at least 1")
     if args.scenario == "replicas":
         from bench.replicas import run_replicas_bench
 
@@ -103,16 +108,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
         if args.seconds is not None and args.seconds <= 0:
             parser.error("--seconds: must be positive")
-        if args.rounds is not None and args.rounds < 1:
-            parser.error("--rounds: must be at least 1")
         return scale.run_scale_bench(sizes, args.seconds or scale.SECONDS, args.rounds or scale.ROUNDS)
     if args.scenario == "steady":
+        from bench import steady
         from bench.steady import run_steady_bench
 
         if args.engines is not None and args.engines.isdigit():
             parser.error("steady: --engines is a YAML file of real llama.cpp engines")
         return run_steady_bench(args.quick, args.fleet, args.mix, args.level, args.engines,
-                                _admission_settings(parser, args.admission), args.report)
+                                _admission_settings(parser, args.admission), args.report,
+                                args.rounds or steady.ROUNDS)
     if args.scenario == "overhead":
         from bench.overhead import run_overhead_bench
 
@@ -122,13 +127,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_t10_bench()
     if args.scenario == "prefix":
-        from bench.prefix import KV_WORKLOAD, WORKLOADS, run_prefix_bench
+        from bench.prefix import KV_WORKLOAD, ROUNDS, WORKLOADS, run_prefix_bench
 
         if args.workload and not set(args.workload) <= {*WORKLOADS, KV_WORKLOAD}:
             parser.error(f"prefix: --workload is one of {', '.join(WORKLOADS)}, {KV_WORKLOAD}")
         if args.workload and KV_WORKLOAD in args.workload and args.workload != [KV_WORKLOAD]:
             parser.error(f"prefix: --workload {KV_WORKLOAD} runs on engines of its own: name it alone")
-        return run_prefix_bench(args.quick, args.workload, args.level, _admission_settings(parser, args.admission))
+        return run_prefix_bench(args.quick, args.workload, args.level, _admission_settings(parser, args.admission),
+                                args.rounds or ROUNDS)
     from bench.observe import run_observe_bench
 
     if args.engines is not None and not args.engines.isdigit():

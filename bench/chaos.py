@@ -58,6 +58,8 @@ LOAD_REQUESTS = 2000
 SLOWLORIS = 200
 LEAK_BATCHES = 10
 LEAK_BATCH = 1000
+LEAK_CHECK_QUEUE_MS = 60_000.0
+"""Fault 11's ``controlplane.max_check_queue_ms``: long enough that no Check of a batch is shed before it parks."""
 CUT_STREAMS = 5
 CRASH_STREAMS = 2
 
@@ -200,30 +202,30 @@ def metric(port: int, name: str, **labels: str) -> float:
     return total
 
 
-def admin_stub(grpc_port: int) -> tuple[grpc.Channel, admin_pb2_grpc.AdminStub]:
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+def admin_stub(admin_port: int) -> tuple[grpc.Channel, admin_pb2_grpc.AdminStub]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{admin_port}")
     return channel, admin_pb2_grpc.AdminStub(channel)
 
 
-def open_tickets(grpc_port: int) -> int:
-    channel, stub = admin_stub(grpc_port)  # a fresh channel: a restarted control plane must not hide behind a backoff
+def open_tickets(admin_port: int) -> int:
+    channel, stub = admin_stub(admin_port)  # a fresh channel: a restarted control plane must not hide behind a backoff
     with channel:
         return int(stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=5).open_tickets)
 
 
-def list_engines(grpc_port: int) -> dict[str, admin_pb2.Engine]:
-    channel, stub = admin_stub(grpc_port)
+def list_engines(admin_port: int) -> dict[str, admin_pb2.Engine]:
+    channel, stub = admin_stub(admin_port)
     with channel:
         return {e.name: e for e in stub.ListEngines(admin_pb2.ListEnginesRequest(), timeout=5).engines}
 
 
-def settle_tickets(grpc_port: int, baseline: int, timeout: float = 15.0) -> int:
+def settle_tickets(admin_port: int, baseline: int, timeout: float = 15.0) -> int:
     """Open tickets once back at ``baseline`` (access-log entries arrive within ~0.1 s) or after ``timeout``."""
     deadline = time.monotonic() + timeout
-    now = open_tickets(grpc_port)
+    now = open_tickets(admin_port)
     while now != baseline and time.monotonic() < deadline:
         time.sleep(0.1)
-        now = open_tickets(grpc_port)
+        now = open_tickets(admin_port)
     return now
 
 
@@ -250,7 +252,7 @@ def stop(process: subprocess.Popen[Any] | None) -> None:
 def stack_raw(engines: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
     """The config shape of the e2e tests' stacks: free ports, a quick poller, the given engines and sections."""
     raw: dict[str, Any] = {
-        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+        "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
         "envoy": {"listen_port": free_port(), "admin_port": free_port()},
         "observe": {"poll_interval_seconds": 0.2, "poll_timeout_seconds": 0.2, "max_backoff_seconds": 0.5},
         "engines": engines,
@@ -268,10 +270,12 @@ class Stack:
                  **sections: Any) -> None:
         from controlplane.config import parse_config
         from sluice.envoyrun import envoy_command, write_bootstrap
+        from sluice.simulated import with_profile_defaults
 
         self.work = work
-        self.raw = stack_raw([{"name": n, "sim": p, "url": f"http://127.0.0.1:{free_port()}", "speed": speed}
-                              for n, p in engines], **sections)
+        # The simulators' caps written in as `sluice up` does: vLLM reports none, so without them nothing would park.
+        self.raw = with_profile_defaults(stack_raw([{"name": n, "sim": p, "url": f"http://127.0.0.1:{free_port()}",
+                                                     "speed": speed} for n, p in engines], **sections))
         self.config = parse_config(self.raw)
         self.profiles = dict(engines)
         self.speed = speed
@@ -288,7 +292,7 @@ class Stack:
                 self.plane_process = subprocess.Popen(
                     [sys.executable, "-m", "sluice", "controlplane", "--config", str(path)],
                     stdout=(work / "controlplane.log").open("wb"), stderr=subprocess.STDOUT)
-                wait_for(lambda: open_tickets(self.grpc_port) == 0, what="the control plane's admin API")
+                wait_for(lambda: open_tickets(self.admin_port) == 0, what="the control plane's admin API")
             else:
                 self.plane = ThreadedControlPlane(self.config)
             bootstrap = write_bootstrap(self.config, work)
@@ -309,18 +313,18 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def grpc_port(self) -> int:
-        return self.config.controlplane.grpc_port
+    def admin_port(self) -> int:
+        return self.config.controlplane.admin_port
 
     @property
     def metrics_port(self) -> int:
         return self.plane.plane.http.port if self.plane is not None else self.config.controlplane.metrics_port
 
     def engines(self) -> dict[str, admin_pb2.Engine]:
-        return list_engines(self.grpc_port)
+        return list_engines(self.admin_port)
 
     def open_tickets(self) -> int:
-        return open_tickets(self.grpc_port)
+        return open_tickets(self.admin_port)
 
     def sim_url(self, name: str) -> str:
         return next(e.url for e in self.config.engines if e.name == name)
@@ -415,7 +419,7 @@ def fault_check_errors(stack: Stack) -> Row:
              or not a.shaped or a.engine]
     after = stack.reached()
     internal_after = metric(stack.metrics_port, "sluice_authz_internal_errors_total") - internal
-    leaked = settle_tickets(stack.grpc_port, tickets) - tickets
+    leaked = settle_tickets(stack.admin_port, tickets) - tickets
     reach = after[0] - reached[0] + after[1] - reached[1]
     return Row(1, "client-triggered Check errors (12 at once)", [a.seconds for a in answers], lost_of(answers),
                unchecked_of(answers), leaked,
@@ -440,7 +444,7 @@ def fault_load(stack: Stack) -> Row:
     admitted = [a for a in answers if a.status == 200 and a.engine]
     shed = [a for a in answers if a.status == 503 and a.shaped and a.headers.get("retry-after")]
     running = {n: http_json(stack.sim_url(n) + "/sim/stats")["max_running_seen"] for n in stack.sims}
-    leaked = settle_tickets(stack.grpc_port, tickets) - tickets
+    leaked = settle_tickets(stack.admin_port, tickets) - tickets
     after = stack.reached()
     other = len(answers) - len(admitted) - len(shed)
     overloaded = metric(stack.metrics_port, "sluice_authz_overloaded_total") - overloaded
@@ -465,7 +469,7 @@ def fault_engine_paths(stack: Stack, plane_up: bool) -> Row:
     after = stack.reached()
     reach = after[0] - reached[0] + after[1] - reached[1]
     not_found = sum(a.status == 404 and a.code == "unknown_url" and a.shaped for a in answers)
-    leaked = settle_tickets(stack.grpc_port, tickets) - tickets if plane_up else 0
+    leaked = settle_tickets(stack.admin_port, tickets) - tickets if plane_up else 0
     state = "up" if plane_up else "down"
     return Row(4, f"engine paths, control plane {state}", [a.seconds for a in answers], lost_of(answers),
                unchecked_of(answers) if plane_up else 0, leaked,
@@ -482,7 +486,7 @@ def fault_null_max_completion(stack: Stack) -> Row:
     after = stack.reached()
     reach = after[0] - reached[0] + after[1] - reached[1]
     good = sum(a.status == 400 and a.code == "context_length_exceeded" and a.shaped for a in answers)
-    leaked = settle_tickets(stack.grpc_port, tickets) - tickets
+    leaked = settle_tickets(stack.admin_port, tickets) - tickets
     return Row(7, "max_completion_tokens null + max_tokens 5,000,000", [a.seconds for a in answers], lost_of(answers),
                unchecked_of(answers), leaked, f"{good}/10 400 context_length_exceeded; {reach} reached an engine",
                good == 10 and reach == 0 and leaked == 0, details=[f"answers: {codes(answers)}"])
@@ -567,7 +571,7 @@ def fault_slowloris(stack: Stack) -> tuple[Row, list[Answer]]:
         for s in sockets:
             s.close()
     close_after = [closed[fd] - opened[fd] for fd in closed]
-    leaked = settle_tickets(stack.grpc_port, tickets) - tickets
+    leaked = settle_tickets(stack.admin_port, tickets) - tickets
     ok408 = sum(a.status == 408 and a.code == "request_timeout" and a.shaped for a in timeout_answers)
     normal_ok = sum(a.status == 200 and bool(a.engine) for a in during)
     during_ms, before_ms = median([a.seconds for a in during]) * 1000, median([a.seconds for a in baseline]) * 1000
@@ -610,7 +614,7 @@ def fault_overload(stack: Stack) -> Row:
     admitted = sum(a.status == 200 and bool(a.engine) for a in answers)
     shed = sum(a.status == 503 and a.code == "controlplane_overloaded" and a.shaped for a in answers)
     overloaded = metric(stack.metrics_port, "sluice_authz_overloaded_total") - overloaded
-    leaked = settle_tickets(stack.grpc_port, tickets) - tickets
+    leaked = settle_tickets(stack.admin_port, tickets) - tickets
     other = len(answers) - admitted - shed
     return Row(10, f"control plane loop blocked {block_s:g} s under {rate} req/s", [a.seconds for a in answers],
                lost_of(answers), unchecked_of(answers), leaked,
@@ -655,7 +659,7 @@ def fault_dead_engine(stack: Stack, dead: str = "spark") -> Row:
         watcher.result()
     around = [a for a in answers if a.sent + a.seconds >= killed[0]]  # in flight at the kill, or sent after it
     retried = metric(stack.metrics_port, "sluice_engine_retries_total", engine=dead) - retries
-    leaked = settle_tickets(stack.grpc_port, tickets) - tickets
+    leaked = settle_tickets(stack.admin_port, tickets) - tickets
     on_dead = sum(a.engine == dead for a in answers if a.sent > killed[0] + 0.5)
     row = Row(5, f"engine {dead} killed (SIGKILL) under traffic", [a.seconds for a in around], lost_of(around),
               unchecked_of(around), leaked,
@@ -706,7 +710,7 @@ def fault_cut_stream(stack: Stack) -> Row:
         ttfb.append(first)
         finished += done
         stack.restart_sim(engine)
-    leaked = settle_tickets(stack.grpc_port, tickets) - tickets
+    leaked = settle_tickets(stack.admin_port, tickets) - tickets
     return Row(6, "stream cut mid-way by a dying engine", ttfb, lost, 0, leaked,
                f"client waits {median(waits) * 1000:.0f} ms (median of {len(waits)}), max "
                f"{max(waits) * 1000:.0f} ms after the kill; {finished} got [DONE] (a cut stream must not look "
@@ -722,15 +726,15 @@ class Up(UpProcess):
 
     def __init__(self, work: Path, engines: list[dict[str, Any]]) -> None:
         raw: dict[str, Any] = {
-            "controlplane": {"grpc_port": free_port(), "metrics_port": free_port()},
+            "controlplane": {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()},
             "envoy": {"listen_port": free_port(), "admin_port": free_port()},
             "engines": [{"url": f"http://127.0.0.1:{free_port()}", **e} for e in engines],
         }
         super().__init__(raw, work / "sluice.yaml")
 
     @property
-    def grpc_port(self) -> int:
-        return int(self.raw["controlplane"]["grpc_port"])
+    def admin_port(self) -> int:
+        return int(self.raw["controlplane"]["admin_port"])
 
     def controlplane_pid(self) -> int | None:
         return self.children().get("controlplane")
@@ -744,7 +748,7 @@ def fault_controlplane_crash(work: Path) -> Row:
     up = Up(work, [{"name": "thor", "sim": "thor", "speed": 2.0}, {"name": "spark", "sim": "spark", "speed": 2.0}])
     try:
         wait_for(up.has_fallback_route, what="Envoy's fallback route")
-        wait_for(lambda: all(e.ready for e in list_engines(up.grpc_port).values()), what="both engines probed")
+        wait_for(lambda: all(e.ready for e in list_engines(up.admin_port).values()), what="both engines probed")
         streams: list[dict[str, Any]] = [{} for _ in range(CRASH_STREAMS)]
         flowing = [threading.Event() for _ in range(CRASH_STREAMS)]
 
@@ -790,7 +794,7 @@ def fault_controlplane_crash(work: Path) -> Row:
         def probe_grpc() -> None:
             while time.monotonic() - killed < 30:
                 try:
-                    open_tickets(up.grpc_port)
+                    open_tickets(up.admin_port)
                     grpc_back[0] = time.monotonic() - killed
                     return
                 except grpc.RpcError:
@@ -811,7 +815,7 @@ def fault_controlplane_crash(work: Path) -> Row:
             grpc_probe.result()
         for reader in readers:
             reader.join(60)
-        tickets = settle_tickets(up.grpc_port, 0)
+        tickets = settle_tickets(up.admin_port, 0)
         gap = [a for a in answers if a.status == 200 and not a.engine]
         overflow = [a for a in answers if a.status == 503 and a.code == "engine_overloaded"]
         admitted = [a for a in answers if a.status == 200 and a.engine]
@@ -833,8 +837,11 @@ def fault_controlplane_crash(work: Path) -> Row:
 
 # -- fault 11: leaks -------------------------------------------------------------------------------------------------
 def fault_leaks(work: Path) -> Row:
+    # LEAK_CHECK_QUEUE_MS: a batch of 1000 Checks at once queues past the default 1 s and the rest would be shed as
+    # controlplane_overloaded (fault 2's subject); here every request must park so that its cancel is what is measured.
     stack = Stack([("thor", "thor"), ("spark", "spark")], work, 1.0, subprocess_plane=True,
-                  admission={"max_queue_depth": 4000, "max_park_seconds": 200.0})
+                  admission={"max_queue_depth": 4000, "max_park_seconds": 200.0},
+                  controlplane={"max_check_queue_ms": LEAK_CHECK_QUEUE_MS})
     try:
         assert stack.plane_process is not None
         pid, port = stack.plane_process.pid, stack.metrics_port
@@ -893,7 +900,7 @@ def fault_leaks(work: Path) -> Row:
         out = asyncio.run(scenario())
         time.sleep(5.0)
         settled = sample()
-        tickets = settle_tickets(stack.grpc_port, tickets0) - tickets0
+        tickets = settle_tickets(stack.admin_port, tickets0) - tickets0
         batches = out["batches"]
         parked = sum(b["parked"] for b in batches)
         cancelled = sum(b["cancelled"] for b in batches)
@@ -1015,7 +1022,8 @@ simulators' `/sim/log`.
 Setup: local stack = thor + spark simulators (2 slots each, x{SPEED:g}), the control plane in this process's thread,
 Envoy with `request_headers_timeout_seconds: {HEADER_TIMEOUT_S:g}`, `admission.max_queue_depth: 4000`,
 `max_park_seconds: 200`, default `max_check_queue_ms` (1000). Fault 3 runs `sluice up` (x2 simulators) as a subprocess;
-fault 11 runs `sluice controlplane --config F` as a subprocess behind Envoy (x1 simulators).
+fault 11 runs `sluice controlplane --config F` as a subprocess behind Envoy (x1 simulators, `controlplane.max_check_queue_ms`
+{LEAK_CHECK_QUEUE_MS:g}: every request of a batch parks instead of part of it being shed as overloaded).
 
 Details:
 

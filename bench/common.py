@@ -294,6 +294,18 @@ def rotated_rounds(items: Sequence[ItemT], rounds: int) -> list[list[ItemT]]:
     return [list(items[r % len(items):]) + list(items[:r % len(items)]) for r in range(rounds)]
 
 
+def by_round(figures: Mapping[str, Any], key: str) -> list[float]:
+    """One arm's ``key`` in each round of a cell (its ``rounds``: each round's own figures), or the pooled figure alone
+    when the arm ran a single round."""
+    return [r[key] for r in figures.get("rounds") or [figures]]
+
+
+def interleaved(arms: Sequence[ItemT], rounds: int) -> list[tuple[int, ItemT]]:
+    """(round, arm) in the order a cell runs them: every arm once a round, the arms' order rotated each round
+    (``rotated_rounds``), so no arm always runs first or last or always after the same one."""
+    return [(number, arm) for number, order in enumerate(rotated_rounds(arms, rounds)) for arm in order]
+
+
 # -- Prometheus expositions ----------------------------------------------------------------------------------------------
 def parse_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     """Every sample of metric ``name`` (exactly, e.g. ``sluice_store_seconds_bucket``) in a Prometheus exposition: its

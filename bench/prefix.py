@@ -98,7 +98,7 @@ from typing import Any
 import aiohttp
 
 from enginesim.profiles import PROFILES
-from bench.common import pct, write_report
+from bench.common import by_round, interleaved, pct, write_report
 from bench.epp_arm import ENDPOINT_HEADER, EppArm, describe, epp_arm
 from bench.plain import plain_envoy_arm
 from bench.workload import bare_sim, gateway, sim_stats
@@ -134,6 +134,10 @@ CONTROL_ARMS = ("sluice", "sluice-noindex", "LR")
 CAL_S = 20.0
 CAL_WARM_S = 5.0
 SEED = 14_2026
+ROUNDS = 2
+"""Rounds per cell (``--rounds``): every arm runs once a round, in an order rotated each round; each round has its own
+seeded arrivals (seed + ``ROUND_SEED_STRIDE`` x round), the same for every arm of that round."""
+ROUND_SEED_STRIDE = 10_007
 WORKLOADS = ("system", "chat", "control")
 """What ``sluice bench prefix`` runs by default; ``kv-pressure`` runs only when named (its engines differ)."""
 EPP = "EPP"
@@ -493,16 +497,23 @@ def _wait_idle(urls: dict[str, str]) -> None:
         time.sleep(0.5)
 
 
+def _span(results: list[Outcome], warm: float) -> float:
+    """Wall seconds from the measured window's start to the last completion of a request that arrived in it (1 when
+    none completed)."""
+    return max((r.done_s for r in results if r.arrived >= warm and r.status == 200 and r.ttft_s is not None),
+               default=warm + 1.0) - warm
+
+
 def summarise(results: list[Outcome], served: dict[str, int], warm: float,
-              fair: dict[str, float] | None = None) -> dict[str, Any]:
+              fair: dict[str, float] | None = None, span: float | None = None) -> dict[str, Any]:
     """The measured window's figures: requests whose job arrived from ``warm`` on. ``fair``: each engine's fair share of
-    requests (its part of the measured capacity); an even split without it."""
+    requests (its part of the measured capacity); an even split without it. Throughput is per emulated second of
+    ``span`` (wall seconds; default ``_span``)."""
+    span = _span(results, warm) if span is None else span
     results = [r for r in results if r.arrived >= warm]
     ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
     ttft = [r.ttft_s * SPEED for r in ok if r.ttft_s is not None]
     prompt = sum(r.prompt_tokens for r in ok)
-    first = warm
-    end = max((r.done_s for r in ok), default=first + 1.0)
     total = sum(served.values()) or 1
     nan = float("nan")
     return {
@@ -512,7 +523,7 @@ def summarise(results: list[Outcome], served: dict[str, int], warm: float,
         # A request that failed (shed after its retries) counts as never getting a first token.
         "ttft_p50_all": pct(ttft + [math.inf] * (len(results) - len(ok)), 50) if results else nan,
         "ttft_p90_all": pct(ttft + [math.inf] * (len(results) - len(ok)), 90) if results else nan,
-        "throughput": sum(r.completion_tokens for r in ok) / max(1e-9, (end - first) * SPEED),
+        "throughput": sum(r.completion_tokens for r in ok) / max(1e-9, span * SPEED),
         "served": served,
         "max_share": max(n / total / (fair or {}).get(e, FAIR) for e, n in served.items()) if served else nan,
         "max_even": max(served.values()) / total / FAIR if served else nan,
@@ -541,28 +552,66 @@ def _metric(port: int, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + " "))
 
 
-def run_cell(cell: Cell, arms: dict[str, Arm], urls: dict[str, str], warm: float, window: float,
-             replica_ports: list[int]) -> None:
-    jobs = draw_jobs(cell.workload, cell.rate, warm + window,
-                     SEED + int(cell.level * 100) + (*WORKLOADS, KV_WORKLOAD).index(cell.workload))
-    for name, arm in arms.items():
+@dataclass(frozen=True)
+class Segment:
+    """One arm's run on one round's arrivals of a cell."""
+
+    results: list[Outcome]
+    served: dict[str, int]
+    """Requests each engine served in the measured window (its ``/sim/stats``)."""
+    hits: int
+    queries: int
+    """The engines' own ``prefix_cache_hits`` / ``prefix_cache_queries`` over the measured window."""
+    wall_s: float
+
+
+def pool(segments: list[Segment], warm: float, fair: dict[str, float] | None = None) -> dict[str, Any]:
+    """An arm's figures over a cell's rounds: ``summarise`` of every round's requests together (served counts summed,
+    throughput per second of all the rounds' spans), and under ``rounds`` each round's own figures (the spread)."""
+    served = {name: sum(s.served[name] for s in segments) for name in segments[0].served}
+    figures = summarise([r for s in segments for r in s.results], served, warm, fair,
+                        span=sum(_span(s.results, warm) for s in segments))
+    figures["wall_s"] = sum(s.wall_s for s in segments)
+    figures["engine_hit"] = sum(s.hits for s in segments) / max(1, sum(s.queries for s in segments))
+    figures["rounds"] = [summarise(s.results, s.served, warm, fair) for s in segments]
+    return figures
+
+
+def run_segment(cell: Cell, jobs: list[Job], name: str, arm: Arm, urls: dict[str, str], warm: float) -> Segment:
+    """One arm on one round's ``jobs``, from idle engines, with prompt texts of its own (its salt)."""
+    _wait_idle(urls)
+    texts = Texts(f"{cell.workload}-{cell.level}-{name}-{time.time_ns()}")
+    if arm.pinned:
+        arm.pins = {prompt_hash(first_messages(cell.workload, Job(0.0, g, (1,), 0), texts)):
+                    ENGINES[g % len(ENGINES)][0] for g in range(groups_of(cell.workload))}
+    started = time.monotonic()
+    if groups_of(cell.workload):
+        asyncio.run(prime(arm, texts, cell.workload))
         _wait_idle(urls)
-        texts = Texts(f"{cell.workload}-{cell.level}-{name}-{time.time_ns()}")
-        if arm.pinned:
-            arm.pins = {prompt_hash(first_messages(cell.workload, Job(0.0, g, (1,), 0), texts)):
-                        ENGINES[g % len(ENGINES)][0] for g in range(groups_of(cell.workload))}
-        started = time.monotonic()
-        if groups_of(cell.workload):
-            asyncio.run(prime(arm, texts, cell.workload))
-            _wait_idle(urls)
-        results, before = asyncio.run(drive(arm, cell.workload, jobs, texts, urls, warm))
-        after = {n: sim_stats(u) for n, u in urls.items()}
-        served = {n: int(after[n]["served"] - before[n]["served"]) for n in urls}
-        figures = summarise(results, served, warm, cell.fair)
-        figures["wall_s"] = time.monotonic() - started
-        figures["engine_hit"] = (sum(after[n]["prefix_cache_hits"] - before[n]["prefix_cache_hits"] for n in urls)
-                                 / max(1, sum(after[n]["prefix_cache_queries"] - before[n]["prefix_cache_queries"]
-                                              for n in urls)))
+    results, before = asyncio.run(drive(arm, cell.workload, jobs, texts, urls, warm))
+    after = {n: sim_stats(u) for n, u in urls.items()}
+    return Segment(results, {n: int(after[n]["served"] - before[n]["served"]) for n in urls},
+                   int(sum(after[n]["prefix_cache_hits"] - before[n]["prefix_cache_hits"] for n in urls)),
+                   int(sum(after[n]["prefix_cache_queries"] - before[n]["prefix_cache_queries"] for n in urls)),
+                   time.monotonic() - started)
+
+
+def run_cell(cell: Cell, arms: dict[str, Arm], urls: dict[str, str], warm: float, window: float,
+             replica_ports: list[int], rounds: int = ROUNDS) -> None:
+    """Every arm once per round, the arms' order rotated each round (``interleaved``), every arm of a round on that
+    round's arrivals (seed + ``ROUND_SEED_STRIDE`` x round); each arm's figures pooled over the rounds (``pool``)."""
+    seed = SEED + int(cell.level * 100) + (*WORKLOADS, KV_WORKLOAD).index(cell.workload)
+    segments: dict[str, list[Segment]] = {name: [] for name in arms}
+    jobs = [draw_jobs(cell.workload, cell.rate, warm + window, seed + ROUND_SEED_STRIDE * n) for n in range(rounds)]
+    for number, name in interleaved(list(arms), rounds):
+        segment = run_segment(cell, jobs[number], name, arms[name], urls, warm)
+        segments[name].append(segment)
+        f = summarise(segment.results, segment.served, warm, cell.fair)
+        print(f"  {cell.workload} {cell.level:.0%} round {number + 1}/{rounds} {name}: n={f['n']} ok={f['ok']} "
+              f"hit {f['hit']:.2f} TTFT p50/p90 {f['ttft_p50']:.2f}/{f['ttft_p90']:.2f} s tok/s "
+              f"{f['throughput']:.0f} share {segment.served} ({segment.wall_s:.0f} s)", flush=True)
+    for name in arms:
+        figures = pool(segments[name], warm, cell.fair)
         if name == "sluice-2rep":
             figures["index_blocks"] = [_metric(p, "sluice_prefix_index_blocks") for p in replica_ports]
             figures["reserve_ms"] = [
@@ -570,9 +619,12 @@ def run_cell(cell: Cell, arms: dict[str, Arm], urls: dict[str, str], warm: float
                 / max(1.0, _metric(p, 'sluice_store_seconds_count{op="reserve"}')) for p in replica_ports]
             figures["checks"] = [_metric(p, "sluice_prefix_prompt_tokens_total") for p in replica_ports]
         cell.figures[name] = figures
-        print(f"  {cell.workload} {cell.level:.0%} {name}: n={figures['n']} ok={figures['ok']} hit "
-              f"{figures['hit']:.2f} TTFT p50/p90 {figures['ttft_p50']:.2f}/{figures['ttft_p90']:.2f} s tok/s "
-              f"{figures['throughput']:.0f} share {served} ({figures['wall_s']:.0f} s)", flush=True)
+
+
+def spread(figures: dict[str, Any], key: str, spec: str) -> str:
+    """`` (rounds a / b)``: an arm's ``key`` in each round, formatted with ``spec``; "" when it ran one round."""
+    values = by_round(figures, key)
+    return f" (rounds {' / '.join(format(v, spec) for v in values)})" if len(values) > 1 else ""
 
 
 def kv_verdicts(cell: Cell) -> list[tuple[str, bool, str]]:
@@ -586,10 +638,12 @@ def kv_verdicts(cell: Cell) -> list[tuple[str, bool, str]]:
 
     return [
         ("hit rate >= 0.9 x the pinning oracle's", s["hit"] >= 0.9 * pin["hit"],
-         f"{s['hit']:.1%} vs {pin['hit']:.1%} ({ratio(s['hit'], pin['hit']):.2f}x)"),
+         f"{s['hit']:.1%}{spread(s, 'hit', '.1%')} vs {pin['hit']:.1%}{spread(pin, 'hit', '.1%')} "
+         f"({ratio(s['hit'], pin['hit']):.2f}x)"),
         ("TTFT p50 no worse than sluice without the affinity (sluice-before; <= 1.1x, the run-to-run noise allowed "
          "on control)", s["ttft_p50_all"] <= 1.1 * before["ttft_p50_all"],
-         f"{s['ttft_p50_all']:.3f} vs {before['ttft_p50_all']:.3f} s "
+         f"{s['ttft_p50_all']:.3f}{spread(s, 'ttft_p50_all', '.3f')} vs {before['ttft_p50_all']:.3f}"
+         f"{spread(before, 'ttft_p50_all', '.3f')} s "
          f"({ratio(s['ttft_p50_all'], before['ttft_p50_all']):.2f}x)"),
         *best_baseline_verdicts(f, KV_BASELINES),
     ]
@@ -606,12 +660,13 @@ def best_baseline_verdicts(f: dict[str, Any], baselines: tuple[str, ...]) -> lis
     best_hit = max(base, key=lambda n: base[n]["hit"])
     return [
         (f"TTFT p50 <= the best baseline arm's ({best_p50})", s["ttft_p50_all"] <= base[best_p50]["ttft_p50_all"],
-         f"{s['ttft_p50_all']:.3f} vs {base[best_p50]['ttft_p50_all']:.3f} s; "
+         f"{s['ttft_p50_all']:.3f}{spread(s, 'ttft_p50_all', '.3f')} vs {base[best_p50]['ttft_p50_all']:.3f}"
+         f"{spread(base[best_p50], 'ttft_p50_all', '.3f')} s; "
          + ", ".join(f"{n} {b['ttft_p50_all']:.3f} s" for n, b in base.items())
          + f"; p90 sluice {s['ttft_p90_all']:.2f} s, "
          + ", ".join(f"{n} {b['ttft_p90_all']:.2f} s" for n, b in base.items())),
         (f"hit rate >= the best baseline arm's ({best_hit})", s["hit"] >= base[best_hit]["hit"],
-         f"{s['hit']:.1%} vs {base[best_hit]['hit']:.1%}; "
+         f"{s['hit']:.1%}{spread(s, 'hit', '.1%')} vs {base[best_hit]['hit']:.1%}{spread(base[best_hit], 'hit', '.1%')}; "
          + ", ".join(f"{n} {b['hit']:.1%}" for n, b in base.items())),
     ]
 
@@ -628,26 +683,31 @@ def verdicts(cell: Cell) -> list[tuple[str, bool, str]]:
         for key, bound in (("ttft_p50", 1.1), ("ttft_p90", 1.1)):
             ratio = s[key] / base[key] if base[key] else math.inf
             out.append((f"{key} within noise of sluice-noindex (<= {bound}x)", ratio <= bound,
-                        f"{s[key]:.2f} vs {base[key]:.2f} s ({ratio:.2f}x)"))
+                        f"{s[key]:.2f}{spread(s, key, '.2f')} vs {base[key]:.2f}{spread(base, key, '.2f')} s "
+                        f"({ratio:.2f}x)"))
         ratio = s["throughput"] / base["throughput"] if base["throughput"] else math.inf
         out.append(("throughput within noise of sluice-noindex (>= 0.95x)", ratio >= 0.95,
-                    f"{s['throughput']:.0f} vs {base['throughput']:.0f} tok/s ({ratio:.2f}x)"))
+                    f"{s['throughput']:.0f}{spread(s, 'throughput', '.0f')} vs {base['throughput']:.0f}"
+                    f"{spread(base, 'throughput', '.0f')} tok/s ({ratio:.2f}x)"))
     else:
         oracle = f["oracle"]["hit"]
         out.append(("hit rate >= 0.9 x oracle's", s["hit"] >= 0.9 * oracle,
-                    f"{s['hit']:.1%} vs {oracle:.1%} ({s['hit'] / oracle if oracle else math.inf:.2f}x)"))
+                    f"{s['hit']:.1%}{spread(s, 'hit', '.1%')} vs {oracle:.1%}{spread(f['oracle'], 'hit', '.1%')} "
+                    f"({s['hit'] / oracle if oracle else math.inf:.2f}x)"))
         if cell.level >= 0.9:
             lr = f["LR"]
             ratio = lr["ttft_p50"] / s["ttft_p50"] if s["ttft_p50"] else math.inf
             out.append(("TTFT p50 >= 3x lower than LR", ratio >= 3,
-                        f"{s['ttft_p50']:.2f} vs {lr['ttft_p50']:.2f} s ({ratio:.1f}x)"))
+                        f"{s['ttft_p50']:.2f}{spread(s, 'ttft_p50', '.2f')} vs {lr['ttft_p50']:.2f}"
+                        f"{spread(lr, 'ttft_p50', '.2f')} s ({ratio:.1f}x)"))
             ratio = s["throughput"] / lr["throughput"] if lr["throughput"] else math.inf
             out.append(("throughput >= 1.5x LR", ratio >= 1.5,
-                        f"{s['throughput']:.0f} vs {lr['throughput']:.0f} tok/s ({ratio:.2f}x)"))
+                        f"{s['throughput']:.0f}{spread(s, 'throughput', '.0f')} vs {lr['throughput']:.0f}"
+                        f"{spread(lr, 'throughput', '.0f')} tok/s ({ratio:.2f}x)"))
         out.extend(best_baseline_verdicts(f, PREFIX_BASELINES))
     fair = " / ".join(f"{cell.fair.get(n, FAIR):.0%}" for n in s["served"])
     out.append(("no engine above 1.5x its fair share (its part of the capacity)", s["max_share"] <= 1.5,
-                f"largest share {s['max_share']:.2f}x of fair ({' / '.join(map(str, s['served'].values()))} against "
+                f"largest share {s['max_share']:.2f}x{spread(s, 'max_share', '.2f')} of fair ({' / '.join(map(str, s['served'].values()))} against "
                 f"fair {fair}; {s['max_even']:.2f}x an even 1/4)"))
     return out
 
@@ -689,11 +749,13 @@ def _sims(extra: tuple[str, ...] = ()) -> Iterator[dict[str, str]]:
 
 
 def run_prefix_bench(quick: bool = False, workloads: list[str] | None = None, levels: list[float] | None = None,
-                     admission: dict[str, Any] | None = None) -> int:
+                     admission: dict[str, Any] | None = None, rounds: int = ROUNDS) -> int:
+    """Run the chosen workloads' cells, ``rounds`` rounds each, print the targets and write the report; 1 when a target
+    is missed."""
     if workloads and KV_WORKLOAD in workloads:
         if workloads != [KV_WORKLOAD]:
             raise ValueError(f"{KV_WORKLOAD} runs on engines of its own: name it alone")
-        return run_kv_pressure(quick, levels, admission)
+        return run_kv_pressure(quick, levels, admission, rounds)
     workloads = workloads or (["system"] if quick else list(WORKLOADS))
     levels = levels or ([0.9] if quick else list(LEVELS))
     warm, window = (QUICK_WARM_S, QUICK_WINDOW_S) if quick else (WARM_S, WINDOW_S)
@@ -743,7 +805,7 @@ def run_prefix_bench(quick: bool = False, workloads: list[str] | None = None, le
                     if workload == "control":
                         chosen = {k: v for k, v in chosen.items() if k in CONTROL_ARMS}
                     run_cell(cell, chosen, urls, warm, window * (CONTROL_WINDOW_FACTOR if workload == "control" else 1),
-                             replica_ports)
+                             replica_ports, rounds)
                     cells.append(cell)
             configs.append(_epp_note(epp))
     elapsed = time.monotonic() - started
@@ -760,7 +822,9 @@ def run_prefix_bench(quick: bool = False, workloads: list[str] | None = None, le
                                  WINDOW_S=window,
                                  LEVELS=" and ".join(f"{x:.0%}" for x in levels))
     body = f"""{doc}
-Run: {'`--quick`: ' if quick else ''}{warm:g} + {window:g} s of arrivals (wall) per cell and arm; simulator speed x{SPEED:g}; sluice
+Run: {'`--quick`: ' if quick else ''}{rounds} round(s) per cell, the arms' order rotated each round, each round on its own
+seeded arrivals (the same for every arm of the round), figures pooled over the rounds with each round's beside them;
+{warm:g} + {window:g} s of arrivals (wall) per round of a cell and arm; simulator speed x{SPEED:g}; sluice
 with its defaults{'' if not admission else ' except admission ' + ', '.join(f'`{k}: {v}`' for k, v in admission.items())}. This machine (2 cores) is shared with other work: load average {load_before} at the start,
 {_loadavg()} at the end; {elapsed / 60:.1f} min.
 
@@ -854,7 +918,7 @@ run (``LR+w+cap``, ``ring`` or ``EPP``, each target its own best), TTFT p50 at m
 
 
 def run_kv_pressure(quick: bool = False, levels: list[float] | None = None,
-                    admission: dict[str, Any] | None = None) -> int:
+                    admission: dict[str, Any] | None = None, rounds: int = ROUNDS) -> int:
     """The ``kv-pressure`` scenario (``KV_DOC``); writes ``bench/results/prefix-kv-pressure.md`` (``--quick``:
     ``prefix-kv-pressure-quick.md``). Returns 1 when a target is missed."""
     warm, window = (QUICK_WARM_S, QUICK_WINDOW_S) if quick else (WARM_S, WINDOW_S)
@@ -892,7 +956,7 @@ def run_kv_pressure(quick: bool = False, levels: list[float] | None = None,
                        for name, envoy in (("LR+w+cap", lrw), ("ring", ring))]
             for level in levels:
                 cell = Cell(KV_WORKLOAD, level, level * capacity, {n: r / capacity for n, r in measured.items()})
-                run_cell(cell, arms, urls, warm, window, [])
+                run_cell(cell, arms, urls, warm, window, [], rounds)
                 cells.append(cell)
             configs.append(_epp_note(epp))
     elapsed = time.monotonic() - started
@@ -909,7 +973,8 @@ def run_kv_pressure(quick: bool = False, levels: list[float] | None = None,
                         WARM_S=warm, WINDOW_S=window, CAL_S=CAL_S, CAL_WARM_S=CAL_WARM_S,
                         KV_PINNED=KV_GROUPS // len(ENGINES))
     body = f"""{doc}
-Run: {'`--quick`: ' if quick else ''}{warm:g} + {window:g} s of arrivals (wall) per arm; sluice with its defaults{
+Run: {'`--quick`: ' if quick else ''}{rounds} round(s), the arms' order rotated each round, each on its own seeded
+arrivals, figures pooled with each round's beside them; {warm:g} + {window:g} s of arrivals (wall) per round and arm; sluice with its defaults{
         '' if not admission else ' except admission ' + ', '.join(f'`{k}: {v}`' for k, v in admission.items())}; {
         elapsed / 60:.1f} min.
 

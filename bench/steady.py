@@ -28,6 +28,12 @@ max_num_seqs + 1 concurrent requests) with the same prompts and output model for
 generation-token counter; an engine's capacity in requests/s is its measured tokens/s over the mix's mean output length.
 The fleet's sum sets the load levels; each engine's measured tokens/s is its ``load_balancing_weight`` in the weighted arms.
 
+Rounds (``--rounds``, default ``ROUNDS``): every arm of a cell runs once a round, the arms' order rotated each round so
+none always runs first or last, each arm from idle engines (the previous arm's streams have ended); each round has
+its own seeded arrivals, the same for every arm of that round. Figures pool every round's requests; each round's
+figure is printed beside them, and every ratio a target reads is also given round by round (its spread).
+``--quick``: fleet ``thor+spark``, mix ``open``, the arms of ``QUICK_ARMS``, windows ``QUICK_WINDOWS_S``.
+
 Arms (in the same run, each cell's requests identical across arms):
 - ``sluice``: ``sluice up`` with its defaults (no admission settings at all).
 - ``RR``, ``LR``: plain Envoy ``ROUND_ROBIN`` / ``LEAST_REQUEST``, equal weights, no caps (the engines queue overflow).
@@ -103,7 +109,7 @@ from bench.clairvoyant import EngineRates
 from bench.clairvoyant_arm import MEASURED, PREDICTED, ArmJob
 from bench.clairvoyant_arm import TAG as CLAIRVOYANT_TAG
 from bench.clairvoyant_arm import drive as drive_clairvoyant
-from bench.common import pct, pyplot, save_figure, write_report
+from bench.common import by_round, interleaved, pct, pyplot, save_figure, write_report
 from bench.epp import SCRAPE_INTERVAL_S
 from bench.epp_arm import EppArm, describe, epp_arm
 from bench.least_request import LeastRequestArm, least_request_arm
@@ -165,6 +171,21 @@ _LLAMA_GEN = re.compile(r"^llamacpp:tokens_predicted_total ([0-9.e+]+)", re.M)
 _LLAMA_DEFERRED = re.compile(r"^llamacpp:requests_deferred ([0-9.e+]+)", re.M)
 REAL_WINDOW_S = 10.0
 REAL_REPORT = "steady-llamacpp"
+ROUNDS = 2
+"""Rounds per cell (``--rounds``): every arm of a cell runs once a round, in an order rotated each round
+(``rotated_rounds``), all on that round's arrivals; each round draws its own (seed + ``ROUND_SEED_STRIDE`` x round). An
+arm's figures pool every round's requests; each round's figure stands beside them (the spread)."""
+ROUND_SEED_STRIDE = 10_007
+QUICK_ARMS = ("sluice", "LR+scan+cap", "RR+w+cap", EPP, REFERENCE)
+"""``--quick``'s arms: sluice, the two capped Envoy arms that were a cell's best baseline most often in the latest run
+with every arm (``bench/results/steady-limit.md``, 2026-12-05: four of its twelve best-arm picks each; full-scan
+``LEAST_REQUEST`` on equal weights, and weighted round robin, load-blind like ``LR+w+cap b=0``), the EPP arm (uncapped
+like ``RR`` and ``LR``, but routing on queue depth and KV) and the clairvoyant arm (only at ``TARGET_LEVELS``, where its
+target is). Left out: ``RR``, ``LR``, ``LR+w+cap`` and its duplicate ``LR+w+cap b=1``, ``b=0``, ``b=2``. The full run
+keeps every arm."""
+QUICK_WINDOWS_S = (6.0, 14.0)
+"""``--quick``'s wall seconds of arrivals per round: up to 100%, and above (a transient, not a sustained overload:
+``OVERLOAD_WINDOW_S``)."""
 
 
 @dataclass
@@ -176,6 +197,8 @@ class Target:
     model: str = MODEL
     n_ctx: int = 0
     """Tokens of context per slot (real engines): prompt + output are clipped to fit."""
+    quick: bool = False
+    """``--quick``: ``QUICK_ARMS`` only, ``QUICK_WINDOWS_S`` windows."""
 
 
 _T = Target()
@@ -346,13 +369,20 @@ def _wait_idle(urls: list[str]) -> None:
         time.sleep(0.2)
 
 
+def _span(results: list[Result], window: float) -> float:
+    """Seconds from a segment's start to its last completion (``window`` when nothing completed)."""
+    return max((r.started + r.total_s for r in results if r.status == 200 and r.ttft_s is not None), default=window)
+
+
 def summarise(results: list[Result], served: list[int], peaks: list[int], preemptions: int | str,
-              window: float) -> dict[str, Any]:
+              window: float, span: float | None = None) -> dict[str, Any]:
+    """One arm's figures over ``results`` (module docstring, Figures): goodput per second of ``window``, throughput
+    per second of ``span`` (default: from the start to the last completion)."""
     ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.total_s for r in ok]
     good = [t for t in ttfts if t * 1000 <= SLO_MS]
-    end = max((r.started + r.total_s for r in ok), default=window)
+    end = _span(results, window) if span is None else span
     nan = float("nan")
     parked = [r.parked_ms for r in results if r.status == 200]
     every = [r.ttft_s if r.status == 200 and r.ttft_s is not None else math.inf for r in results]
@@ -398,33 +428,81 @@ def refill_gaps(log: list[dict[str, Any]], speed: float) -> list[float]:
 
 
 def window_s(fleet: str, level: float) -> float:
+    """Wall seconds of arrivals in one round of a cell."""
+    if _T.quick:
+        return QUICK_WINDOWS_S[1] if level > 1 else QUICK_WINDOWS_S[0]
     return OVERLOAD_WINDOW_S if level > 1 and not _T.real else WINDOWS_S[fleet]
 
 
-def run_cell(cell: Cell, jobs: list[Job], arms: dict[str, str], urls: list[str],
+@dataclass(frozen=True)
+class Segment:
+    """One arm's run on one round's arrivals of a cell: what ``summarise`` reads, and the refill gaps."""
+
+    results: list[Result]
+    served: list[int]
+    peaks: list[int]
+    preemptions: int | str
+    gaps: list[float]
+    loadavg: float
+
+
+def pool(segments: list[Segment], window: float) -> dict[str, Any]:
+    """An arm's figures over a cell's rounds (``segments`` in round order): percentiles over every round's requests
+    together, counts summed, peaks the highest, goodput per second of all the rounds' windows, throughput per second of
+    all their spans; ``rounds`` holds each round's own figures (``summarise`` of that segment alone), the spread."""
+    results = [r for s in segments for r in s.results]
+    served = [sum(n) for n in zip(*(s.served for s in segments))]
+    peaks = [max(n) for n in zip(*(s.peaks for s in segments))]
+    counts = [s.preemptions for s in segments]
+    preemptions: int | str = sum(c for c in counts if isinstance(c, int)) if all(isinstance(c, int) for c in counts) \
+        else "-"
+    figures = summarise(results, served, peaks, preemptions, window * len(segments),
+                        span=sum(_span(s.results, window) for s in segments))
+    gaps = [g for s in segments for g in s.gaps]
+    figures["refill_ms"] = (pct(gaps, 50) * 1000, pct(gaps, 90) * 1000) if gaps else None
+    figures["loadavg"] = max(s.loadavg for s in segments)
+    figures["rounds"] = [summarise(s.results, s.served, s.peaks, s.preemptions, window) for s in segments]
+    return figures
+
+
+def round_ratios(mine: Mapping[str, Any], theirs: Mapping[str, Any], key: str) -> str:
+    """``mine / theirs`` on ``key`` round by round (``0.91x / 1.12x``): the spread of a pooled ratio."""
+    return " / ".join(_ratio(a, b) for a, b in zip(by_round(mine, key), by_round(theirs, key)))
+
+
+def run_segment(cell: Cell, jobs: list[Job], arm: str, base: str, urls: list[str],
+                engines: list[EngineRates] | None = None) -> Segment:
+    """One arm on one round's ``jobs``, from idle engines (it waits for the previous segment's streams to end)."""
+    _wait_idle(urls)
+    before = [_engine_stats(u) for u in urls]
+    logged = [] if _T.real else [len(sim_log(u)) for u in urls]
+    results, peaks = asyncio.run(_drive(base, jobs, cell.mix, arm, urls, engines))
+    after = [_engine_stats(u) for u in urls]  # every stream has ended: its engine counted it
+    gaps = [] if _T.real else [g for log, n in zip(map(sim_log, urls), logged) for g in refill_gaps(log[n:], _T.speed)]
+    served = [a["served"] - b["served"] for a, b in zip(after, before)]
+    pre = sum(a["preemptions"] - b["preemptions"] for a, b in zip(after, before))
+    return Segment(results, served, peaks, pre if not _T.real else "-", gaps, _loadavg())
+
+
+def run_cell(cell: Cell, rounds: list[list[Job]], arms: dict[str, str], urls: list[str],
              engines: list[EngineRates] | None = None) -> None:
-    """Every arm of ``arms`` (name -> base URL; the clairvoyant arm's is unused) on ``jobs``, one after another, each
-    from idle engines."""
-    for arm, base in arms.items():
-        _wait_idle(urls)
-        before = [_engine_stats(u) for u in urls]
-        logged = [] if _T.real else [len(sim_log(u)) for u in urls]
-        results, peaks = asyncio.run(_drive(base, jobs, cell.mix, arm, urls, engines))
-        after = [_engine_stats(u) for u in urls]  # every stream has ended: its engine counted it
-        gaps = [] if _T.real else [g for log, n in zip(map(sim_log, urls), logged) for g in refill_gaps(log[n:], _T.speed)]
-        served = [a["served"] - b["served"] for a, b in zip(after, before)]
-        pre = sum(a["preemptions"] - b["preemptions"] for a, b in zip(after, before))
-        cell.figures[arm] = summarise(results, served, peaks, pre if not _T.real else "-", window_s(cell.fleet, cell.level))
-        cell.figures[arm]["loadavg"] = _loadavg()
-        cell.figures[arm]["refill_ms"] = (pct(gaps, 50) * 1000, pct(gaps, 90) * 1000) if gaps else None
-        s = cell.figures[arm]
+    """Every arm of ``arms`` (name -> base URL; the clairvoyant arm's is unused) once per round, the arms' order rotated
+    each round (``interleaved``), every arm of a round on that round's jobs (``rounds[n]``); each arm's figures pooled
+    over the rounds (``pool``)."""
+    segments: dict[str, list[Segment]] = {arm: [] for arm in arms}
+    window = window_s(cell.fleet, cell.level)
+    for number, arm in interleaved(list(arms), len(rounds)):
+        segment = run_segment(cell, rounds[number], arm, arms[arm], urls, engines)
+        segments[arm].append(segment)
+        s = summarise(segment.results, segment.served, segment.peaks, segment.preemptions, window)
+        print(f"  {cell.fleet} {cell.mix} {cell.level:.0%} {cell.arrival} round {number + 1}/{len(rounds)} {arm}: "
+              f"n={s['n']} TTFT p50/p90 {s['ttft_p50']:.2f}/{s['ttft_p90']:.2f} (every request "
+              f"{s['ttft_all_p90']:.2f}) goodput {s['goodput']:.2f} shed {s['shed']} ({s['late_shed']} late, "
+              f"longest {s['shed_wait_max']:.1f} s) share {segment.served}", flush=True)
+    for arm in arms:
+        cell.figures[arm] = pool(segments[arm], window)
         if arm == REFERENCE:
-            s["prediction"] = prediction_error(results)
-        print(f"  {cell.fleet} {cell.mix} {cell.level:.0%} {cell.arrival} {arm}: n={s['n']} TTFT p50/p90 "
-              f"{s['ttft_p50']:.2f}/{s['ttft_p90']:.2f} (every request {s['ttft_all_p90']:.2f}) "
-              f"goodput {s['goodput']:.2f} shed {s['shed']} "
-              f"({s['late_shed']} late, longest {s['shed_wait_max']:.1f} s) share {served}",
-              flush=True)
+            cell.figures[arm]["prediction"] = prediction_error([r for s in segments[arm] for r in s.results])
 
 
 def prediction_error(results: list[Result]) -> tuple[float, float, float] | None:
@@ -545,16 +623,18 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
                                           f"{_ratio(s['goodput'], ref['goodput'])}")
         rows.append(f"| {label} | {s['ttft_p50']:.2f} / {s['ttft_p90']:.2f} / {s['ttft_p99']:.2f} | "
                     f"{_seconds(s['ttft_all_p50'])} / {_seconds(s['ttft_all_p90'])} / {_seconds(s['ttft_all_p99'])} | "
-                    f"{vs_ref} | "
+                    f"{' / '.join(_seconds(x) for x in by_round(s, 'ttft_all_p90'))} | {vs_ref} | "
                     f"{s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} | {s['throughput']:.0f} | {s['goodput']:.2f} "
-                    f"({s['good_share']:.0%}) | {share} | {_shed_text(s)}"
+                    f"({s['good_share']:.0%}) | {' / '.join(f'{x:.2f}' for x in by_round(s, 'goodput'))} | {share} | {_shed_text(s)}"
                     f"{'+' + str(s['errors']) + ' err' if s['errors'] else ''} "
                     f"| {s['preemptions']} | {peak} |")
     def pf(ok: bool) -> str:
         return "PASS" if ok else "**MISS**"
-    line = (f"sluice / best baseline arm: TTFT p90 (every request) {v['p90_ratio']:.2f}x ({pf(v['p90_pass'])}), "
-            f"goodput "
-            f"{v['good_ratio']:.2f}x ({pf(v['good_pass'])})")
+    s = cell.figures["sluice"]
+    b90, bg = cell.figures[v["best_p90_arm"]], cell.figures[v["best_good_arm"]]
+    line = (f"sluice / best baseline arm: TTFT p90 (every request) {v['p90_ratio']:.2f}x, round by round "
+            f"{round_ratios(s, b90, 'ttft_all_p90')} ({pf(v['p90_pass'])}), goodput {v['good_ratio']:.2f}x, round by "
+            f"round {round_ratios(s, bg, 'goodput')} ({pf(v['good_pass'])})")
     if v["overload_pass"] is not None:
         line += f", goodput >= 1.3x at 110%: {pf(v['overload_pass'])}"
     j = judge(cell.figures, cell.level)
@@ -568,7 +648,6 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
         line += (f". The clairvoyant arm's measured / predicted time from dispatch to the last token: median "
                  f"{mid:.2f}, p10 {lo:.2f}, p90 {hi:.2f}")
     line += "." + noise_note(cell.figures)
-    s = cell.figures["sluice"]
     loads = [cell.figures[a].get("loadavg", float("nan")) for a in arms]
     reasons = ", ".join(f"{k} {n}" for k, n in s["reasons"].most_common())
     reuse = (" Baseline (Envoy, EPP) and clairvoyant rows: the `open` cell's (identical requests; only sluice reads "
@@ -580,12 +659,12 @@ def _fmt_table(cell: Cell, slots: list[int], names: list[str]) -> str:
         + " · ".join("-" if r is None else f"{r[0]:.1f} / {r[1]:.1f}" for r in refills) + ".")
     return f"""#### {cell.fleet}, {cell.mix}, {cell.level:.0%} ({cell.rate:.2f} req/s wall, {cell.arrival}, {s['n']} requests)
 
-| arm | served-only TTFT p50 / p90 / p99 (s) | every-request TTFT p50 / p90 / p99 (s) | p90 / goodput vs clairvoyant | e2e p50 / p99 (s) | tok/s | goodput req/s (share) | served{' tokens' if _T.real else ''} {' / '.join(names)} | shed | preempt | peak run+wait (slots {' / '.join(map(str, slots))}) |
-|---|---|---|---|---|---|---|---|---|---|---|
+| arm | served-only TTFT p50 / p90 / p99 (s) | every-request TTFT p50 / p90 / p99 (s) | every-request p90 by round (s) | p90 / goodput vs clairvoyant | e2e p50 / p99 (s) | tok/s | goodput req/s (share) | goodput by round | served{' tokens' if _T.real else ''} {' / '.join(names)} | shed | preempt | peak run+wait (slots {' / '.join(map(str, slots))}) |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 {line} sluice: parked p50 {s['parked_p50']} ms, p90 {s['parked_p90']} ms; route reasons: {reasons}.{reuse}
-Machine load average after each arm ({', '.join(arms)}): {' / '.join(f'{x:.1f}' for x in loads)}.{refill}
+Machine load average, the highest after any of its rounds, per arm ({', '.join(arms)}): {' / '.join(f'{x:.1f}' for x in loads)}.{refill}
 """
 
 
@@ -658,11 +737,24 @@ def _real_fleet(engines_file: str) -> tuple[str, list[dict[str, Any]], list[int]
     return fleet, [dict(e) for e in entries], slots, [str(e["name"]) for e in entries]
 
 
+def cell_arms(sluice: str, baselines: Mapping[str, str], clairvoyant: bool, level: float,
+              quick: bool) -> dict[str, str]:
+    """The arms a cell runs (name -> base URL; the clairvoyant arm's is unused): sluice, the ``baselines`` and, with
+    ``clairvoyant``, the reference; with ``quick``, only ``QUICK_ARMS``, and the reference only at ``TARGET_LEVELS``
+    (where a target reads it)."""
+    arms = {"sluice": sluice, **baselines}
+    if clairvoyant and (not quick or any(math.isclose(level, t) for t in TARGET_LEVELS)):
+        arms[REFERENCE] = ""
+    return {a: base for a, base in arms.items() if not quick or a in QUICK_ARMS}
+
+
 def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes: list[str] | None = None,
                      levels: list[float] | None = None, engines_file: str | None = None,
-                     admission: dict[str, Any] | None = None, report_name: str | None = None) -> int:
-    """Run the chosen cells, print the headline and write the report (``report_name``, or a name from the cells run);
-    0 when every target is met, else 1."""
+                     admission: dict[str, Any] | None = None, report_name: str | None = None,
+                     rounds: int = ROUNDS) -> int:
+    """Run the chosen cells, ``rounds`` rounds each, print the headline and write the report (``report_name``, or a
+    name from the cells run); 0 when every target is met, else 1."""
+    _T.quick = quick
     fleets = fleets or (["thor+spark"] if quick else list(FLEETS))
     mixes = mixes or (["open"] if quick else list(MIXES))
     levels = levels or list(LEVELS)
@@ -717,28 +809,25 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                         baselines[EPP] = epp.base
                     if mix != "deadline":
                         for arm, envoy in plain.items():
+                            if arm not in cell_arms("", baselines, False, 1.0, quick):
+                                continue
                             configs.append(f"#### {fleet}, {mix} bodies: `{arm}` (`envoy --concurrency "
                                            f"{envoy.concurrency}`)\n\n```yaml\n{_arm_part(envoy.bootstrap)}```\n")
                     for level in levels:
                         for arrival in ("constant", "poisson") if (fleet, level) == POISSON else ("constant",):
                             cell = Cell(fleet, mix, level, arrival, level * capacity)
                             seed = SEED + int(level * 100) + (1000 if arrival == "poisson" else 0)
-                            jobs = draw_jobs(cell.rate, window_s(fleet, level), arrival, seed)
+                            jobs = [draw_jobs(cell.rate, window_s(fleet, level), arrival, seed + ROUND_SEED_STRIDE * r)
+                                    for r in range(rounds)]
+                            twin = None
                             if mix == "deadline":
                                 twin = next((c for c in cells if c.fleet == fleet and c.mix == "open"
                                              and c.level == level and c.arrival == arrival), None)
-                                arms = {"sluice": config["base_url"]}
-                                if twin is None:
-                                    arms.update(baselines)
-                                    if known is not None:
-                                        arms[REFERENCE] = ""
-                                else:
-                                    cell.figures.update({a: twin.figures[a] for a in (*BASELINES, REFERENCE)
-                                                         if a in twin.figures})
-                            else:
-                                arms = {"sluice": config["base_url"], **baselines}
-                                if known is not None:
-                                    arms[REFERENCE] = ""
+                            if twin is not None:
+                                cell.figures.update({a: twin.figures[a] for a in (*BASELINES, REFERENCE)
+                                                     if a in twin.figures})
+                            arms = cell_arms(config["base_url"], baselines if twin is None else {},
+                                             known is not None and twin is None, level, quick)
                             counters_before = {a: plain[a].counters() for a in CAPPED}
                             run_cell(cell, jobs, arms, urls, known)
                             for a in CAPPED:
@@ -762,8 +851,9 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
         peak_load = max(c.figures[a].get("loadavg", 0.0) for a in ARMS if a in c.figures)
         summary.append(f"| {c.fleet} | {c.mix} | {c.level:.0%} | {c.arrival} | {s['ttft_p90']:.2f} / "
                        f"{_seconds(s['ttft_all_p90'])} | {_seconds(b90['ttft_all_p90'])} ({v['best_p90_arm']}) | "
-                       f"{s['goodput']:.2f} | {bg['goodput']:.2f} "
-                       f"({v['best_good_arm']}) | {v['good_ratio']:.2f}x | {s['n'] - s['shed'] - s['errors']} / "
+                       f"{round_ratios(s, b90, 'ttft_all_p90')} | {s['goodput']:.2f} | {bg['goodput']:.2f} "
+                       f"({v['best_good_arm']}) | {v['good_ratio']:.2f}x ({round_ratios(s, bg, 'goodput')}) | "
+                       f"{s['n'] - s['shed'] - s['errors']} / "
                        f"{_shed_text(s)} | {'PASS' if ok else '**MISS**'} | {peak_load:.1f} |")
         if not ok:
             failed = [k for k, key in (("TTFT p90", "p90_pass"), ("goodput", "good_pass"), ("1.3x", "overload_pass"))
@@ -776,7 +866,8 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
         ref = c.figures[REFERENCE]
         limit_rows.append(
             f"| {c.fleet} | {c.mix} | {c.level:.0%} | {c.arrival} | {_seconds(j.sluice_p90)} | "
-            f"{_seconds(j.clairvoyant_p90)} | {_ratio(j.sluice_p90, j.clairvoyant_p90)} | {j.best_baseline} "
+            f"{_seconds(j.clairvoyant_p90)} | {_ratio(j.sluice_p90, j.clairvoyant_p90)} "
+            f"({round_ratios(c.figures['sluice'], ref, 'ttft_all_p90')}) | {j.best_baseline} "
             f"{_seconds(j.best_baseline_p90)} ({_ratio(j.best_baseline_p90, j.clairvoyant_p90)}) | "
             f"{c.figures['sluice']['goodput']:.2f} / {ref['goodput']:.2f} | "
             f"{'met' if j.within_reference else '**missed**'} | {'met' if j.at_most_best_baseline else '**missed**'} | "
@@ -792,13 +883,15 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
     verdict_lines = [f"{c.fleet}/{c.mix}/{c.level:.0%}/{c.arrival}: {'met' if j.met else 'missed'} (sluice TTFT p90 "
                      f"{_seconds(j.sluice_p90)} s = {_ratio(j.sluice_p90, j.clairvoyant_p90)} the clairvoyant arm's "
                      f"{_seconds(j.clairvoyant_p90)} s; best baseline arm {j.best_baseline} "
-                     f"{_seconds(j.best_baseline_p90)} s)."
+                     f"{_seconds(j.best_baseline_p90)} s; round by round, sluice / clairvoyant "
+                     f"{round_ratios(c.figures['sluice'], c.figures[REFERENCE], 'ttft_all_p90')} and sluice / "
+                     f"{j.best_baseline} {round_ratios(c.figures['sluice'], c.figures[j.best_baseline], 'ttft_all_p90')})."
                      + noise_note(c.figures) for c, j in judged]
     cap_lines, over_cap = [], []
     for c in cells:
         slots = slots_of[c.fleet]
         for a in CAPPED:
-            f = c.figures[a]
+            f = c.figures.get(a, {})
             if "upstream_rq_pending_total" in f and c.mix != "deadline":
                 where = f"{c.fleet}/{c.mix}/{c.level:.0%}/{c.arrival} {a}"
                 cap_lines.append(f"{where}: peak run+wait {'/'.join(map(str, f['peaks']))}; held back by the "
@@ -827,7 +920,7 @@ def run_steady_bench(quick: bool = False, fleets: list[str] | None = None, mixes
                         f"{' / '.join(map(str, slots_of[plan[0][0]]))}, {_T.n_ctx} tokens of context a slot):\n\n"
                         f"```yaml\n{Path(engines_file).read_text().rstrip()}\n```\n\n")
     body = f"""{doc}
-{engines_note}Run: {'real engines, speed x1' if _T.real else f'simulator speed x{SPEED:g}'}; arrivals for {', '.join(f'{w:g} s ({f})' for f, w in windows.items())} per cell, {OVERLOAD_WINDOW_S:g} s in every cell above 100%;
+{engines_note}Run: {'real engines, speed x1' if _T.real else f'simulator speed x{SPEED:g}'}; {_rounds_note(rounds, windows)}
 TTFT SLO {SLO_MS} ms wall ({SLO_MS * _T.speed / 1000:g} s emulated); calibration {CAL_S:g} s per fleet and body shape
 ({CAL_WARM_S:g} s warm-up); Poisson arrivals besides constant ones on {POISSON[0]} at {POISSON[1]:.0%} only. sluice: `sluice up` defaults, no setting
 changed{'' if not admission else ' except admission ' + ', '.join(f'`{k}: {v}`' for k, v in admission.items())}. Machine {_load_note()} at the end, {load_before} at the start; {elapsed / 60:.1f} min.
@@ -840,11 +933,11 @@ changed{'' if not admission else ' except admission ' + ', '.join(f'`{k}: {v}`' 
 ## The limit: every cell at {' and '.join(f'{t:.0%}' for t in TARGET_LEVELS)} against the clairvoyant arm
 
 Target (issue 38 item 6, judged on this run's figures): sluice's TTFT p90 at most {CLAIRVOYANT_FACTOR:g}x the
-clairvoyant arm's, and at most the best baseline arm's (the lowest p90 among {', '.join(f'`{a}`' for a in BASELINES)}). TTFT p90 here
+clairvoyant arm's, and at most the best baseline arm's (the lowest p90 among {', '.join(f'`{a}`' for a in BASELINES if any(a in c.figures for c in cells))}). TTFT p90 here
 counts every request, a refused (429/503) or failed one as infinite; the cells below show the served-only figures beside
 it. Goodput: requests served with TTFT within the SLO, per wall second of the arrival window.
 
-| fleet | mix | load | arrival | sluice TTFT p90 (s) | clairvoyant p90 (s) | sluice / clairvoyant | best baseline arm p90 (s, / clairvoyant) | goodput sluice / clairvoyant | within {CLAIRVOYANT_FACTOR:g}x | <= best baseline | verdict |
+| fleet | mix | load | arrival | sluice TTFT p90 (s) | clairvoyant p90 (s) | sluice / clairvoyant (round by round) | best baseline arm p90 (s, / clairvoyant) | goodput sluice / clairvoyant | within {CLAIRVOYANT_FACTOR:g}x | <= best baseline | verdict |
 |---|---|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(limit_rows) or '| (no cell at these levels in this run) |'}
 
@@ -854,8 +947,8 @@ it. Goodput: requests served with TTFT within the SLO, per wall second of the ar
 {_bound_note(not_bounds)}
 ## Headline (every cell against the best baseline arm of that cell, measured in the same run)
 
-| fleet | mix | load | arrival | sluice TTFT p90 served / every request (s) | best baseline p90, every request (arm) | sluice goodput | best baseline goodput (arm) | goodput ratio | sluice served / shed | targets | max load avg |
-|---|---|---|---|---|---|---|---|---|---|---|---|
+| fleet | mix | load | arrival | sluice TTFT p90 served / every request (s) | best baseline p90, every request (arm) | sluice / best p90, round by round | sluice goodput | best baseline goodput (arm) | goodput ratio (round by round) | sluice served / shed | targets | max load avg |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(summary)}
 
 {len(cells) - len(misses)} of {len(cells)} cells meet every target.{' Missed: ' + '; '.join(misses) + '.' if misses else ''}
@@ -887,6 +980,26 @@ rendered (ports are this run's):
     print(body[body.index("## Measured capacity"):body.index("## Cells")])
     print(f"report: {path}")
     return 0 if not misses and not limit_misses else 1
+
+
+def _rounds_note(rounds: int, windows: Mapping[str, float]) -> str:
+    """The report's words for the rounds, the windows and what ``--quick`` left out."""
+    if _T.quick:
+        per = f"{QUICK_WINDOWS_S[0]:g} s of arrivals per round in every cell up to 100%, {QUICK_WINDOWS_S[1]:g} s above"
+        left = [a for a in ARMS if a not in QUICK_ARMS]
+        only = (f" `--quick`: arms {', '.join(f'`{a}`' for a in QUICK_ARMS)} only (the clairvoyant arm at "
+                f"{' and '.join(f'{t:.0%}' for t in TARGET_LEVELS)} only, where its target is); "
+                f"{', '.join(f'`{a}`' for a in left)} are left out to fit about ten minutes (some of them were a "
+                "cell's best baseline in a full run: the full run keeps every arm, and a quick verdict is against "
+                "the arms it ran); windows that make the cell above 100% a transient rather than a sustained "
+                "overload.")
+    else:
+        per = (f"arrivals for {', '.join(f'{w:g} s ({f})' for f, w in windows.items())} per round of a cell, "
+               f"{OVERLOAD_WINDOW_S:g} s in every cell above 100%")
+        only = ""
+    return (f"{rounds} round{'s' if rounds != 1 else ''} per cell, the arms' order rotated each round, each round on "
+            f"its own seeded arrivals (the same for every arm of the round); {per}; figures pool the rounds' requests, "
+            f"each round's figure beside them.{only}")
 
 
 def _missed(where: list[str]) -> str:
