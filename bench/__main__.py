@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(default 3); steady, prefix: rounds per cell, every arm once a round in an order rotated each "
                    "round, figures pooled over the rounds (default 2)")
     p.add_argument("--quick", action="store_true", help="steady: one fleet (thor+spark), one mix (open), five arms "
-                   "(sluice, LR+scan+cap, RR+w+cap, EPP; the clairvoyant arm at 80%%, 95%% and 110%%), 6 s windows (14 s "
+                   "(sluice, LR+scan+cap, RR+w+cap, EPP; the clairvoyant arm at 80%% and 95%%), 6 s windows (14 s "
                    "above 100%%) per round: about 10 minutes with 2 rounds; replicas: a "
                    "400-request burst through 1 and 2 replicas, shorter windows (about a minute and a half); ratelimit: "
                    "shorter windows and a tenth of the limiter's charges; prefix: the system workload at 90%%, shorter "
