@@ -133,7 +133,8 @@ def _adapters(c: Checker, raw: dict[str, Any]) -> AdapterPolicy:
         if base in bases:
             c.problems.append(f"adapters.models.{adapter}: its base {base!r} is itself an adapter")
     adapters = c.settings("adapters", ad, AdaptersConfig, models=bases)
-    return AdapterPolicy(swap_s=adapters.swap_seconds, base_models=bases, swap_min_samples=adapters.swap_min_samples)
+    return AdapterPolicy(swap_s=adapters.swap_seconds, base_models=bases, swap_min_samples=adapters.swap_min_samples,
+                         load_headroom=adapters.load_headroom, home_margin=adapters.home_margin)
 
 
 def parse_tenants(c: Checker, raw: Any) -> Tenants:

@@ -215,6 +215,14 @@ class AdaptersConfig:
     swap_min_samples: int = field(default=_ADAPTERS.swap_min_samples, metadata=setting(minimum=1))
     """Adapter requests an engine needs timed (streamed first tokens), of each kind (cold: admitted with a swap priced;
     warm: without), before its measured swap replaces the prior."""
+    load_headroom: float = field(default=_ADAPTERS.load_headroom, metadata=setting(minimum=0, maximum=100))
+    """Placement by traffic share (core/adapterhomes.py, decision 0026): an adapter may be held by ``ceil(share x
+    candidates x headroom)`` engines (at least one), ``share`` its part of its base model's recent adapter admissions,
+    before its requests keep to those engines; a load that evicts an adapter is charged ``min(1, its share x candidates
+    x headroom)`` swaps. 0: off (every eviction a whole swap, no narrowing)."""
+    home_margin: float = field(default=_ADAPTERS.home_margin, metadata=setting(minimum=0, maximum=100))
+    """An adapter's holders stay its only candidates unless the soonest of them would finish later than ``1 + margin``
+    times the soonest other engine, the load there included."""
     models: Mapping[str, str] = field(default_factory=dict, metadata=setting(placeholder="<adapter>"))
     """LoRA adapter -> its base model, for engines whose ``/v1/models`` names no ``parent`` (discovery wins where it does);
     an adapter is neither its own base nor another adapter's."""

@@ -36,6 +36,13 @@ class AdapterPolicy:
     does)."""
     swap_min_samples: int = 5
     """Cold and warm adapter requests (each) an engine needs timed before its measured swap replaces the prior, >= 1."""
+    load_headroom: float = 1.5
+    """An adapter may be held by ``ceil(share x candidates x headroom)`` engines (at least one) before its requests keep
+    to them; its evictions are charged ``min(1, share x candidates x headroom)`` swaps (adapterhomes.py), >= 0. 0: no
+    placement by share (every eviction a whole swap, no narrowing)."""
+    home_margin: float = 0.25
+    """The holders of an adapter stay the only candidates unless the soonest of them finishes later than ``1 + margin``
+    times the soonest other engine, its load included (adapterhomes.py), >= 0."""
 
     def __post_init__(self) -> None:
         if type(self.base_models) is not MappingProxyType:

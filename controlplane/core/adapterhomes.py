@@ -1,0 +1,131 @@
+"""Where a LoRA adapter lives: on as few engines as its share of the traffic needs (decision 0026). Pure. For a request
+for adapter ``a`` among ``n`` candidate engines (adapters.py: ``resident``, ``busy``, ``swap_s``)::
+
+    share(a)   = a's part of the last ``RECENT_ADMISSIONS`` adapter admissions of its base model (``AdapterShares``)
+    need(a)    = share(a) x n x adapters.load_headroom                    (engines' worth of a's traffic)
+    homes(a)   = max(1, ceil(need(a)))                                    (how many engines may hold a)
+    victim(e)  = with every slot of e expected held: its least recently used adapter no open ticket uses, else none
+    evict(e)   = swap(e) x w, w = 0 for no victim or one held on homes(v) other candidates, else min(1, need(v))
+    holders    = candidates where a is expected resident (swap 0)
+
+A load is charged ``evict`` in the choice (``Estimate.stall_s``, beside the batch's stall): a rare victim costs little,
+a popular one a whole reload, so rare adapters cycle through the slots whose holders matter least and popular ones keep
+theirs. Once ``|holders| >= homes(a)`` only the holders remain candidates, unless the soonest of them finishes (charged)
+later than ``(1 + adapters.home_margin)`` x the soonest other engine (a load there included): then every candidate
+stays and finish-soonest decides. With fewer than ``SHARE_MIN_ADMISSIONS`` admissions of the base model, no shares are
+known: every victim weighs 1 and no candidate is dropped (the rule of decision 0017 alone).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Mapping
+from dataclasses import replace
+from types import MappingProxyType
+
+from controlplane.core import adapters
+from controlplane.core.affinity import charged_finish
+from controlplane.core.engines import EngineView
+from controlplane.core.fleet import Fleet
+from controlplane.core.route import Estimate
+
+RECENT_ADMISSIONS = 512
+"""Adapter admissions per base model whose adapters ``AdapterShares`` counts."""
+SHARE_MIN_ADMISSIONS = 32
+"""Below this many admissions of a base model's adapters, their shares are unknown."""
+
+
+class AdapterShares:
+    """Each adapter's share of its base model's recent adapter admissions (the module docstring's ``share``)."""
+
+    def __init__(self, window: int = RECENT_ADMISSIONS, min_admissions: int = SHARE_MIN_ADMISSIONS) -> None:
+        self.window = window
+        self.min_admissions = min_admissions
+        self._recent: dict[str, deque[str]] = {}
+        self._counts: dict[str, Counter[str]] = {}
+        self._view: Mapping[str, float] | None = MappingProxyType({})
+
+    def note(self, adapter: str, base: str) -> None:
+        """An admission of ``adapter`` (of ``base``), here or by another replica."""
+        recent = self._recent.setdefault(base, deque())
+        counts = self._counts.setdefault(base, Counter())
+        if len(recent) >= self.window:
+            old = recent.popleft()
+            counts[old] -= 1
+            if not counts[old]:
+                del counts[old]
+        recent.append(adapter)
+        counts[adapter] += 1
+        self._view = None
+
+    def shares(self) -> Mapping[str, float]:
+        """adapter -> its share, for base models with at least ``min_admissions`` admissions (``Fleet.adapter_shares``);
+        an adapter of such a base missing here had none recently (share 0)."""
+        if self._view is None:
+            self._view = MappingProxyType({a: n / len(self._recent[base]) for base, counts in self._counts.items()
+                                           if len(self._recent[base]) >= self.min_admissions
+                                           for a, n in counts.items()})
+        return self._view
+
+    def known(self, base: str) -> bool:
+        """Whether ``base``'s adapters have shares (enough admissions)."""
+        return len(self._recent.get(base, ())) >= self.min_admissions
+
+
+def need(share: float, candidates: int, headroom: float) -> float:
+    """Engines' worth of an adapter's traffic: ``share x candidates x headroom``."""
+    return share * candidates * headroom
+
+
+def homes(share: float, candidates: int, headroom: float) -> int:
+    """How many engines may hold an adapter before its requests keep to them: ``max(1, ceil(need))``."""
+    return max(1, math.ceil(need(share, candidates, headroom) - 1e-9))
+
+
+def victim(engine: EngineView, fleet: Fleet, known: Mapping[str, str]) -> str | None:
+    """The adapter a load on ``engine`` would evict (the module docstring), None when a slot is free or unknown."""
+    slots = engine.adapter_slots
+    if slots is None:
+        return None
+    held = adapters.resident(engine, fleet, known)
+    if len(held) < slots:
+        return None
+    in_use = set(adapters.busy(engine, fleet, known))
+    idle = [a for a in held if a not in in_use]
+    return idle[-1] if idle else None
+
+
+def placed(adapter: str, estimates: list[Estimate], fleet: Fleet, headroom: float, margin: float,
+           known: Mapping[str, str]) -> list[Estimate]:
+    """``estimates`` (one per candidate, for a request for ``adapter``) charged each load's eviction, and narrowed to
+    the adapter's holders when it has as many as its share needs and they are not clearly worse (the module docstring).
+    Never empty when ``estimates`` is not. ``headroom`` 0: every victim weighs 1 and nothing is narrowed."""
+    if not estimates:
+        return estimates
+    base = known.get(adapter)
+    shares = fleet.adapter_shares if headroom > 0 and base is not None else {}
+    if shares and not any(known.get(a) == base for a in shares):
+        shares = {}  # none known for this base model: decision 0017's rule alone
+    n = len(estimates)
+    holders_of = Counter(a for x in estimates for a in adapters.resident(x.engine, fleet, known))
+
+    def evict_weight(engine: EngineView) -> float:
+        v = victim(engine, fleet, known)
+        if v is None:
+            return 0.0
+        if not shares:
+            return 1.0
+        share = shares.get(v, 0.0)
+        if holders_of[v] - 1 >= homes(share, n, headroom):
+            return 0.0  # held elsewhere as often as its traffic needs
+        return min(1.0, need(share, n, headroom))
+
+    charged = [replace(x, stall_s=x.stall_s + x.swap_s * evict_weight(x.engine)) if x.swap_s else x for x in estimates]
+    holders = [x for x in charged if x.swap_s == 0]
+    if not shares or not holders or len(holders) < homes(shares.get(adapter, 0.0), n, headroom):
+        return charged
+    best_other = min((charged_finish(x) for x in charged if x.swap_s > 0), default=math.inf)
+    if min(charged_finish(x) for x in holders) > best_other * (1 + margin):
+        return charged
+    return holders
