@@ -132,9 +132,23 @@ def _adapters(c: Checker, raw: dict[str, Any]) -> AdapterPolicy:
     for adapter, base in bases.items():
         if base in bases:
             c.problems.append(f"adapters.models.{adapter}: its base {base!r} is itself an adapter")
-    adapters = c.settings("adapters", ad, AdaptersConfig, models=bases)
+    raw_paths = ad.get("paths") or {}
+    paths: dict[str, str] = {}
+    if not isinstance(raw_paths, dict):
+        c.problems.append("adapters.paths: must be a mapping of adapter -> path")
+        raw_paths = {}
+    for adapter, path in raw_paths.items():
+        if not isinstance(path, str) or not path:
+            c.problems.append(f"adapters.paths.{adapter}: must be a path, got {path!r}")
+        elif adapter not in bases:
+            c.problems.append(f"adapters.paths.{adapter}: needs its base model in adapters.models")
+        else:
+            paths[str(adapter)] = path
+    adapters = c.settings("adapters", ad, AdaptersConfig, models=bases, paths=paths)
     return AdapterPolicy(swap_s=adapters.swap_seconds, base_models=bases, swap_min_samples=adapters.swap_min_samples,
-                         load_headroom=adapters.load_headroom, home_margin=adapters.home_margin)
+                         load_headroom=adapters.load_headroom, home_margin=adapters.home_margin,
+                         dynamic_loading=adapters.dynamic_loading, loads_per_minute=adapters.loads_per_minute,
+                         load_timeout_s=adapters.load_timeout_seconds, paths=paths)
 
 
 def parse_tenants(c: Checker, raw: Any) -> Tenants:

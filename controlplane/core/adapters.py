@@ -43,10 +43,20 @@ class AdapterPolicy:
     home_margin: float = 0.25
     """The holders of an adapter stay the only candidates unless the soonest of them finishes later than ``1 + margin``
     times the soonest other engine, its load included (adapterhomes.py), >= 0."""
+    dynamic_loading: bool = False
+    """Load an adapter no engine lists on the engine where it costs least, unloading that engine's least recently used
+    one sluice loaded (adapterloads.py), on engines that allow it."""
+    loads_per_minute: int = 6
+    """Dynamic loads per engine in any 60 s, >= 1."""
+    load_timeout_s: float = 30.0
+    """Seconds one load or unload request to an engine may take before it counts as failed."""
+    paths: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Adapter -> the path an engine loads it from (vLLM's ``lora_path``); only adapters with one are loaded."""
 
     def __post_init__(self) -> None:
-        if type(self.base_models) is not MappingProxyType:
-            object.__setattr__(self, "base_models", MappingProxyType(dict(self.base_models)))
+        for name in ("base_models", "paths"):
+            if type(getattr(self, name)) is not MappingProxyType:
+                object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
 
 def base_of(model: str, fleet: Fleet, configured: Mapping[str, str]) -> str | None:

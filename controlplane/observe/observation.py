@@ -19,7 +19,7 @@ from typing import Any
 
 from controlplane.config import Config, EngineConfig, WorkerPriority
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.engines import EngineRates, EngineView
+from controlplane.core.engines import EngineRates, EngineView, ServedModel
 from controlplane.core.fleet import Fleet
 from controlplane.core.output_length import lengths_from_buckets
 from controlplane.giveway import give_way
@@ -155,6 +155,13 @@ class Observation:
         return {p.config.name: p.view(now).discovered_concurrency for p in self.pollers}
 
     # -- events ------------------------------------------------------------------------------------------------------
+    def note_adapter(self, engine: str, model_id: str, card: ServedModel | None) -> None:
+        """An adapter loaded (``card``) or unloaded (None) on ``engine`` at runtime: its model list shows it now."""
+        poller = self._by_name.get(engine) or self._find(engine)
+        if poller is not None:
+            poller.set_runtime_model(model_id, card)
+            self._note_view(poller, self.clock())
+
     def set_drained(self, name: str, drained: bool) -> bool:
         poller = self._find(name)
         if poller is None:

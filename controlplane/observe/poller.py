@@ -135,6 +135,8 @@ class EnginePoller:
         that does not read) or lacked a required gauge: whole expositions only, from then on (``poll_once``)."""
         self.failures = 0
         self.probes = 0
+        self._runtime: dict[str, ServedModel | None] = {}
+        """Adapters loaded (their card) or unloaded (None) at runtime since the engine's model list last agreed."""
 
     @property
     def flavor(self) -> Flavor | None:
@@ -151,6 +153,23 @@ class EnginePoller:
 
     def set_drained(self, drained: bool) -> None:
         self._view = replace(self._view, drained=drained)
+
+    def set_runtime_model(self, model_id: str, card: ServedModel | None) -> None:
+        """An adapter sluice loaded (``card``) or unloaded (None) on this engine: listed so at once, until the
+        engine's own model list (discovery here, or the probe worker's) agrees."""
+        self._runtime[model_id] = card
+        self._view = self._with_runtime(self._view)
+
+    def _with_runtime(self, view: EngineView) -> EngineView:
+        """``view`` with the runtime loads and unloads its model list does not show yet (those it shows are dropped)."""
+        listed = {m.model_id for m in view.models}
+        for model_id, card in list(self._runtime.items()):
+            if (card is not None) == (model_id in listed):
+                del self._runtime[model_id]
+        if not self._runtime:
+            return view
+        kept = tuple(m for m in view.models if m.model_id not in self._runtime)
+        return replace(view, models=kept + tuple(c for c in self._runtime.values() if c is not None))
 
     def note_failure(self, at: float, why: str) -> None:
         """A request to this engine failed before its first byte (seen by Envoy): treat the engine as stale at once, not
@@ -223,6 +242,7 @@ class EnginePoller:
             self._failed_at = None
         if view.last_ok_at is not None and view.last_ok_at != self._view.last_ok_at:
             self.probes += 1
+        view = self._with_runtime(view)
         self._view = view if view.drained == self._view.drained else replace(view, drained=self._view.drained)
 
     async def _get(self, path: str, *, as_json: bool, optional: bool = False) -> Any:
@@ -334,3 +354,4 @@ class EnginePoller:
             discovered_capacity_tokens=found.kv_capacity_tokens,
             discovered_concurrency=found.max_concurrency,
         )
+        self._runtime.clear()  # the engine's own list is the truth now

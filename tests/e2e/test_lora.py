@@ -41,3 +41,34 @@ def test_adapters_stay_where_they_are_loaded(tmp_path: Path) -> None:
         assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
     finally:
         stack.close()
+
+
+def test_an_adapter_no_engine_lists_is_loaded_on_one_engine_and_served(tmp_path: Path) -> None:
+    """Dynamic loading: ``sql`` is configured with its base and path but no engine lists it; its first request waits
+    while the control plane loads it on one engine (vLLM's ``/v1/load_lora_adapter``), and is served there; the next
+    ones go there too, with no second load. A configured adapter without a path stays a 404."""
+    runtime = ["--max-loras", "2", "--allow-runtime-lora-updating", "--lora-swap-s", "0.5"]
+    engines = [{"name": name, "sim": "spark", "max_loras": 2, "runtime_lora_updating": True,
+                "sim_args": list(runtime)} for name in ("e1", "e2")]
+    base = "spark-model"
+    engines = [{**e, "sim_model": base} for e in engines]
+    stack = start_stack(engines, tmp_path, speed=20.0, adapters={
+        "dynamic_loading": True, "models": {"sql": base, "chat": base}, "paths": {"sql": "/loras/sql"}})
+    try:
+        assert all("sql" not in [m["id"] for m in http_json(stack.sim_url(n) + "/v1/models")["data"]]
+                   for n in ("e1", "e2"))
+        status, headers, body = post(stack, "/chat/completions", ask("sql"))
+        assert status == 200, body
+        assert json.loads(body)["model"] == "sql"
+        loaded_on = headers["x-sluice-engine"]
+        listing = {n: [m["id"] for m in http_json(stack.sim_url(n) + "/v1/models")["data"]] for n in ("e1", "e2")}
+        assert [n for n, ids in listing.items() if "sql" in ids] == [loaded_on]
+        for _ in range(3):
+            wait_for(lambda: stack.status().open_tickets == 0, timeout=5, what="ticket released")
+            status, headers, _ = post(stack, "/chat/completions", ask("sql"))
+            assert status == 200 and headers["x-sluice-engine"] == loaded_on
+        assert sum(http_json(stack.sim_url(n) + "/sim/stats")["lora_swaps"] for n in ("e1", "e2")) == 1
+        status, _, body = post(stack, "/chat/completions", ask("chat"))
+        assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    finally:
+        stack.close()
