@@ -353,5 +353,6 @@ class EnginePoller:
             version=found.version or self._view.version,
             discovered_capacity_tokens=found.kv_capacity_tokens,
             discovered_concurrency=found.max_concurrency,
+            lora_adapters=found.lora_adapters,
         )
         self._runtime.clear()  # the engine's own list is the truth now
