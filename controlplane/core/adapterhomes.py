@@ -5,15 +5,16 @@ for adapter ``a`` among ``n`` candidate engines (adapters.py: ``resident``, ``bu
     need(a)    = share(a) x n x adapters.load_headroom                    (engines' worth of a's traffic)
     homes(a)   = max(1, ceil(need(a)))                                    (how many engines may hold a)
     victim(e)  = with every slot of e expected held: its least recently used adapter no open ticket uses, else none
-    evict(e)   = swap(e) x w, w = 0 for no victim or one held on homes(v) other candidates, else min(1, need(v))
+    evicted(e) = 0 for no victim or one held on homes(v) other candidates, else need(v)
     holders    = candidates where a is expected resident (swap 0)
+    home       = holders if |holders| >= homes(a), else holders + the loads with the least evicted(e)
 
-A load is charged ``evict`` in the choice (``Estimate.stall_s``, beside the batch's stall): a rare victim costs little,
-a popular one a whole reload, so rare adapters cycle through the slots whose holders matter least and popular ones keep
-theirs. Once ``|holders| >= homes(a)`` only the holders remain candidates, unless the soonest of them finishes (charged)
-later than ``(1 + adapters.home_margin)`` x the soonest other engine (a load there included): then every candidate
-stays and finish-soonest decides. With fewer than ``SHARE_MIN_ADMISSIONS`` admissions of the base model, no shares are
-known: every victim weighs 1 and no candidate is dropped (the rule of decision 0017 alone).
+A load is charged ``swap(e) x min(1, evicted(e))`` in the choice (``Estimate.stall_s``, beside the batch's stall): a
+rare victim costs little, a popular one a whole reload. Only ``home`` remains candidates, unless the soonest of it
+finishes later than ``(1 + adapters.home_margin)`` x the soonest other candidate (``finish``, the swap included): then
+every candidate stays and finish-soonest decides. So a popular adapter keeps its engines, and rare ones cycle through
+the slots whose adapters carry the least traffic. With fewer than ``SHARE_MIN_ADMISSIONS`` admissions of the base model
+no shares are known: every victim weighs 1 and no candidate is dropped (decision 0017's rule alone).
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def victim(engine: EngineView, fleet: Fleet, known: Mapping[str, str]) -> str | 
 def placed(adapter: str, estimates: list[Estimate], fleet: Fleet, headroom: float, margin: float,
            known: Mapping[str, str]) -> list[Estimate]:
     """``estimates`` (one per candidate, for a request for ``adapter``) charged each load's eviction, and narrowed to
-    the adapter's holders when it has as many as its share needs and they are not clearly worse (the module docstring).
-    Never empty when ``estimates`` is not. ``headroom`` 0: every victim weighs 1 and nothing is narrowed."""
+    the adapter's homes (the module docstring). Never empty when ``estimates`` is not. ``headroom`` 0: every victim
+    weighs 1 and nothing is narrowed."""
     if not estimates:
         return estimates
     base = known.get(adapter)
@@ -110,22 +111,32 @@ def placed(adapter: str, estimates: list[Estimate], fleet: Fleet, headroom: floa
     n = len(estimates)
     holders_of = Counter(a for x in estimates for a in adapters.resident(x.engine, fleet, known))
 
-    def evict_weight(engine: EngineView) -> float:
+    def victim_need(engine: EngineView) -> float:
+        """What the load would evict, in engines' worth of traffic (0: a free slot, or a victim held elsewhere as
+        often as its traffic needs); 1 for any victim while shares are unknown."""
         v = victim(engine, fleet, known)
         if v is None:
             return 0.0
         if not shares:
             return 1.0
         share = shares.get(v, 0.0)
-        if holders_of[v] - 1 >= homes(share, n, headroom):
-            return 0.0  # held elsewhere as often as its traffic needs
-        return min(1.0, need(share, n, headroom))
+        return 0.0 if holders_of[v] - 1 >= homes(share, n, headroom) else need(share, n, headroom)
 
-    charged = [replace(x, stall_s=x.stall_s + x.swap_s * evict_weight(x.engine)) if x.swap_s else x for x in estimates]
-    holders = [x for x in charged if x.swap_s == 0]
-    if not shares or not holders or len(holders) < homes(shares.get(adapter, 0.0), n, headroom):
+    evicted = {x.engine.name: victim_need(x.engine) if x.swap_s else 0.0 for x in estimates}
+    charged = [replace(x, stall_s=x.stall_s + x.swap_s * min(1.0, evicted[x.engine.name])) if x.swap_s else x
+               for x in estimates]
+    if not shares:
         return charged
-    best_other = min((charged_finish(x) for x in charged if x.swap_s > 0), default=math.inf)
-    if min(charged_finish(x) for x in holders) > best_other * (1 + margin):
+    loads = [x for x in charged if x.swap_s]
+    if len(charged) - len(loads) >= homes(shares.get(adapter, 0.0), n, headroom):
+        home = [x for x in charged if not x.swap_s]
+    else:  # a new home may be needed: where the load evicts the least traffic
+        least = min((evicted[x.engine.name] for x in loads), default=0.0)
+        home = [x for x in charged if not x.swap_s or evicted[x.engine.name] == least]
+    if len(home) == len(charged):
         return charged
-    return holders
+    kept = {x.engine.name for x in home}
+    rest = min(x.finish_s for x in charged if x.engine.name not in kept)
+    if min(x.finish_s for x in home) > rest * (1 + margin):
+        return charged  # the homes are clearly worse: every candidate stays
+    return home
