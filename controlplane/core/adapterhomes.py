@@ -97,8 +97,34 @@ def victim(engine: EngineView, fleet: Fleet, known: Mapping[str, str]) -> str | 
     return idle[-1] if idle else None
 
 
+def plan(adapter: str, candidates: list[EngineView], fleet: Fleet, headroom: float, capacity: Mapping[str, float],
+         known: Mapping[str, str]) -> tuple[str, ...]:
+    """The engines ``adapter``'s requests keep to (the module docstring's plan), by name."""
+    base = known.get(adapter)
+    shares = fleet.adapter_shares
+    ranked = sorted({a for a in shares if known.get(a) == base} | {adapter}, key=lambda a: (-shares.get(a, 0.0), a))
+    n = len(candidates)
+    slots = {e.name: e.adapter_slots if e.adapter_slots is not None else len(ranked) for e in candidates}
+    reserve = 1 if len(ranked) > sum(slots.values()) else 0
+    total = sum(capacity.get(e.name, 0.0) for e in candidates) or 1.0
+    room = {e.name: capacity.get(e.name, 0.0) / total for e in candidates}
+    pinned = {e.name: max(0, slots[e.name] - reserve) for e in candidates}
+    held = {e.name: set(adapters.resident(e, fleet, known)) for e in candidates}
+    for a in ranked:
+        share = shares.get(a, 0.0)
+        k = min(n, homes(share, n, headroom))
+        chosen = sorted(room, key=lambda name: (pinned[name] <= 0, not (a in held[name] and room[name] > 0),
+                                                -room[name], name))[:k]
+        if a == adapter:
+            return tuple(chosen)
+        for name in chosen:
+            room[name] -= share / k
+            pinned[name] -= 1
+    raise AssertionError("unreachable: the adapter is among those ranked")
+
+
 def placed(adapter: str, estimates: list[Estimate], fleet: Fleet, headroom: float, margin: float,
-           known: Mapping[str, str]) -> list[Estimate]:
+           known: Mapping[str, str], capacity: Mapping[str, float]) -> list[Estimate]:
     """``estimates`` (one per candidate, for a request for ``adapter``) charged each load's eviction, and narrowed to
     the adapter's homes (the module docstring). Never empty when ``estimates`` is not. ``headroom`` 0: every victim
     weighs 1 and nothing is narrowed."""
@@ -122,20 +148,14 @@ def placed(adapter: str, estimates: list[Estimate], fleet: Fleet, headroom: floa
         share = shares.get(v, 0.0)
         return 0.0 if holders_of[v] - 1 >= homes(share, n, headroom) else need(share, n, headroom)
 
-    evicted = {x.engine.name: victim_need(x.engine) if x.swap_s else 0.0 for x in estimates}
-    charged = [replace(x, stall_s=x.stall_s + x.swap_s * min(1.0, evicted[x.engine.name])) if x.swap_s else x
+    charged = [replace(x, stall_s=x.stall_s + x.swap_s * min(1.0, victim_need(x.engine))) if x.swap_s else x
                for x in estimates]
     if not shares:
         return charged
-    loads = [x for x in charged if x.swap_s]
-    if len(charged) - len(loads) >= homes(shares.get(adapter, 0.0), n, headroom):
-        home = [x for x in charged if not x.swap_s]
-    else:  # a new home may be needed: where the load evicts the least traffic
-        least = min((evicted[x.engine.name] for x in loads), default=0.0)
-        home = [x for x in charged if not x.swap_s or evicted[x.engine.name] == least]
+    kept = set(plan(adapter, [x.engine for x in estimates], fleet, headroom, capacity, known))
+    home = [x for x in charged if x.engine.name in kept]
     if len(home) == len(charged):
         return charged
-    kept = {x.engine.name for x in home}
     rest = min(x.finish_s for x in charged if x.engine.name not in kept)
     if min(x.finish_s for x in home) > rest * (1 + margin):
         return charged  # the homes are clearly worse: every candidate stays

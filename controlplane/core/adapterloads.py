@@ -26,7 +26,7 @@ from controlplane.core.fit import misfits
 from controlplane.core.fleet import Fleet
 from controlplane.core.model import InferenceRequest
 from controlplane.core.policy import Policy
-from controlplane.core.route import estimate
+from controlplane.core.route import capacity_throughput, estimate
 
 LOAD_WINDOW_S = 60.0
 """The rate limit's window: ``adapters.loads_per_minute`` loads per engine within it."""
@@ -86,7 +86,8 @@ def plan_load(adapter: str, fleet: Fleet, policy: Policy, loadable: frozenset[st
     request = InferenceRequest("POST", "/v1/chat/completions", adapter, prompt_tokens=1)
     known = adapters.known_adapters(fleet, ap)
     estimates = [estimate(e, request, not misfits(e, request, fleet, policy), fleet, policy, now) for e in engines]
-    best = min(placed(adapter, estimates, fleet, ap.load_headroom, ap.home_margin, known),
+    capacity = {e.name: capacity_throughput(e, fleet, policy) for e in engines}
+    best = min(placed(adapter, estimates, fleet, ap.load_headroom, ap.home_margin, known, capacity),
                key=lambda x: (charged_finish(x), x.engine.name))
     engine = best.engine
     listed = [m.model_id for m in engine.models if m.model_id in known]

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.core.adapterhomes import AdapterShares, homes, placed, victim
+from controlplane.core.adapterhomes import AdapterShares, homes, placed, plan, victim
 from controlplane.core.adapters import AdapterPolicy
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
@@ -25,6 +25,11 @@ from controlplane.core.route import estimate
 from tests.unit.test_adapters import ADAPTERS, BASE, ask, engine, fleet
 
 P = Policy(default_max_tokens=100, adapters=AdapterPolicy(swap_s=0.5, load_headroom=1.5, home_margin=0.25))
+
+
+def equal(*engines: Any) -> dict[str, float]:
+    """Equal capacities."""
+    return {e.name: 1.0 for e in engines}
 
 
 def shared(f: Fleet, **shares: float) -> Fleet:
@@ -67,7 +72,8 @@ def test_a_rare_adapters_requests_keep_to_its_holder_unless_it_is_clearly_worse(
     although ``cold`` is idle, until ``warm`` finishes later than 1.25 x ``cold`` with the load included."""
     warm, cold = loaded("warm", running=1), loaded("cold")
     f = shared(fleet(cold, warm, recent={"warm": ("sql",)}), sql=0.1, chat=0.9)
-    kept = placed("sql", [estimate(e, ask("sql"), True, f, P, 0.0) for e in (cold, warm)], f, 1.5, 0.25, f.adapters)
+    kept = placed("sql", [estimate(e, ask("sql"), True, f, P, 0.0) for e in (cold, warm)], f, 1.5, 0.25, f.adapters,
+                  equal(cold, warm))
     assert [x.engine.name for x in kept] == ["warm"]
     assert decide(ask("sql"), f, P, now=0.0).engine == "warm"
     swamped = shared(fleet(cold, replace(warm, sample=replace(warm.sample, running=4)), recent={"warm": ("sql",)}),
@@ -79,7 +85,8 @@ def test_a_popular_adapter_may_load_on_another_engine() -> None:
     """Half the traffic needs 1.5 engines of two: with one holder, the other engine may load it."""
     warm, cold = loaded("warm", running=1), loaded("cold")
     f = shared(fleet(cold, warm, recent={"warm": ("sql",)}), sql=0.5, chat=0.5)
-    kept = placed("sql", [estimate(e, ask("sql"), True, f, P, 0.0) for e in (cold, warm)], f, 1.5, 0.25, f.adapters)
+    kept = placed("sql", [estimate(e, ask("sql"), True, f, P, 0.0) for e in (cold, warm)], f, 1.5, 0.25, f.adapters,
+                  equal(cold, warm))
     assert sorted(x.engine.name for x in kept) == ["cold", "warm"]
 
 
@@ -90,34 +97,40 @@ def test_a_popular_adapter_may_load_on_another_engine() -> None:
 ], ids=["rare-victim", "popular-victim", "victim-held-elsewhere"])
 def test_a_load_is_charged_the_adapter_it_evicts_by_that_adapters_share(victim_share: float, held_elsewhere: bool,
                                                                          swaps: float) -> None:
-    """``full`` would evict ``chat``; ``other`` would evict ``legal`` (half the traffic), so ``full`` is where the load
-    evicts least and stays a candidate, charged for ``chat`` by its share."""
+    """``full`` would evict ``chat``, charged by ``chat``'s share; ``sql`` carries enough traffic for both engines, so
+    neither is narrowed away."""
     full = loaded("full")
     other = loaded("other")
     recent: dict[str, tuple[str, ...]] = {"full": ("chat",), "other": ("chat",) if held_elsewhere else ("legal",)}
-    f = shared(fleet(full, other, recent=recent), chat=victim_share, legal=0.5, sql=0.5 - victim_share)
+    f = shared(fleet(full, other, recent=recent), chat=victim_share, legal=0.4 - victim_share, sql=0.6)
     assert victim(full, f, f.adapters) == "chat"
     x = estimate(full, ask("sql"), True, f, P, 0.0)
-    [charged] = [c for c in placed("sql", [x, estimate(other, ask("sql"), True, f, P, 0.0)], f, 1.5, 0.25, f.adapters)
-                 if c.engine.name == "full"]
-    assert charged.stall_s == pytest.approx(x.stall_s + 0.5 * swaps)
+    out = placed("sql", [x, estimate(other, ask("sql"), True, f, P, 0.0)], f, 1.5, 0.25, f.adapters, equal(full, other))
+    assert out[0].engine.name == "full" and out[0].stall_s == pytest.approx(x.stall_s + 0.5 * swaps)
 
 
 def test_without_shares_every_eviction_is_a_whole_swap_and_nothing_is_narrowed() -> None:
     full, free = loaded("full"), loaded("free")
     f = fleet(full, free, recent={"full": ("chat",), "free": ("sql",)})
     xs = [estimate(e, ask("chat"), True, f, P, 0.0) for e in (full, free)]
-    out = placed("chat", xs, f, 1.5, 0.25, f.adapters)
+    out = placed("chat", xs, f, 1.5, 0.25, f.adapters, {})
     assert len(out) == 2 and out[1].stall_s == xs[1].stall_s + 0.5
-    assert placed("chat", xs, shared(f, chat=0.1, sql=0.9), 0.0, 0.25, f.adapters)[1].stall_s == xs[1].stall_s + 0.5
+    assert placed("chat", xs, shared(f, chat=0.1, sql=0.9), 0.0, 0.25, f.adapters, {})[1].stall_s == xs[1].stall_s + 0.5
 
 
-def test_rare_adapters_load_where_the_victim_is_rare() -> None:
-    """Two full engines, equal otherwise: the load goes where it evicts the rare adapter, not the popular one."""
-    pop, rare = loaded("a-pop"), loaded("b-rare")
-    f = shared(fleet(pop, rare, recent={"a-pop": ("chat",), "b-rare": ("legal",)}), chat=0.6, legal=0.02, code=0.02,
-               sql=0.36)
-    assert decide(ask("code"), f, P, now=0.0).engine == "b-rare"
+def test_the_plan_pins_popular_adapters_by_capacity_and_keeps_a_slot_per_engine_for_the_rest() -> None:
+    """Six adapters, two engines of two slots (one twice the other's capacity): one slot each stays for the others. ``p``
+    (half the traffic) needs both engines and takes their pinned slots; each next one goes where the most capacity is
+    left for its traffic; an adapter already held keeps its engine while that has room."""
+    fast, slow = loaded("fast", slots=2), loaded("slow", slots=2)
+    f = shared(fleet(fast, slow), p=0.5, q=0.3, r=0.1, s=0.05, t=0.03, u=0.02)
+    capacity = {"fast": 2.0, "slow": 1.0}
+    homes_of = {a: plan(a, [fast, slow], f, 1.5, capacity, f.adapters) for a in "pqrstu"}
+    # Room left (fast, slow): 2/3, 1/3; p: 5/12, 1/12; q: 7/60, 1/12; r: 1/60, 1/12; s: 1/60, 1/30; t: 1/60, 1/300
+    assert homes_of == {"p": ("fast", "slow"), "q": ("fast",), "r": ("fast",), "s": ("slow",), "t": ("slow",),
+                        "u": ("fast",)}
+    held = shared(fleet(fast, slow, recent={"slow": ("s",)}), p=0.5, q=0.3, r=0.1, s=0.05, t=0.03, u=0.02)
+    assert plan("s", [fast, slow], held, 1.5, capacity, held.adapters) == ("slow",)
 
 
 # -- properties ---------------------------------------------------------------------------------------------------------
@@ -134,16 +147,16 @@ def test_placement_keeps_a_home_and_only_adds_eviction_charges(specs: list[tuple
     views = [loaded(f"e{i}", running=running, slots=slots) for i, (slots, _, running) in enumerate(specs)]
     f = shared(fleet(*views, recent={f"e{i}": tuple(held) for i, (_, held, _) in enumerate(specs)}), **shares)
     xs = [estimate(e, ask(adapter), True, f, P, 0.0) for e in views]
-    out = placed(adapter, xs, f, headroom, margin, f.adapters)
+    out = placed(adapter, xs, f, headroom, margin, f.adapters, equal(*views))
     assert out, "an adapter with candidates always keeps one"
     before = {x.engine.name: x for x in xs}
     for x in out:
         assert before[x.engine.name].stall_s <= x.stall_s <= before[x.engine.name].stall_s + x.swap_s + 1e-9
-    if len(out) < len(xs):  # narrowed: to its holders, or with them to new homes; not clearly worse than the rest
-        holders = {x.engine.name for x in xs if x.swap_s == 0}
+    if len(out) < len(xs):  # narrowed: to its planned homes, not clearly worse than the rest
         kept = {x.engine.name for x in out}
-        assert kept == holders if len(holders) >= homes(shares.get(adapter, 0.0), len(xs), headroom) else \
-            holders < kept
+        planned = plan(adapter, views, f, headroom, equal(*views), f.adapters)
+        assert kept == set(planned) and len(planned) == min(len(xs), homes(shares.get(adapter, 0.0), len(xs),
+                                                                                headroom))
         dropped = [x.finish_s for x in xs if x.engine.name not in kept]
         assert min(x.finish_s for x in out) <= min(dropped) * (1 + margin) + 1e-9
 
