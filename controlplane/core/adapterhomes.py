@@ -3,18 +3,16 @@ for adapter ``a`` among ``n`` candidate engines (adapters.py: ``resident``, ``bu
 
     share(a)   = a's part of the last ``RECENT_ADMISSIONS`` adapter admissions of its base model (``AdapterShares``)
     need(a)    = share(a) x n x adapters.load_headroom                    (engines' worth of a's traffic)
-    homes(a)   = max(1, ceil(need(a)))                                    (how many engines may hold a)
+    homes(a)   = min(n, max(1, ceil(need(a))))                            (how many engines a keeps to)
     victim(e)  = with every slot of e expected held: its least recently used adapter no open ticket uses, else none
     evicted(e) = 0 for no victim or one held on homes(v) other candidates, else need(v)
-    holders    = candidates where a is expected resident (swap 0)
-    home       = holders if |holders| >= homes(a), else holders + the loads with the least evicted(e)
 
-A load is charged ``swap(e) x min(1, evicted(e))`` in the choice (``Estimate.stall_s``, beside the batch's stall): a
-rare victim costs little, a popular one a whole reload. Only ``home`` remains candidates, unless the soonest of it
-finishes later than ``(1 + adapters.home_margin)`` x the soonest other candidate (``finish``, the swap included): then
-every candidate stays and finish-soonest decides. So a popular adapter keeps its engines, and rare ones cycle through
-the slots whose adapters carry the least traffic. With fewer than ``SHARE_MIN_ADMISSIONS`` admissions of the base model
-no shares are known: every victim weighs 1 and no candidate is dropped (decision 0017's rule alone).
+A load is charged ``swap(e) x min(1, evicted(e))`` in the choice (``Estimate.stall_s``, beside the batch's stall). The
+candidates are narrowed to ``a``'s homes (``plan``), unless the soonest of them finishes later than ``(1 +
+adapters.home_margin)`` x the soonest other candidate (``finish``, the swap included) or none of them can be estimated
+(their adapter slots held by others): then every candidate stays and finish-soonest decides. With fewer than
+``SHARE_MIN_ADMISSIONS`` admissions of the base model no shares are known: every victim weighs 1 and nothing is
+narrowed (decision 0017's rule alone).
 """
 
 from __future__ import annotations
@@ -99,7 +97,11 @@ def victim(engine: EngineView, fleet: Fleet, known: Mapping[str, str]) -> str | 
 
 def plan(adapter: str, candidates: list[EngineView], fleet: Fleet, headroom: float, capacity: Mapping[str, float],
          known: Mapping[str, str]) -> tuple[str, ...]:
-    """The engines ``adapter``'s requests keep to (the module docstring's plan), by name."""
+    """The ``homes`` engines ``adapter``'s requests keep to, by name. The base model's adapters in order of share (then
+    name) each take ``homes`` engines: first those with a pinned slot left (every slot, less one an engine when the
+    adapters outnumber the slots), then one already holding the adapter while it has room, then the most room; room
+    starts at each engine's part of ``capacity`` and loses ``share / homes`` per adapter placed there. Every adapter
+    has a home; popular ones are pinned where capacity is, the rest share the slot each engine keeps."""
     base = known.get(adapter)
     shares = fleet.adapter_shares
     ranked = sorted({a for a in shares if known.get(a) == base} | {adapter}, key=lambda a: (-shares.get(a, 0.0), a))
@@ -123,18 +125,19 @@ def plan(adapter: str, candidates: list[EngineView], fleet: Fleet, headroom: flo
     raise AssertionError("unreachable: the adapter is among those ranked")
 
 
-def placed(adapter: str, estimates: list[Estimate], fleet: Fleet, headroom: float, margin: float,
-           known: Mapping[str, str], capacity: Mapping[str, float]) -> list[Estimate]:
-    """``estimates`` (one per candidate, for a request for ``adapter``) charged each load's eviction, and narrowed to
-    the adapter's homes (the module docstring). Never empty when ``estimates`` is not. ``headroom`` 0: every victim
-    weighs 1 and nothing is narrowed."""
+def placed(adapter: str, estimates: list[Estimate], candidates: list[EngineView], fleet: Fleet, headroom: float,
+           margin: float, known: Mapping[str, str], capacity: Mapping[str, float]) -> list[Estimate]:
+    """``estimates`` (for a request for ``adapter``, one per candidate that could take it now or after a slot frees)
+    charged each load's eviction, and narrowed to the adapter's homes among all ``candidates`` (the module docstring);
+    when no home is among the estimates (each one's adapter slots held by other adapters), every estimate stays. Never
+    empty when ``estimates`` is not. ``headroom`` 0: every victim weighs 1 and nothing is narrowed."""
     if not estimates:
         return estimates
     base = known.get(adapter)
     shares = fleet.adapter_shares if headroom > 0 and base is not None else {}
     if shares and not any(known.get(a) == base for a in shares):
         shares = {}  # none known for this base model: decision 0017's rule alone
-    n = len(estimates)
+    n = len(candidates)
     holders_of = Counter(a for x in estimates for a in adapters.resident(x.engine, fleet, known))
 
     def victim_need(engine: EngineView) -> float:
@@ -152,9 +155,9 @@ def placed(adapter: str, estimates: list[Estimate], fleet: Fleet, headroom: floa
                for x in estimates]
     if not shares:
         return charged
-    kept = set(plan(adapter, [x.engine for x in estimates], fleet, headroom, capacity, known))
+    kept = set(plan(adapter, candidates, fleet, headroom, capacity, known))
     home = [x for x in charged if x.engine.name in kept]
-    if len(home) == len(charged):
+    if not home or len(home) == len(charged):
         return charged
     rest = min(x.finish_s for x in charged if x.engine.name not in kept)
     if min(x.finish_s for x in home) > rest * (1 + margin):

@@ -3,8 +3,8 @@
 A request for adapter ``a`` that no fresh, undrained engine lists, with ``a``'s base model configured
 (``adapters.models``) and its path (``adapters.paths``), is loaded on one engine (``plan_load``):
 
-    candidates = fresh, undrained engines serving a's base that allow runtime loading (``engines[].runtime_lora_updating``)
-                 and loaded fewer than ``adapters.loads_per_minute`` adapters in the last 60 s
+    candidates = fresh, undrained engines serving a's base that allow runtime loading
+                 (``engines[].runtime_lora_updating``) and took fewer than ``adapters.loads_per_minute`` loads in 60 s
     engine     = the candidate where a request for ``a`` finishes soonest, charged (route.estimate with the swap,
                  adapterhomes.placed's eviction charge, affinity.charged_finish); ties by name
     unload     = with as many adapters listed there as it has slots: the least recently admitted one sluice loaded there
@@ -87,7 +87,7 @@ def plan_load(adapter: str, fleet: Fleet, policy: Policy, loadable: frozenset[st
     known = adapters.known_adapters(fleet, ap)
     estimates = [estimate(e, request, not misfits(e, request, fleet, policy), fleet, policy, now) for e in engines]
     capacity = {e.name: capacity_throughput(e, fleet, policy) for e in engines}
-    best = min(placed(adapter, estimates, fleet, ap.load_headroom, ap.home_margin, known, capacity),
+    best = min(placed(adapter, estimates, engines, fleet, ap.load_headroom, ap.home_margin, known, capacity),
                key=lambda x: (charged_finish(x), x.engine.name))
     engine = best.engine
     listed = [m.model_id for m in engine.models if m.model_id in known]

@@ -40,7 +40,7 @@ class AdapterPolicy:
     """An adapter may be held by ``ceil(share x candidates x headroom)`` engines (at least one) before its requests keep
     to them; its evictions are charged ``min(1, share x candidates x headroom)`` swaps (adapterhomes.py), >= 0. 0: no
     placement by share (every eviction a whole swap, no narrowing)."""
-    home_margin: float = 0.25
+    home_margin: float = 1.0
     """The holders of an adapter stay the only candidates unless the soonest of them finishes later than ``1 + margin``
     times the soonest other engine, its load included (adapterhomes.py), >= 0."""
     dynamic_loading: bool = False

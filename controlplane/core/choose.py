@@ -75,8 +75,9 @@ def choose(request: InferenceRequest, found: Candidates, fleet: Fleet, policy: P
                  for e in candidates if not blocked[e.name] or blocked[e.name] == (Reason.CAP,)]
     known = adapters.known_adapters(fleet, policy.adapters)
     if model in known:
-        estimates = placed(model, estimates, fleet, policy.adapters.load_headroom, policy.adapters.home_margin, known,
-                           {x.engine.name: capacity_throughput(x.engine, fleet, policy) for x in estimates})
+        estimates = placed(model, estimates, candidates, fleet, policy.adapters.load_headroom,
+                           policy.adapters.home_margin, known,
+                           {e.name: capacity_throughput(e, fleet, policy) for e in candidates})
     idle_slot = False  # with a deadline, a slot is free now (a PARK below: none it could start on meets the deadline)
     if deadline_s is not None and estimates:
         meeting = [x for x in estimates if x.ttft_s <= deadline_s]

@@ -72,8 +72,8 @@ def test_a_rare_adapters_requests_keep_to_its_holder_unless_it_is_clearly_worse(
     although ``cold`` is idle, until ``warm`` finishes later than 1.25 x ``cold`` with the load included."""
     warm, cold = loaded("warm", running=1), loaded("cold")
     f = shared(fleet(cold, warm, recent={"warm": ("sql",)}), sql=0.1, chat=0.9)
-    kept = placed("sql", [estimate(e, ask("sql"), True, f, P, 0.0) for e in (cold, warm)], f, 1.5, 0.25, f.adapters,
-                  equal(cold, warm))
+    xs = [estimate(e, ask("sql"), True, f, P, 0.0) for e in (cold, warm)]
+    kept = placed("sql", xs, [cold, warm], f, 1.5, 0.25, f.adapters, equal(cold, warm))
     assert [x.engine.name for x in kept] == ["warm"]
     assert decide(ask("sql"), f, P, now=0.0).engine == "warm"
     swamped = shared(fleet(cold, replace(warm, sample=replace(warm.sample, running=4)), recent={"warm": ("sql",)}),
@@ -85,8 +85,8 @@ def test_a_popular_adapter_may_load_on_another_engine() -> None:
     """Half the traffic needs 1.5 engines of two: with one holder, the other engine may load it."""
     warm, cold = loaded("warm", running=1), loaded("cold")
     f = shared(fleet(cold, warm, recent={"warm": ("sql",)}), sql=0.5, chat=0.5)
-    kept = placed("sql", [estimate(e, ask("sql"), True, f, P, 0.0) for e in (cold, warm)], f, 1.5, 0.25, f.adapters,
-                  equal(cold, warm))
+    xs = [estimate(e, ask("sql"), True, f, P, 0.0) for e in (cold, warm)]
+    kept = placed("sql", xs, [cold, warm], f, 1.5, 0.25, f.adapters, equal(cold, warm))
     assert sorted(x.engine.name for x in kept) == ["cold", "warm"]
 
 
@@ -105,7 +105,8 @@ def test_a_load_is_charged_the_adapter_it_evicts_by_that_adapters_share(victim_s
     f = shared(fleet(full, other, recent=recent), chat=victim_share, legal=0.4 - victim_share, sql=0.6)
     assert victim(full, f, f.adapters) == "chat"
     x = estimate(full, ask("sql"), True, f, P, 0.0)
-    out = placed("sql", [x, estimate(other, ask("sql"), True, f, P, 0.0)], f, 1.5, 0.25, f.adapters, equal(full, other))
+    xs = [x, estimate(other, ask("sql"), True, f, P, 0.0)]
+    out = placed("sql", xs, [full, other], f, 1.5, 0.25, f.adapters, equal(full, other))
     assert out[0].engine.name == "full" and out[0].stall_s == pytest.approx(x.stall_s + 0.5 * swaps)
 
 
@@ -113,15 +114,16 @@ def test_without_shares_every_eviction_is_a_whole_swap_and_nothing_is_narrowed()
     full, free = loaded("full"), loaded("free")
     f = fleet(full, free, recent={"full": ("chat",), "free": ("sql",)})
     xs = [estimate(e, ask("chat"), True, f, P, 0.0) for e in (full, free)]
-    out = placed("chat", xs, f, 1.5, 0.25, f.adapters, {})
+    out = placed("chat", xs, [full, free], f, 1.5, 0.25, f.adapters, {})
     assert len(out) == 2 and out[1].stall_s == xs[1].stall_s + 0.5
-    assert placed("chat", xs, shared(f, chat=0.1, sql=0.9), 0.0, 0.25, f.adapters, {})[1].stall_s == xs[1].stall_s + 0.5
+    off = placed("chat", xs, [full, free], shared(f, chat=0.1, sql=0.9), 0.0, 0.25, f.adapters, {})
+    assert off[1].stall_s == xs[1].stall_s + 0.5
 
 
 def test_the_plan_pins_popular_adapters_by_capacity_and_keeps_a_slot_per_engine_for_the_rest() -> None:
-    """Six adapters, two engines of two slots (one twice the other's capacity): one slot each stays for the others. ``p``
-    (half the traffic) needs both engines and takes their pinned slots; each next one goes where the most capacity is
-    left for its traffic; an adapter already held keeps its engine while that has room."""
+    """Six adapters, two engines of two slots (one twice the other's capacity): one slot each stays for the others.
+    ``p`` (half the traffic) needs both engines and takes their pinned slots; each next one goes where the most capacity
+    is left for its traffic; an adapter already held keeps its engine while that has room."""
     fast, slow = loaded("fast", slots=2), loaded("slow", slots=2)
     f = shared(fleet(fast, slow), p=0.5, q=0.3, r=0.1, s=0.05, t=0.03, u=0.02)
     capacity = {"fast": 2.0, "slow": 1.0}
@@ -133,7 +135,7 @@ def test_the_plan_pins_popular_adapters_by_capacity_and_keeps_a_slot_per_engine_
     assert plan("s", [fast, slow], held, 1.5, capacity, held.adapters) == ("slow",)
 
 
-# -- properties ---------------------------------------------------------------------------------------------------------
+# -- properties --------------------------------------------------------------------------------------------------------
 engines_st = st.lists(st.tuples(st.integers(1, 4), st.lists(st.sampled_from(ADAPTERS), max_size=4, unique=True),
                                 st.integers(0, 3)), min_size=1, max_size=5)
 
@@ -147,7 +149,7 @@ def test_placement_keeps_a_home_and_only_adds_eviction_charges(specs: list[tuple
     views = [loaded(f"e{i}", running=running, slots=slots) for i, (slots, _, running) in enumerate(specs)]
     f = shared(fleet(*views, recent={f"e{i}": tuple(held) for i, (_, held, _) in enumerate(specs)}), **shares)
     xs = [estimate(e, ask(adapter), True, f, P, 0.0) for e in views]
-    out = placed(adapter, xs, f, headroom, margin, f.adapters, equal(*views))
+    out = placed(adapter, xs, views, f, headroom, margin, f.adapters, equal(*views))
     assert out, "an adapter with candidates always keeps one"
     before = {x.engine.name: x for x in xs}
     for x in out:

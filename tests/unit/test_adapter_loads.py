@@ -1,5 +1,5 @@
-"""Dynamic LoRA loading's choices (core/adapterloads.py): where an adapter no engine lists is loaded, what is unloaded to
-make room, the per-engine rate limit; and the ``adapters`` keys that configure it."""
+"""Dynamic LoRA loading's choices (core/adapterloads.py): where an adapter no engine lists is loaded, what is unloaded
+to make room, the per-engine rate limit; and the ``adapters`` keys that configure it."""
 
 from __future__ import annotations
 

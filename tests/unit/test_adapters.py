@@ -212,6 +212,7 @@ def test_a_swap_is_charged_for_the_requests_it_stalls() -> None:
     # Its one slot holds another adapter: loading this one evicts it, and (no shares known) its next request there
     # reloads it: a whole swap more in the choice.
     full = fleet(busy, idle, recent={"busy": ("chat",)})
-    charged = placed("sql", [estimate(busy, ask("sql"), True, full, P, 0.0)], full, 1.5, 0.25, full.adapters, {})
+    charged = placed("sql", [estimate(busy, ask("sql"), True, full, P, 0.0)], [busy], full, 1.5, 0.25, full.adapters,
+                     {})
     assert charged[0].stall_s == 2.0 * (3 + 1)
     assert estimate(busy, ask(BASE), True, f, P, 0.0).stall_s == 0.0
