@@ -130,7 +130,7 @@ class AdmissionService:
                 self.wake([request.model])
             if refusal is Refusal.QUEUED:
                 ahead_elsewhere = 1
-            elif refusal in (Refusal.CAP, Refusal.KV):
+            elif refusal in (Refusal.CAP, Refusal.KV, Refusal.ADAPTER_SLOTS):
                 await self.replication.releases_sent()
             elif refusal is Refusal.UNAVAILABLE:
                 return Outcome(request_id, shed(Reason.STORE_UNAVAILABLE, "the shared ledger cannot be reached",

@@ -103,10 +103,22 @@ local function write(r, grace)
   redis.call('HINCRBY', p .. ':kv', engine, tonumber(r[6]))
   redis.call('ZADD', p .. ':leases', r[5], id)
 end
-local function fits(r, cap, kvlimit)
+local function fits(r, cap, kvlimit, slots, plain)
   if cap >= 0 and redis.call('SCARD', p .. ':e:' .. r[2]) >= cap then return 'cap' end
   local held = tonumber(redis.call('HGET', p .. ':kv', r[2]) or '0')
   if kvlimit >= 0 and held + tonumber(r[6]) > kvlimit then return 'kv' end
+  if slots and slots >= 0 then  -- adapter slots: the distinct models of the engine's tickets, base models aside
+    local skip = {}
+    for _, m in ipairs(plain or {}) do skip[m] = true end
+    if skip[r[3]] then return nil end
+    local seen, n = {}, 0
+    for _, tid in ipairs(redis.call('SMEMBERS', p .. ':e:' .. r[2])) do
+      local m = redis.call('HGET', p .. ':t:' .. tid, 'model')
+      if m == r[3] then return nil end
+      if m and not skip[m] and not seen[m] then seen[m], n = true, n + 1 end
+    end
+    if n >= slots then return 'adapter_slots' end
+  end
   return nil
 end
 local function admit(r, session, session_ttl, grace, hl)
@@ -114,7 +126,8 @@ local function admit(r, session, session_ttl, grace, hl)
   serve(r[2], tonumber(r[4]), hl)
   if session ~= '' then redis.call('SET', p .. ':s:' .. session, r[2], 'EX', session_ttl) end
 end
--- A claim: {record, cap, kv limit, session, until (server time), block hashes, session ttl, grace, serve half-life}
+-- A claim: {record, cap, kv limit, session, until (server time), block hashes, session ttl, grace, serve half-life,
+-- adapter slots (-1: none), the engine's base models}
 local function drain(model)
   local n, now = 0, nil
   local claims = {}
@@ -135,7 +148,7 @@ local function drain(model)
         redis.call('HDEL', ckey, head)
         return n
       end
-      if fits(r, tonumber(c[2]), tonumber(c[3])) then return n end
+      if fits(r, tonumber(c[2]), tonumber(c[3]), tonumber(c[10] or -1), c[11]) then return n end
       admit(r, c[4], c[7], tonumber(c[8]), tonumber(c[9]))
       local replica = string.match(head, '^(.-)|')
       leave(q, replica, r[1])
@@ -162,7 +175,8 @@ end
 # The scripts that write an admission or a park, as functions of their arguments (``A``: as the scripts' ARGV), so
 # that ``offer`` runs both in one step.
 # reserve's A: prefix, ticket record (JSON array), cap (-1: none), kv limit (-1: none), queue rule, class, session,
-#       session ttl s, key grace s, the prompt's block hashes (hex, only passed on), claim fresh s, serve half-life s
+#       session ttl s, key grace s, the prompt's block hashes (hex, only passed on), claim fresh s, serve half-life s,
+#       adapter slots (-1: none), the engine's base models (JSON list)
 # park's A: prefix, queue key suffix, replica, request id, now (shared time), model, claim (JSON, its fourth field
 #       fresh s; '' for none). Returns when the request first parked.
 _LINE_LIB = r"""
@@ -171,6 +185,7 @@ local function reserve(A)
   local id, engine, model, owner = r[1], r[2], r[3], r[9]
   local cap, kvlimit, rule, klass = tonumber(A[3]), tonumber(A[4]), A[5], tonumber(A[6])
   local session, fresh, hl = A[7], tonumber(A[11]), tonumber(A[12])
+  local slots, plain = tonumber(A[13]), cjson.decode(A[14])
   drain(model)
   if redis.call('EXISTS', p .. ':t:' .. id) == 1 then return {'exists'} end
   local mine = owner .. '|' .. id
@@ -187,12 +202,12 @@ local function reserve(A)
     if queued then
       if rule == 'oldest' and fresh > 0 and redis.call('ZSCORE', p .. ':q:' .. q, mine) then
         redis.call('HSET', p .. ':c:' .. q, mine, cjson.encode({r, cap, kvlimit, session, clock() + fresh, A[10],
-                                                               tonumber(A[8]), tonumber(A[9]), hl}))
+                                                               tonumber(A[8]), tonumber(A[9]), hl, slots, plain}))
       end
       return {'queued'}
     end
   end
-  local why = fits(r, cap, kvlimit)
+  local why = fits(r, cap, kvlimit, slots, plain)
   if why then
     local out = {why}
     for _, tid in ipairs(redis.call('SMEMBERS', p .. ':e:' .. engine)) do
@@ -286,8 +301,8 @@ return park(ARGV)
 # tickets on a CAP or KV refusal...}.
 _OFFER = _LIB + _LINE_LIB + r"""
 local R, P = {ARGV[1]}, {ARGV[1]}
-for i = 2, 12 do R[i] = ARGV[i] end
-for i = 13, 18 do P[i - 11] = ARGV[i] end
+for i = 2, 14 do R[i] = ARGV[i] end
+for i = 15, 20 do P[i - 13] = ARGV[i] end
 local out = reserve(R)
 if out[1] == 'ok' then return out end
 if out[1] ~= 'queued' then P[7] = '' end
