@@ -99,10 +99,9 @@ def plan(adapter: str, candidates: list[EngineView], fleet: Fleet, headroom: flo
          known: Mapping[str, str]) -> tuple[str, ...]:
     """The ``homes`` engines ``adapter``'s requests keep to, by name. The base model's adapters in order of share (then
     name) each take ``homes`` engines: first those with a pinned slot left (every slot, less one an engine when the
-    adapters outnumber the slots), then the most room; room starts at each engine's part of ``capacity`` and loses
-    ``share / homes`` per adapter placed there. Every adapter has a home; popular ones are pinned where capacity is,
-    the rest share the slot each engine keeps. The plan reads shares and capacities alone, not where adapters happen
-    to be loaded: a load that gave way to a clearly better engine does not move the adapter's home."""
+    adapters outnumber the slots), then one already holding the adapter while it has room, then the most room; room
+    starts at each engine's part of ``capacity`` and loses ``share / homes`` per adapter placed there. Every adapter
+    has a home; popular ones are pinned where capacity is, the rest share the slot each engine keeps."""
     base = known.get(adapter)
     shares = fleet.adapter_shares
     ranked = sorted({a for a in shares if known.get(a) == base} | {adapter}, key=lambda a: (-shares.get(a, 0.0), a))
@@ -112,10 +111,12 @@ def plan(adapter: str, candidates: list[EngineView], fleet: Fleet, headroom: flo
     total = sum(capacity.get(e.name, 0.0) for e in candidates) or 1.0
     room = {e.name: capacity.get(e.name, 0.0) / total for e in candidates}
     pinned = {e.name: max(0, slots[e.name] - reserve) for e in candidates}
+    held = {e.name: set(adapters.resident(e, fleet, known)) for e in candidates}
     for a in ranked:
         share = shares.get(a, 0.0)
         k = min(n, homes(share, n, headroom))
-        chosen = sorted(room, key=lambda name: (pinned[name] <= 0, -room[name], name))[:k]
+        chosen = sorted(room, key=lambda name: (pinned[name] <= 0, not (a in held[name] and room[name] > 0),
+                                                -room[name], name))[:k]
         if a == adapter:
             return tuple(chosen)
         for name in chosen:
