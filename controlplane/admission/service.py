@@ -57,7 +57,8 @@ class AdmissionService:
         self.replication = Replication(config, core, observation, metrics, clock, store or MemoryStore(), self)
         self.mirror = self.replication.mirror
         self.adapter_loader = AdapterLoader(config, core, observation, metrics, clock)
-        """Dynamic LoRA loading (``adapters.dynamic_loading``): a Check for an adapter no engine lists waits for its load."""
+        """Dynamic LoRA loading (``adapters.dynamic_loading``): a Check for an adapter no engine lists waits for its
+        load."""
         self.config = config
         self._parked: dict[str, asyncio.Future[Outcome]] = {}
         self._early: dict[str, Outcome] = {}
@@ -355,6 +356,7 @@ class AdmissionService:
         self.replication.start()
 
     async def stop(self) -> None:
+        await self.adapter_loader.stop()
         await self.replication.stop(*self._tasks)
         self._tasks.clear()
 

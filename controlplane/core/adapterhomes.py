@@ -24,7 +24,6 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from controlplane.core import adapters
-from controlplane.core.affinity import charged_finish
 from controlplane.core.engines import EngineView
 from controlplane.core.fleet import Fleet
 from controlplane.core.route import Estimate
@@ -66,10 +65,6 @@ class AdapterShares:
                                            if len(self._recent[base]) >= self.min_admissions
                                            for a, n in counts.items()})
         return self._view
-
-    def known(self, base: str) -> bool:
-        """Whether ``base``'s adapters have shares (enough admissions)."""
-        return len(self._recent.get(base, ())) >= self.min_admissions
 
 
 def need(share: float, candidates: int, headroom: float) -> float:

@@ -5,7 +5,7 @@ to the prefix's holders) and applies the fit rules (fit.py) and the estimates (r
 formulas). With a TTFT deadline: the band's weighted pick, else park (``ttft_deadline``) or shed (``ttft_unmeetable``)
 when no engine meets it. Without: the soonest charged finish (affinity.charged_finish), a near tie, or a park for a
 busy faster engine within work conservation's bound (``waiting_for_faster``). A LoRA adapter's estimates are first
-charged its evictions and kept to its holders (adapterhomes.py). Nothing fits: park on the first blocking fit rule (a
+charged its evictions and kept to its homes (adapterhomes.py). Nothing fits: park on the first blocking fit rule (a
 ``sheddable`` request is shed ``saturated``). The fleet index (indexed.py) reuses ``finish_soonest`` and ``admit`` so
 that both paths decide alike.
 """

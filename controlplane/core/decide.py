@@ -2,8 +2,9 @@
 verdict, a reason and a detail (the edge, ``controlplane/edge.py``, maps each reason to a status and an OpenAI error).
 
 ``decide`` refuses first, at no cost: an unknown model (``unknown_model``; ``no_ready_engine`` for an adapter dynamic
-loading could load but has not, core/adapterloads.py), every engine serving it drained or stale (``no_ready_engine``) or below its version floor (``version_floor``), prompt + max_tokens beyond every candidate's
-``max_model_len`` or KV budget (``context_length_exceeded``). The candidates are then the engines serving the model, at
+loading could load but has not, core/adapterloads.py), every engine serving it drained or stale (``no_ready_engine``)
+or below its version floor (``version_floor``), prompt + max_tokens beyond every candidate's ``max_model_len`` or KV
+budget (``context_length_exceeded``). The candidates are then the engines serving the model, at
 or above its floor, fresh (or stale when ``on_stale: open`` and no fresh one exists: ``stale_fail_open``); with
 ``prefix_max_replicas`` R > 0, once R candidates hold the request's prefix only they remain (R = 0: ``holders_limit``
 follows the prefix's load). With a TTFT deadline, a request that even an idle candidate cannot prefill in time is shed

@@ -43,7 +43,7 @@ class AdapterLoader:
         """Load ``model`` somewhere first if it is an adapter to load dynamically that no engine lists (returns at once
         otherwise). Cancelling the caller does not cancel the load."""
         policy = self.core.policy.adapters
-        if not policy.dynamic_loading or model not in policy.paths:
+        if not policy.dynamic_loading or model not in policy.paths or self.observation.serves(model):
             return
         pending = self._pending.get(model)
         if pending is None:
@@ -55,28 +55,40 @@ class AdapterLoader:
             pending = asyncio.ensure_future(self._carry_out(plan))
             self._pending[model] = pending
             pending.add_done_callback(lambda _: self._pending.pop(model, None))
-        await asyncio.shield(pending)
+        try:
+            await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            if not pending.cancelled():
+                raise  # the Check itself was cancelled; the load goes on
+
+    async def stop(self) -> None:
+        """Cancel the loads in flight (shutdown): their Checks are answered as if the load had failed."""
+        pending = list(self._pending.values())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def _carry_out(self, plan: LoadPlan) -> None:
         view = self.observation.view_of(plan.engine, self.clock())
         if view is None:
             return
         timeout = aiohttp.ClientTimeout(total=self.core.policy.adapters.load_timeout_s)
-        async with aiohttp.ClientSession(view.url, timeout=timeout) as http:
-            if plan.unload is not None and await self._post(http, plan.engine, "unload", plan.unload,
+        base = view.url.rstrip("/")
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            if plan.unload is not None and await self._post(http, base, plan.engine, "unload", plan.unload,
                                                             {"lora_name": plan.unload}):
                 self.book.note_unload(plan.engine, plan.unload)
                 self.observation.note_adapter(plan.engine, plan.unload, None)
             self.book.note_load(plan.engine, plan.adapter, self.clock())
-            if await self._post(http, plan.engine, "load", plan.adapter,
+            if await self._post(http, base, plan.engine, "load", plan.adapter,
                                 {"lora_name": plan.adapter, "lora_path": plan.path}):
                 self.observation.note_adapter(plan.engine, plan.adapter, ServedModel(plan.adapter, None, plan.base))
 
-    async def _post(self, http: aiohttp.ClientSession, engine: str, action: str, adapter: str,
+    async def _post(self, http: aiohttp.ClientSession, base: str, engine: str, action: str, adapter: str,
                     body: dict[str, str]) -> bool:
-        """One load or unload request: counted, logged; whether the engine accepted it."""
+        """One load or unload request to the engine at ``base``: counted, logged; whether the engine accepted it."""
         try:
-            async with http.post(f"/v1/{action}_lora_adapter", json=body) as response:
+            async with http.post(f"{base}/v1/{action}_lora_adapter", json=body) as response:
                 text = (await response.text())[:200]
                 ok = response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:

@@ -138,10 +138,12 @@ class Observation:
 
     def model_label(self, model: str | None) -> str:
         """A metrics label for ``model``: only models some engine serves, so clients cannot grow label cardinality."""
-        if model and (self.core.index.serves(model) if self._indexed is self.pollers
-                      else any(p.serves(model) for p in self.pollers)):
-            return model
-        return "-"
+        return model if model and self.serves(model) else "-"
+
+    def serves(self, model: str) -> bool:
+        """Whether some engine lists ``model`` (no staleness judgement; cheap enough for every Check)."""
+        return self.core.index.serves(model) if self._indexed is self.pollers else any(
+            p.serves(model) for p in self.pollers)
 
     def view_of(self, engine: str, now: float) -> EngineView | None:
         poller = self._by_name.get(engine) or self._find(engine)

@@ -45,7 +45,7 @@ def loaded(name: str, running: int = 0, slots: int = 1) -> Any:
 def test_shares_are_unknown_until_enough_admissions_then_follow_the_window() -> None:
     book = AdapterShares(window=4, min_admissions=2)
     book.note("sql", BASE)
-    assert book.shares() == {} and not book.known(BASE)
+    assert book.shares() == {}
     book.note("chat", BASE)
     assert book.shares() == {"sql": 0.5, "chat": 0.5}
     for _ in range(3):
