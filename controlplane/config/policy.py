@@ -217,13 +217,13 @@ class AdaptersConfig:
     """Adapter requests an engine needs timed (streamed first tokens), of each kind (cold: admitted with a swap priced;
     warm: without), before its measured swap replaces the prior."""
     load_headroom: float = field(default=_ADAPTERS.load_headroom, metadata=setting(minimum=0, maximum=100))
-    """Placement by traffic share (core/adapterhomes.py, decision 0026): an adapter may be held by ``ceil(share x
-    candidates x headroom)`` engines (at least one), ``share`` its part of its base model's recent adapter admissions,
-    before its requests keep to those engines; a load that evicts an adapter is charged ``min(1, its share x candidates
-    x headroom)`` swaps. 0: off (every eviction a whole swap, no narrowing)."""
+    """Placement by traffic share (core/adapterhomes.py, decision 0026): an adapter's requests keep to ``ceil(share x
+    candidates x headroom)`` engines (at least one; its homes, planned from the shares and the engines' capacity),
+    ``share`` its part of its base model's recent adapter admissions; a load that evicts an adapter is charged ``min(1,
+    its share x candidates x headroom)`` swaps. 0: off (every eviction a whole swap, no narrowing)."""
     home_margin: float = field(default=_ADAPTERS.home_margin, metadata=setting(minimum=0, maximum=100))
-    """An adapter's holders stay its only candidates unless the soonest of them would finish later than ``1 + margin``
-    times the soonest other engine, the load there included."""
+    """An adapter's homes stay its only candidates unless the soonest of them would finish later than ``1 + margin``
+    times the soonest other candidate, the swap there included."""
     dynamic_loading: bool = _ADAPTERS.dynamic_loading
     """Load an adapter no engine lists (one with a base in ``models`` and a path in ``paths``) on the engine where a
     request for it would finish soonest, swap included, among those with ``engines[].runtime_lora_updating`` (vLLM's

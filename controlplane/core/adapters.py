@@ -37,12 +37,12 @@ class AdapterPolicy:
     swap_min_samples: int = 5
     """Cold and warm adapter requests (each) an engine needs timed before its measured swap replaces the prior, >= 1."""
     load_headroom: float = 1.5
-    """An adapter may be held by ``ceil(share x candidates x headroom)`` engines (at least one) before its requests keep
-    to them; its evictions are charged ``min(1, share x candidates x headroom)`` swaps (adapterhomes.py), >= 0. 0: no
-    placement by share (every eviction a whole swap, no narrowing)."""
+    """An adapter's requests keep to ``ceil(share x candidates x headroom)`` engines (at least one, its homes); its
+    evictions are charged ``min(1, share x candidates x headroom)`` swaps (adapterhomes.py), >= 0. 0: no placement by
+    share (every eviction a whole swap, no narrowing)."""
     home_margin: float = 1.0
-    """The holders of an adapter stay the only candidates unless the soonest of them finishes later than ``1 + margin``
-    times the soonest other engine, its load included (adapterhomes.py), >= 0."""
+    """An adapter's homes stay its only candidates unless the soonest of them finishes later than ``1 + margin`` times
+    the soonest other candidate, its swap included (adapterhomes.py), >= 0."""
     dynamic_loading: bool = False
     """Load an adapter no engine lists on the engine where it costs least, unloading that engine's least recently used
     one sluice loaded (adapterloads.py), on engines that allow it."""

@@ -135,8 +135,8 @@ class EnginePoller:
         that does not read) or lacked a required gauge: whole expositions only, from then on (``poll_once``)."""
         self.failures = 0
         self.probes = 0
-        self._runtime: dict[str, ServedModel | None] = {}
-        """Adapters loaded (their card) or unloaded (None) at runtime since the engine's model list last agreed."""
+        self._runtime: dict[str, tuple[ServedModel | None, float]] = {}
+        """Adapters loaded (their card) or unloaded (None) at runtime, and when, until the engine's model list agrees."""
 
     @property
     def flavor(self) -> Flavor | None:
@@ -157,19 +157,20 @@ class EnginePoller:
     def set_runtime_model(self, model_id: str, card: ServedModel | None) -> None:
         """An adapter sluice loaded (``card``) or unloaded (None) on this engine: listed so at once, until the
         engine's own model list (discovery here, or the probe worker's) agrees."""
-        self._runtime[model_id] = card
+        self._runtime[model_id] = (card, self._clock())
         self._view = self._with_runtime(self._view)
 
-    def _with_runtime(self, view: EngineView) -> EngineView:
-        """``view`` with the runtime loads and unloads its model list does not show yet (those it shows are dropped)."""
+    def _with_runtime(self, view: EngineView, listed_since: float | None = None) -> EngineView:
+        """``view`` with the runtime loads and unloads its model list does not show yet; those it shows, and those
+        older than ``listed_since`` (when the listing that ``view`` carries was asked for), are dropped."""
         listed = {m.model_id for m in view.models}
-        for model_id, card in list(self._runtime.items()):
-            if (card is not None) == (model_id in listed):
+        for model_id, (card, at) in list(self._runtime.items()):
+            if (card is not None) == (model_id in listed) or (listed_since is not None and at < listed_since):
                 del self._runtime[model_id]
         if not self._runtime:
             return view
         kept = tuple(m for m in view.models if m.model_id not in self._runtime)
-        return replace(view, models=kept + tuple(c for c in self._runtime.values() if c is not None))
+        return replace(view, models=kept + tuple(c for c, _ in self._runtime.values() if c is not None))
 
     def note_failure(self, at: float, why: str) -> None:
         """A request to this engine failed before its first byte (seen by Envoy): treat the engine as stale at once, not
@@ -338,6 +339,7 @@ class EnginePoller:
         self._self_checked = True
 
     async def _discover(self, flavor: Flavor) -> None:
+        asked_at = self._clock()
         listing = await self._get("/v1/models", as_json=True, optional=flavor is Flavor.TGI)
         documents = {}
         for path in DISCOVERY_PATHS[flavor]:
@@ -355,4 +357,4 @@ class EnginePoller:
             discovered_concurrency=found.max_concurrency,
             lora_adapters=found.lora_adapters,
         )
-        self._runtime.clear()  # the engine's own list is the truth now
+        self._view = self._with_runtime(self._view, asked_at)  # the engine's own list wins over older runtime changes

@@ -90,3 +90,32 @@ def test_configuration_names_paths_of_adapters_with_a_base() -> None:
         parse_config({"engines": engines, "adapters": {"paths": {"chat": "/loras/chat"}}})
     with pytest.raises(ConfigError, match="adapters.loads_per_minute"):
         parse_config({"engines": engines, "adapters": {"loads_per_minute": 0}})
+
+
+def test_a_runtime_load_is_listed_until_the_engines_own_list_says_otherwise() -> None:
+    """``EnginePoller.set_runtime_model``: a loaded adapter is listed at once; a view from before the engine listed it
+    (the probe worker's) keeps it; once a listing shows it, the engine's list alone counts (an engine that lost it
+    later drops it); an unload hides it the same way. A listing asked for after the load wins outright."""
+    from controlplane.observe.poller import EnginePoller
+
+    config = parse_config({"engines": [{"name": "e", "url": "http://127.0.0.1:1"}]})
+    clock = [10.0]
+    poller = EnginePoller(config.engines[0], config.observe, on_probe=lambda view, rates: None,
+                          clock=lambda: clock[0])
+    plain = view("e")
+    poller.adopt(plain)
+    poller.set_runtime_model("sql", ServedModel("sql", None, BASE))
+    assert poller.latest.serves("sql")
+    poller.adopt(plain)  # the worker's view, from before the load
+    assert poller.latest.serves("sql")
+    poller.adopt(view("e", listed=("sql",)))  # the engine lists it: its list is the truth from now on
+    poller.adopt(plain)
+    assert not poller.latest.serves("sql")
+    poller.adopt(view("e", listed=("chat",)))
+    poller.set_runtime_model("chat", None)
+    assert not poller.latest.serves("chat")
+    poller.adopt(view("e", listed=("chat",)))  # still listed by a view from before the unload
+    assert not poller.latest.serves("chat")
+    clock[0] = 20.0
+    asked_after = poller._with_runtime(view("e", listed=("chat",)), listed_since=15.0)
+    assert asked_after.serves("chat")  # a listing asked for after the unload is the truth
