@@ -197,11 +197,13 @@ class LedgerMirror:
             e for e in (fleet or self.views.fleet(now)).engines if e.name == ticket.engine)
         capacity = view.kv_capacity_tokens
         policy = self.core.policy
+        slots = view.adapter_slots if self.core.is_adapter(ticket.model) else None
+        plain = tuple(m.model_id for m in view.models if not self.core.is_adapter(m.model_id)) if slots else ()
         return Claim(self.shared.to_shared(ticket), view.cap,
                      math.floor(capacity * policy.kv_high_watermark) if capacity else None,
                      request.session, outcome.rule, self.core.class_index(request), request.prefix_blocks,
                      fresh_s=self.fresh_s(request), serve_half_life_s=policy.serve_half_life_s,
-                     charge=self._charge(ticket.ticket_id))
+                     charge=self._charge(ticket.ticket_id), adapter_slots=slots, plain_models=plain)
 
     # -- fair share in the store (decision 0025) ---------------------------------------------------------------------
     @property
@@ -503,5 +505,5 @@ class Settlement:
             self.queued.add(model)
             mirror.share_line(self.now)
         mirror.core.restore(parked)
-        if refusal in (Refusal.CAP, Refusal.KV):
+        if refusal in (Refusal.CAP, Refusal.KV, Refusal.ADAPTER_SLOTS):
             self.again.add(model)

@@ -32,6 +32,7 @@ from controlplane.core.prompt_tokens import PromptShape, PromptTokenRules
 from controlplane.core.tenants import Usage
 from controlplane.core.engines import EngineView
 from controlplane.metrics import NO_TENANT_LABEL, SluiceMetrics
+from controlplane.observe.adapterloader import AdapterLoader
 from controlplane.observe.observation import Observation
 from controlplane.ports import CheckSettings, Ending
 from controlplane.store.base import Claim, Refusal, Store
@@ -56,6 +57,9 @@ class AdmissionService:
         self.clock = clock
         self.replication = Replication(config, core, observation, metrics, clock, store or MemoryStore(), self)
         self.mirror = self.replication.mirror
+        self.adapter_loader = AdapterLoader(config, core, observation, metrics, clock)
+        """Dynamic LoRA loading (``adapters.dynamic_loading``): a Check for an adapter no engine lists waits for its
+        load."""
         self.config = config
         self._parked: dict[str, asyncio.Future[Outcome]] = {}
         self._early: dict[str, Outcome] = {}
@@ -86,6 +90,7 @@ class AdmissionService:
         """Start-up and reloads: the settings a Check reads are built here once, not per Check."""
         self._config = config
         self.replication.config = config
+        self.adapter_loader.config = config
         cp = config.controlplane
         self.settings = CheckSettings(config.policy, config.authz_timeout_s, cp.max_check_queue_ms,
                                       cp.overload_retry_after_seconds, config.tenants)
@@ -95,6 +100,8 @@ class AdmissionService:
         mirror = self.mirror
         ahead_elsewhere = 0
         queued: tuple[Decision, Claim] | None = None  # the last admission the store refused for the line alone
+        if request.model is not None and self.core.policy.adapters.dynamic_loading:
+            await self.adapter_loader.ensure(request.model)
         for attempt in range(self.config.store.reserve_attempts + 1):
             now = self.clock()
             fleet = self.observation.fleet(now)
@@ -128,7 +135,7 @@ class AdmissionService:
                 self.wake([request.model])
             if refusal is Refusal.QUEUED:
                 ahead_elsewhere = 1
-            elif refusal in (Refusal.CAP, Refusal.KV):
+            elif refusal in (Refusal.CAP, Refusal.KV, Refusal.ADAPTER_SLOTS):
                 await self.replication.releases_sent()
             elif refusal is Refusal.UNAVAILABLE:
                 return Outcome(request_id, shed(Reason.STORE_UNAVAILABLE, "the shared ledger cannot be reached",
@@ -384,6 +391,7 @@ class AdmissionService:
         self.replication.start()
 
     async def stop(self) -> None:
+        await self.adapter_loader.stop()
         await self.replication.stop(*self._tasks)
         self._tasks.clear()
 

@@ -57,8 +57,8 @@ class ConfigFile:
     fairness: FairnessConfig
     """Fair share between tenants within each parking class (decision 0015)."""
     adapters: AdaptersConfig
-    """LoRA adapters: the base of adapters an engine lists without one, and the swap prior ("LoRA adapters" in
-    docs/architecture.md)."""
+    """LoRA adapters: the base of adapters an engine lists without one, the swap prior, placement by traffic share and
+    dynamic loading ("LoRA adapters" in docs/architecture.md)."""
     tenants: Mapping[str, TenantConfig]
     """API keys, priorities and limits per tenant; none: authentication and fair share off."""
 

@@ -117,27 +117,46 @@ def _fairness(c: Checker, raw: dict[str, Any], tenants: Tenants) -> FairShare:
     )
 
 
+def _adapter_strings(c: Checker, ad: dict[str, Any], key: str, what: str) -> dict[str, str]:
+    """``adapters.<key>``: a mapping of adapter name -> a non-empty string (``what`` it names); bad entries are
+    problems and left out."""
+    raw = ad.get(key) or {}
+    if not isinstance(raw, dict):
+        c.problems.append(f"adapters.{key}: must be a mapping of adapter -> {what}")
+        return {}
+    out: dict[str, str] = {}
+    for adapter, value in raw.items():
+        if not isinstance(adapter, str) or not adapter or not isinstance(value, str) or not value:
+            c.problems.append(f"adapters.{key}.{adapter}: must name its {what}, got {value!r}")
+        else:
+            out[adapter] = value
+    return out
+
+
 def _adapters(c: Checker, raw: dict[str, Any]) -> AdapterPolicy:
-    """``adapters`` (core/adapters.py). An adapter is not a base model of another adapter, and not its own base."""
+    """``adapters`` (core/adapters.py). An adapter is not a base model of another adapter, and not its own base; an
+    adapter with a path has a base."""
     ad = c.section(raw, "adapters", AdaptersConfig)
-    models = ad.get("models") or {}
     bases: dict[str, str] = {}
-    if not isinstance(models, dict):
-        c.problems.append("adapters.models: must be a mapping of adapter -> base model")
-        models = {}
-    for adapter, base in models.items():
-        if not isinstance(adapter, str) or not adapter or not isinstance(base, str) or not base:
-            c.problems.append(f"adapters.models.{adapter}: must name its base model, got {base!r}")
-            continue
+    for adapter, base in _adapter_strings(c, ad, "models", "base model").items():
         if base == adapter:
             c.problems.append(f"adapters.models.{adapter}: an adapter cannot be its own base model")
-            continue
-        bases[adapter] = base
+        else:
+            bases[adapter] = base
     for adapter, base in bases.items():
         if base in bases:
             c.problems.append(f"adapters.models.{adapter}: its base {base!r} is itself an adapter")
-    adapters = c.settings("adapters", ad, AdaptersConfig, models=bases)
-    return AdapterPolicy(swap_s=adapters.swap_seconds, base_models=bases, swap_min_samples=adapters.swap_min_samples)
+    paths: dict[str, str] = {}
+    for adapter, path in _adapter_strings(c, ad, "paths", "path").items():
+        if adapter in bases:
+            paths[adapter] = path
+        else:
+            c.problems.append(f"adapters.paths.{adapter}: needs its base model in adapters.models")
+    adapters = c.settings("adapters", ad, AdaptersConfig, models=bases, paths=paths)
+    return AdapterPolicy(swap_s=adapters.swap_seconds, base_models=bases, swap_min_samples=adapters.swap_min_samples,
+                         load_headroom=adapters.load_headroom, home_margin=adapters.home_margin,
+                         dynamic_loading=adapters.dynamic_loading, loads_per_minute=adapters.loads_per_minute,
+                         load_timeout_s=adapters.load_timeout_seconds, paths=paths)
 
 
 def parse_tenants(c: Checker, raw: Any) -> Tenants:

@@ -224,7 +224,8 @@ class FairnessConfig:
 @dataclass(frozen=True, slots=True)
 class AdaptersConfig:
     """LoRA adapters ("LoRA adapters" in docs/architecture.md): discovered from each engine's ``/v1/models`` and vLLM's
-    ``lora_requests_info``; this section names the base of adapters an engine lists without one, and the swap prior."""
+    ``lora_requests_info``; this section names the base of adapters an engine lists without one, the swap prior,
+    placement by traffic share and dynamic loading."""
 
     swap_seconds: float = field(default=_ADAPTERS.swap_s, metadata=setting(minimum=0, maximum=600))
     """What loading an adapter into an engine's slot adds to a request's TTFT estimate on an engine not expected to hold
@@ -232,6 +233,27 @@ class AdaptersConfig:
     swap_min_samples: int = field(default=_ADAPTERS.swap_min_samples, metadata=setting(minimum=1))
     """Adapter requests an engine needs timed (streamed first tokens), of each kind (cold: admitted with a swap priced;
     warm: without), before its measured swap replaces the prior."""
+    load_headroom: float = field(default=_ADAPTERS.load_headroom, metadata=setting(minimum=0, maximum=100))
+    """Placement by traffic share (core/adapterhomes.py, decision 0026): an adapter's requests keep to ``ceil(share x
+    candidates x headroom)`` engines (at least one; its homes, planned from the shares and the engines' capacity),
+    ``share`` its part of its base model's recent adapter admissions; a load that evicts an adapter is charged ``min(1,
+    its share x candidates x headroom)`` swaps. 0: off (every eviction a whole swap, no narrowing)."""
+    home_margin: float = field(default=_ADAPTERS.home_margin, metadata=setting(minimum=0, maximum=100))
+    """An adapter's homes stay its only candidates unless the soonest of them would finish later than ``1 + margin``
+    times the soonest other candidate, the swap there included."""
+    dynamic_loading: bool = _ADAPTERS.dynamic_loading
+    """Load an adapter no engine lists (one with a base in ``models`` and a path in ``paths``) on the engine where a
+    request for it would finish soonest, swap included, among those with ``engines[].runtime_lora_updating`` (vLLM's
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: ``POST /v1/load_lora_adapter``); with as many adapters listed there as it has
+    slots, the least recently used one sluice loaded is unloaded first (``/v1/unload_lora_adapter``). The request's
+    Check waits for the load (at most ``load_timeout_seconds``)."""
+    loads_per_minute: int = field(default=_ADAPTERS.loads_per_minute, metadata=setting(minimum=1, maximum=10_000))
+    """Dynamic loads sent to one engine in any 60 s; beyond it the engine is not chosen for a load."""
+    load_timeout_seconds: float = field(default=_ADAPTERS.load_timeout_s, metadata=setting(minimum=0.1, maximum=600))
+    """How long one load or unload request to an engine may take before it counts as failed."""
+    paths: Mapping[str, str] = field(default_factory=dict, metadata=setting(placeholder="<adapter>"))
+    """LoRA adapter -> the path an engine loads it from (vLLM's ``lora_path``), for dynamic loading; each needs its base
+    in ``models``."""
     models: Mapping[str, str] = field(default_factory=dict, metadata=setting(placeholder="<adapter>"))
     """LoRA adapter -> its base model, for engines whose ``/v1/models`` names no ``parent`` (discovery wins where it does);
     an adapter is neither its own base nor another adapter's."""

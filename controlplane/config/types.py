@@ -56,6 +56,9 @@ class EngineConfig:
     max_loras: int | None = field(default=None, metadata=setting(minimum=1))
     """LoRA adapter slots (vLLM's ``--max-loras``): at most this many distinct adapters run on it at once; none: what the
     engine's ``lora_requests_info`` reports."""
+    runtime_lora_updating: bool = False
+    """The engine loads and unloads LoRA adapters at runtime (vLLM with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``):
+    ``adapters.dynamic_loading`` may load adapters on it."""
 
     def __post_init__(self) -> None:
         if not self.chip_class:

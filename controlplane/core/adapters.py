@@ -36,10 +36,27 @@ class AdapterPolicy:
     does)."""
     swap_min_samples: int = 5
     """Cold and warm adapter requests (each) an engine needs timed before its measured swap replaces the prior, >= 1."""
+    load_headroom: float = 1.5
+    """An adapter's requests keep to ``ceil(share x candidates x headroom)`` engines (at least one, its homes); its
+    evictions are charged ``min(1, share x candidates x headroom)`` swaps (adapterhomes.py), >= 0. 0: no placement by
+    share (every eviction a whole swap, no narrowing)."""
+    home_margin: float = 1.0
+    """An adapter's homes stay its only candidates unless the soonest of them finishes later than ``1 + margin`` times
+    the soonest other candidate, its swap included (adapterhomes.py), >= 0."""
+    dynamic_loading: bool = False
+    """Load an adapter no engine lists on the engine where it costs least, unloading that engine's least recently used
+    one sluice loaded (adapterloads.py), on engines that allow it."""
+    loads_per_minute: int = 6
+    """Dynamic loads per engine in any 60 s, >= 1."""
+    load_timeout_s: float = 30.0
+    """Seconds one load or unload request to an engine may take before it counts as failed."""
+    paths: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Adapter -> the path an engine loads it from (vLLM's ``lora_path``); only adapters with one are loaded."""
 
     def __post_init__(self) -> None:
-        if type(self.base_models) is not MappingProxyType:
-            object.__setattr__(self, "base_models", MappingProxyType(dict(self.base_models)))
+        for name in ("base_models", "paths"):
+            if type(getattr(self, name)) is not MappingProxyType:
+                object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
 
 def base_of(model: str, fleet: Fleet, configured: Mapping[str, str]) -> str | None:

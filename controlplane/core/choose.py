@@ -4,9 +4,10 @@
 to the prefix's holders) and applies the fit rules (fit.py) and the estimates (route.py, whose docstring holds the
 formulas). With a TTFT deadline: the band's weighted pick, else park (``ttft_deadline``) or shed (``ttft_unmeetable``)
 when no engine meets it. Without: the soonest charged finish (affinity.charged_finish), a near tie, or a park for a
-busy faster engine within work conservation's bound (``waiting_for_faster``). Nothing fits: park on the first blocking
-fit rule (a ``sheddable`` request is shed ``saturated``). The fleet index (indexed.py) reuses ``finish_soonest`` and
-``admit`` so that both paths decide alike.
+busy faster engine within work conservation's bound (``waiting_for_faster``). A LoRA adapter's estimates are first
+charged its evictions and kept to its homes (adapterhomes.py). Nothing fits: park on the first blocking fit rule (a
+``sheddable`` request is shed ``saturated``). The fleet index (indexed.py) reuses ``finish_soonest`` and ``admit`` so
+that both paths decide alike.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from controlplane.core import adapters
+from controlplane.core.adapterhomes import placed
 from controlplane.core.affinity import charged_finish
 from controlplane.core.engines import EngineView
 from controlplane.core.fit import effective_load, misfits, need_tokens
@@ -70,6 +73,11 @@ def choose(request: InferenceRequest, found: Candidates, fleet: Fleet, policy: P
     estimates = [estimate(e, request, not blocked[e.name], fleet, policy, now, pressure, behind, hit(e),
                           waiting.get(e.name, 0), displaced.get(e.name, 0))
                  for e in candidates if not blocked[e.name] or blocked[e.name] == (Reason.CAP,)]
+    known = adapters.known_adapters(fleet, policy.adapters)
+    if model in known:
+        estimates = placed(model, estimates, candidates, fleet, policy.adapters.load_headroom,
+                           policy.adapters.home_margin, known,
+                           {e.name: capacity_throughput(e, fleet, policy) for e in candidates})
     idle_slot = False  # with a deadline, a slot is free now (a PARK below: none it could start on meets the deadline)
     if deadline_s is not None and estimates:
         meeting = [x for x in estimates if x.ttft_s <= deadline_s]

@@ -1,9 +1,10 @@
 """The admission decision, pure: ``decide(request, fleet, policy, now, ...) -> Decision``. No I/O, no clock, no HTTP: a
 verdict, a reason and a detail (the edge, ``controlplane/edge.py``, maps each reason to a status and an OpenAI error).
 
-``decide`` refuses first, at no cost: an unknown model (``unknown_model``), every engine serving it drained or stale
-(``no_ready_engine``) or below its version floor (``version_floor``), prompt + max_tokens beyond every candidate's
-``max_model_len`` or KV budget (``context_length_exceeded``). The candidates are then the engines serving the model, at
+``decide`` refuses first, at no cost: an unknown model (``unknown_model``; ``no_ready_engine`` for an adapter dynamic
+loading could load but has not, core/adapterloads.py), every engine serving it drained or stale (``no_ready_engine``)
+or below its version floor (``version_floor``), prompt + max_tokens beyond every candidate's ``max_model_len`` or KV
+budget (``context_length_exceeded``). The candidates are then the engines serving the model, at
 or above its floor, fresh (or stale when ``on_stale: open`` and no fresh one exists: ``stale_fail_open``); with
 ``prefix_max_replicas`` R > 0, once R candidates hold the request's prefix only they remain (R = 0: ``holders_limit``
 follows the prefix's load). With a TTFT deadline, a request that even an idle candidate cannot prefill in time is shed
@@ -73,6 +74,9 @@ def candidates_for(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
     serving = [e for e in fleet.engines if e.serves(model) and not e.drained and (base is None or e.serves(base))]
     if not serving and any(e.serves(model) and (base is None or e.serves(base)) for e in fleet.engines):
         return shed(Reason.NO_READY_ENGINE, f"every engine serving {model} is drained", policy.retry_after_max_s)
+    if not serving and policy.adapters.dynamic_loading and model in policy.adapters.paths:
+        return shed(Reason.NO_READY_ENGINE, f"no engine has the adapter {model} loaded, and none could load it now "
+                    "(adapters.loads_per_minute, or the load failed)", policy.retry_after_min_s)
     if not serving:
         return refuse(RequestError(Reason.UNKNOWN_MODEL, f"The model `{model}` does not exist."))
     floor = policy.floor_for(model, base)

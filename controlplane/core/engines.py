@@ -145,6 +145,9 @@ class EngineView:
     against the estimates (core/feedback.py; the core sets it, 1 until the access log shows the engine slower)."""
     max_loras: int | None = None
     """Configured adapter slots (``engines[].max_loras``; vLLM's ``--max-loras``); None: what the engine reports."""
+    lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters the engine lists as loaded outside its model list (llama.cpp's ``/lora-adapters``: each file's
+    name, a request picks them by id and scale, not by model name); shown, not routed on."""
 
     def serves(self, model: str) -> bool:
         return any(m.model_id == model for m in self.models)

@@ -174,6 +174,9 @@ class Fleet:
     """engine -> the adapters sluice admitted there, most recent first (what its slots probably hold)."""
     adapter_swap_s: Mapping[str, float] = field(default_factory=_empty)
     """engine -> its learned adapter swap in seconds (core/adapters.py, ``SwapBook``); missing: the policy's prior."""
+    adapter_shares: Mapping[str, float] = field(default_factory=_empty)
+    """adapter -> its share of its base model's recent adapter admissions (core/adapterhomes.py, ``AdapterShares``), for
+    base models with enough of them; empty: unknown."""
 
     def __post_init__(self) -> None:
         if type(self.ledger) not in _READ_ONLY:

@@ -4,11 +4,12 @@ decides on. Sans-I/O, time passed in.
 Every ticket event goes through here (``_admit``, ``retract``, ``release``, ``note_probe``'s idle reaping,
 ``expire_leases``, ``learn``), and so does a reload (``set_policy``): the shell never writes to the ledger itself. Each
 admission is recorded everywhere it counts: the ledger, the serve counts, the session map, its tenant's fair-share
-counter (fairshare.py), the prefix index (prefix.py) and, for a LoRA adapter, the engine's recent adapters. What the
-access log reports teaches the core: output lengths (output_length.py), prompt tokens (prompt_tokens.py), TTFT
-corrections (feedback.py), adapter swaps (adapters.py); every fleet the core builds (``fleet``, ``indexed_fleet``,
-``refreshed``) carries what it learned. ``_frees`` counts the slots freed (releases, reaped and lapsed tickets, changed
-corrections, reloads): a parked request that declined a free slot is decided again after any of them.
+counter (fairshare.py), the prefix index (prefix.py) and, for a LoRA adapter, the engine's recent adapters and the
+adapter's share (adapterhomes.py). What the access log reports teaches the core: output lengths (output_length.py),
+prompt tokens (prompt_tokens.py), TTFT corrections (feedback.py), adapter swaps (adapters.py); every fleet the core
+builds (``fleet``, ``indexed_fleet``, ``refreshed``) carries what it learned. ``_frees`` counts the slots freed
+(releases, reaped and lapsed tickets, changed corrections, reloads): a parked request that declined a free slot is
+decided again after any of them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
+from controlplane.core.adapterhomes import AdapterShares
 from controlplane.core.adapters import SwapBook, discovered_bases
 from controlplane.core.decide import decide
 from controlplane.core.engines import EngineSample, EngineView
@@ -79,6 +81,8 @@ class FleetState:
         self.fair = TenantCounters()
         """Each tenant's virtual token counter per model (fairshare.py), charged at every admission here."""
         self.swaps = SwapBook(policy.adapters.swap_min_samples)
+        self.adapter_shares = AdapterShares()
+        """Each adapter's share of its base model's recent admissions (adapterhomes.py)."""
         self.service_times = ServiceTimes()
         self.preemptible = Preemptible()
         """Sheddable admissions whose streams the shell can end (preempt.py; only with ``preempt_sheddable``)."""
@@ -104,7 +108,7 @@ class FleetState:
         return Fleet(engines, MappingProxyType({e.name: self.ledger.view(e.name) for e in engines}), self.admit_stale,
                      rates or RateTables(), recent, self.output_lengths.snapshot(), self.output_lengths.tails(now),
                      last_served=last, adapters=self._note_adapters(engines), adapter_recent=self._recent_view,
-                     adapter_swap_s=self.swaps.learned())
+                     adapter_swap_s=self.swaps.learned(), adapter_shares=self.adapter_shares.shares())
 
     def indexed_fleet(self, now: float, rates: RateTables | None = None) -> Fleet:
         """The fleet as noted through ``note_view``, with its index: only the rows whose engine's view, tickets or serve
@@ -115,7 +119,7 @@ class FleetState:
         recent, last = self._serves_at(now)
         return Fleet(engines, ledger, self.admit_stale, rates or RateTables(), recent, self.output_lengths.snapshot(),
                      self.output_lengths.tails(now), index, last, self._adapters_view, self._recent_view,
-                     self.swaps.learned())
+                     self.swaps.learned(), self.adapter_shares.shares())
 
     def refreshed(self, fleet: Fleet, now: float) -> Fleet:
         """``fleet`` with what the core itself changed since it was built (tickets, serve counts): after an admission the
@@ -126,7 +130,7 @@ class FleetState:
         return replace(fleet, ledger=MappingProxyType({e.name: self.ledger.view(e.name) for e in fleet.engines}),
                        recent_serves=recent, last_served=last, expected_output=self.output_lengths.snapshot(),
                        output_tails=self.output_lengths.tails(now), adapter_recent=self._recent_view,
-                       adapter_swap_s=self.swaps.learned())
+                       adapter_swap_s=self.swaps.learned(), adapter_shares=self.adapter_shares.shares())
 
     def _serves_at(self, now: float) -> tuple[DecayedServes, LastServed]:
         """The serve counts as a fleet reads them, from one snapshot: decayed to ``now``, and when each engine was last
@@ -319,6 +323,7 @@ class FleetState:
             self.preemptible.admitted(ticket.ticket_id)
         if self.is_adapter(request.model):
             self._note_adapter(decision.engine, request.model, now)
+            self._note_share(request.model)
             self._timed[ticket.ticket_id] = (decision.engine, decision.expected_ttft_s, decision.swap_s)
             while len(self._timed) > TIMED_TICKETS:
                 self._timed.popitem(last=False)
@@ -332,6 +337,11 @@ class FleetState:
         while len(recent) > ADAPTER_MEMORY:
             del recent[next(iter(recent))]
         self._recent_view = MappingProxyType({**self._recent_view, engine: tuple(reversed(recent))})
+
+    def _note_share(self, adapter: str) -> None:
+        base = self._adapter_bases.get(adapter) or self.policy.adapters.base_models.get(adapter)
+        if base is not None:
+            self.adapter_shares.note(adapter, base)
 
     def _expected_tokens(self, request: InferenceRequest) -> tuple[float, float]:
         """A request's charge before it runs: its prompt estimate and its expected output (the model's learned mean,
@@ -360,6 +370,8 @@ class FleetState:
         if not known:
             self.serves.add(ticket.engine, min(now, ticket.admitted_at))
             self.index.note_serve(ticket.engine)
+            if self.is_adapter(ticket.model):
+                self._note_share(ticket.model)
         self.sessions.set(session, ticket.engine)
         if self.policy.prefix_routing:
             self.prefixes.note(ticket.engine, prefix_blocks)

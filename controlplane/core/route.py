@@ -139,9 +139,8 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
              displaced_tokens: int = 0) -> Estimate:
     """The module docstring's estimate of ``request`` on ``engine``. ``ahead``: parked requests ahead of it that wait
     for this engine in particular (each takes one of its slots first); ``displaced_tokens``: prompt tokens of other
-    prefixes the engine would evict to cache this prompt (affinity.py). With a swap, ``stall = swap x (min(load, cap)
-    + evicts)``: every request already there is that much later, and with every adapter slot taken (``evicts`` 1)
-    another adapter's next request loads it again."""
+    prefixes the engine would evict to cache this prompt (affinity.py). With a swap, ``stall = swap x min(load, cap)``:
+    every request already there is that much later (what the adapter it evicts costs is adapterhomes.py's charge)."""
     assert request.model is not None
     cached_tokens = min(cached_tokens, max(0, request.prompt_tokens - 1))
     load = effective_load(engine, fleet)
@@ -162,11 +161,7 @@ def estimate(engine: EngineView, request: InferenceRequest, fits: bool, fleet: F
     known = adapters.known_adapters(fleet, policy.adapters)
     swap = adapters.swap_s(engine, request.model, fleet, policy.adapters, known) if request.model in known else 0.0
     ttft = wait + swap + (prefill_s + 1.0 / rate) * engine.ttft_correction
-    stall = 0.0
-    if swap:
-        slots = engine.adapter_slots
-        evicts = 1 if slots is not None and len(adapters.resident(engine, fleet, known)) >= slots else 0
-        stall = swap * ((min(load, cap) if cap is not None else load) + evicts)
+    stall = swap * (min(load, cap) if cap is not None else load)
     return Estimate(engine, fits, wait, ttft, ttft + decode_s, rate, cached_tokens, rate_in, swap, stall,
                     policy.prefix_eviction_charge * displaced_tokens / rate_in)
 

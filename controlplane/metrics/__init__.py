@@ -66,6 +66,10 @@ class SluiceMetrics:
         self.admission_decisions = Counter(
             "sluice_admission_decisions", "Final answer to every Check.", ["model", "verdict", "reason"], registry=r
         )
+        self.adapter_loads = Counter(
+            "sluice_adapter_loads", "LoRA adapter loads and unloads sent to engines (adapters.dynamic_loading).",
+            ["engine", "action", "outcome"], registry=r,
+        )
         self.admission_parked = Counter(
             "sluice_admission_parked", "Requests that had to park before their answer.", ["model"], registry=r
         )

@@ -5,7 +5,7 @@ JSON each endpoint returns; the poller fetches.
 |---|---|---|---|---|
 | vLLM | ``/v1/models``, ``/version`` | ``version`` | from metrics (``cache_config_info``) | configured only |
 | SGLang | ``/v1/models``, ``/server_info``, ``/v1/loads`` | ``version`` | ``max_total_num_tokens`` (summed over DP ranks) | ``max_running_requests`` |
-| llama.cpp | ``/v1/models``, ``/props`` | ``build_info`` | per-slot ``n_ctx`` x ``total_slots`` | ``total_slots`` |
+| llama.cpp | ``/v1/models``, ``/props``, ``/lora-adapters`` | ``build_info`` | per-slot ``n_ctx`` x ``total_slots`` | ``total_slots`` |
 | TGI | ``/info`` | ``version`` | - | ``max_concurrent_requests`` |
 """
 
@@ -21,7 +21,7 @@ from controlplane.core.engines import Flavor
 DISCOVERY_PATHS: dict[Flavor, tuple[str, ...]] = {
     Flavor.VLLM: ("/version",),
     Flavor.SGLANG: ("/server_info", "/v1/loads"),
-    Flavor.LLAMACPP: ("/props",),
+    Flavor.LLAMACPP: ("/props", "/lora-adapters"),
     Flavor.TGI: ("/info",),
 }
 
@@ -32,6 +32,8 @@ class Discovery:
     version: str | None = None
     kv_capacity_tokens: int | None = None
     max_concurrency: int | None = None
+    lora_adapters: tuple[str, ...] = ()
+    """llama.cpp: the adapters ``/lora-adapters`` lists (``parse_lora_adapters``)."""
 
 
 def _int(value: Any) -> int | None:
@@ -79,11 +81,27 @@ def parse_discovery(flavor: Flavor, models: tuple[ServedModel, ...], documents: 
         if per_slot:
             # One request can use one slot's context, whatever the model was trained for.
             models = tuple(ServedModel(m.model_id, per_slot, m.parent) for m in models)
-        return Discovery(models, _str(props.get("build_info")), capacity, slots)
+        return Discovery(models, _str(props.get("build_info")), capacity, slots,
+                         parse_lora_adapters(documents.get("/lora-adapters")))
     info = documents.get("/info") or {}
     if not models and isinstance(info.get("model_id"), str):
         models = (ServedModel(info["model_id"], _int(info.get("max_total_tokens"))),)
     return Discovery(models, _str(info.get("version")), None, _int(info.get("max_concurrent_requests")))
+
+
+def parse_lora_adapters(listing: Any) -> tuple[str, ...]:
+    """llama.cpp's ``GET /lora-adapters`` (``[{"id": 0, "path": "my_adapter_1.gguf", "scale": 0.0}, ...]``, every
+    adapter loaded at start with ``--lora``; ``scale`` 0 means not applied unless a request asks): each adapter's file
+    name without its directory and ``.gguf``, in id order; entries without a path are left out."""
+    if not isinstance(listing, list):
+        return ()
+    named: list[tuple[int, str]] = []
+    for entry in listing:
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and entry["path"]:
+            ident = entry.get("id")
+            name = entry["path"].replace("\\", "/").rsplit("/", 1)[-1]
+            named.append((ident if isinstance(ident, int) else len(named), name.removesuffix(".gguf") or name))
+    return tuple(name for _, name in sorted(named))
 
 
 def slots_kv_usage(slots: Any) -> float | None:

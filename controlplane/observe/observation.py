@@ -19,7 +19,7 @@ from typing import Any
 
 from controlplane.config import Config, EngineConfig, WorkerPriority
 from controlplane.core.admission import AdmissionCore
-from controlplane.core.engines import EngineRates, EngineView
+from controlplane.core.engines import EngineRates, EngineView, ServedModel
 from controlplane.core.fleet import Fleet
 from controlplane.core.output_length import lengths_from_buckets
 from controlplane.giveway import give_way
@@ -138,10 +138,12 @@ class Observation:
 
     def model_label(self, model: str | None) -> str:
         """A metrics label for ``model``: only models some engine serves, so clients cannot grow label cardinality."""
-        if model and (self.core.index.serves(model) if self._indexed is self.pollers
-                      else any(p.serves(model) for p in self.pollers)):
-            return model
-        return "-"
+        return model if model and self.serves(model) else "-"
+
+    def serves(self, model: str) -> bool:
+        """Whether some engine lists ``model`` (no staleness judgement; cheap enough for every Check)."""
+        return self.core.index.serves(model) if self._indexed is self.pollers else any(
+            p.serves(model) for p in self.pollers)
 
     def view_of(self, engine: str, now: float) -> EngineView | None:
         poller = self._by_name.get(engine) or self._find(engine)
@@ -155,6 +157,13 @@ class Observation:
         return {p.config.name: p.view(now).discovered_concurrency for p in self.pollers}
 
     # -- events ------------------------------------------------------------------------------------------------------
+    def note_adapter(self, engine: str, model_id: str, card: ServedModel | None) -> None:
+        """An adapter loaded (``card``) or unloaded (None) on ``engine`` at runtime: its model list shows it now."""
+        poller = self._by_name.get(engine) or self._find(engine)
+        if poller is not None:
+            poller.set_runtime_model(model_id, card)
+            self._note_view(poller, self.clock())
+
     def set_drained(self, name: str, drained: bool) -> bool:
         poller = self._find(name)
         if poller is None:

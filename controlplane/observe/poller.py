@@ -135,6 +135,8 @@ class EnginePoller:
         that does not read) or lacked a required gauge: whole expositions only, from then on (``poll_once``)."""
         self.failures = 0
         self.probes = 0
+        self._runtime: dict[str, tuple[ServedModel | None, float]] = {}
+        """Adapters loaded (their card) or unloaded (None) at runtime, and when, until the engine's model list agrees."""
 
     @property
     def flavor(self) -> Flavor | None:
@@ -151,6 +153,24 @@ class EnginePoller:
 
     def set_drained(self, drained: bool) -> None:
         self._view = replace(self._view, drained=drained)
+
+    def set_runtime_model(self, model_id: str, card: ServedModel | None) -> None:
+        """An adapter sluice loaded (``card``) or unloaded (None) on this engine: listed so at once, until the
+        engine's own model list (discovery here, or the probe worker's) agrees."""
+        self._runtime[model_id] = (card, self._clock())
+        self._view = self._with_runtime(self._view)
+
+    def _with_runtime(self, view: EngineView, listed_since: float | None = None) -> EngineView:
+        """``view`` with the runtime loads and unloads its model list does not show yet; those it shows, and those
+        older than ``listed_since`` (when the listing that ``view`` carries was asked for), are dropped."""
+        listed = {m.model_id for m in view.models}
+        for model_id, (card, at) in list(self._runtime.items()):
+            if (card is not None) == (model_id in listed) or (listed_since is not None and at < listed_since):
+                del self._runtime[model_id]
+        if not self._runtime:
+            return view
+        kept = tuple(m for m in view.models if m.model_id not in self._runtime)
+        return replace(view, models=kept + tuple(c for c, _ in self._runtime.values() if c is not None))
 
     def note_failure(self, at: float, why: str) -> None:
         """A request to this engine failed before its first byte (seen by Envoy): treat the engine as stale at once, not
@@ -223,6 +243,7 @@ class EnginePoller:
             self._failed_at = None
         if view.last_ok_at is not None and view.last_ok_at != self._view.last_ok_at:
             self.probes += 1
+        view = self._with_runtime(view)
         self._view = view if view.drained == self._view.drained else replace(view, drained=self._view.drained)
 
     async def _get(self, path: str, *, as_json: bool, optional: bool = False) -> Any:
@@ -318,6 +339,7 @@ class EnginePoller:
         self._self_checked = True
 
     async def _discover(self, flavor: Flavor) -> None:
+        asked_at = self._clock()
         listing = await self._get("/v1/models", as_json=True, optional=flavor is Flavor.TGI)
         documents = {}
         for path in DISCOVERY_PATHS[flavor]:
@@ -333,4 +355,6 @@ class EnginePoller:
             version=found.version or self._view.version,
             discovered_capacity_tokens=found.kv_capacity_tokens,
             discovered_concurrency=found.max_concurrency,
+            lora_adapters=found.lora_adapters,
         )
+        self._view = self._with_runtime(self._view, asked_at)  # the engine's own list wins over older runtime changes

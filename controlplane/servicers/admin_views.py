@@ -103,7 +103,7 @@ def engine_proto(e: EngineView, fleet: Fleet, now: float, open_tickets: int,
         adapter_slots=e.adapter_slots or 0,
         adapters_running=list(s.lora_running or ()) if s else [],
         adapters_waiting=list(s.lora_waiting or ()) if s else [],
-        adapters_loaded=list(adapters.resident(e, fleet, known)),
+        adapters_loaded=list(dict.fromkeys((*adapters.resident(e, fleet, known), *e.lora_adapters))),
         adapter_swap_seconds=fleet.adapter_swap_s.get(e.name, (adapter_policy or AdapterPolicy()).swap_s),
         adapter_swap_samples=swap_samples,
     )

@@ -46,10 +46,10 @@ class Claim:
     Left with a member the store refused for the line alone (``Refusal.QUEUED``: it fitted, someone was ahead), it is
     that member's *claim*: whenever the line or capacity changes (every ``reserve``, ``release``, expiry, ``park``,
     ``unpark`` and a dead replica's removal) the store admits the line's heads on their claims, in line order (critical
-    before standard), while the head's claim is fresh (``fresh_s``) and fits the engine's cap and KV exactly; it stops at
-    the first head that has none, or whose claim does not fit (kept while fresh). Each such admission is a ``CLAIMED``
-    event every replica hears, the one holding the Check too. A ``reserve`` that takes a member out of line drops its
-    claim."""
+    before standard), while the head's claim is fresh (``fresh_s``) and fits the engine's cap, KV and adapter slots
+    exactly; it stops at the first head that has none, or whose claim does not fit (kept while fresh). Each such
+    admission is a ``CLAIMED`` event every replica hears, the one holding the Check too. A ``reserve`` that takes a
+    member out of line drops its claim."""
 
     ticket: Ticket
     cap: int | None
@@ -71,6 +71,11 @@ class Claim:
     charge: FairCharge | None = None
     """Fair share in the store (decision 0025): the written admission adds ``charge.cost`` to its tenant's counter for
     the model in the same step, and the store keeps the charge for ``Store.settle`` (None: nothing charged)."""
+    adapter_slots: int | None = None
+    """The engine's LoRA adapter slots, for a ticket whose model is an adapter (None: not checked): refused
+    ``ADAPTER_SLOTS`` when the engine's open tickets already use that many distinct adapters, none of them this one."""
+    plain_models: tuple[str, ...] = ()
+    """The engine's models that are not adapters (base models): their tickets hold no adapter slot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +99,8 @@ class Refusal(enum.StrEnum):
     KV = "kv"
     QUEUED = "queued"
     EXISTS = "exists"
+    ADAPTER_SLOTS = "adapter_slots"
+    """Every adapter slot of the engine is held by open tickets of other adapters (``Claim.adapter_slots``)."""
     UNAVAILABLE = "unavailable"
     """Never from a store: the admission service's own answer when the store cannot be reached (``on_failure: closed``)."""
 

@@ -193,6 +193,10 @@ class MemoryState:
             return Refusal.CAP
         if claim.kv_limit is not None and self.kv.get(t.engine, 0) + t.reserved_tokens > claim.kv_limit:
             return Refusal.KV
+        if claim.adapter_slots is not None and t.model not in claim.plain_models:
+            held = {self.tickets[i][0].model for i in self.by_engine.get(t.engine, ())} - set(claim.plain_models)
+            if t.model not in held and len(held) >= claim.adapter_slots:
+                return Refusal.ADAPTER_SLOTS
         return None
 
     def serve(self, engine: str, at: float, half_life_s: float) -> None:

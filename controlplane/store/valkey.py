@@ -94,7 +94,8 @@ def _claim_text(claim: Claim, owner: str, session_ttl_s: float) -> str:
     return json.dumps([_record(claim.ticket, owner), -1 if claim.cap is None else claim.cap,
                        -1 if claim.kv_limit is None else claim.kv_limit, claim.session or "", claim.fresh_s,
                        blocks_text(claim.prefix_blocks), int(session_ttl_s), TICKET_KEY_GRACE_S,
-                       claim.serve_half_life_s, _charge_text(claim.charge)])
+                       claim.serve_half_life_s, _charge_text(claim.charge),
+                       -1 if claim.adapter_slots is None else claim.adapter_slots, list(claim.plain_models)])
 
 
 class _Liveness(threading.Thread):
@@ -198,11 +199,12 @@ class ValkeyStore:
         await self._subscriber.aclose()
 
     def _reserve_args(self, claim: Claim) -> list[Any]:
-        """``reserve``'s arguments after the prefix (the scripts' ``reserve(A)``, A[2..12])."""
+        """``reserve``'s arguments after the prefix (the scripts' ``reserve(A)``, A[2..15])."""
         return [json.dumps(_record(claim.ticket, self.replica_id)), -1 if claim.cap is None else claim.cap,
                 -1 if claim.kv_limit is None else claim.kv_limit, claim.queue.value, claim.klass, claim.session or "",
                 int(self.session_ttl_s), TICKET_KEY_GRACE_S, blocks_text(claim.prefix_blocks), claim.fresh_s,
-                claim.serve_half_life_s, _charge_text(claim.charge)]
+                claim.serve_half_life_s, _charge_text(claim.charge),
+                -1 if claim.adapter_slots is None else claim.adapter_slots, json.dumps(list(claim.plain_models))]
 
     async def reserve(self, claim: Claim) -> Reserved:
         answer = await self._run("reserve", *self._reserve_args(claim))

@@ -188,10 +188,22 @@ local function write(r, grace)
   redis.call('HINCRBY', p .. ':kv', engine, tonumber(r[6]))
   redis.call('ZADD', p .. ':leases', r[5], id)
 end
-local function fits(r, cap, kvlimit)
+local function fits(r, cap, kvlimit, slots, plain)
   if cap >= 0 and redis.call('SCARD', p .. ':e:' .. r[2]) >= cap then return 'cap' end
   local held = tonumber(redis.call('HGET', p .. ':kv', r[2]) or '0')
   if kvlimit >= 0 and held + tonumber(r[6]) > kvlimit then return 'kv' end
+  if slots and slots >= 0 then  -- adapter slots: the distinct models of the engine's tickets, base models aside
+    local skip = {}
+    for _, m in ipairs(plain or {}) do skip[m] = true end
+    if skip[r[3]] then return nil end
+    local seen, n = {}, 0
+    for _, tid in ipairs(redis.call('SMEMBERS', p .. ':e:' .. r[2])) do
+      local m = redis.call('HGET', p .. ':t:' .. tid, 'model')
+      if m == r[3] then return nil end
+      if m and not skip[m] and not seen[m] then seen[m], n = true, n + 1 end
+    end
+    if n >= slots then return 'adapter_slots' end
+  end
   return nil
 end
 local function admit(r, session, session_ttl, grace, hl, charge)
@@ -201,7 +213,7 @@ local function admit(r, session, session_ttl, grace, hl, charge)
   if charge and charge ~= '' then fair_charge(r[3], r[1], charge, r[5], grace) end
 end
 -- A claim: {record, cap, kv limit, session, until (server time), block hashes, session ttl, grace, serve half-life,
--- fair charge ('' for none)}
+-- fair charge ('' for none), adapter slots (-1: none), the engine's base models}
 local function drain(model)
   local n, now = 0, nil
   local claims = {}
@@ -222,7 +234,7 @@ local function drain(model)
         redis.call('HDEL', ckey, head)
         return n
       end
-      if fits(r, tonumber(c[2]), tonumber(c[3])) then return n end
+      if fits(r, tonumber(c[2]), tonumber(c[3]), tonumber(c[11] or -1), c[12]) then return n end
       admit(r, c[4], c[7], tonumber(c[8]), tonumber(c[9]), c[10])
       local replica = string.match(head, '^(.-)|')
       leave(q, replica, r[1])
@@ -250,7 +262,8 @@ end
 # that ``offer`` runs both in one step.
 # reserve's A: prefix, ticket record (JSON array), cap (-1: none), kv limit (-1: none), queue rule, class, session,
 #       session ttl s, key grace s, the prompt's block hashes (hex, only passed on), claim fresh s, serve half-life s,
-#       fair charge (JSON; '' for none). A FAIR refusal carries the model's counters (``fair_state``).
+#       fair charge (JSON; '' for none), adapter slots (-1: none), the engine's base models (JSON list). A FAIR
+#       refusal carries the model's counters (``fair_state``).
 # park's A: prefix, queue key suffix, replica, request id, now (shared time), model, claim (JSON, its fourth field
 #       fresh s; '' for none), '1' when the member counts for a tenant (then lifted), the tenant. Returns when the
 #       request first parked.
@@ -260,6 +273,7 @@ local function reserve(A)
   local id, engine, model, owner = r[1], r[2], r[3], r[9]
   local cap, kvlimit, rule, klass = tonumber(A[3]), tonumber(A[4]), A[5], tonumber(A[6])
   local session, fresh, hl = A[7], tonumber(A[11]), tonumber(A[12])
+  local slots, plain = tonumber(A[14]), cjson.decode(A[15])
   drain(model)
   if redis.call('EXISTS', p .. ':t:' .. id) == 1 then return {'exists'} end
   local mine = owner .. '|' .. id
@@ -280,13 +294,14 @@ local function reserve(A)
     if queued then
       if rule == 'oldest' and fresh > 0 and redis.call('ZSCORE', p .. ':q:' .. q, mine) then
         redis.call('HSET', p .. ':c:' .. q, mine, cjson.encode({r, cap, kvlimit, session, clock() + fresh, A[10],
-                                                               tonumber(A[8]), tonumber(A[9]), hl, A[13]}))
+                                                               tonumber(A[8]), tonumber(A[9]), hl, A[13], slots,
+                                                               plain}))
       end
       if fair then return {'queued', fair_state(model)} end
       return {'queued'}
     end
   end
-  local why = fits(r, cap, kvlimit)
+  local why = fits(r, cap, kvlimit, slots, plain)
   if why then
     local out = {why}
     for _, tid in ipairs(redis.call('SMEMBERS', p .. ':e:' .. engine)) do
@@ -381,13 +396,13 @@ _PARK = _LIB + _LINE_LIB + r"""
 return park(ARGV)
 """
 
-# ARGV: prefix, reserve's A[2..13], park's A[2..9]. Offers a park as an arrival (``reserve``); refused, parks it (with
+# ARGV: prefix, reserve's A[2..15], park's A[2..9]. Offers a park as an arrival (``reserve``); refused, parks it (with
 # its claim only when refused for the line alone). Returns {'ok'}, or {refusal, first park time, the engine's
 # tickets on a CAP or KV refusal...}.
 _OFFER = _LIB + _LINE_LIB + r"""
 local R, P = {ARGV[1]}, {ARGV[1]}
-for i = 2, 13 do R[i] = ARGV[i] end
-for i = 14, 21 do P[i - 12] = ARGV[i] end
+for i = 2, 15 do R[i] = ARGV[i] end
+for i = 16, 23 do P[i - 14] = ARGV[i] end
 local out = reserve(R)
 if out[1] == 'ok' then return out end
 if out[1] ~= 'queued' then P[7] = '' end

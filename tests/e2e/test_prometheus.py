@@ -49,7 +49,9 @@ EVENT_ONLY = {"sluice_engine_retries_total", "sluice_engine_request_failures_tot
               # an engine that held prompts restarting or being drained (test_prefix.py's world, not this one)
               "sluice_prefix_index_forgotten_total",
               # a sheddable stream ended for a critical request: off by default (test_preempt.py's world)
-              "sluice_preempted_total"}
+              "sluice_preempted_total",
+              # dynamic LoRA loading, off here (test_lora.py's world)
+              "sluice_adapter_loads_total"}
 TENANT_KEY = "sk-observer"
 """The one tenant's key: every request but one (a wrong key, for the refusal counters) sends it."""
 THRESHOLD = re.compile(r"^(?P<base>.+?)\s*(?:==|!=|>=|<=|>|<)\s*-?[0-9.e+]+\s*$", re.S)

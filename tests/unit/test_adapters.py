@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controlplane.core.adapterhomes import placed
 from controlplane.core.adapters import AdapterPolicy, resident
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.decide import decide
@@ -208,7 +209,10 @@ def test_a_swap_is_charged_for_the_requests_it_stalls() -> None:
     x = estimate(busy, ask("sql"), True, f, P, 0.0)
     assert x.swap_s == 2.0 and x.stall_s == 2.0 * 3
     assert estimate(idle, ask("sql"), True, f, P, 0.0).stall_s == 0.0
-    # Its one slot holds another adapter: loading this one evicts it, and its next request there reloads it.
+    # Its one slot holds another adapter: loading this one evicts it, and (no shares known) its next request there
+    # reloads it: a whole swap more in the choice.
     full = fleet(busy, idle, recent={"busy": ("chat",)})
-    assert estimate(busy, ask("sql"), True, full, P, 0.0).stall_s == 2.0 * (3 + 1)
+    charged = placed("sql", [estimate(busy, ask("sql"), True, full, P, 0.0)], [busy], full, 1.5, 0.25, full.adapters,
+                     {})
+    assert charged[0].stall_s == 2.0 * (3 + 1)
     assert estimate(busy, ask(BASE), True, f, P, 0.0).stall_s == 0.0

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from controlplane.core.engines import Flavor, ServedModel
-from controlplane.observe.discovery import Discovery, parse_discovery, parse_models, slots_kv_usage
+from controlplane.observe.discovery import (Discovery, parse_discovery, parse_lora_adapters, parse_models,
+                                            slots_kv_usage)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-metrics"
 
@@ -54,6 +55,24 @@ def test_parse_discovery(flavor: Flavor, documents: dict[str, Any], expected: Di
     assert parse_discovery(flavor, M, documents) == expected
 
 
+LLAMACPP_LORA_ADAPTERS = """[
+    {"id": 0, "path": "my_adapter_1.gguf", "scale": 0.0},
+    {"id": 1, "path": "/models/lora/code-assist.gguf", "scale": 0.8}
+]"""
+"""llama.cpp's ``GET /lora-adapters`` as tools/server/README.md documents it (``[{id, path, scale}]``, adapters loaded
+with ``--lora``), the second entry with a full path."""
+
+
+def test_llamacpp_lora_adapters_are_read_at_discovery() -> None:
+    """Each adapter by its file's name, in id order; ``sluice admin engines`` shows them as the engine's adapters."""
+    listing = json.loads(LLAMACPP_LORA_ADAPTERS)
+    assert parse_lora_adapters(listing) == ("my_adapter_1", "code-assist")
+    found = parse_discovery(Flavor.LLAMACPP, M, {"/props": {"total_slots": 1}, "/lora-adapters": listing})
+    assert found.lora_adapters == ("my_adapter_1", "code-assist")
+    assert parse_lora_adapters(list(reversed(listing))) == ("my_adapter_1", "code-assist")
+    assert parse_lora_adapters({"error": "not found"}) == () and parse_lora_adapters([{"id": 2}]) == ()
+
+
 def test_tgi_without_v1_models_takes_the_model_from_info() -> None:
     found = parse_discovery(Flavor.TGI, (), {"/info": {"model_id": "bigscience/bloom", "max_total_tokens": 2048}})
     assert found.models == (ServedModel("bigscience/bloom", 2048),)
@@ -86,3 +105,18 @@ def test_probe_backoff_doubles_from_the_interval_up_to_the_cap() -> None:
         poller.failures = failures
         delays.append(poller.backoff_s())
     assert delays == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+def test_admin_engines_shows_a_llamacpp_engines_adapters() -> None:
+    """``sluice admin engines``: the adapters column of a llama.cpp engine lists what ``/lora-adapters`` named."""
+    from controlplane.core.engines import EngineView
+    from controlplane.core.feedback import TtftSummary
+    from controlplane.core.fleet import Fleet
+    from controlplane.servicers.admin_views import engine_proto
+    from sluice.admincli import _adapters
+
+    view = EngineView(name="llama", url="http://llama", max_num_seqs=1, models=M, flavor=Flavor.LLAMACPP,
+                      lora_adapters=parse_lora_adapters(json.loads(LLAMACPP_LORA_ADAPTERS)))
+    shown = engine_proto(view, Fleet((view,)), 0.0, 0, (None, None), TtftSummary(0, None, None, None), None)
+    assert list(shown.adapters_loaded) == ["my_adapter_1", "code-assist"]
+    assert _adapters(shown) == "my_adapter_1,code-assist/?"

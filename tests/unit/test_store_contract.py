@@ -48,6 +48,29 @@ async def test_reserve_checks_kv_and_release_gives_it_back(stores: Factory) -> N
     assert (await b.reserve(Claim(ticket("y", reserved=500), cap=None, kv_limit=1000))).ok
 
 
+async def test_reserve_keeps_an_engines_adapter_slots_across_replicas(stores: Factory) -> None:
+    """Two replicas racing to start eight LoRA adapters on an engine of two adapter slots: two are admitted, the rest
+    refused ``adapter_slots`` with the engine's true tickets; the base model's tickets and an admitted adapter's next
+    request take no slot of their own; a release frees one."""
+    a, b = stores("a"), stores("b")
+    def claim(tid: str, model: str) -> Claim:
+        return Claim(ticket(tid, model=model), cap=None, kv_limit=None, adapter_slots=2, plain_models=("base",))
+
+    assert (await a.reserve(Claim(ticket("base-1", model="base"), cap=None, kv_limit=None))).ok
+    results = await asyncio.gather(*((a if i % 2 else b).reserve(claim(f"t{i}", f"lora-{i}")) for i in range(8)))
+    admitted = [f"t{i}" for i, r in enumerate(results) if r.ok]
+    assert len(admitted) == 2
+    refused = [r for r in results if not r.ok]
+    assert {r.refusal for r in refused} == {Refusal.ADAPTER_SLOTS}
+    assert all(len(r.engine_tickets) == 3 for r in refused), "the refusal lists the engine's tickets"
+    first = int(admitted[0][1:])
+    assert (await b.reserve(claim("again", f"lora-{first}"))).ok
+    assert (await b.reserve(claim("base-2", "base"))).ok
+    assert not (await a.reserve(claim("late", "lora-new"))).ok
+    await a.release(admitted[1])
+    assert (await a.reserve(claim("late", "lora-new"))).ok
+
+
 async def test_a_ticket_id_is_admitted_once(stores: Factory) -> None:
     a, b = stores("a"), stores("b")
     assert (await a.reserve(Claim(ticket("same"), cap=None, kv_limit=None))).ok
