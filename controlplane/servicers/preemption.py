@@ -2,7 +2,8 @@
 
 Only a sheddable admission with ``fairness.preempt_sheddable`` reaches here (route ``pinned_preemptible``). Its stream
 opens with the request's headers, whose ``x-sluice-ticket`` attaches it to its admission (``PreemptPort.attach``; a
-ticket this replica did not admit passes unprocessed); every message passes on unchanged at once until
+ticket this replica did not admit cannot be ended here, and its messages still make the round trip, passed on
+unchanged); every message passes on unchanged at once until
 ``Ending.end`` asks for its end:
 
 - before the response started: an unsolicited ``immediate_response`` (503, ``retry-after``, the OpenAI error
@@ -81,16 +82,17 @@ class PreemptionServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
         ticket = headers.get(TICKET_HEADER, "")
         ending = Ending()
         attached = bool(ticket) and self.port.attach(ticket, ending)
-        yield passed(first)
-        if not attached:  # nothing can end it: every message passes unchanged
-            async for message in requests:
-                yield passed(message)
-            return
-        try:
+        try:  # from the attach on: a stream closed or cancelled anywhere below is detached
+            yield passed(first)
+            if not attached:  # nothing here can end it: every message passes unchanged
+                async for message in requests:
+                    yield passed(message)
+                return
             async for answer in self._follow(requests, ending):
                 yield answer
         finally:
-            self.port.detach(ticket)
+            if attached:
+                self.port.detach(ticket)
 
     async def _follow(self, requests: AsyncIterator[ep.ProcessingRequest],
                       ending: Ending) -> AsyncIterator[ep.ProcessingResponse]:

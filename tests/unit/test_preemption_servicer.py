@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import cast
 
 import grpc
 import pytest
@@ -157,4 +158,21 @@ async def test_a_stream_that_ends_detaches(plane: ControlPlane,
     assert plane.admission.preemptible.attached == {ticket}
     unchanged(await envoy.ask(RESPONSE_HEADERS), "response_headers")
     await envoy.close()
+    assert not plane.admission.preemptible.attached and ticket not in plane.service._endings
+
+
+async def test_a_stream_closed_before_its_first_answer_was_taken_detaches(plane: ControlPlane) -> None:
+    """The stream attaches as its request headers arrive; closed right after (Envoy's message timeout, a client gone)
+    while its first answer is still being handed over, it is detached all the same: no ending left behind for good."""
+    ticket = await admitted(plane)
+
+    async def messages() -> AsyncIterator[ep.ProcessingRequest]:
+        yield request_headers(ticket)
+        await asyncio.Event().wait()  # nothing more comes
+
+    answers = cast(AsyncGenerator[ep.ProcessingResponse, None],
+                   PreemptionServicer(plane.service).Process(messages(), None))  # type: ignore[arg-type]
+    await anext(answers)
+    assert plane.admission.preemptible.attached == {ticket}
+    await answers.aclose()
     assert not plane.admission.preemptible.attached and ticket not in plane.service._endings
