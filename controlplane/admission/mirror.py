@@ -169,7 +169,8 @@ class LedgerMirror:
             del self.recently_released[next(iter(self.recently_released))]
 
     def learn_held(self, refused: Reserved, now: float) -> None:
-        """A CAP or KV refusal's list of the engine's tickets, into the ledger, except tickets released lately."""
+        """A CAP, KV or ADAPTER_SLOTS refusal's list of the engine's tickets, into the ledger, except tickets released
+        lately."""
         for held in refused.engine_tickets:
             if not self.released_lately(held.ticket_id):
                 self.core.learn(self.shared.to_local(held), None, now)
@@ -198,7 +199,8 @@ class LedgerMirror:
         capacity = view.kv_capacity_tokens
         policy = self.core.policy
         slots = view.adapter_slots if self.core.is_adapter(ticket.model) else None
-        plain = tuple(m.model_id for m in view.models if not self.core.is_adapter(m.model_id)) if slots else ()
+        plain = tuple(m.model_id for m in view.models if not self.core.is_adapter(m.model_id)) \
+            if slots is not None else ()
         return Claim(self.shared.to_shared(ticket), view.cap,
                      math.floor(capacity * policy.kv_high_watermark) if capacity else None,
                      request.session, outcome.rule, self.core.class_index(request), request.prefix_blocks,

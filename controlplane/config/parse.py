@@ -58,6 +58,13 @@ def parse_config(raw: Any, source: str = "<memory>") -> Config:
             f"envoy.stream_idle_timeout_seconds ({envoy.stream_idle_timeout_seconds:g}): a parked request is a silent "
             "stream, and Envoy's Check timeout is the idle timeout less 10 s"
         )
+    if policy.adapters.dynamic_loading and \
+            envoy.stream_idle_timeout_seconds < policy.adapters.load_timeout_s + 2 * AUTHZ_TIMEOUT_GRACE_S:
+        c.problems.append(
+            f"adapters.load_timeout_seconds: must stay {2 * AUTHZ_TIMEOUT_GRACE_S:g} s below "
+            f"envoy.stream_idle_timeout_seconds ({envoy.stream_idle_timeout_seconds:g}): a Check waits for the load, "
+            "and Envoy's Check timeout is the idle timeout less 10 s"
+        )
     if c.problems:
         raise ConfigError(c.problems)
     return Config(controlplane, envoy, observe, tickets, engines, source, policy, admin, store, tracing, tenants,

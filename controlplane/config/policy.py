@@ -246,11 +246,13 @@ class AdaptersConfig:
     request for it would finish soonest, swap included, among those with ``engines[].runtime_lora_updating`` (vLLM's
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: ``POST /v1/load_lora_adapter``); with as many adapters listed there as it has
     slots, the least recently used one sluice loaded is unloaded first (``/v1/unload_lora_adapter``). The request's
-    Check waits for the load (at most ``load_timeout_seconds``)."""
+    Check waits for the load (at most ``load_timeout_seconds``). Each replica loads on its own (two may load one adapter
+    on two engines, and the rate limit is per replica)."""
     loads_per_minute: int = field(default=_ADAPTERS.loads_per_minute, metadata=setting(minimum=1, maximum=10_000))
     """Dynamic loads sent to one engine in any 60 s; beyond it the engine is not chosen for a load."""
     load_timeout_seconds: float = field(default=_ADAPTERS.load_timeout_s, metadata=setting(minimum=0.1, maximum=600))
-    """How long one load or unload request to an engine may take before it counts as failed."""
+    """How long a dynamic load (the unload that makes room, then the load) may take before it counts as failed: the
+    longest a Check waits for it. With dynamic loading on, at least 20 s below ``envoy.stream_idle_timeout_seconds``."""
     paths: Mapping[str, str] = field(default_factory=dict, metadata=setting(placeholder="<adapter>"))
     """LoRA adapter -> the path an engine loads it from (vLLM's ``lora_path``), for dynamic loading; each needs its base
     in ``models``."""

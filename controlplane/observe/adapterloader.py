@@ -3,10 +3,14 @@
 "lora_path"}``, vLLM's ``LoadLoRAAdapterRequest``) and lists the result on the engine at once
 (``Observation.note_adapter``), before its next discovery.
 
-A Check for an adapter no engine lists waits for its load (``ensure``); one load is in flight per adapter, and every
-Check for it waits on that one. Each request sent is counted (``sluice_adapter_loads{engine, action, outcome}``) and
-logged; the rate limit is the core's (``LoadBook``). A failed load leaves the adapter unlisted: the Check is then
-answered as the core decides (no engine serves it).
+A Check for an adapter no engine lists waits for its load (``ensure``), at most ``adapters.load_timeout_seconds`` for
+the unload and the load together; one load is in flight per adapter, and every Check for it waits on that one. A plan
+is booked the moment it is made (``LoadBook``: the rate limit counts it, its victim is no longer ours to unload) and its
+victim is unlisted on the engine at once, before the unload is sent: concurrent plans never pick the same victim or
+pass the rate limit, and no Check is admitted to the victim meanwhile. Each request sent is counted
+(``sluice_adapter_loads{engine, action, outcome}``) and logged. A failed load (an error, a refusal, the deadline)
+leaves the adapter unlisted: the Check is then answered as the core decides (no engine serves it). All of this is one
+replica's: several replicas may each load an adapter (decision 0026).
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ class AdapterLoader:
             plan = plan_load(model, self.observation.fleet(now), self.core.policy, loadable, self.book, now)
             if plan is None:
                 return
+            self.book.note_load(plan.engine, plan.adapter, now)
+            if plan.unload is not None:
+                self.book.note_unload(plan.engine, plan.unload)
+                self.observation.note_adapter(plan.engine, plan.unload, None)
             pending = asyncio.ensure_future(self._carry_out(plan))
             self._pending[model] = pending
             pending.add_done_callback(lambda _: self._pending.pop(model, None))
@@ -69,20 +77,29 @@ class AdapterLoader:
         await asyncio.gather(*pending, return_exceptions=True)
 
     async def _carry_out(self, plan: LoadPlan) -> None:
+        """The unload (its victim already unlisted and booked out) and the load, within one deadline; whatever goes
+        wrong is a failed load, never an error for the Checks waiting on it."""
         view = self.observation.view_of(plan.engine, self.clock())
-        if view is None:
-            return
-        timeout = aiohttp.ClientTimeout(total=self.core.policy.adapters.load_timeout_s)
-        base = view.url.rstrip("/")
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            if plan.unload is not None and await self._post(http, base, plan.engine, "unload", plan.unload,
-                                                            {"lora_name": plan.unload}):
-                self.book.note_unload(plan.engine, plan.unload)
-                self.observation.note_adapter(plan.engine, plan.unload, None)
-            self.book.note_load(plan.engine, plan.adapter, self.clock())
-            if await self._post(http, base, plan.engine, "load", plan.adapter,
-                                {"lora_name": plan.adapter, "lora_path": plan.path}):
-                self.observation.note_adapter(plan.engine, plan.adapter, ServedModel(plan.adapter, None, plan.base))
+        loaded = False
+        try:
+            if view is not None:
+                base = view.url.rstrip("/")
+                async with asyncio.timeout(self.core.policy.adapters.load_timeout_s), aiohttp.ClientSession() as http:
+                    if plan.unload is not None:
+                        await self._post(http, base, plan.engine, "unload", plan.unload, {"lora_name": plan.unload})
+                    loaded = await self._post(http, base, plan.engine, "load", plan.adapter,
+                                              {"lora_name": plan.adapter, "lora_path": plan.path})
+        except TimeoutError:
+            self.metrics.adapter_loads.labels(plan.engine, "load", "failed").inc()
+            log.warning("adapter %s: load on engine %s failed: past adapters.load_timeout_seconds", plan.adapter,
+                        plan.engine)
+        except Exception:  # an engine's odd answer must not become every waiting Check's 500
+            self.metrics.adapter_loads.labels(plan.engine, "load", "failed").inc()
+            log.exception("adapter %s: load on engine %s failed", plan.adapter, plan.engine)
+        if loaded:
+            self.observation.note_adapter(plan.engine, plan.adapter, ServedModel(plan.adapter, None, plan.base))
+        else:
+            self.book.note_unload(plan.engine, plan.adapter)  # not on the engine: never ours to unload (the load counts)
 
     async def _post(self, http: aiohttp.ClientSession, base: str, engine: str, action: str, adapter: str,
                     body: dict[str, str]) -> bool:
@@ -91,7 +108,7 @@ class AdapterLoader:
             async with http.post(f"{base}/v1/{action}_lora_adapter", json=body) as response:
                 text = (await response.text())[:200]
                 ok = response.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except aiohttp.ClientError as exc:
             ok, text = False, str(exc) or type(exc).__name__
         self.metrics.adapter_loads.labels(engine, action, "ok" if ok else "failed").inc()
         if ok:

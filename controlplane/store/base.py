@@ -109,7 +109,8 @@ class Refusal(enum.StrEnum):
 class Reserved:
     refusal: Refusal | None = None
     engine_tickets: tuple[Ticket, ...] = ()
-    """On a CAP or KV refusal: every open ticket of the engine, as the store holds them (the caller's mirror catches up)."""
+    """On a CAP, KV or ADAPTER_SLOTS refusal: every open ticket of the engine, as the store holds them (the caller's
+    mirror catches up)."""
     counters: FairCounters | None = None
     """On a QUEUED refusal of a ``FAIR`` or ``FAIR_NEWEST`` admission: the model's counters as the store holds them (the
     caller's lot learns them and decides again)."""

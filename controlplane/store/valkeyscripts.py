@@ -398,7 +398,7 @@ return park(ARGV)
 
 # ARGV: prefix, reserve's A[2..15], park's A[2..9]. Offers a park as an arrival (``reserve``); refused, parks it (with
 # its claim only when refused for the line alone). Returns {'ok'}, or {refusal, first park time, the engine's
-# tickets on a CAP or KV refusal...}.
+# tickets on a CAP, KV or adapter_slots refusal...}.
 _OFFER = _LIB + _LINE_LIB + r"""
 local R, P = {ARGV[1]}, {ARGV[1]}
 for i = 2, 15 do R[i] = ARGV[i] end

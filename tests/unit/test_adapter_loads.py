@@ -3,7 +3,9 @@ to make room, the per-engine rate limit; and the ``adapters`` keys that configur
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
+from typing import Any, cast
 
 import pytest
 
@@ -90,6 +92,8 @@ def test_configuration_names_paths_of_adapters_with_a_base() -> None:
         parse_config({"engines": engines, "adapters": {"paths": {"chat": "/loras/chat"}}})
     with pytest.raises(ConfigError, match="adapters.loads_per_minute"):
         parse_config({"engines": engines, "adapters": {"loads_per_minute": 0}})
+    with pytest.raises(ConfigError, match="adapters.load_timeout_seconds: must stay 20 s below"):
+        parse_config({"engines": engines, "adapters": {"dynamic_loading": True, "load_timeout_seconds": 290}})
 
 
 def test_a_runtime_load_is_listed_until_the_engines_own_list_says_otherwise() -> None:
@@ -119,3 +123,66 @@ def test_a_runtime_load_is_listed_until_the_engines_own_list_says_otherwise() ->
     clock[0] = 20.0
     asked_after = poller._with_runtime(view("e", listed=("chat",)), listed_since=15.0)
     assert asked_after.serves("chat")  # a listing asked for after the unload is the truth
+
+
+class _OneEngine:
+    """What AdapterLoader reads of the observation: one engine ``e`` (1 adapter slot, ``chat`` listed) at ``url``."""
+
+    def __init__(self, url: str) -> None:
+        self.view = replace(view("e", listed=("chat",), slots=1), url=url)
+        self.noted: list[tuple[str, bool]] = []
+
+    def serves(self, model: str) -> bool:
+        return self.view.serves(model)
+
+    def fleet(self, now: float) -> Fleet:
+        return Fleet((self.view,))
+
+    def view_of(self, name: str, now: float) -> EngineView | None:
+        return self.view
+
+    def note_adapter(self, engine: str, adapter: str, model: ServedModel | None) -> None:
+        self.noted.append((adapter, model is not None))
+        kept = tuple(m for m in self.view.models if m.model_id != adapter)
+        self.view = replace(self.view, models=(*kept, model) if model is not None else kept)
+
+
+async def test_concurrent_loads_book_the_rate_limit_and_the_victim_when_planned() -> None:
+    """Two Checks for two adapters nobody lists arrive together; the engine takes one load a minute and has one adapter
+    slot, holding ``chat`` (loaded by sluice, idle). The first plan books the minute's load and unlists ``chat`` at once,
+    so the second finds no engine to load on: one unload of ``chat`` and one load reach the engine, not two of each."""
+    from aiohttp import web
+
+    from controlplane.core.admission import AdmissionCore
+    from controlplane.core.ledger import Ledger
+    from controlplane.metrics import SluiceMetrics
+    from controlplane.observe.adapterloader import AdapterLoader
+
+    posts: list[tuple[str, str]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        posts.append((request.path.rsplit("/", 1)[1].split("_")[0], (await request.json())["lora_name"]))
+        await asyncio.sleep(0.05)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/load_lora_adapter", handle)
+    app.router.add_post("/v1/unload_lora_adapter", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        config = parse_config({"engines": [{"name": "e", "url": f"http://127.0.0.1:{port}",
+                                            "runtime_lora_updating": True}]})
+        core = AdmissionCore(replace(ON, adapters=replace(ON.adapters, loads_per_minute=1)), Ledger(600))
+        observation = _OneEngine(f"http://127.0.0.1:{port}")
+        loader = AdapterLoader(config, core, cast(Any, observation), SluiceMetrics(), lambda: 100.0)
+        loader.book.note_load("e", "chat", 0.0)  # sluice loaded chat there long ago
+        await asyncio.gather(loader.ensure("sql"), loader.ensure("code"))
+    finally:
+        await runner.cleanup()
+    assert sorted(posts) == [("load", "sql"), ("unload", "chat")] or sorted(posts) == [("load", "code"),
+                                                                                       ("unload", "chat")]
+    assert ("chat", False) in observation.noted
