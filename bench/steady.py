@@ -162,10 +162,10 @@ BASELINES = ("RR", "LR", *CAPPED, EPP)
 REFERENCE = CLAIRVOYANT_TAG
 ARMS = ("sluice", *BASELINES, REFERENCE)
 TARGET_LEVELS = (0.8, 0.95)
+"""Load levels where sluice is judged against the clairvoyant arm (issue 38 item 6)."""
 OVERLOAD_FACTOR = 1.3
 """Above 100%: sluice's goodput at least this many times the best baseline arm's, where the fleet's capacity leaves
 that room (``verdict``)."""
-"""Load levels where sluice is judged against the clairvoyant arm (issue 38 item 6)."""
 CLAIRVOYANT_FACTOR = 1.25
 """Target: sluice's TTFT p90 (every request, refused ones infinite) at most this many times the clairvoyant arm's."""
 POISSON = ("thor+spark", 0.95)
