@@ -344,7 +344,7 @@ class LedgerMirror:
         offer = replace(queued[1], queue=QueueRule.ARRIVAL) if behind and queued is not None else None
         self.parking.add(request_id)
         return LineChange(model, self.core.class_index(request), request_id, at, claim, offer,
-                          tenant=self.line_tenant(request))
+                          tenant=self.line_tenant(request), lift_credit=self.core.lift_credit(request))
 
     def park_landed(self, request_id: str, model: str) -> bool:
         """A park's call ended (or its Check left): whether a wake stopped at it and must run again."""

@@ -272,7 +272,8 @@ class Replication:
                 try:
                     await self._timed("park", self.store.park(model, self.core.class_index(entry.request),
                                                               entry.request_id, self.shared.offset + entry.parked_at,
-                                                              tenant=self.mirror.line_tenant(entry.request)))
+                                                              tenant=self.mirror.line_tenant(entry.request),
+                                                              lift_credit=self.core.lift_credit(entry.request)))
                 except StoreUnavailable:
                     return  # the store lost everything or is down: its return resynchronises and lapses again
 

@@ -109,6 +109,7 @@ def _fairness(c: Checker, raw: dict[str, Any], tenants: Tenants) -> FairShare:
         output_weight=fairness.output_weight,
         weights={name: t.weight for name, t in tenants.by_name.items() if t.weight is not None},
         default_weight=fairness.default_weight,
+        lift_credit_requests=fairness.lift_credit_requests,
         across_replicas=fairness.across_replicas,
         reserved={name: t.reserved_share for name, t in tenants.by_name.items() if t.reserved_share > 0},
         preempt_sheddable=fairness.preempt_sheddable,

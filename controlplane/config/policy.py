@@ -202,6 +202,11 @@ class FairnessConfig:
     """What an output token adds to its tenant's counter."""
     default_weight: float = field(default=_FAIR.default_weight, metadata=setting(minimum=0.001))
     """The weight of a tenant without its own, and of requests without a tenant."""
+    lift_credit_requests: float = field(default=_FAIR.lift_credit_requests, metadata=setting(minimum=0, maximum=1000))
+    """A tenant that parks with none of its requests parked is lifted to the lowest counter among the backlogged
+    tenants less this many of its own requests' cost (never below its own counter): a tenant back from idle may have
+    that many requests served ahead of a backlogged flood before the two alternate (decision 0031). 0: lifted exactly to
+    the minimum, as the VTC paper lifts."""
     preempt_sheddable: bool = _FAIR.preempt_sheddable
     """A critical request whose expected start is past its bound (shed early would refuse it) may end running
     sheddable streams on an engine where their end lets it start: the least work lost first (core/preempt.py,

@@ -102,7 +102,7 @@ class AdmissionCore(Waking):
         ttft_bound = limit is not None and limit < self.policy.max_park_s
         longest = limit if ttft_bound and limit is not None else self.policy.max_park_s
         entry = Parked(request_id, request, now, now + longest, ttft_bound, self.lot.next_seq())
-        _, rank = self._parking_rank(model, tenant_of(request))
+        _, rank = self._parking_rank(model, request)
         ahead = self._ahead_at_park(model, class_of(request), entry, rank) + ahead_elsewhere
         early = self._too_late(entry, ahead, fleet, now)
         return (decision if early is None else early), entry
@@ -121,8 +121,8 @@ class AdmissionCore(Waking):
                 return Outcome(request_id, verdict)
             decision = preempting
         backlogged = self.lot.backlogged(model)
-        if tenant not in backlogged:  # back in line after none of its requests waited: no idle time banked
-            self.fair.lift(model, tenant, backlogged)
+        if tenant not in backlogged:  # none of its requests waited: lifted, idle time banked up to the credit
+            self.fair.lift(model, tenant, backlogged, self.lift_credit(request))
         self.lot.park(entry)
         if decision.idle_slot:
             self.lot.note_passable(request_id, self._frees, decision.waits_for)

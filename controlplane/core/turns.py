@@ -79,16 +79,23 @@ class Turns(FleetState):
         return service_order(entries, lambda p: tenant_of(p.request), rank or (lambda t: self.fair.rank(model, t)),
                              self._cost, newest_first)
 
+    def lift_credit(self, request: InferenceRequest) -> float:
+        """How far below the backlogged minimum a lift may leave ``request``'s tenant: ``lift_credit_requests`` times
+        the request's expected cost (fairshare.py)."""
+        fairness = self.policy.fairness
+        return fairness.lift_credit_requests * fairness.cost(tenant_of(request), *self._expected_tokens(request))
+
     def _cost(self, parked: Parked) -> float:
         """What serving ``parked`` is expected to add to its tenant's counter."""
         return self.policy.fairness.cost(tenant_of(parked.request), *self._expected_tokens(parked.request))
 
-    def _parking_rank(self, model: str, tenant: str) -> tuple[float, Rank]:
-        """``tenant``'s counter if a request of it parked now (lifted when none of its requests is parked), and the
+    def _parking_rank(self, model: str, request: InferenceRequest) -> tuple[float, Rank]:
+        """The counter of ``request``'s tenant if it parked now (lifted when none of its requests is parked), and the
         tenants' standing with it."""
+        tenant = tenant_of(request)
         backlogged = self.lot.backlogged(model)
         lifted = self.fair.counter(model, tenant) if tenant in backlogged else \
-            self.fair.lifted(model, tenant, backlogged)
+            self.fair.lifted(model, tenant, backlogged, self.lift_credit(request))
 
         def rank(t: str) -> tuple[float, float]:
             counter, raw = self.fair.rank(model, t)
@@ -112,7 +119,7 @@ class Turns(FleetState):
         model = request.model
         assert model is not None
         klass, tenant = class_of(request), tenant_of(request)
-        lifted, rank = self._parking_rank(model, tenant)
+        lifted, rank = self._parking_rank(model, request)
         queue = list(self.lot.line(model, klass))
         entry = Parked("", request, 0.0, 0.0, seq=max((p.seq for p in queue), default=0) + 1)
         order = self._order(model, [*queue, entry], rank=rank)

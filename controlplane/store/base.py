@@ -137,6 +137,8 @@ class LineChange:
     unpark: bool = False
     tenant: str | None = None
     """The parked request's tenant when fair share is the store's (decision 0025): lifted as ``Store.park`` says."""
+    lift_credit: float = 0.0
+    """How far below the backlogged minimum that lift may leave the tenant (``Store.park``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +206,7 @@ class Store(Protocol):
     async def restore(self, tickets: list[Ticket]) -> int:
         """Write back tickets this replica owns that the store lacks (after a store outage), without checks; how many."""
     async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
-                   tenant: str | None = None) -> float:
+                   tenant: str | None = None, lift_credit: float = 0.0) -> float:
         """Put ``request_id`` at the back of the line ``(model, klass)`` as this replica's member; ``at``: now, in
         shared time. Returns when the request first parked: ``at``, or, when another replica's member of the same
         request id is in that line (Envoy asked the request's Check again of this replica after that one went away:
@@ -213,7 +215,8 @@ class Store(Protocol):
         admission the store refused it for the line alone, left with its member for ``claim.fresh_s``. ``tenant`` (fair
         share in the store): the member counts for its tenant, which, with no member of that tenant parked for the
         model in any class, is first lifted to the lowest counter among the model's backlogged tenants (none: the
-        counter of the tenant charged last), never lowered (decision 0015's lift, over every replica's members)."""
+        counter of the tenant charged last) less ``lift_credit``, never lowered (decision 0015's lift, over every
+        replica's members; the credit: decision 0031)."""
     async def settle(self, ticket_id: str, prompt_tokens: int, output_tokens: int) -> float | None:
         """What an admission charged with ``Claim.charge`` really used (the access log, on whichever replica): its
         tenant's counter moves by ``charge.priced(usage) - charge.cost``, returned; None when the store holds no charge

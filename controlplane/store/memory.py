@@ -164,12 +164,12 @@ class MemoryState:
             self.purge(replica)
         return None
 
-    def lift(self, model: str, tenant: str) -> None:
+    def lift(self, model: str, tenant: str, credit: float) -> None:
         """``tenant`` parks with no member of it in the model's lines: raised to the lowest counter among the tenants
-        with members (none: the counter of the tenant charged last), never lowered."""
+        with members (none: the counter of the tenant charged last) less ``credit``, never lowered."""
         others = [self.rank(model, t)[0] for t in self.backlog.get(model, {}) if t != tenant]
         last = self.fair_last.get(model)
-        floor = min(others) if others else self.rank(model, last)[0] if last is not None else 0.0
+        floor = (min(others) if others else self.rank(model, last)[0] if last is not None else 0.0) - credit
         counter, raw = self.rank(model, tenant)
         if floor > counter:
             self.fair.setdefault(model, {})[tenant] = (floor, raw)
@@ -328,7 +328,7 @@ class MemoryStore:
         return len(fresh)
 
     async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
-                   tenant: str | None = None) -> float:
+                   tenant: str | None = None, lift_credit: float = 0.0) -> float:
         s = self.state
         first = at
         held = s.firsts.get((model, klass), {}).get(request_id)
@@ -344,7 +344,7 @@ class MemoryStore:
         if tenant is not None and mine not in tenants:
             backlog = s.backlog.setdefault(model, {})
             if not backlog.get(tenant):
-                s.lift(model, tenant)
+                s.lift(model, tenant, lift_credit)
             backlog[tenant] = backlog.get(tenant, 0) + 1
             tenants[mine] = tenant
         s.lines.setdefault((model, klass), {})[mine] = s.seq
@@ -400,7 +400,8 @@ class MemoryStore:
                     continue
                 if offered.refusal is not Refusal.QUEUED:
                     claim = None
-            first = await self.park(change.model, change.klass, change.request_id, change.at, claim, change.tenant)
+            first = await self.park(change.model, change.klass, change.request_id, change.at, claim, change.tenant,
+                                     change.lift_credit)
             out.append(Landed(first, offered))
         return out
 

@@ -84,9 +84,9 @@ def _counters(model: str, text: Any) -> FairCounters:
     return FairCounters(model, counters, last)
 
 
-def _tenant_args(tenant: str | None) -> list[str]:
-    """``park``'s last two arguments: whether the member counts for a tenant, and which."""
-    return ["", ""] if tenant is None else ["1", tenant]
+def _tenant_args(tenant: str | None, credit: float) -> list[str]:
+    """``park``'s last three arguments: whether the member counts for a tenant, which, and its lift credit."""
+    return ["", "", "0"] if tenant is None else ["1", tenant, repr(credit)]
 
 
 def _claim_text(claim: Claim, owner: str, session_ttl_s: float) -> str:
@@ -231,10 +231,10 @@ class ValkeyStore:
                                    TICKET_KEY_GRACE_S, self.replica_id))
 
     async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
-                   tenant: str | None = None) -> float:
+                   tenant: str | None = None, lift_credit: float = 0.0) -> float:
         held = "" if claim is None or claim.fresh_s <= 0 else _claim_text(claim, self.replica_id, self.session_ttl_s)
         return float(_text(await self._run("park", f"{model}:{klass}", self.replica_id, request_id, repr(at), model,
-                                           held, *_tenant_args(tenant))))
+                                           held, *_tenant_args(tenant, lift_credit))))
 
     async def settle(self, ticket_id: str, prompt_tokens: int, output_tokens: int) -> float | None:
         delta = await self._run("settle", ticket_id, prompt_tokens, output_tokens)
@@ -268,7 +268,7 @@ class ValkeyStore:
             held = "" if claim is None or claim.fresh_s <= 0 else _claim_text(claim, self.replica_id,
                                                                              self.session_ttl_s)
             park = [q, self.replica_id, change.request_id, repr(change.at), change.model, held,
-                    *_tenant_args(change.tenant)]
+                    *_tenant_args(change.tenant, change.lift_credit)]
             if change.offer is None:
                 await self._scripts["park"](args=[self.prefix, *park], client=pipe)
             else:

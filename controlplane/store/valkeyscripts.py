@@ -148,7 +148,7 @@ local function fair_charge(model, id, text, lease, grace)
   redis.call('SET', key, cjson.encode({model, f[1], f[2], f[3], f[4], f[5]}))
   redis.call('PEXPIREAT', key, math.floor((tonumber(lease) + grace) * 1000))
 end
-local function fair_lift(model, tenant)
+local function fair_lift(model, tenant, credit)
   local floor = nil
   for _, t in ipairs(redis.call('HKEYS', p .. ':fb:' .. model)) do
     if t ~= tenant then
@@ -160,6 +160,7 @@ local function fair_lift(model, tenant)
     local last = redis.call('HGET', p .. ':fl', model)
     if last then floor = fair_get(model, last) else floor = 0 end
   end
+  floor = floor - credit
   local c, r = fair_get(model, tenant)
   if floor > c then fair_set(model, tenant, floor, r) end
 end
@@ -265,7 +266,8 @@ end
 #       fair charge (JSON; '' for none), adapter slots (-1: none), the engine's base models (JSON list). A FAIR
 #       refusal carries the model's counters (``fair_state``).
 # park's A: prefix, queue key suffix, replica, request id, now (shared time), model, claim (JSON, its fourth field
-#       fresh s; '' for none), '1' when the member counts for a tenant (then lifted), the tenant. Returns when the
+#       fresh s; '' for none), '1' when the member counts for a tenant (then lifted), the tenant, its lift credit
+#       (the counter units below the backlogged minimum the lift may leave it). Returns when the
 #       request first parked.
 _LINE_LIB = r"""
 local function reserve(A)
@@ -341,7 +343,7 @@ local function park(A)
   local m = me .. '|' .. rid
   if A[8] == '1' and not redis.call('HGET', p .. ':qt:' .. q, m) then
     local fb = p .. ':fb:' .. A[6]
-    if tonumber(redis.call('HGET', fb, A[9]) or '0') <= 0 then fair_lift(A[6], A[9]) end
+    if tonumber(redis.call('HGET', fb, A[9]) or '0') <= 0 then fair_lift(A[6], A[9], tonumber(A[10])) end
     redis.call('HINCRBY', fb, A[9], 1)
     redis.call('HSET', p .. ':qt:' .. q, m, A[9])
   end
@@ -396,13 +398,13 @@ _PARK = _LIB + _LINE_LIB + r"""
 return park(ARGV)
 """
 
-# ARGV: prefix, reserve's A[2..15], park's A[2..9]. Offers a park as an arrival (``reserve``); refused, parks it (with
+# ARGV: prefix, reserve's A[2..15], park's A[2..10]. Offers a park as an arrival (``reserve``); refused, parks it (with
 # its claim only when refused for the line alone). Returns {'ok'}, or {refusal, first park time, the engine's
 # tickets on a CAP, KV or adapter_slots refusal...}.
 _OFFER = _LIB + _LINE_LIB + r"""
 local R, P = {ARGV[1]}, {ARGV[1]}
 for i = 2, 15 do R[i] = ARGV[i] end
-for i = 16, 23 do P[i - 14] = ARGV[i] end
+for i = 16, 24 do P[i - 14] = ARGV[i] end
 local out = reserve(R)
 if out[1] == 'ok' then return out end
 if out[1] ~= 'queued' then P[7] = '' end

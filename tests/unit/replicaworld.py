@@ -38,9 +38,9 @@ class RecordedParks(MemoryStore):
         self.order = order
 
     async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
-                   tenant: str | None = None) -> float:
+                   tenant: str | None = None, lift_credit: float = 0.0) -> float:
         self.order.append(request_id)
-        return await super().park(model, klass, request_id, at, claim, tenant)
+        return await super().park(model, klass, request_id, at, claim, tenant, lift_credit)
 
 
 class Replicas:

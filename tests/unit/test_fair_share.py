@@ -38,9 +38,11 @@ def chat(tenant: str | None, prompt: int = 100, out: int = 100,
                             priority=priority, tenant=tenant)
 
 
-def policy(enabled: bool = True, weights: dict[str, float] | None = None, **kw: Any) -> Policy:
-    """No shedding on the way (long window, no overload bound, deep lot): the tests look at order alone."""
-    return Policy(fairness=FairShare(enabled=enabled, weights=weights or {}), shed_decision_s=1000.0,
+def policy(enabled: bool = True, weights: dict[str, float] | None = None, credit: float = 0.0, **kw: Any) -> Policy:
+    """No shedding on the way (long window, no overload bound, deep lot): the tests look at order alone. The lift is
+    the paper's (no credit) unless a test gives one."""
+    return Policy(fairness=FairShare(enabled=enabled, weights=weights or {}, lift_credit_requests=credit),
+                  shed_decision_s=1000.0,
                   overload_shed_after_ms=0, max_park_s=1000.0, max_queue_depth=10_000, lifo_after_ms=0,
                   default_expected_output_tokens=100, **kw)
 
@@ -179,10 +181,12 @@ def test_settled_usage_corrects_the_estimate() -> None:
     assert core.fair.counter("m", "a") == pytest.approx(core.fair.counter("m", "b"), abs=2 * (100 + 2 * 500))
 
 
-def test_a_returning_tenant_is_lifted_not_credited() -> None:
+@pytest.mark.parametrize("credit", [0.0, 2.0])
+def test_a_returning_tenant_is_lifted_not_credited_past_its_credit(credit: float) -> None:
     """a alone for 50 requests; then b, idle all along, arrives with a backlog of its own. Without the lift b's counter
-    (0) would win every pick for 50 requests' worth; lifted to a's, they alternate from the start."""
-    lot = Lot(policy())
+    (0) would win every pick for 50 requests' worth; lifted to a's less ``credit`` of its requests, b goes first for
+    ``credit`` requests (and one more on the tie, having served less), then they alternate."""
+    lot = Lot(policy(credit=credit))
     for _ in range(60):
         lot.submit("a")
     for _ in range(50):
@@ -191,10 +195,11 @@ def test_a_returning_tenant_is_lifted_not_credited() -> None:
     for _ in range(10):
         lot.submit("b")
     assert before == 0.0
-    assert lot.core.fair.counter("m", "b") == pytest.approx(lot.core.fair.counter("m", "a"))
-    nxt = [tenant(r) for r in (lot.step() for _ in range(10)) if r is not None]
-    assert nxt.count("b") == 5 and nxt.count("a") == 5
-    assert "bbb" not in "".join(t[0] for t in nxt)
+    cost = 100 + 2 * 100
+    assert lot.core.fair.counter("m", "b") == pytest.approx(lot.core.fair.counter("m", "a") - credit * cost)
+    nxt = "".join(tenant(r)[0] for r in (lot.step() for _ in range(10)) if r is not None)
+    ahead = int(credit) + 1
+    assert nxt[:ahead] == "b" * ahead and nxt[ahead:] == ("ab" * 5)[:10 - ahead]
 
 
 def test_a_tenant_back_after_the_lot_emptied_starts_at_the_last_served() -> None:

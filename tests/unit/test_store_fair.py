@@ -87,12 +87,29 @@ async def test_fair_pick_newest_first_higher_classes_and_leaving(handles: Handle
     assert (await a.reserve(fair("w1", "w", 10.0))).ok
 
 
+async def test_a_lift_credit_leaves_a_returning_tenant_below_the_backlogged_minimum(handles: Handles) -> None:
+    """x is backlogged at 900; y (served 100) comes back with a credit of 300: lifted to 600, not 900, so its next
+    requests go ahead of x's until its counter passes x's; a credit larger than the gap never lowers a counter."""
+    a, b = await handles.get("a"), await handles.get("b")
+    await park(a, "x1", "x")
+    assert (await a.reserve(fair("x1", "x", 900.0))).ok
+    await park(a, "x2", "x")
+    assert (await b.reserve(fair("y0", "y", 100.0, QueueRule.NONE))).ok  # admitted on arrival, never parked
+    await b.park("m", STANDARD, "y1", BASE + 2.0, tenant="y", lift_credit=300.0)
+    assert standing(await a.counters("m"))["y"] == (600.0, 100.0)
+    assert (await a.reserve(fair("x2", "x", 900.0))).refusal is Refusal.QUEUED, "y, at 600, is the fair pick"
+    assert (await b.reserve(fair("y1", "y", 200.0))).ok
+    await b.park("m", STANDARD, "y2", BASE + 3.0, tenant="y", lift_credit=10_000.0)
+    assert standing(await a.counters("m"))["y"] == (800.0, 300.0), "never lowered"
+
+
 # -- the Lua scripts against the memory store -----------------------------------------------------------------------
 
 _prefixes = itertools.count()
 TENANTS = ["x", "y", "z", ""]
 fair_ops = st.lists(st.one_of(
-    st.tuples(st.just("park"), st.integers(0, 1), st.sampled_from(TENANTS), st.integers(0, 1)),
+    st.tuples(st.just("park"), st.integers(0, 1), st.sampled_from(TENANTS), st.integers(0, 1),
+              st.sampled_from([0.0, 150.0, 1 / 3])),
     st.tuples(st.just("reserve"), st.integers(0, 1), st.integers(0, 30), st.sampled_from([QueueRule.FAIR,
               QueueRule.FAIR_NEWEST, QueueRule.ARRIVAL, QueueRule.NONE]), st.sampled_from([100.0, 250.5, 1 / 3])),
     st.tuples(st.just("unpark"), st.integers(0, 30)),
@@ -103,11 +120,12 @@ fair_ops = st.lists(st.one_of(
 
 @settings(max_examples=60, deadline=None)
 @given(fair_ops)
-@example([("park", 0, "y", 1), ("park", 0, "x", 1), ("park", 1, "x", 1), ("reserve", 0, 1, QueueRule.FAIR_NEWEST, 1.0),
-          ("reserve", 0, 2, QueueRule.FAIR_NEWEST, 1.0)])
-@example([("park", 0, "x", 1), ("reserve", 0, 0, QueueRule.FAIR, 100.0), ("park", 1, "y", 1), ("park", 0, "x", 1),
-          ("park", 1, "", 1), ("reserve", 1, 1, QueueRule.FAIR_NEWEST, 1 / 3), ("settle", 0, 7, 3),
-          ("reserve", 0, 2, QueueRule.FAIR, 250.5), ("park", 0, "z", 0), ("reserve", 1, 0, QueueRule.FAIR, 100.0)])
+@example([("park", 0, "y", 1, 0.0), ("park", 0, "x", 1, 0.0), ("park", 1, "x", 1, 0.0),
+          ("reserve", 0, 1, QueueRule.FAIR_NEWEST, 1.0), ("reserve", 0, 2, QueueRule.FAIR_NEWEST, 1.0)])
+@example([("park", 0, "x", 1, 0.0), ("reserve", 0, 0, QueueRule.FAIR, 100.0), ("park", 1, "y", 1, 150.0),
+          ("park", 0, "x", 1, 0.0), ("park", 1, "", 1, 1 / 3), ("reserve", 1, 1, QueueRule.FAIR_NEWEST, 1 / 3),
+          ("settle", 0, 7, 3), ("reserve", 0, 2, QueueRule.FAIR, 250.5), ("park", 0, "z", 0, 150.0),
+          ("reserve", 1, 0, QueueRule.FAIR, 100.0)])
 def test_valkey_decides_the_fair_line_as_the_memory_store_does(valkey: ValkeyServer, ops: list[tuple[Any, ...]]) -> None:
     async def run() -> None:
         prefix = f"fair{next(_prefixes)}"
@@ -124,7 +142,7 @@ def test_valkey_decides_the_fair_line_as_the_memory_store_does(valkey: ValkeySer
                 answers = [await _apply(stores, kind, args, n, parked, admitted) for stores in backends]
                 assert answers[0] == answers[1], f"step {n} {kind} {args}"
                 if kind == "park":
-                    replica, tenant, klass = args
+                    replica, tenant, klass, _ = args
                     parked.append((replica, f"r{n}", tenant, klass))
                 elif kind == "reserve" and answers[0] and answers[0][0] is None:
                     admitted.append(answers[0][1])
@@ -143,8 +161,8 @@ async def _apply(stores: list[Store], kind: str, args: list[Any], n: int, parked
                  admitted: list[str]) -> Any:
     """One step on one backend; its answer, to compare."""
     if kind == "park":
-        replica, tenant, klass = args
-        await stores[replica].park("m", klass, f"r{n}", BASE + n, tenant=tenant)
+        replica, tenant, klass, credit = args
+        await stores[replica].park("m", klass, f"r{n}", BASE + n, tenant=tenant, lift_credit=credit)
         return None
     if kind == "reserve":
         replica, pick, rule, cost = args

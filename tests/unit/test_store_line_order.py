@@ -36,10 +36,10 @@ class SlowParks(MemoryStore):
         self.landed: list[str] = []
 
     async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
-                   tenant: str | None = None) -> float:
+                   tenant: str | None = None, lift_credit: float = 0.0) -> float:
         await asyncio.sleep(self.delays.get(request_id, 0.0))
         try:
-            return await super().park(model, klass, request_id, at, claim, tenant)
+            return await super().park(model, klass, request_id, at, claim, tenant, lift_credit)
         finally:
             self.landed.append(request_id)
 
@@ -54,10 +54,10 @@ class RoundTrips(MemoryStore):
         self.batching = False
 
     async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
-                   tenant: str | None = None) -> float:
+                   tenant: str | None = None, lift_credit: float = 0.0) -> float:
         if not self.batching:
             await asyncio.sleep(self.round_trip_s)
-        return await super().park(model, klass, request_id, at, claim, tenant)
+        return await super().park(model, klass, request_id, at, claim, tenant, lift_credit)
 
     async def change_lines(self, changes: Sequence[LineChange]) -> list[Landed]:
         await asyncio.sleep(self.round_trip_s)
@@ -198,9 +198,9 @@ class RecordedParks(ValkeyStore):
     parks: list[str]
 
     async def park(self, model: str, klass: int, request_id: str, at: float, claim: Claim | None = None,
-                   tenant: str | None = None) -> float:
+                   tenant: str | None = None, lift_credit: float = 0.0) -> float:
         self.parks.append(request_id)
-        return await super().park(model, klass, request_id, at, claim, tenant)
+        return await super().park(model, klass, request_id, at, claim, tenant, lift_credit)
 
     async def change_lines(self, changes: Sequence[LineChange]) -> list[Landed]:
         landed = await super().change_lines(changes)
