@@ -13,6 +13,7 @@ Capacity: a calibration through the gateway (one tenant, closed loop at ``CAL_CO
 - ``b`` steady at 30% of capacity (Poisson arrivals);
 - two tenants: ``a`` flooding at 5x its usual share: its usual is taken as 18% of capacity (the two together at 48% on
   a normal day), so the flood is 90%, and the offered load 120% (the top of the issue's 80-120% range);
+- two tenants at 80% (the bottom of the range): ``a`` flooding at 5x a usual 10% (50%), ``b`` as before;
 - eight tenants: ``b`` as before, six light tenants ``l1``..``l6`` steady at 4% each, and ``a`` flooding at 5x a usual
   13% (65%): 119% offered.
 
@@ -34,6 +35,7 @@ same arrival times in every arm of a round and workload (seeded per round):
   default; decision 0025), so the two replicas should serve as one does;
 - ``per-replica fair``: as ``fair 2 replicas`` with ``fairness.across_replicas: false``: each replica is fair among the
   requests it holds, with counters of its own (the issue's per-replica fair queue, as the anchors run it);
+- ``80% fifo``, ``80% fair``, ``80% a last``: the two tenants at 80% offered, FIFO, fair share, ``a`` last;
 - ``8 no flood``: the eight tenants' arrivals without ``a``'s (the reference TTFT of ``b`` and the light tenants);
 - ``8 fifo``, ``8 fair``: the eight tenants, FIFO or fair share; ``8 a last``: as ``8 fair`` with every tenant but
   ``a`` critical (``b`` and the light tenants share the critical class first come, first served, as without the flood).
@@ -49,7 +51,7 @@ Jain's index (over served tokens per weight, equal weights here): ``(sum x)^2 / 
 tenants' offered token rates): a tenant asking less than its share is owed its demand, not the share (the issue's
 "among backlogged tenants": ``b`` at 30% is not backlogged under fair share, so its allocation is its demand).
 
-Targets (the issue's), for two tenants (fair, and fair with b's reserved share) and for eight (fair):
+Targets (the issue's), for two tenants (fair, and fair with b's reserved share; fair at 80%) and for eight (fair):
 - ``b``'s TTFT p90 (every request) with ``a`` flooding <= 1.25x ``a last``'s (the same flood, every other tenant ahead
   of ``a`` in every wake). The issue asks for 1.25x ``b`` without the flood; that reference is out of reach of any
   gateway that lets ``a`` take what ``b`` leaves (the throughput target below) and ends nothing running: with ``a``
@@ -98,6 +100,8 @@ LIMIT_HEADROOM = 4.0
 LIGHT = tuple(f"l{i}" for i in range(1, 7))
 LIGHT_SHARE = 0.04
 A_USUAL_SHARE_8 = 0.13
+A_USUAL_SHARE_80 = 0.10
+"""``a``'s usual share in the two-tenant workload at 80% offered (``FLOOD`` x it + ``B_SHARE``)."""
 RESERVED_B = 0.5
 KEYS = {t: f"sk-bench-fair-{t}" for t in ("a", "b", *LIGHT)}
 
@@ -106,7 +110,7 @@ KEYS = {t: f"sk-bench-fair-{t}" for t in ("a", "b", *LIGHT)}
 class Arm:
     name: str
     workload: str
-    """``2`` or ``8``: whose arrivals (``rates``)."""
+    """``2``, ``80`` (two tenants at 80%) or ``8``: whose arrivals (``rates``)."""
     tenants: tuple[str, ...]
     fair: bool = True
     reserved: float = 0.0
@@ -129,6 +133,9 @@ ARMS = (
     Arm("a last", "2", ("a", "b"), a_last=True),
     Arm("fair 2 replicas", "2", ("a", "b"), replicas=2),
     Arm("per-replica fair", "2", ("a", "b"), replicas=2, across=False),
+    Arm("80% fifo", "80", ("a", "b"), fair=False),
+    Arm("80% fair", "80", ("a", "b")),
+    Arm("80% a last", "80", ("a", "b"), a_last=True),
     Arm("8 no flood", "8", ("b", *LIGHT)),
     Arm("8 fifo", "8", ("a", "b", *LIGHT), fair=False),
     Arm("8 fair", "8", ("a", "b", *LIGHT)),
@@ -303,6 +310,7 @@ def run_fairness_bench() -> int:
           flush=True)
     workloads = {
         "2": {"a": FLOOD * A_USUAL_SHARE * capacity, "b": B_SHARE * capacity},
+        "80": {"a": FLOOD * A_USUAL_SHARE_80 * capacity, "b": B_SHARE * capacity},
         "8": {"a": FLOOD * A_USUAL_SHARE_8 * capacity, "b": B_SHARE * capacity,
               **{t: LIGHT_SHARE * capacity for t in LIGHT}},
     }
@@ -374,6 +382,12 @@ def run_fairness_bench() -> int:
                reserved_b / a_last_b, 1.25, at_least=False, unit="x"),
         Target(f"2 tenants, b reserved {RESERVED_B:g}: throughput over FIFO (work-conserving)",
                figures["fair reserved"].throughput() / figures["fifo"].throughput(), 0.95, unit="x"),
+        Target("2 tenants at 80%: b's TTFT p90 with a flooding, fair, over a last's",
+               b_p90("80% fair") / b_p90("80% a last"), 1.25, at_least=False, unit="x"),
+        Target("2 tenants at 80%: throughput, fair over FIFO (work-conserving)", figures["80% fair"].throughput()
+               / figures["80% fifo"].throughput(), 0.95, unit="x"),
+        Target("2 tenants at 80%: Jain's index over served tokens per weight (max-min normalised), fair",
+               jains["80% fair"], 0.95),
         Target("8 tenants: b's TTFT p90 with a flooding, fair, over a last's", fair8_b / a_last8_b, 1.25,
                at_least=False, unit="x"),
         Target("8 tenants: throughput, fair over FIFO (work-conserving)", figures["8 fair"].throughput()
@@ -396,7 +410,8 @@ def run_fairness_bench() -> int:
         f"- offered, 2 tenants: b {workloads['2']['b']:.2f} requests/s ({B_SHARE:.0%}), a {workloads['2']['a']:.2f} "
         f"requests/s ({FLOOD:g} x {A_USUAL_SHARE:.0%}); 8 tenants: b as before, l1..l6 "
         f"{workloads['8']['l1']:.2f} requests/s each ({LIGHT_SHARE:.0%}), a {workloads['8']['a']:.2f} requests/s "
-        f"({FLOOD:g} x {A_USUAL_SHARE_8:.0%}); windows {WARMUP_S:g} s warm-up + {WINDOW_S:g} s measured, {ROUNDS} "
+        f"({FLOOD:g} x {A_USUAL_SHARE_8:.0%}); 2 tenants at 80%: b as before, a {workloads['80']['a']:.2f} "
+        f"requests/s ({FLOOD:g} x {A_USUAL_SHARE_80:.0%}); windows {WARMUP_S:g} s warm-up + {WINDOW_S:g} s measured, {ROUNDS} "
         f"rounds, arms rotated",
         "- sluice: defaults (`admission` untouched), tenants with limits "
         f"{LIMIT_HEADROOM:g}x their rates; `fairness.enabled` false (fifo) or true (fair); `fair reserved`: "
