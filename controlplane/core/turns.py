@@ -82,12 +82,14 @@ class Turns(FleetState):
     def lift_credit(self, request: InferenceRequest) -> float:
         """How far below the backlogged minimum a lift may leave ``request``'s tenant: ``lift_credit_requests`` times
         the request's expected cost (fairshare.py)."""
-        fairness = self.policy.fairness
-        return fairness.lift_credit_requests * fairness.cost(tenant_of(request), *self._expected_tokens(request))
+        return self.policy.fairness.lift_credit_requests * self._request_cost(request)
 
     def _cost(self, parked: Parked) -> float:
         """What serving ``parked`` is expected to add to its tenant's counter."""
-        return self.policy.fairness.cost(tenant_of(parked.request), *self._expected_tokens(parked.request))
+        return self._request_cost(parked.request)
+
+    def _request_cost(self, request: InferenceRequest) -> float:
+        return self.policy.fairness.cost(tenant_of(request), *self._expected_tokens(request))
 
     def _parking_rank(self, model: str, request: InferenceRequest) -> tuple[float, Rank]:
         """The counter of ``request``'s tenant if it parked now (lifted when none of its requests is parked), and the
