@@ -16,7 +16,7 @@ is never loaded again.
 
 from __future__ import annotations
 
-from collections import deque
+from controlplane.core.eventwindow import EventWindow
 from dataclasses import dataclass
 
 from controlplane.core import adapters
@@ -27,10 +27,6 @@ from controlplane.core.fleet import Fleet
 from controlplane.core.model import InferenceRequest
 from controlplane.core.policy import Policy
 from controlplane.core.route import capacity_throughput, estimate
-
-LOAD_WINDOW_S = 60.0
-"""The rate limit's window: ``adapters.loads_per_minute`` loads per engine within it."""
-
 
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
@@ -46,19 +42,17 @@ class LoadBook:
     """What sluice loaded where: each engine's load times (the rate limit) and the adapters it loaded there."""
 
     def __init__(self) -> None:
-        self._times: dict[str, deque[float]] = {}
+        self._times: dict[str, EventWindow] = {}
         self._loaded: dict[str, set[str]] = {}
 
     def allowed(self, engine: str, now: float, per_minute: int) -> bool:
         """Whether ``engine`` may take another load at ``now`` (fewer than ``per_minute`` in the last 60 s)."""
         times = self._times.get(engine)
-        while times and times[0] <= now - LOAD_WINDOW_S:
-            times.popleft()
-        return len(times or ()) < per_minute
+        return times is None or times.allows(now, per_minute)
 
     def note_load(self, engine: str, adapter: str, now: float) -> None:
         """A load was sent to ``engine`` at ``now`` (counted whether or not it succeeds: the engine did the work)."""
-        self._times.setdefault(engine, deque()).append(now)
+        self._times.setdefault(engine, EventWindow()).note(now)
         self._loaded.setdefault(engine, set()).add(adapter)
 
     def note_unload(self, engine: str, adapter: str) -> None:

@@ -3,7 +3,7 @@
 A critical request that shed early would refuse (its expected start is past its bound) may end running sheddable
 streams instead, when all of these hold:
 
-- the option is on and fewer than ``preempt_max_per_minute`` preemptions happened in the last 60 s (``Budget``);
+- the option is on and fewer than ``preempt_max_per_minute`` preemptions happened in the last 60 s (``Turns``'s ``EventWindow``);
 - an engine serving its model misses it only for ``cap`` and/or ``kv_need`` (fit.py), and runs sheddable streams this
   replica can end (``Preemptible``: admitted sheddable, their ext_proc stream attached here, not marked already);
 - ending the first k of them, least work lost first, lets it fit there::
@@ -18,7 +18,6 @@ The engine needing the fewest victims wins (then the least work lost, then its n
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -27,8 +26,6 @@ from controlplane.core.fleet import Fleet
 from controlplane.core.model import InferenceRequest, Reason, Ticket
 from controlplane.core.policy import Policy
 
-WINDOW_S = 60.0
-"""The rate bound's window: ``preempt_max_per_minute`` preemptions in any this many seconds."""
 RELIEVABLE = frozenset({Reason.CAP, Reason.KV_NEED})
 """The misfits that ending streams on an engine removes (the others, a probe's KV gauge or a box's pool, lag it)."""
 
@@ -84,22 +81,6 @@ def choose_victims(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
                     best = key
                 break
     return None if best is None else (best[2], best[3])
-
-
-class Budget:
-    """The rate bound: when the last preemptions happened (at most ``limit`` kept)."""
-
-    def __init__(self) -> None:
-        self._at: deque[float] = deque()
-
-    def allows(self, now: float, limit: int) -> bool:
-        """Whether one more preemption at ``now`` keeps at most ``limit`` in any ``WINDOW_S``."""
-        while self._at and self._at[0] <= now - WINDOW_S:
-            self._at.popleft()
-        return len(self._at) < limit
-
-    def spend(self, now: float) -> None:
-        self._at.append(now)
 
 
 class Preemptible:

@@ -24,7 +24,8 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.lot import PARK_CLASSES, ParkingLot, class_of, tenant_of
 from controlplane.core.model import Decision, InferenceRequest, Parked, Priority, Reason, Verdict
 from controlplane.core.policy import Policy
-from controlplane.core.preempt import Budget, Preemption, choose_victims
+from controlplane.core.eventwindow import EventWindow
+from controlplane.core.preempt import Preemption, choose_victims
 from controlplane.core.shedearly import committed, overload_bound_s, too_late
 from controlplane.core.waits import retry_after
 
@@ -36,7 +37,7 @@ class Turns(FleetState):
                  draw: Callable[[], float] = lambda: 0.5) -> None:
         super().__init__(policy, ledger, admit_stale, draw)
         self.lot = ParkingLot()
-        self._preempt_budget = Budget()
+        self._preempt_budget = EventWindow()
         self._preemptions: list[Preemption] = []
 
     # -- the lot -------------------------------------------------------------------------------------------------------
@@ -212,7 +213,7 @@ class Turns(FleetState):
         if found is None or preview:
             return None if found is None else waiting
         engine, victims = found
-        self._preempt_budget.spend(now)
+        self._preempt_budget.note(now)
         self.preemptible.mark(parked.request_id, victims)
         candidates = [e for e in fleet.engines if e.serves(model)]
         self._preemptions.append(Preemption(parked.request_id, model, engine, victims,

@@ -14,7 +14,8 @@ from controlplane.core.fairshare import FairShare
 from controlplane.core.ledger import Ledger
 from controlplane.core.model import Reason, Ticket, Verdict
 from controlplane.core.policy import Policy
-from controlplane.core.preempt import Budget, choose_victims, work_lost
+from controlplane.core.eventwindow import EventWindow
+from controlplane.core.preempt import choose_victims, work_lost
 from tests.unit.coreinputs import chat, engine
 
 ON = Policy(fairness=FairShare(preempt_sheddable=True, preempt_max_per_minute=2))
@@ -128,10 +129,10 @@ def test_victims_are_added_until_the_kv_fits() -> None:
 
 
 def test_the_budget_counts_a_sliding_minute() -> None:
-    budget = Budget()
+    budget = EventWindow()
     for at in (0.0, 10.0):
         assert budget.allows(at, 2)
-        budget.spend(at)
+        budget.note(at)
     assert not budget.allows(59.9, 2) and budget.allows(60.0, 2) and budget.allows(70.1, 1)
 
 

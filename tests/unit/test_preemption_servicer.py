@@ -91,6 +91,15 @@ def unchanged(response: ep.ProcessingResponse, kind: str) -> None:
     assert not response.response_body.response.HasField("body_mutation")
 
 
+async def started(plane: ControlPlane, stub: external_processor_pb2_grpc.ExternalProcessorStub) -> tuple[str, Envoy]:
+    """A sheddable admission whose stream has passed its request headers and its response headers unchanged."""
+    ticket = await admitted(plane)
+    envoy = Envoy(stub)
+    unchanged(await envoy.ask(request_headers(ticket)), "request_headers")
+    unchanged(await envoy.ask(RESPONSE_HEADERS), "response_headers")
+    return ticket, envoy
+
+
 def error_of(response: ep.ProcessingResponse) -> tuple[int, dict[str, str], dict[str, str]]:
     immediate = response.immediate_response
     headers = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
@@ -112,10 +121,7 @@ async def test_a_stream_asked_to_end_before_its_response_gets_a_503(
 
 async def test_a_started_stream_ends_with_an_error_event_then_a_reset(
         plane: ControlPlane, stub: external_processor_pb2_grpc.ExternalProcessorStub) -> None:
-    ticket = await admitted(plane)
-    envoy = Envoy(stub)
-    unchanged(await envoy.ask(request_headers(ticket)), "request_headers")
-    unchanged(await envoy.ask(RESPONSE_HEADERS), "response_headers")
+    ticket, envoy = await started(plane, stub)
     unchanged(await envoy.ask(chunk(b'data: {"choices": []}\n\n')), "response_body")
     plane.service._endings[ticket].end(3, "ended")
     replaced = await envoy.ask(chunk(b'data: {"choices": []}\n\n'))
@@ -129,10 +135,7 @@ async def test_a_started_stream_ends_with_an_error_event_then_a_reset(
 
 async def test_a_started_stream_without_a_chunk_in_the_grace_is_reset(
         plane: ControlPlane, stub: external_processor_pb2_grpc.ExternalProcessorStub) -> None:
-    ticket = await admitted(plane)
-    envoy = Envoy(stub)
-    unchanged(await envoy.ask(request_headers(ticket)), "request_headers")
-    unchanged(await envoy.ask(RESPONSE_HEADERS), "response_headers")
+    ticket, envoy = await started(plane, stub)
     plane.service._endings[ticket].end(3, "ended")
     assert error_of(await envoy.answer())[0] == 503  # within 5 s: the grace is 0.2 s
     await envoy.close()
