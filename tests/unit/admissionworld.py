@@ -17,7 +17,7 @@ from controlplane.core.ledger import Ledger
 from controlplane.core.engines import EngineSample, EngineView, ServedModel
 from controlplane.core.fleet import Fleet
 from controlplane.core.policy import Policy
-from controlplane.core.shedearly import committed as is_committed
+from controlplane.core.shedearly import ANSWER_MARGIN_S, committed as is_committed
 
 CAPACITY = 20_000
 ENGINES = (
@@ -106,9 +106,10 @@ class World:
                 request = self.requests[o.request_id]
                 if o.parked_for > 0 and request.priority in self.admitted_from_park:
                     self.admitted_from_park[request.priority].append(o.request_id)
-                if request.max_ttft_ms is not None and o.parked_for < window:
+                if request.max_ttft_ms is not None and o.parked_for < window - ANSWER_MARGIN_S:
                     # Admitted only with an estimated TTFT inside what is left of the deadline (whole milliseconds). A
-                    # committed request whose deadline passed is served late rather than shed.
+                    # committed request (parked past its window less the answer margin, shedearly.committed) that can
+                    # no longer meet its deadline is served late rather than shed.
                     assert o.parked_for + o.decision.expected_ttft_s <= request.max_ttft_ms / 1000 + 0.001, \
                         f"{o.request_id} admitted past its {request.max_ttft_ms} ms deadline"
             elif o.decision.verdict is Verdict.SHED:

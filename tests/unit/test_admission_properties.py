@@ -22,6 +22,12 @@ from tests.unit.admissionworld import POLICY, World, op, run_and_drain
 # Leases expire after the probes that counted their tickets: the expiry must free the probe's slots as a release does.
 @example([("submit", 100, Priority.CRITICAL, 5, None, None), ("probe", "a"), ("probe", "b"), ("tick", 20.0),
           ("tick", 40.0), ("tick", 40.0), ("submit", 100, Priority.CRITICAL, 1, None, None)])
+# A request committed (parked past its decision window less the answer margin) and then served past its deadline: the
+# deadline binds only before it is committed.
+@example([("submit", 100, Priority.CRITICAL, 1, None, None), ("submit", 100, Priority.CRITICAL, 1, None, None),
+          ("submit", 9000, Priority.CRITICAL, 5, 10000, None), ("submit", 100, Priority.CRITICAL, 1, None, None),
+          ("submit", 100, Priority.CRITICAL, 1, None, None), ("submit", 100, Priority.CRITICAL, 1, None, None),
+          ("tick", 0.9375)])
 def test_admission_invariants(steps: list[tuple[Any, ...]]) -> None:
     """Strict FIFO (``lifo_after_ms: 0``): parked requests are admitted in the order they parked, however long they wait."""
     world = run_and_drain(World(replace(POLICY, lifo_after_ms=0)), steps)
