@@ -159,6 +159,10 @@ class EngineSimulator:
         else:
             app.router.add_get("/props", self.props)
             app.router.add_get("/slots", self.slots)
+        if self.flavor.vllm or self.flavor is Dialect.LLAMACPP:
+            app.router.add_post("/tokenize", self.tokenize)
+        if self.flavor is Dialect.LLAMACPP:
+            app.router.add_post("/apply-template", self.apply_template)
         if self.flavor.vllm and self.runtime_lora_updating:
             app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
@@ -217,6 +221,37 @@ class EngineSimulator:
                 "next_token": {"has_next_token": r is not None, "n_decoded": r.generated if r else 0},
             })
         return web.json_response(out)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize`` (``{"model", "prompt"}`` or ``{"model", "messages", "add_generation_prompt"}`` ->
+        ``{"count", "max_model_len", "tokens"}``, its ``TokenizeResponse``), counting as a request's prompt is counted;
+        llama.cpp's (``{"content"}`` -> ``{"tokens"}``), where each ``TEMPLATE_MARK`` that ``/apply-template`` put
+        before a message counts as the profile's template tokens of a message. Token ids are placeholders."""
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        p = self.profile
+        if self.flavor is Dialect.LLAMACPP:
+            content = body.get("content")
+            if not isinstance(content, str):
+                return _error(400, "\"content\" must be provided", "invalid_request_error")
+            marks = content.count(TEMPLATE_MARK)
+            text = content.replace(TEMPLATE_MARK, "")
+            count = math.ceil(len(text) / p.chars_per_token) + marks * p.template_tokens_per_message
+            return web.json_response({"tokens": list(range(count))})
+        if not isinstance(body.get("messages"), list) and not isinstance(body.get("prompt"), str):
+            return _error(400, "either prompt or messages must be given", "BadRequestError")
+        _, count = _prompt(body, chat=isinstance(body.get("messages"), list), profile=p)
+        return web.json_response({"count": count, "max_model_len": p.max_model_len, "tokens": list(range(count))})
+
+    async def apply_template(self, request: web.Request) -> web.Response:
+        """llama.cpp's ``POST /apply-template`` (``{"messages"}`` -> ``{"prompt"}``): each message's content after a
+        ``TEMPLATE_MARK``, which the simulator's ``/tokenize`` counts as the template's tokens of one message."""
+        body = await _json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+        return web.json_response({"prompt": "".join(TEMPLATE_MARK + str(m.get("content", "")) for m in messages)})
 
     async def models(self, request: web.Request) -> web.Response:
         """The base model, then each registered adapter as vLLM's ``OpenAIServingModels.show_available_models`` lists
@@ -561,6 +596,9 @@ def _prompt(body: dict[str, Any], *, chat: bool, profile: Profile) -> tuple[str,
         return text, forced
     return text, max(1, math.ceil(len(text) / profile.chars_per_token) + template)
 
+
+TEMPLATE_MARK = "<|sim_message|>"
+"""What the llama.cpp dialect's ``/apply-template`` puts before each message (its template's tokens)."""
 
 LISTENING = "listening on http://{host}:{port}"
 """The line ``serve`` prints (stdout, flushed) once it accepts connections: the port it bound, ``--port 0`` included."""

@@ -33,6 +33,7 @@ from controlplane.core.tenants import Usage
 from controlplane.core.engines import EngineView
 from controlplane.metrics import NO_TENANT_LABEL, SluiceMetrics
 from controlplane.observe.adapterloader import AdapterLoader
+from controlplane.observe.tokenizer import PromptTokenizer
 from controlplane.observe.observation import Observation
 from controlplane.ports import CheckSettings, Ending
 from controlplane.store.base import Claim, Refusal, Store
@@ -60,6 +61,8 @@ class AdmissionService:
         self.adapter_loader = AdapterLoader(config, core, observation, metrics, clock)
         """Dynamic LoRA loading (``adapters.dynamic_loading``): a Check for an adapter no engine lists waits for its
         load."""
+        self.tokenizer = PromptTokenizer(core, observation, metrics, clock)
+        """Long prompts counted by an engine's tokenizer before the Check decides (``admission.tokenize_above_chars``)."""
         self.config = config
         self._parked: dict[str, asyncio.Future[Outcome]] = {}
         self._early: dict[str, Outcome] = {}
@@ -94,6 +97,11 @@ class AdmissionService:
         cp = config.controlplane
         self.settings = CheckSettings(config.policy, config.authz_timeout_s, cp.max_check_queue_ms,
                                       cp.overload_retry_after_seconds, config.tenants)
+
+    async def counted_prompt(self, request: InferenceRequest, body: bytes) -> InferenceRequest:
+        """``request`` with its prompt counted by an engine's tokenizer when it is long enough to ask (observe/tokenizer.py),
+        else as parsed."""
+        return await self.tokenizer.counted(request, body)
 
     async def check(self, request_id: str, request: InferenceRequest) -> Outcome:
         """Decide on the ledger, then write the admission to the store; decide again when another replica was first."""
@@ -260,6 +268,11 @@ class AdmissionService:
         """How the Check estimates a prompt's tokens now (learned from the engines: core/prompt_tokens.py)."""
         return self.core.prompt_tokens.rules
 
+    def note_served_prompt(self, ticket: Ticket, shape: PromptShape, estimated: int, ok: bool) -> None:
+        """What the Check counted of a released request's prompt (the access log), usage or not: its engine's
+        prompt-token counter window accounts for it (core/prompt_counters.py)."""
+        self.core.observe_served_prompt(ticket, shape, estimated, ok)
+
     def note_prompt_tokens(self, ticket: Ticket, shape: PromptShape, estimated: int, counted: int) -> None:
         """A served request's prompt as its engine counted it (the access log): the estimate's error is reported and
         the model's rule learns."""
@@ -392,6 +405,7 @@ class AdmissionService:
 
     async def stop(self) -> None:
         await self.adapter_loader.stop()
+        await self.tokenizer.stop()
         await self.replication.stop(*self._tasks)
         self._tasks.clear()
 

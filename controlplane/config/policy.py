@@ -42,8 +42,16 @@ class AdmissionConfig:
     chars_per_token: float = field(default=_POLICY.chars_per_token, metadata=setting(minimum=0.5))
     """Prompt token estimate = characters / this, until the engines' own counts replace it."""
     prompt_tokens_min_samples: int = field(default=_POLICY.prompt_tokens_min_samples, metadata=setting(minimum=0))
-    """Served requests with the engine's ``usage.prompt_tokens`` a (model, engine) needs before its learned characters
-    per token and template tokens per message replace the prior; 0: never learn (decision 0002)."""
+    """Samples a (model, engine) needs before its learned characters per token and template tokens per message replace
+    the prior: served requests with the engine's ``usage.prompt_tokens``, and windows of the engine's prompt-token
+    counter between idle probes (an average request each); 0: never learn (decision 0002)."""
+    tokenize_above_chars: int = field(default=_POLICY.tokenize_above_chars, metadata=setting(minimum=0))
+    """A prompt of at least this many characters is counted by an engine's own tokenize endpoint before the Check
+    decides (vLLM ``/tokenize``; llama.cpp ``/apply-template`` and ``/tokenize``), where an estimate's error would cost
+    most KV: one HTTP call to an engine serving the model, its count then stands for the request (KV reservation, TTFT,
+    rate-limit pre-charge) and is a sample of the learned rule. 0 (the default): never."""
+    tokenize_timeout_ms: int = field(default=_POLICY.tokenize_timeout_ms, metadata=setting(minimum=1))
+    """How long a Check waits for that count; past it, or on any failure, it decides on the learned estimate."""
     max_park_seconds: float = field(default=_POLICY.max_park_s, metadata=setting(minimum=0))
     """Longest a request may wait parked: one expected to start later is refused at once (or inside its decision window)
     503 ``park_timeout``; a committed request still parked this long is shed ``park_timeout`` too (the backstop). At most

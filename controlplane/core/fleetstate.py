@@ -34,6 +34,7 @@ from controlplane.core.output_length import OutputLengthBook
 from controlplane.core.policy import Policy
 from controlplane.core.preempt import Preemptible
 from controlplane.core.prefix import PrefixIndex, restarted
+from controlplane.core.prompt_counters import CounterWindows
 from controlplane.core.prompt_tokens import PromptShape, PromptTokenBook
 from controlplane.core.route import ServeCounter, SessionMap
 from controlplane.core.shedearly import ServiceTimes
@@ -78,6 +79,9 @@ class FleetState:
         """Each engine's TTFT correction (feedback.py), set on the views the core decides on."""
         self.prompt_tokens = PromptTokenBook(policy.chars_per_token, policy.prompt_tokens_min_samples)
         """The Check estimates prompt tokens with ``prompt_tokens.rules``."""
+        self.prompt_counters = CounterWindows()
+        """Windows of each engine's prompt-token counter between quiet probes: samples for ``prompt_tokens`` when
+        requests are served without usage (prompt_counters.py)."""
         self.fair = TenantCounters()
         """Each tenant's virtual token counter per model (fairshare.py), charged at every admission here."""
         self.swaps = SwapBook(policy.adapters.swap_min_samples)
@@ -208,17 +212,28 @@ class FleetState:
         if sample is not None:
             if before is not None and sample.taken_at > before.taken_at and restarted(before, sample):
                 why = "restart"
+            elif before is None or sample.taken_at > before.taken_at:
+                self._count_prompts(view.name, sample)
             self._last_sample[view.name] = sample
         if why == "restart" and self.ttft.forget(view.name):
             self._refresh_corrected([view.name])
         if why == "restart":
             self.prompt_tokens.forget(view.name)
+            self.prompt_counters.forget(view.name)
             self.swaps.forget(view.name)
         if view.drained:
             why = "drained"
         if why is not None and self.prefixes.forget(view.name):
             return why
         return None
+
+    def _count_prompts(self, engine: str, sample: EngineSample) -> None:
+        """A new probe of ``engine``: at a quiet one (nothing running or waiting there, no ticket on it here) its
+        prompt-token counter's window closes, and what it counted teaches the token rule (prompt_counters.py)."""
+        quiet = sample.running == 0 and sample.waiting == 0 and self.ledger.view(engine).open_tickets == 0
+        window = self.prompt_counters.probe(engine, sample.prompt_tokens_total, quiet)
+        if window is not None:
+            self.prompt_tokens.observe_window(window)
 
     def note_view(self, view: EngineView) -> None:
         """The shell's latest view of an engine (probe, drain, failure, staleness flip): the index refreshes its rows,
@@ -246,6 +261,11 @@ class FleetState:
         """A served request's prompt as its engine counted it (``usage.prompt_tokens``) and as the Check estimated it:
         the model's token rule learns (prompt_tokens.py)."""
         self.prompt_tokens.observe(model, engine, shape, counted, estimated)
+
+    def observe_served_prompt(self, ticket: Ticket, shape: PromptShape, estimated: int, ok: bool) -> None:
+        """What the Check counted of a request whose ticket was just released (its access-log entry), usage or not;
+        ``ok``: its engine answered it 200. Its engine's prompt-token counter window accounts for it."""
+        self.prompt_counters.served(ticket.engine, ticket.model, shape, estimated, ok)
 
     def observe_first_token(self, ticket_id: str, ttft_s: float) -> float | None:
         """A streamed request's TTFT at its engine (the access log): for an adapter request, its residual against the
@@ -390,8 +410,10 @@ class FleetState:
             self.preemptible.closed(ticket_id)
             if completed:
                 self.fair.close(ticket_id)
+                self.prompt_counters.released(ticket.engine)
             else:
                 self.fair.forget(ticket_id)
+                self.prompt_counters.spoil(ticket.engine)
         if ticket is not None and completed:
             self.service_times.record(ticket.model, max(0.0, now - ticket.admitted_at))
         return ticket
@@ -406,6 +428,7 @@ class FleetState:
         for ticket in reaped:  # no longer running; a late settle still finds its charge
             self.fair.close(ticket.ticket_id)
             self.preemptible.closed(ticket.ticket_id)
+            self.prompt_counters.spoil(engine)
         return reaped
 
     def expire_leases(self, now: float) -> list[Ticket]:
@@ -415,6 +438,7 @@ class FleetState:
         for ticket in expired:  # no longer running; a late settle still finds its charge
             self.fair.close(ticket.ticket_id)
             self.preemptible.closed(ticket.ticket_id)
+            self.prompt_counters.spoil(ticket.engine)
         return expired
 
     def settle_usage(self, ticket_id: str, prompt_tokens: int, completion_tokens: int) -> float | None:

@@ -50,8 +50,14 @@ class Policy:
     """Prompt tokens are estimated as characters / this until the engines' own counts replace it
     (``prompt_tokens_min_samples``; core/prompt_tokens.py)."""
     prompt_tokens_min_samples: int = 20
-    """Served requests whose engine reported ``usage.prompt_tokens`` a (model, engine) needs before its learned
-    characters per token and template tokens per message replace the prior (core/prompt_tokens.py). 0: never learn."""
+    """Samples a (model, engine) needs before its learned characters per token and template tokens per message replace
+    the prior: served requests whose engine reported ``usage.prompt_tokens``, and windows of the engine's prompt-token
+    counter between idle probes (core/prompt_tokens.py, core/prompt_counters.py). 0: never learn."""
+    tokenize_above_chars: int = 0
+    """A prompt of at least this many characters is counted by an engine's own tokenizer before the Check decides
+    (observe/tokenizer.py), where an estimate's error would cost most KV; 0: never (the learned estimate only)."""
+    tokenize_timeout_ms: int = 100
+    """How long a Check waits for that count; past it (or on any failure) it decides on the estimate."""
     max_park_s: float = 120.0
     """Longest a request waits parked (``admission.max_park_seconds``)."""
     max_queue_depth: int = 64

@@ -3,12 +3,14 @@
 
 A Check has no tokenizer. It estimates ``tokens = ceil(c x per_char + m x per_message)``; the prior is the policy's
 ``chars_per_token`` and no template tokens. Each served request whose engine reported ``usage.prompt_tokens`` is a sample
-``(c, m, counted)`` of its (model, engine); after ``min_samples`` the pair's figures are fitted to its last ``SAMPLES``,
-and the model's rule (KV reservation, TTFT, prefix-block arithmetic, rate-limit pre-charges) is the largest of its
-engines' figures, component by component, so that no engine's prompt is under-reserved. The fit is least squares of
-``counted ~ per_char x c + per_message x m`` pulled toward the prior with ``PRIOR_WEIGHT`` of a sample, refitted
-without samples whose residual exceeds ``OUTLIER_MADS`` median absolute residuals (at least one token), up to
-``TRIM_ROUNDS`` times, bounded by ``PER_CHAR_BOUNDS`` and ``PER_MESSAGE_BOUNDS``.
+``(c, m, counted)`` of its (model, engine), and so is each window of an engine's prompt-token counter that accounts for
+every prompt counted in it (prompt_counters.py: the window's average request). After ``min_samples`` the pair's figures
+are fitted to its last ``SAMPLES``, and the model's rule (KV reservation, TTFT, prefix-block arithmetic, rate-limit
+pre-charges) is the largest of its engines' figures, component by component, so that no engine's prompt is
+under-reserved. The fit is least squares of ``counted ~ per_char x c + per_message x m`` pulled toward the prior with
+``PRIOR_WEIGHT`` of a sample, refitted without samples whose residual exceeds ``OUTLIER_MADS`` median absolute
+residuals (at least one token), up to ``TRIM_ROUNDS`` times, bounded by ``PER_CHAR_BOUNDS`` and
+``PER_MESSAGE_BOUNDS``.
 
 Pure: no clock, no I/O. Each control-plane replica learns from the access-log entries it receives.
 """
@@ -76,6 +78,24 @@ class PromptTokenRules:
 
 
 @dataclass(frozen=True, slots=True)
+class CountedWindow:
+    """A closed window of an engine's prompt-token counter (prompt_counters.py): its requests' average prompt as the
+    Check counted it and as the engine's counter did."""
+
+    model: str
+    engine: str
+    requests: int
+    chars: float
+    """Average characters a request."""
+    messages: float
+    """Average chat messages a request."""
+    counted: float
+    """Average prompt tokens a request, from the counter's growth."""
+    estimated: float
+    """Average of the Check's estimates."""
+
+
+@dataclass(frozen=True, slots=True)
 class PromptTokenSummary:
     """What ``sluice admin engines`` shows of an engine's prompts."""
 
@@ -89,10 +109,12 @@ class PromptTokenSummary:
 
 @dataclass(frozen=True, slots=True)
 class _Sample:
-    chars: int
-    messages: int
-    counted: int
-    estimated: int = 0
+    """One request, or the average request of a counter window (prompt_counters.py)."""
+
+    chars: float
+    messages: float
+    counted: float
+    estimated: float = 0
 
 
 class PromptTokenBook:
@@ -118,9 +140,19 @@ class PromptTokenBook:
         rules changed."""
         if counted <= 0 or shape.chars < 0:
             return False
-        pair = (model, engine)
+        return self._add((model, engine), _Sample(shape.chars, shape.messages, counted, estimated))
+
+    def observe_window(self, window: CountedWindow) -> bool:
+        """A closed counter window (prompt_counters.py): its average request is one sample of its (model, engine). True
+        when the Check's rules changed."""
+        if window.counted <= 0 or window.chars < 0:
+            return False
+        return self._add((window.model, window.engine),
+                         _Sample(window.chars, window.messages, window.counted, window.estimated))
+
+    def _add(self, pair: tuple[str, str], sample: _Sample) -> bool:
         samples = self._samples.setdefault(pair, deque(maxlen=SAMPLES))
-        samples.append(_Sample(shape.chars, shape.messages, counted, estimated))
+        samples.append(sample)
         if self.min_samples <= 0:
             return False
         since = self._since_fit.get(pair, 0) + 1

@@ -103,6 +103,11 @@ class SluiceMetrics:
             buckets=(0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10),
         )
         self.registry.register(self.end_to_end_error)
+        self.tokenize_requests = Counter(
+            "sluice_tokenize_requests", "Long prompts a Check asked an engine's tokenizer to count "
+            "(admission.tokenize_above_chars), by outcome: ok, timeout, failed, no_engine (the estimate stood).",
+            ["outcome"], registry=r,
+        )
         self.prompt_tokens_error = Histogram(
             "sluice_prompt_tokens_estimate_error_ratio", "A served request's prompt tokens as its engine counted them "
             "(usage.prompt_tokens) over the Check's estimate.", ["model"],

@@ -106,18 +106,21 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
             self._learn_prompt_tokens(entry, ticket, authz)
 
     def _learn_prompt_tokens(self, entry: Any, ticket: Ticket, authz: Any) -> None:
-        """The engine's count of a served request's prompt (its usage object, read by the Lua response filter) against
-        what the Check counted and estimated (its ext_authz metadata)."""
-        filter_metadata = entry.common_properties.metadata.filter_metadata
-        if entry.response.response_code.value != 200 or USAGE_NAMESPACE not in filter_metadata \
-                or "prompt_chars" not in authz:
-            return
-        usage = filter_metadata[USAGE_NAMESPACE].fields
-        if "prompt_tokens" not in usage:
+        """What the Check counted of a released request's prompt (its ext_authz metadata), for its engine's prompt-token
+        counter window; with the engine's own count (its usage object, read by the Lua response filter), a sample of
+        the prompt-token rule and of the estimate's error."""
+        if "prompt_chars" not in authz:
             return
         shape = PromptShape(int(authz["prompt_chars"].number_value), int(authz["prompt_messages"].number_value))
-        self.plane.note_prompt_tokens(ticket, shape, int(authz["prompt_tokens"].number_value),
-                                      int(usage["prompt_tokens"].number_value))
+        estimated = int(authz["prompt_tokens"].number_value)
+        ok = entry.response.response_code.value == 200
+        self.plane.note_served_prompt(ticket, shape, estimated, ok)
+        filter_metadata = entry.common_properties.metadata.filter_metadata
+        if not ok or USAGE_NAMESPACE not in filter_metadata:
+            return
+        usage = filter_metadata[USAGE_NAMESPACE].fields
+        if "prompt_tokens" in usage:
+            self.plane.note_prompt_tokens(ticket, shape, estimated, int(usage["prompt_tokens"].number_value))
 
     @staticmethod
     def _observed(entry: Any, authz: Any) -> ObservedResponse:

@@ -10,8 +10,9 @@ back the ticket, parked entry or pre-charge the Check held; a call that queued i
 ``controlplane.max_check_queue_ms`` is answered 503 ``controlplane_overloaded`` + retry-after before any parsing
 (``queued_s``). Only a cancelled Check (the client left) ends without an answer, and it leaves nothing behind.
 With ``tenants:`` configured a request is authenticated, its model and class checked and it is pre-charged before
-admission (``_tenant_gate``); any answer other than an admission gives the charge back. With ``tracing.enabled`` the
-wiring registers ``tracing.TracedAuthorizationServicer``, which runs this Check as it is inside a span.
+admission (``_tenant_gate``); any answer other than an admission gives the charge back. A long prompt may be counted
+by an engine's tokenizer first (``admission.tokenize_above_chars``: ``CheckPort.counted_prompt``). With
+``tracing.enabled`` the wiring registers ``tracing.TracedAuthorizationServicer``, which runs this Check as it is inside a span.
 """
 
 from __future__ import annotations
@@ -151,8 +152,9 @@ class AuthorizationServicer(external_auth_pb2_grpc.AuthorizationServicer):
                 detail="Incorrect API key provided (send it as Authorization: Bearer <key>)"))
         else:
             try:
-                parsed = parse_request(http.method, http.path, http.raw_body, http.headers, settings.policy,
-                                       port.prompt_rules)
+                parsed = await port.counted_prompt(parse_request(
+                    http.method, http.path, http.raw_body, http.headers, settings.policy, port.prompt_rules),
+                    http.raw_body)
             except RequestError as error:
                 flight.outcome = Outcome(flight.request_id, refuse(error))
             else:

@@ -104,3 +104,53 @@ def test_streams_without_a_tenant_teach_the_prompt_rule(tmp_path: Path) -> None:
         assert abs(stack.engines()["thor"].prompt_chars_per_token - 1.3) < 0.05, stack.engines()["thor"]
     finally:
         stack.close()
+
+
+def test_streams_without_usage_teach_the_prompt_rule_through_the_engines_counter(tmp_path: Path) -> None:
+    """A client that streams without ``include_usage`` (the openai client's default) tells the gateway nothing of its
+    prompt's tokens; the engine's ``vllm:prompt_tokens_total`` between its idle probes does (core/prompt_counters.py)."""
+    engines = [{"name": "thor", "sim": "thor", "max_num_seqs": 8,
+                "sim_args": ["--chars-per-token", "1.3", "--template-tokens", "5"]}]
+    stack = start_stack(engines, tmp_path, speed=40.0, admission={"prompt_tokens_min_samples": 6})
+    try:
+        for i in range(12):
+            messages = [{"role": "user", "content": "q" * (60 + 83 * i)}]
+            if i % 2:
+                messages.insert(0, {"role": "system", "content": "s" * (25 + 9 * i)})
+            body = {"model": "cortex", "messages": messages, "max_tokens": 3, "stream": True}
+            request = urllib.request.Request(stack.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                             headers={"content-type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                assert b'"prompt_tokens"' not in response.read()
+            time.sleep(0.5)  # a probe (every 0.2 s) finds the engine idle between two requests
+        wait_for(lambda: stack.engines()["thor"].prompt_token_samples >= 6, timeout=10, what="6 counter windows")
+        thor = stack.engines()["thor"]
+        assert abs(thor.prompt_chars_per_token - 1.3) < 0.05 and abs(thor.prompt_template_tokens_per_message - 5) < 1, \
+            thor
+    finally:
+        stack.close()
+
+
+def test_long_prompts_counted_by_the_engine_fill_its_kv_without_a_warm_up(tmp_path: Path) -> None:
+    """With ``tokenize_above_chars``, a long prompt is counted by the engine's ``/tokenize`` before the Check decides:
+    with nothing learned yet, 8 prompts of 12,000 characters at 1.3 a token (9,232 tokens, 10,232 with their answers)
+    are reserved as what they are, not as the prior's 3,000, so the 40,000 tokens of KV take 3 at a time and the
+    engine never preempts. Answers that did not fit are refused with a reason, never lost."""
+    engines = [{"name": "small", "sim": "spark", "sim_model": "small", "max_num_seqs": 8,
+                "sim_args": ["--chars-per-token", "1.3", "--template-tokens", "5", "--num-gpu-blocks", "2500"]}]
+    stack = start_stack(engines, tmp_path, speed=40.0, admission={"tokenize_above_chars": 4000})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            long = list(pool.map(lambda i: post(stack, {**chat(f"{i:02d}" + "z" * 11_998, max_tokens=1000),
+                                                        "model": "small"}, "none"), range(8)))
+        assert all(status == 200 or (status == 503 and body["error"]["code"]) for status, body in long), long
+        assert sum(status == 200 for status, _ in long) >= 3, long
+        assert {body["usage"]["prompt_tokens"] for status, body in long if status == 200} == {9236}
+        stats = http_json(stack.sim_url("small") + "/sim/stats")
+        assert stats["preemptions"] == 0, stats
+        assert stack.controlplane is not None
+        metrics = urllib.request.urlopen(
+            f"http://127.0.0.1:{stack.controlplane.plane.http.port}/metrics").read().decode()
+        assert 'sluice_tokenize_requests_total{outcome="ok"} 8.0' in metrics
+    finally:
+        stack.close()

@@ -46,6 +46,7 @@ class FakeCompletions:
     failures: list[tuple[str, str]] = field(default_factory=list)
     first_tokens: list[tuple[str, FirstToken]] = field(default_factory=list)
     prompts: list[tuple[PromptShape, int, int]] = field(default_factory=list)
+    served_prompts: list[tuple[PromptShape, int, bool]] = field(default_factory=list)
     settled: list[tuple[str, Usage]] = field(default_factory=list)
 
     def release_ticket(self, ticket_id: str) -> Ticket | None:
@@ -63,6 +64,9 @@ class FakeCompletions:
 
     def note_prompt_tokens(self, ticket: Ticket, shape: PromptShape, estimated: int, counted: int) -> None:
         self.prompts.append((shape, estimated, counted))
+
+    def note_served_prompt(self, ticket: Ticket, shape: PromptShape, estimated: int, ok: bool) -> None:
+        self.served_prompts.append((shape, estimated, ok))
 
     def settle_usage(self, ticket_id: str, usage: Usage) -> None:
         self.settled.append((ticket_id, usage))
@@ -376,3 +380,18 @@ async def test_access_log_hands_the_engines_prompt_count_to_the_plane() -> None:
     e.common_properties.metadata.filter_metadata["sluice.usage"].update({"prompt_tokens": 1010})
     await AccessLogServicer(port).StreamAccessLogs(stream(e), FakeContext())
     assert port.prompts == [(PromptShape(1300, 2), 325, 1010)]
+
+
+async def test_access_log_hands_every_released_prompt_to_its_engines_counter_window() -> None:
+    """Usage or not, a released request's prompt as the Check counted it goes to its engine's counter window, with
+    whether the engine answered it (a failed one spoils the window)."""
+    port = FakeCompletions(open={t: Ticket(t, "thor", "cortex", 0.0, 0.0) for t in ("t1", "t2")})
+    served = timed_entry(content_type="application/json", first_token_after_s=None)
+    failed = timed_entry(content_type="application/json", first_token_after_s=None)
+    failed.response.response_code.value = 500
+    for e, ticket in ((served, "t1"), (failed, "t2")):
+        e.common_properties.metadata.filter_metadata["envoy.filters.http.ext_authz"].update(
+            {"ticket": ticket, "prompt_chars": 400, "prompt_messages": 1, "prompt_tokens": 100})
+    await AccessLogServicer(port).StreamAccessLogs(stream(served, failed), FakeContext())
+    assert port.served_prompts == [(PromptShape(400, 1), 100, True), (PromptShape(400, 1), 100, False)]
+    assert port.prompts == []  # no usage: nothing for the rule's per-request samples

@@ -228,6 +228,9 @@ class Completions:
     def note_prompt_tokens(self, ticket: Ticket, shape: PromptShape, estimated: int, counted: int) -> None:
         pass
 
+    def note_served_prompt(self, ticket: Ticket, shape: PromptShape, estimated: int, ok: bool) -> None:
+        pass
+
     def settle_usage(self, ticket_id: str, usage: Usage) -> None:
         self.settled.append((ticket_id, usage))
 
