@@ -7,7 +7,8 @@ dialect (SGLang and TGI have no tokenize endpoint read here; an engine whose dia
 taken in turn so that no one engine's API server carries every count. **How.** vLLM: ``POST /tokenize`` with the
 request's ``messages`` and ``add_generation_prompt: true`` (a chat completion's own rendering) or its ``prompt``; the
 answer's ``count`` (vLLM's ``TokenizeResponse``). llama.cpp: a chat's messages through ``POST /apply-template`` (its
-``prompt``), then ``POST /tokenize`` of that text (``{"content"}``); the answer's ``len(tokens)``.
+``prompt``), then ``POST /tokenize`` of that text (``{"content", "add_special": true}``: with the BOS its completion
+endpoints add); the answer's ``len(tokens)``.
 
 **Bounded.** Both calls together within ``admission.tokenize_timeout_ms``; a timeout, an error status, a refused
 connection or an answer without a count leaves the Check's estimate, and each ask is counted by outcome
@@ -100,7 +101,7 @@ class PromptTokenizer:
                 async with http.post(f"{base}/apply-template", json={"messages": payload["messages"]}) as response:
                     response.raise_for_status()
                     text = (await response.json())["prompt"]
-            async with http.post(f"{base}/tokenize", json={"content": text}) as response:
+            async with http.post(f"{base}/tokenize", json={"content": text, "add_special": True}) as response:
                 response.raise_for_status()
                 return len((await response.json())["tokens"])
         asked: dict[str, Any] = {"model": request.model}

@@ -8,6 +8,7 @@ The model is random weights (rig/llama.py): answers are gibberish, so tests asse
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import copy
 import dataclasses
@@ -24,8 +25,12 @@ import openai
 import pytest
 import yaml
 
-from controlplane.core.engines import Flavor
+from controlplane.core.engines import EngineView, Flavor, ServedModel
+from controlplane.core.policy import Policy
+from controlplane.core.request import parse_request
+from controlplane.metrics import SluiceMetrics
 from controlplane.observe import parse
+from controlplane.observe.tokenizer import PromptTokenizer
 from sluice.admin.v1 import admin_pb2
 from rig.llama import BUILD_INFO, MODEL_ID
 from rig.waits import free_port, wait_for
@@ -482,3 +487,46 @@ def test_prompt_tokens_against_llamacpps_own_counts(stack: Stack, engines: list[
               f"{e.prompt_template_tokens_per_message:.1f} template tokens a message (llama.cpp counted {counts})")
     counted = [e for n, e in stack.engines().items() if e.prompt_token_samples > before[n]]
     assert counted and all(e.prompt_tokens_error_median > 0 for e in counted)
+
+
+def test_a_long_prompt_counted_by_llamacpps_own_tokenizer(engines: list[Engine]) -> None:
+    """``admission.tokenize_above_chars``'s count (observe/tokenizer.py: ``/apply-template``, then ``/tokenize``) is
+    llama.cpp's own: the same chat sent to the engine reports the same ``usage.prompt_tokens``. The Check's prior
+    estimate is printed beside it."""
+    real = engines[0]
+    view = EngineView(real.name, real.url, None, models=(ServedModel(MODEL_ID),), stale=False, flavor=Flavor.LLAMACPP)
+
+    class Fleet:
+        engines = (view,)
+
+    class Observation:
+        def fleet(self, now: float) -> Fleet:
+            return Fleet()
+
+    class Core:
+        policy = Policy(tokenize_above_chars=100, tokenize_timeout_ms=5000)
+        samples: list[int] = []
+
+        def observe_prompt_tokens(self, model: str, engine: str, shape: Any, counted: int, estimated: int) -> None:
+            self.samples.append(counted)
+
+    body = {"model": MODEL_ID, "max_tokens": 1,
+            "messages": [{"role": "system", "content": "You answer briefly."},
+                         {"role": "user", "content": "Name the rivers of a delta, " * 40}]}
+    raw = json.dumps(body).encode()
+    request = parse_request("POST", "/v1/chat/completions", raw)
+    core = Core()
+    tokenizer = PromptTokenizer(core, Observation(), SluiceMetrics(), lambda: 0.0)  # type: ignore[arg-type]
+
+    async def count() -> int:
+        try:
+            return (await tokenizer.counted(request, raw)).prompt_tokens
+        finally:
+            await tokenizer.stop()
+
+    counted = asyncio.run(count())
+    status, _, payload = post(real.url + "/v1", "/chat/completions", body)
+    assert status == 200
+    engine_count = json.loads(payload)["usage"]["prompt_tokens"]
+    print(f"llama.cpp counts {engine_count} prompt tokens; /tokenize {counted}; the prior {request.prompt_tokens}")
+    assert counted == engine_count and core.samples == [engine_count]
