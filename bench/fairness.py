@@ -23,8 +23,8 @@ same arrival times in every arm of a round and workload (seeded per round):
 - ``fifo``: both tenants, ``fairness.enabled: false`` (the parking lot as before fair share: FIFO per class);
 - ``fair``: both tenants, ``fairness.enabled: true`` (the default with tenants configured);
 - ``fair, paper's lift``: as ``fair`` with ``fairness.lift_credit_requests: 0``: a tenant back from idle is lifted
-  exactly to the backlogged minimum, as the VTC paper lifts (the default leaves it eight of its requests below: decision
-  0031);
+  exactly to the backlogged minimum, as the VTC paper lifts (the default leaves it sixteen of its requests below:
+  decision 0031);
 - ``fair reserved``: as ``fair``, ``b`` with ``reserved_share: 0.5`` (2 of the 4 slots held for it while it has work
   waiting, core/reserve.py);
 - ``a last``: as ``fair``, every tenant's requests but ``a``'s critical (its tenant's default class), ``a``'s standard:

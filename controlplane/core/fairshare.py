@@ -60,10 +60,11 @@ class FairShare:
     weight 1 while both are backlogged."""
     default_weight: float = 1.0
     """The weight of a tenant without its own, and of ``ANONYMOUS``."""
-    lift_credit_requests: float = 8.0
+    lift_credit_requests: float = 16.0
     """A lifted tenant lands this many of its own requests (at the parking request's cost) below the backlogged
-    minimum, never lower than its own counter (decision 0031): after an idle spell a few requests close together go
-    ahead of a flood's instead of alternating with it. 0: the paper's lift, exactly to the minimum."""
+    minimum, never lower than its own counter (decision 0031): after an idle spell a burst goes ahead of a flood's
+    instead of alternating with it, while other returning tenants go ahead of it too. 0: the paper's lift, exactly to
+    the minimum."""
     reserved: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     """Tenant -> its reserved share of each model's slots (``tenants.NAME.reserved_share``, (0, 1], adding up to at
     most 1; core/reserve.py). Applied whether or not ``enabled``."""
