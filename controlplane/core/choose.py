@@ -44,15 +44,18 @@ class Candidates:
     """An admission's reason: ``finish_soonest``, or ``stale_fail_open`` when only stale engines serve the model."""
 
 
-def holders_limit(policy: Policy, prefix_share: float, candidates: int) -> int:
+def holders_limit(policy: Policy, prefix_share: float, candidates: int, room: bool = True) -> int:
     """How many of ``candidates`` engines may hold a prefix before only its holders remain candidates (0: no limit):
-    ``prefix_max_replicas`` when set, else ``ceil(share x candidates x prefix_load_headroom)``, at least 1, for a prefix
-    whose share of recent arrivals is known."""
+    ``prefix_max_replicas`` when set, else ``ceil(share x candidates x headroom)``, at least 1, for a prefix whose share
+    of recent arrivals is known. ``headroom`` is ``prefix_load_headroom`` while ``room`` (some candidate that does not
+    hold the prefix could cache it without evicting another prompt), else at most 1: under KV pressure a prefix spreads
+    only as far as its load needs, since each copy beyond that evicts another prefix (decision 0016)."""
     if policy.prefix_max_replicas:
         return policy.prefix_max_replicas
     if prefix_share <= 0 or policy.prefix_load_headroom <= 0:
         return 0
-    return max(1, math.ceil(prefix_share * candidates * policy.prefix_load_headroom - 1e-9))
+    headroom = policy.prefix_load_headroom if room else min(1.0, policy.prefix_load_headroom)
+    return max(1, math.ceil(prefix_share * candidates * headroom - 1e-9))
 
 
 def choose(request: InferenceRequest, found: Candidates, fleet: Fleet, policy: Policy, now: float,

@@ -7,7 +7,7 @@ or below its version floor (``version_floor``), prompt + max_tokens beyond every
 budget (``context_length_exceeded``). The candidates are then the engines serving the model, at
 or above its floor, fresh (or stale when ``on_stale: open`` and no fresh one exists: ``stale_fail_open``); with
 ``prefix_max_replicas`` R > 0, once R candidates hold the request's prefix only they remain (R = 0: ``holders_limit``
-follows the prefix's load). With a TTFT deadline, a request that even an idle candidate cannot prefill in time is shed
+follows the prefix's load, with headroom only while a candidate has room to cache it without evicting). With a TTFT deadline, a request that even an idle candidate cannot prefill in time is shed
 (``ttft_unmeetable``); a request with parked requests ahead of it in its class or a higher one parks behind them
 (``queued_behind``). Which candidate gets it is choose.py's job (indexed.py on the fleet index); how long a wait or a
 Retry-After is, waits.py's.
@@ -56,7 +56,7 @@ def decide(
                                  waiting, displaced, prefix_share)
         if indexed is not None:
             return replace(indexed, on_index=True)
-    found = candidates_for(request, fleet, policy, now, cached, prefix_share)
+    found = candidates_for(request, fleet, policy, now, cached, prefix_share, displaced)
     if isinstance(found, Decision):
         return found
     if queued_ahead:
@@ -66,8 +66,9 @@ def decide(
 
 
 def candidates_for(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, cached: Mapping[str, int],
-                   prefix_share: float) -> Candidates | Decision:
-    """The engines ``request`` may run on, or the refusal or shed that leaves it none (the module docstring)."""
+                   prefix_share: float, displaced: Mapping[str, int] = NONE_NAMED) -> Candidates | Decision:
+    """The engines ``request`` may run on, or the refusal or shed that leaves it none (the module docstring);
+    ``displaced``: as ``decide``'s (an engine not named evicts nothing to cache the prompt)."""
     model = request.model
     assert model is not None
     base = adapters.base_of(model, fleet, policy.adapters.base_models)
@@ -109,10 +110,11 @@ def candidates_for(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
         return cached_tokens(engine.name, request, cached)
 
     narrowed = False  # only the prefix's holders remain: waiting for them does not hold the line for other prefixes
-    limit = holders_limit(policy, prefix_share, len(candidates))
-    if limit and cached:
+    if cached:
         holders = [e for e in candidates if hit(e) > 0]
-        if len(holders) >= limit:
+        room = any(e.name not in displaced for e in candidates if hit(e) <= 0)
+        limit = holders_limit(policy, prefix_share, len(candidates), room)
+        if limit and len(holders) >= limit:
             narrowed = len(holders) < len(candidates)
             candidates = holders  # the prefix occupies as many engines as it may: it waits for one of them
 

@@ -55,7 +55,9 @@ def decide_indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
             at_row = rows.position.get(engine)
             if at_row is not None:
                 hit[at_row] = cached_tokens(engine, request, cached)
-        limit = holders_limit(policy, prefix_share, int(candidate.sum()))
+        free = candidate & (hit <= 0)
+        evicting = sum(1 for name in displaced if (at := rows.position.get(name)) is not None and free[at])
+        limit = holders_limit(policy, prefix_share, int(candidate.sum()), room=int(free.sum()) > evicting)
         if limit:
             held = candidate & (hit > 0)
             if int(held.sum()) >= limit:

@@ -130,7 +130,9 @@ class Policy:
     (``prefix_load_headroom``)."""
     prefix_load_headroom: float = 2.0
     """With ``prefix_max_replicas`` 0, a prefix may occupy ``ceil(share x candidates x headroom)`` engines (at least one),
-    ``share`` its part of the recent arrivals (prefix.py; decision 0016). 0: no limit, the estimates alone decide."""
+    ``share`` its part of the recent arrivals (prefix.py; decision 0016); the headroom beyond 1 applies only while a
+    candidate not holding the prefix could cache it without evicting another prompt (choose.holders_limit). 0: no
+    limit, the estimates alone decide."""
     prefix_eviction_charge: float = 1.0
     """Capacity-aware prefix affinity (affinity.py, decision 0018): an engine that would evict other prompts' blocks to
     cache a held prefix is compared as if it finished this many times the prefill of what it evicts later. 0: off."""

@@ -98,11 +98,14 @@ def test_indexed_choice_equals_full_scan(seed: int) -> None:
         cached = {v.name: rng.choice([64, 1000, 40_000]) for v in views if rng.random() < 0.2}
         waiting = {v.name: rng.choice([1, 3]) for v in views if rng.random() < 0.1}  # passed heads waiting there
         # Prefix affinity's evictions on other engines (affinity.py), charged in the choice on both paths alike.
-        displaced = {v.name: rng.choice([256, 2000, 8000]) for v in views if cached and rng.random() < 0.5}
+        # Every engine evicting (no room: the prefix keeps to what its load needs) or some.
+        evicting = rng.choice([0.5, 1.0])
+        displaced = {v.name: rng.choice([256, 2000, 8000]) for v in views if cached and rng.random() < evicting}
+        share = rng.choice([0.0, 0.05, 0.2, 0.6])  # the prefix's share of recent arrivals (choose.holders_limit)
         indexed = decide(request, fleet, policy, now, 0, affinity, pick, behind, cached=cached, waiting=waiting,
-                         displaced=displaced)
+                         displaced=displaced, prefix_share=share)
         full = decide(request, replace(fleet, index=None), policy, now, 0, affinity, pick, behind, cached=cached,
-                      waiting=waiting, displaced=displaced)
+                      waiting=waiting, displaced=displaced, prefix_share=share)
         same(indexed, full)
         assert indexed.detail == full.detail and indexed.park_limit_s == full.park_limit_s
         assert indexed.retry_after_s == full.retry_after_s

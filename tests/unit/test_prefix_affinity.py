@@ -188,6 +188,9 @@ def test_holders_limit_follows_the_prefix_share_of_admissions() -> None:
     assert holders_limit(P, 1.0, 4) == 8  # every request carries it: never narrowed
     assert holders_limit(replace(P, prefix_max_replicas=2), 1.0, 4) == 2  # a fixed limit wins
     assert holders_limit(replace(P, prefix_load_headroom=0.0), 1 / 32, 4) == 0
+    # No candidate could cache it without evicting another prompt: its load alone, no headroom.
+    assert holders_limit(P, 0.2, 4, room=False) == 1 and holders_limit(P, 0.2, 4) == 2
+    assert holders_limit(P, 0.3, 4, room=False) == 2 and holders_limit(P, 1.0, 4, room=False) == 4
 
 
 def traffic(core: AdmissionCore, groups: str) -> None:
@@ -228,3 +231,20 @@ def test_a_burst_of_one_prefix_raises_its_share_and_spreads_it() -> None:
     traffic(core, "cdefghijklmnopqrst" * 2 + "a" * 20)
     out = core.check("r1", ask("a"), core.fleet(views, 0.0), 0.0)
     assert out.decision.verdict is Verdict.ADMIT and out.decision.engine == "spark"
+
+
+@pytest.mark.parametrize(("spark_b", "spreads"), [("jkl", False), ("j", True)], ids=["kv-full", "room"])
+def test_under_kv_pressure_a_prefix_spreads_only_as_far_as_its_load_needs(spark_b: str, spreads: bool) -> None:
+    """Four engines whose KV holds three groups each; thor-a holds group a and both its slots are taken. Group a is
+    about a sixth of the recent arrivals: a second engine's worth with the headroom (1/6 x 4 x 2 > 1), two thirds of one
+    by load alone. Where every other engine would evict a group to cache it, it keeps to thor-a and waits (a copy
+    beyond its load would cost another group its cache); where spark-b has room, it takes spark-b's free slot."""
+    views = [thor("thor-a", running=2), thor("thor-b"), spark("spark-a"), spark("spark-b")]
+    core = core_with(views, P, {"thor-a": ["a", "b", "c"], "thor-b": ["d", "e", "f"], "spark-a": ["g", "h", "i"],
+                                "spark-b": list(spark_b)})
+    traffic(core, "a" * 9 + ("bcdefghijklmnopqrstuvwxyz" * 3)[:55])
+    out = core.check("r1", ask("a", "another"), core.fleet(views, 0.0), 0.0)
+    if spreads:
+        assert out.decision.verdict is Verdict.ADMIT and out.decision.engine == "spark-b"
+    else:
+        assert out.decision.verdict is Verdict.PARK and out.decision.waits_for == "thor-a"
