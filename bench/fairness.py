@@ -404,11 +404,11 @@ def run_fairness_bench() -> int:
         Target("2 replicas (the store's fair line): Jain's index", jains["fair 2 replicas"], 0.95),
     ]
 
-    def by_round(arm: str, reference: str) -> str:
+    def round_ratios(arm: str, reference: str) -> str:
         ratios = [x / y for x, y in zip(figures[arm].round_b_p90, figures[reference].round_b_p90)]
         return f"{arm} / {reference} " + ", ".join(f"{r:.2f}x" for r in ratios)
 
-    spread = "; ".join(by_round(arm, reference) for arm, reference in (
+    spread = "; ".join(round_ratios(arm, reference) for arm, reference in (
         ("fair", "a last"), ("fair reserved", "a last"), ("80% fair", "80% a last"), ("8 fair", "8 a last"),
         ("fair 2 replicas", "fair")))
     minutes = (time.monotonic() - started) / 60

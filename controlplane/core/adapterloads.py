@@ -16,12 +16,12 @@ is never loaded again.
 
 from __future__ import annotations
 
-from controlplane.core.eventwindow import EventWindow
 from dataclasses import dataclass
 
 from controlplane.core import adapters
 from controlplane.core.adapterhomes import placed
 from controlplane.core.affinity import charged_finish
+from controlplane.core.eventwindow import EventWindow
 from controlplane.core.fit import misfits
 from controlplane.core.fleet import Fleet
 from controlplane.core.model import InferenceRequest

@@ -3,7 +3,8 @@
 A critical request that shed early would refuse (its expected start is past its bound) may end running sheddable
 streams instead, when all of these hold:
 
-- the option is on and fewer than ``preempt_max_per_minute`` preemptions happened in the last 60 s (``Turns``'s ``EventWindow``);
+- the option is on and fewer than ``preempt_max_per_minute`` preemptions happened in the last 60 s (an
+  ``EventWindow`` the core keeps);
 - an engine serving its model misses it only for ``cap`` and/or ``kv_need`` (fit.py), and runs sheddable streams this
   replica can end (``Preemptible``: admitted sheddable, their ext_proc stream attached here, not marked already);
 - ending the first k of them, least work lost first, lets it fit there::
