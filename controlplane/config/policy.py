@@ -129,9 +129,11 @@ class AdmissionConfig:
     """Once this many candidate engines hold a request's prefix, only they are candidates (it waits for one); 0: as many
     as its load needs (``prefix_load_headroom``)."""
     prefix_load_headroom: float = field(default=_POLICY.prefix_load_headroom, metadata=setting(minimum=0.0))
-    """With ``prefix_max_replicas`` 0, a prefix may occupy ``ceil(share of recent arrivals x candidates x headroom)``
-    engines, at least one; the headroom beyond 1 only while an engine not holding it could cache it without evicting
-    another prompt (under KV pressure a prefix keeps to the engines its load needs); 0: no limit (decision 0016)."""
+    """With ``prefix_max_replicas`` 0, a prefix may occupy engines until their capacity (tokens/s with the batch full)
+    covers its share of recent arrivals x headroom of the candidates' (at least one engine; on equal engines
+    ``ceil(share x candidates x headroom)``); the headroom beyond 1 only while an engine not holding it could cache it
+    without evicting another prompt (under KV pressure a prefix keeps to the engines its load needs); 0: no limit
+    (decision 0016)."""
     prefix_eviction_charge: float = field(default=_POLICY.prefix_eviction_charge, metadata=setting(minimum=0))
     """Capacity-aware prefix affinity: for a request whose prefix some engine holds, an engine that would evict other
     prompts' blocks to cache it is compared as if it finished this many times the prefill of what it evicts later; 0: off

@@ -39,23 +39,29 @@ class Candidates:
     park_limit: float | None
     """With a TTFT deadline: the longest the request may wait and still prefill in time on the fastest candidate."""
     narrowed: bool
-    """Only the prefix's holders remain (``holders_limit``): waiting for them does not hold the line for others."""
+    """Only the prefix's holders remain (``holders_suffice``): waiting for them does not hold the line for others."""
     reason: Reason
     """An admission's reason: ``finish_soonest``, or ``stale_fail_open`` when only stale engines serve the model."""
 
 
-def holders_limit(policy: Policy, prefix_share: float, candidates: int, room: bool = True) -> int:
-    """How many of ``candidates`` engines may hold a prefix before only its holders remain candidates (0: no limit):
-    ``prefix_max_replicas`` when set, else ``ceil(share x candidates x headroom)``, at least 1, for a prefix whose share
-    of recent arrivals is known. ``headroom`` is ``prefix_load_headroom`` while ``room`` (some candidate that does not
-    hold the prefix could cache it without evicting another prompt), else at most 1: under KV pressure a prefix spreads
-    only as far as its load needs, since each copy beyond that evicts another prefix (decision 0016)."""
+def holders_suffice(policy: Policy, prefix_share: float, holders: int, held_capacity: float, total_capacity: float,
+                    room: bool = True) -> bool:
+    """Whether the ``holders`` candidates holding a prefix are as many as it may occupy, so that only they remain
+    candidates: ``prefix_max_replicas`` of them when set; else, for a prefix whose share of recent arrivals is known,
+    holders whose capacity (``held_capacity``, their ``route.capacity_throughput``) covers ``share x headroom`` of the
+    candidates' (``total_capacity``), at least one holder. ``headroom`` is ``prefix_load_headroom`` while ``room`` (some
+    candidate that does not hold the prefix could cache it without evicting another prompt), else at most 1: under KV
+    pressure a prefix spreads only as far as its load needs, since each copy beyond that evicts another prefix; and a
+    prefix held by a slow engine whose capacity falls short of its load gets another one (decision 0016). On equal
+    engines this is ``holders >= ceil(share x candidates x headroom)``."""
+    if holders <= 0:
+        return False
     if policy.prefix_max_replicas:
-        return policy.prefix_max_replicas
-    if prefix_share <= 0 or policy.prefix_load_headroom <= 0:
-        return 0
+        return holders >= policy.prefix_max_replicas
+    if prefix_share <= 0 or policy.prefix_load_headroom <= 0 or total_capacity <= 0:
+        return False
     headroom = policy.prefix_load_headroom if room else min(1.0, policy.prefix_load_headroom)
-    return max(1, math.ceil(prefix_share * candidates * headroom - 1e-9))
+    return held_capacity >= total_capacity * (prefix_share * headroom - 1e-9)
 
 
 def choose(request: InferenceRequest, found: Candidates, fleet: Fleet, policy: Policy, now: float,

@@ -6,8 +6,9 @@ loading could load but has not, core/adapterloads.py), every engine serving it d
 or below its version floor (``version_floor``), prompt + max_tokens beyond every candidate's ``max_model_len`` or KV
 budget (``context_length_exceeded``). The candidates are then the engines serving the model, at
 or above its floor, fresh (or stale when ``on_stale: open`` and no fresh one exists: ``stale_fail_open``); with
-``prefix_max_replicas`` R > 0, once R candidates hold the request's prefix only they remain (R = 0: ``holders_limit``
-follows the prefix's load, with headroom only while a candidate has room to cache it without evicting). With a TTFT deadline, a request that even an idle candidate cannot prefill in time is shed
+``prefix_max_replicas`` R > 0, once R candidates hold the request's prefix only they remain (R = 0:
+``holders_suffice``: once the holders' capacity covers the prefix's load, with headroom only while a candidate has room
+to cache it without evicting). With a TTFT deadline, a request that even an idle candidate cannot prefill in time is shed
 (``ttft_unmeetable``); a request with parked requests ahead of it in its class or a higher one parks behind them
 (``queued_behind``). Which candidate gets it is choose.py's job (indexed.py on the fleet index); how long a wait or a
 Retry-After is, waits.py's.
@@ -19,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from controlplane.core import adapters
-from controlplane.core.choose import Candidates, choose, holders_limit
+from controlplane.core.choose import Candidates, choose, holders_suffice
 from controlplane.core.engines import EngineView, ServedModel
 from controlplane.core.fit import context_tokens, model_len, need_tokens
 from controlplane.core.fleet import Fleet
@@ -27,7 +28,7 @@ from controlplane.core.indexed import decide_indexed
 from controlplane.core.model import Decision, InferenceRequest, Reason, Verdict
 from controlplane.core.policy import Policy, meets_floor
 from controlplane.core.request import RequestError
-from controlplane.core.route import NONE_NAMED, cached_tokens, prefill_rate
+from controlplane.core.route import NONE_NAMED, cached_tokens, capacity_throughput, prefill_rate
 from controlplane.core.waits import deadline_text, park_or_shed, refuse, retry_after, shed
 
 
@@ -44,7 +45,7 @@ def decide(
     its prefix cache (engines not named: none); ``waiting``: parked requests ahead of this one, passed over, that wait for
     each named engine (each takes one of its slots first); ``displaced``: prompt tokens of other prefixes each named
     engine would evict to cache this prompt, charged in the choice (affinity.py); ``prefix_share``: the request's
-    prefix's share of recent arrivals (prefix.py), which bounds how many engines it may occupy (``holders_limit``)."""
+    prefix's share of recent arrivals (prefix.py), which bounds how many engines it may occupy (``holders_suffice``)."""
     model = request.model
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, models=model_list(fleet))
@@ -113,8 +114,9 @@ def candidates_for(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
     if cached:
         holders = [e for e in candidates if hit(e) > 0]
         room = any(e.name not in displaced for e in candidates if hit(e) <= 0)
-        limit = holders_limit(policy, prefix_share, len(candidates), room)
-        if limit and len(holders) >= limit:
+        held_capacity = sum(capacity_throughput(e, fleet, policy) for e in holders)
+        total_capacity = sum(capacity_throughput(e, fleet, policy) for e in candidates)
+        if holders_suffice(policy, prefix_share, len(holders), held_capacity, total_capacity, room):
             narrowed = len(holders) < len(candidates)
             candidates = holders  # the prefix occupies as many engines as it may: it waits for one of them
 

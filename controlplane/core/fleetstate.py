@@ -174,7 +174,7 @@ class FleetState:
 
     def prefix_share(self, request: InferenceRequest, arriving: bool = False) -> float:
         """``request``'s prefix's share of the requests that recently arrived here (prefix.py; 0: unknown, or prefix
-        routing off), which bounds how many engines it may occupy (choose.holders_limit). ``arriving``: counting
+        routing off), which bounds how many engines it may occupy (choose.holders_suffice). ``arriving``: counting
         ``request`` as arrived once more."""
         if not request.prefix_blocks or not self.policy.prefix_routing:
             return 0.0

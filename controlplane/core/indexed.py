@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from controlplane.core.affinity import charged_finish
-from controlplane.core.choose import admit, finish_soonest, holders_limit, soonest_key
+from controlplane.core.choose import admit, finish_soonest, holders_suffice, soonest_key
 from controlplane.core.fit import context_tokens, need_tokens
 from controlplane.core.fleet import Fleet
 from controlplane.core.model import Decision, InferenceRequest, Reason
@@ -57,11 +57,10 @@ def decide_indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
                 hit[at_row] = cached_tokens(engine, request, cached)
         free = candidate & (hit <= 0)
         evicting = sum(1 for name in displaced if (at := rows.position.get(name)) is not None and free[at])
-        limit = holders_limit(policy, prefix_share, int(candidate.sum()), room=int(free.sum()) > evicting)
-        if limit:
-            held = candidate & (hit > 0)
-            if int(held.sum()) >= limit:
-                candidate = held
+        held = candidate & (hit > 0)
+        if holders_suffice(policy, prefix_share, int(held.sum()), float(rows.full.sum(where=held)),
+                           float(rows.full.sum(where=candidate)), room=int(free.sum()) > evicting):
+            candidate = held
     if need > float(rows.kv_limit.max(where=candidate, initial=-math.inf)):
         return None  # context_length_exceeded (every candidate's KV known and too small): the full scan words the refusal
     deadline_s = request.planned_ttft_s()

@@ -129,10 +129,11 @@ class Policy:
     (the request waits for one rather than prefilling it on yet another engine). 0: as many as its load needs
     (``prefix_load_headroom``)."""
     prefix_load_headroom: float = 2.0
-    """With ``prefix_max_replicas`` 0, a prefix may occupy ``ceil(share x candidates x headroom)`` engines (at least one),
-    ``share`` its part of the recent arrivals (prefix.py; decision 0016); the headroom beyond 1 applies only while a
-    candidate not holding the prefix could cache it without evicting another prompt (choose.holders_limit). 0: no
-    limit, the estimates alone decide."""
+    """With ``prefix_max_replicas`` 0, a prefix may occupy engines until their capacity covers ``share x headroom`` of
+    the candidates' (at least one; on equal engines ``ceil(share x candidates x headroom)``), ``share`` its part of the
+    recent arrivals (prefix.py; decision 0016); the headroom beyond 1 applies only while a candidate not holding the
+    prefix could cache it without evicting another prompt (choose.holders_suffice). 0: no limit, the estimates alone
+    decide."""
     prefix_eviction_charge: float = 1.0
     """Capacity-aware prefix affinity (affinity.py, decision 0018): an engine that would evict other prompts' blocks to
     cache a held prefix is compared as if it finished this many times the prefill of what it evicts later. 0: off."""

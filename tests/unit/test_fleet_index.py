@@ -101,7 +101,7 @@ def test_indexed_choice_equals_full_scan(seed: int) -> None:
         # Every engine evicting (no room: the prefix keeps to what its load needs) or some.
         evicting = rng.choice([0.5, 1.0])
         displaced = {v.name: rng.choice([256, 2000, 8000]) for v in views if cached and rng.random() < evicting}
-        share = rng.choice([0.0, 0.05, 0.2, 0.6])  # the prefix's share of recent arrivals (choose.holders_limit)
+        share = rng.choice([0.0, 0.05, 0.2, 0.6])  # the prefix's share of recent arrivals (choose.holders_suffice)
         indexed = decide(request, fleet, policy, now, 0, affinity, pick, behind, cached=cached, waiting=waiting,
                          displaced=displaced, prefix_share=share)
         full = decide(request, replace(fleet, index=None), policy, now, 0, affinity, pick, behind, cached=cached,

@@ -10,7 +10,7 @@ import pytest
 
 from controlplane.core.admission import AdmissionCore
 from controlplane.core.affinity import displaced_blocks
-from controlplane.core.choose import holders_limit
+from controlplane.core.choose import holders_suffice
 from controlplane.core.decide import decide
 from controlplane.core.ledger import Ledger
 from controlplane.core.engines import EngineSample, EngineView, ServedModel
@@ -180,17 +180,26 @@ def test_an_arrival_waits_a_little_for_its_busy_engine_rather_than_evicting_a_gr
         assert out.decision.engine == "spark-b"
 
 
-def test_holders_limit_follows_the_prefix_share_of_admissions() -> None:
-    assert holders_limit(P, 0.0, 4) == 0  # share unknown: no limit
-    assert holders_limit(P, 1 / 32, 4) == 1  # one prompt in 32: one engine of four
-    assert holders_limit(P, 1 / 8, 4) == 1
-    assert holders_limit(P, 0.3, 4) == 3
-    assert holders_limit(P, 1.0, 4) == 8  # every request carries it: never narrowed
-    assert holders_limit(replace(P, prefix_max_replicas=2), 1.0, 4) == 2  # a fixed limit wins
-    assert holders_limit(replace(P, prefix_load_headroom=0.0), 1 / 32, 4) == 0
+def test_holders_suffice_once_their_capacity_covers_the_prefix_share() -> None:
+    """On four equal engines (capacity 1 each) a prefix may occupy ``ceil(share x 4 x headroom)`` of them; on unequal
+    ones the holders' capacity must cover ``share x headroom`` of the total."""
+    def enough(share: float, holders: int, room: bool = True, policy: Policy = P) -> bool:
+        return holders_suffice(policy, share, holders, float(holders), 4.0, room)
+
+    assert not enough(0.0, 1)  # share unknown: no limit
+    assert not enough(1 / 8, 0)  # nobody holds it
+    assert enough(1 / 32, 1) and enough(1 / 8, 1)  # an eighth of the traffic x headroom 2: one engine of four
+    assert not enough(0.3, 2) and enough(0.3, 3)
+    assert not enough(1.0, 4)  # every request carries it: never narrowed
+    assert enough(1.0, 2, policy=replace(P, prefix_max_replicas=2))  # a fixed limit wins
+    assert not enough(1 / 32, 1, policy=replace(P, prefix_load_headroom=0.0))
     # No candidate could cache it without evicting another prompt: its load alone, no headroom.
-    assert holders_limit(P, 0.2, 4, room=False) == 1 and holders_limit(P, 0.2, 4) == 2
-    assert holders_limit(P, 0.3, 4, room=False) == 2 and holders_limit(P, 1.0, 4, room=False) == 4
+    assert enough(0.2, 1, room=False) and not enough(0.2, 1) and enough(0.2, 2)
+    assert not enough(0.3, 1, room=False) and enough(0.3, 2, room=False) and enough(1.0, 4, room=False)
+    # Unequal engines, 16 + 16 + 44 + 44 tokens/s: a slow holder carries an eighth of the traffic, not a sixth.
+    assert holders_suffice(P, 1 / 8, 1, 16.0, 120.0, room=False)
+    assert not holders_suffice(P, 1 / 6, 1, 16.0, 120.0, room=False)
+    assert holders_suffice(P, 1 / 6, 1, 44.0, 120.0, room=False)
 
 
 def traffic(core: AdmissionCore, groups: str) -> None:
@@ -233,18 +242,22 @@ def test_a_burst_of_one_prefix_raises_its_share_and_spreads_it() -> None:
     assert out.decision.verdict is Verdict.ADMIT and out.decision.engine == "spark"
 
 
-@pytest.mark.parametrize(("spark_b", "spreads"), [("jkl", False), ("j", True)], ids=["kv-full", "room"])
-def test_under_kv_pressure_a_prefix_spreads_only_as_far_as_its_load_needs(spark_b: str, spreads: bool) -> None:
-    """Four engines whose KV holds three groups each; thor-a holds group a and both its slots are taken. Group a is
-    about a sixth of the recent arrivals: a second engine's worth with the headroom (1/6 x 4 x 2 > 1), two thirds of one
-    by load alone. Where every other engine would evict a group to cache it, it keeps to thor-a and waits (a copy
-    beyond its load would cost another group its cache); where spark-b has room, it takes spark-b's free slot."""
+@pytest.mark.parametrize(("spark_b", "arrivals", "spreads"), [("jkl", 6, False), ("j", 6, True), ("jkl", 10, True)],
+                         ids=["kv-full", "room", "kv-full-beyond-thor"])
+def test_under_kv_pressure_a_prefix_spreads_only_as_far_as_its_load_needs(spark_b: str, arrivals: int,
+                                                                           spreads: bool) -> None:
+    """Four engines whose KV holds three groups each; thor-a holds group a and both its slots are taken; a thor is
+    about 0.13 of the fleet's capacity. Group a is about 0.12 of the recent arrivals (6 of 64, and this one): a second
+    engine's worth with the headroom (0.12 x 2 > 0.13), within thor-a's capacity by load alone. Where every other engine would
+    evict a group to cache it, it keeps to thor-a and waits (a copy beyond its load would cost another group its
+    cache); where spark-b has room, it takes spark-b's free slot. At about 0.18 (10 of 64) its load alone is more than a
+    thor carries: it takes a free slot elsewhere even at the cost of another group's cache."""
     views = [thor("thor-a", running=2), thor("thor-b"), spark("spark-a"), spark("spark-b")]
     core = core_with(views, P, {"thor-a": ["a", "b", "c"], "thor-b": ["d", "e", "f"], "spark-a": ["g", "h", "i"],
                                 "spark-b": list(spark_b)})
-    traffic(core, "a" * 9 + ("bcdefghijklmnopqrstuvwxyz" * 3)[:55])
+    traffic(core, "a" * arrivals + ("bcdefghijklmnopqrstuvwxyz" * 3)[:64 - arrivals])
     out = core.check("r1", ask("a", "another"), core.fleet(views, 0.0), 0.0)
     if spreads:
-        assert out.decision.verdict is Verdict.ADMIT and out.decision.engine == "spark-b"
+        assert out.decision.verdict is Verdict.ADMIT and out.decision.engine != "thor-a"
     else:
         assert out.decision.verdict is Verdict.PARK and out.decision.waits_for == "thor-a"
