@@ -164,6 +164,10 @@ class AdmissionConfig:
     ``park_timeout``) only within this long of parking (less the answer's way back), at arrival or when its start
     estimate passes its bound; past it, it is committed: served in its turn, before every request that parked after it,
     even past its TTFT deadline. 0: decided at arrival only."""
+    overload_burst_seconds: float = field(default=_POLICY.overload_burst_s, metadata=setting(minimum=0))
+    """A line younger than this sheds nobody ``overloaded``: a burst that finds its line empty (an agent's fan-out of
+    sub-requests sent at once) parks whole and is served in turn, refused only past ``max_park_seconds``
+    (``park_timeout``); a line that has stood longer is judged by the overload bound. 0: off (decision 0032)."""
 
 def admission_values(policy: Policy) -> dict[str, Any]:
     """The ``admission`` section a ``Policy`` holds, key -> value as the core holds it."""

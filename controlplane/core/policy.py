@@ -157,6 +157,10 @@ class Policy:
     shed_decision_s: float = 1.0
     """The decision window (shedearly.py): a parked request may be shed for its bound only within this long of parking;
     past it the request is committed, served in its turn. 0: decided at arrival only."""
+    overload_burst_s: float = 1.0
+    """A line younger than this (its oldest parked request parked less long ago) sheds nobody ``overloaded``: a burst
+    that finds the line empty (a fan-out of sub-requests sent at once) is committed whole and served in turn, up to
+    ``max_park_s`` (shedearly.py, decision 0032). 0: off (a burst's tail past the overload bound is refused at once)."""
     models: Mapping[str, ModelPolicy] = field(default_factory=lambda: MappingProxyType({}))
     """Per-model settings (read-only: a copy of what the constructor was given)."""
     version_floors: tuple[tuple[str, str], ...] = ()

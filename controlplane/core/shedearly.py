@@ -9,6 +9,11 @@ past its bound: with a TTFT deadline its park limit (``ttft_unmeetable``); witho
     overload_bound = max(overload_shed_after_ms, overload_shed_services x service)
     wait_bound     = min(max_park_s, overload_bound, max(lifo_after_ms, STANDING_SERVICES x service) if the line stands)
 
+A request is shed ``overloaded`` only once its line has held parked requests without a break for ``overload_burst_s``
+(its oldest parked that long ago): a burst that finds the line empty (a fan-out of sub-requests sent at once) is
+committed whole and served in turn, however long its tail waits; a line that has stood longer is judged as above
+(decision 0032). ``park_timeout`` at ``max_park_s`` has no such gate.
+
 ``service``: the model's mean time from admission to release (``ServiceTimes``), the engines' expected service until one
 was released; the line *stands* while its class holds a committed request. An estimate that rests on the policy's
 default decode rate (``StartEstimate.known`` False) sheds nobody.
@@ -74,10 +79,11 @@ def wait_bound_s(policy: Policy, service_s: float, standing: Callable[[], bool])
 
 
 def too_late(parked: Parked, ahead: int, fleet: Fleet, now: float, policy: Policy, cached: Mapping[str, int],
-             measured_s: float | None, standing: Callable[[], bool]) -> Decision | None:
+             measured_s: float | None, standing: Callable[[], bool], queued_since: float) -> Decision | None:
     """The shed for ``parked`` (not committed, ``ahead`` requests in line before it) if it is expected to start past its
     bound, or None. ``cached``: its expected prefix-cache hits; ``measured_s``: its model's service time (None: none
-    released yet); ``standing``: whether its class's line holds a committed request."""
+    released yet); ``standing``: whether its class's line holds a committed request; ``queued_since``: when the oldest
+    request in its class's line parked (the line has held parked requests since, without a break)."""
     model = parked.request.model
     assert model is not None
     start = expected_start(parked.request, fleet, policy, now, ahead, typical=measured_s is None, cached=cached)
@@ -94,8 +100,11 @@ def too_late(parked: Parked, ahead: int, fleet: Fleet, now: float, policy: Polic
     bound = wait_bound_s(policy, start.service_s if measured_s is None else measured_s, standing)
     if now + wait <= parked.parked_at + bound:
         return None
-    if bound >= policy.max_park_s:
+    burst = now - queued_since < policy.overload_burst_s  # a burst into an empty line: served in turn
+    if bound >= policy.max_park_s or (burst and now + wait > parked.parked_at + policy.max_park_s):
         return shed(Reason.PARK_TIMEOUT, f"{model}: expected to start in {wait:.1f} s ({ahead} ahead in line), "
                     f"past the {policy.max_park_s:g} s a request may wait", retry)
+    if burst:
+        return None
     return shed(Reason.OVERLOADED, f"{model} is overloaded: expected to start in {wait:.1f} s ({ahead} ahead in "
                 f"line), past the {bound:.1f} s a request without a deadline may wait now", retry)

@@ -188,7 +188,8 @@ class Turns(FleetState):
         assert model is not None
         line: deque[Parked] = self.lot.line(model, class_of(parked.request))
         return too_late(parked, ahead, fleet, now, self.policy, self.expected_cached(parked.request),
-                        self.service_times.get(model), lambda: any(self._committed(p, now) for p in line))
+                        self.service_times.get(model), lambda: any(self._committed(p, now) for p in line),
+                        line[0].parked_at if line else parked.parked_at)
 
     # -- preemption (preempt.py) ---------------------------------------------------------------------------------------
     def _preempting(self, parked: Parked, early: Decision, fleet: Fleet, now: float,

@@ -91,8 +91,9 @@ def behind_a_full_lot() -> Scenario:
 
 
 def behind_a_long_line() -> Scenario:
-    """One slot, each request 1.5 s: the third in line would start 4.5 s from now, past the overload bound (4 s)."""
-    s = Scenario(Policy(overload_shed_services=0), [engine("one", 1, 10_000, 100)])
+    """One slot, each request 1.5 s: the third in line would start 4.5 s from now, past the overload bound (4 s; the
+    line's first second judged like the rest: ``overload_burst_s`` 0)."""
+    s = Scenario(Policy(overload_shed_services=0, overload_burst_s=0.0), [engine("one", 1, 10_000, 100)])
     assert s.check("running", chat(10, 150), 0.0) is Verdict.ADMIT
     for n in range(2):
         assert s.check(f"p{n}", chat(10, 150), 0.01 * (n + 1)) is Verdict.PARK

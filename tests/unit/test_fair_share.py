@@ -304,7 +304,7 @@ def test_shed_early_counts_who_is_ahead_in_the_fair_order() -> None:
     40: shed at once. b's would be picked next: it parks."""
     p = Policy(fairness=FairShare(enabled=True), shed_decision_s=1000.0, overload_shed_after_ms=2000,
                overload_shed_services=0, max_park_s=1000.0, max_queue_depth=10_000, lifo_after_ms=0,
-               default_expected_output_tokens=10)
+               default_expected_output_tokens=10, overload_burst_s=0.0)
     core = AdmissionCore(p, Ledger(lease_seconds=3600))
     fleet = core.fleet([ENGINE], 0.0)
     assert core.check("run", chat("a", out=10), fleet, 0.0).ticket is not None

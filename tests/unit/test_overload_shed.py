@@ -138,19 +138,42 @@ def test_committed_requests_are_admitted_in_arrival_order() -> None:
     assert admitted == kept[:len(admitted)], (admitted, kept)
 
 
-def test_a_burst_is_served_up_to_its_bound_and_never_shed_later() -> None:
-    """Eleven requests at once, then nothing: those expected to start within the overload bound (four of the model's
-    service times) park, the rest are refused at once; a minute later the parked ones are all still waiting their
-    turn."""
+def test_a_burst_into_an_empty_line_is_served_whole_and_never_shed_later() -> None:
+    """Eleven requests at once into an empty line, then nothing (an agent's fan-out): a burst is not an overload
+    (``overload_burst_s``), so every one parks, and a minute later all are still waiting their turn. Only a request
+    expected to start past ``max_park_s`` is refused, and at once (``park_timeout``): with 30 s, the five expected to
+    start within it (the slot frees every 5.6 s) park."""
     core = AdmissionCore(POLICY, Ledger(lease_seconds=600))
     assert core.check("holder", chat(), core.fleet(VIEWS, 0.0), 0.0).decision.verdict is Verdict.ADMIT
     verdicts = [core.check(f"r{n}", chat(), core.fleet(VIEWS, 0.0), 0.0).decision for n in range(11)]
-    parked = [d for d in verdicts if d.verdict is Verdict.PARK]
-    assert len(parked) == 3 and [d.verdict for d in verdicts[:3]] == [Verdict.PARK] * 3, verdicts
-    assert all(d.reason is Reason.OVERLOADED for d in verdicts[3:])
+    assert all(d.verdict is Verdict.PARK for d in verdicts), verdicts
     for tick in range(1, 600):
         assert not core.expire_parked(core.fleet(VIEWS, tick / 10), tick / 10)
-    assert core.depth() == 3
+    assert core.depth() == 11
+    bounded = AdmissionCore(replace(POLICY, max_park_s=30.0), Ledger(lease_seconds=600))
+    assert bounded.check("holder", chat(), bounded.fleet(VIEWS, 0.0), 0.0).decision.verdict is Verdict.ADMIT
+    verdicts = [bounded.check(f"r{n}", chat(), bounded.fleet(VIEWS, 0.0), 0.0).decision for n in range(11)]
+    assert [d.verdict for d in verdicts] == [Verdict.PARK] * 5 + [Verdict.SHED] * 6, verdicts
+    assert all(d.reason is Reason.PARK_TIMEOUT and d.retry_after_s for d in verdicts[5:])
+
+
+def test_a_burst_into_a_line_that_stood_past_the_burst_grace_is_refused_past_its_bound() -> None:
+    """One request has been parked for 1.5 s (the line stands) when ten more arrive at once: whoever is expected past
+    the bound (a standing line's two service times, 11 s) is refused at once ``overloaded``; with
+    ``overload_burst_s`` 0 the same holds for a burst into an empty line."""
+    core = AdmissionCore(POLICY, Ledger(lease_seconds=600))
+    assert core.check("holder", chat(), core.fleet(VIEWS, 0.0), 0.0).decision.verdict is Verdict.ADMIT
+    assert core.check("first", chat(), core.fleet(VIEWS, 0.0), 0.0).decision.verdict is Verdict.PARK
+    for tick in range(1, 15):
+        assert not core.expire_parked(core.fleet(VIEWS, tick / 10), tick / 10)
+    verdicts = [core.check(f"r{n}", chat(), core.fleet(VIEWS, 1.5), 1.5).decision for n in range(10)]
+    assert verdicts[0].verdict is Verdict.PARK
+    assert all(d.verdict is Verdict.SHED and d.reason is Reason.OVERLOADED for d in verdicts[1:]), verdicts
+    off = AdmissionCore(replace(POLICY, overload_burst_s=0.0), Ledger(lease_seconds=600))
+    assert off.check("holder", chat(), off.fleet(VIEWS, 0.0), 0.0).decision.verdict is Verdict.ADMIT
+    verdicts = [off.check(f"r{n}", chat(), off.fleet(VIEWS, 0.0), 0.0).decision for n in range(11)]
+    assert Verdict.PARK in [d.verdict for d in verdicts[:3]]
+    assert all(d.verdict is Verdict.SHED and d.reason is Reason.OVERLOADED for d in verdicts[3:]), verdicts
 
 
 def test_a_burst_spread_over_seconds_is_refused_early_if_at_all() -> None:
@@ -195,7 +218,8 @@ def test_where_one_answer_takes_seconds_the_bound_is_several_of_them() -> None:
     """``bench prefix`` at speed x1: answers take seconds, so 4 s is a normal wait at 90% load, not an overload. The
     bound is ``overload_shed_services`` (4) of the model's recent service times: 12 s when each request held its slot
     3 s (and a standing line's two of them, 6 s, rather than ``lifo_after_ms``). Tickets closed late (a lapsed lease)
-    say nothing of service and are not counted. Either way every refusal comes inside the window."""
+    say nothing of service and are not counted. Either way every refusal comes inside the window. (The line's first
+    second is judged like the rest: ``overload_burst_s`` 0.)"""
     def measured(policy: Policy) -> AdmissionCore:
         core = AdmissionCore(policy, Ledger(lease_seconds=600))
         for i in range(20):
@@ -204,14 +228,15 @@ def test_where_one_answer_takes_seconds_the_bound_is_several_of_them() -> None:
             assert core.release(f"w{i}", start + 3.0) is not None
         return core
 
-    core = measured(POLICY)
+    core = measured(replace(POLICY, overload_burst_s=0.0))
     assert core.check("lost", chat(), core.fleet(VIEWS, -20.0), -20.0).decision.verdict is Verdict.ADMIT
     assert core.release("lost", -1.0, completed=False) is not None  # held 19 s: not a service time
     assert abs(core.overload_bound_s("cortex") - 12.0) < 1e-6
     scaled, waited, scaled_parked, _ = arrive_every(core, 0.5, 20.0)
     assert max(waited) < POLICY.shed_decision_s
     # Without the scaling the fixed 4 s bound and lifo_after_ms (2 s) apply, as before: fewer requests are kept.
-    fixed = measured(Policy(lifo_after_ms=2000, overload_shed_after_ms=4000, overload_shed_services=0))
+    fixed = measured(Policy(lifo_after_ms=2000, overload_shed_after_ms=4000, overload_shed_services=0,
+                            overload_burst_s=0.0))
     assert abs(fixed.overload_bound_s("cortex") - 4.0) < 1e-6
     _, waited, fixed_parked, _ = arrive_every(fixed, 0.5, 20.0)
     assert max(waited) < POLICY.shed_decision_s
@@ -236,14 +261,15 @@ def test_the_config_key() -> None:
 def test_an_estimate_from_the_default_rates_refuses_nobody() -> None:
     """An engine neither measured nor anchored is estimated at the policy's default decode rate, which may be off by any
     factor (a simulator at speed x10 runs 25 times faster): nobody is refused on such an estimate; the same burst on an
-    anchored engine is refused past its bound."""
+    anchored engine is refused past its bound (``overload_burst_s`` 0: a burst is judged like a standing line)."""
     unknown = [replace(engine("e", seqs=1), anchor_decode_tokens_per_s=None)]
-    core = AdmissionCore(POLICY, Ledger(lease_seconds=600))
+    policy = replace(POLICY, overload_burst_s=0.0)
+    core = AdmissionCore(policy, Ledger(lease_seconds=600))
     assert core.check("holder", chat(), core.fleet(unknown, 0.0), 0.0).ticket is not None
     verdicts = [core.check(f"r{n}", chat(), core.fleet(unknown, 0.0), 0.0).decision.verdict for n in range(11)]
     assert verdicts == [Verdict.PARK] * 11
     assert not core.expire_parked(core.fleet(unknown, 0.5), 0.5)
-    anchored = AdmissionCore(POLICY, Ledger(lease_seconds=600))
+    anchored = AdmissionCore(policy, Ledger(lease_seconds=600))
     assert anchored.check("holder", chat(), anchored.fleet(VIEWS, 0.0), 0.0).ticket is not None
     verdicts = [anchored.check(f"r{n}", chat(), anchored.fleet(VIEWS, 0.0), 0.0).decision.verdict for n in range(11)]
     assert Verdict.SHED in verdicts
