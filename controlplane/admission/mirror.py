@@ -272,7 +272,7 @@ class LedgerMirror:
         core = self.core
         decision = decide(request, fleet, core.policy, now, 0, core.sessions.get(request.session), core.draw(),
                           arriving=True, cached=core.expected_cached(request),
-                          prefix_share=core.prefix_share(request))
+                          prefix_share=core.prefix_share(request), prefix_demand=core.prefix_demand())
         if decision.verdict is not Verdict.ADMIT or decision.engine is None or request.model is None:
             return None
         ticket = Ticket(request_id, decision.engine, request.model, now, now + core.ledger.lease_seconds,

@@ -45,7 +45,7 @@ class Candidates:
 
 
 def holders_suffice(policy: Policy, prefix_share: float, holders: int, held_capacity: float, total_capacity: float,
-                    room: bool = True) -> bool:
+                    room: bool = True, held_demand: float = 0.0) -> bool:
     """Whether the ``holders`` candidates holding a prefix are as many as it may occupy, so that only they remain
     candidates: ``prefix_max_replicas`` of them when set; else, for a prefix whose share of recent arrivals is known,
     holders whose capacity (``held_capacity``, their ``route.capacity_throughput``) covers ``share x headroom`` of the
@@ -53,7 +53,10 @@ def holders_suffice(policy: Policy, prefix_share: float, holders: int, held_capa
     candidate that does not hold the prefix could cache it without evicting another prompt), else at most 1: under KV
     pressure a prefix spreads only as far as its load needs, since each copy beyond that evicts another prefix; and a
     prefix held by a slow engine whose capacity falls short of its load gets another one (decision 0016). On equal
-    engines this is ``holders >= ceil(share x candidates x headroom)``."""
+    engines this is ``holders >= ceil(share x candidates x headroom)``. And with ``prefix_demand_slack`` > 0, only
+    while the holders are not asked for more than that many times their part of the capacity: ``held_demand``, their
+    ``PrefixIndex.demand`` summed (every prefix they hold, not only this one), at most ``slack x held_capacity /
+    total_capacity``."""
     if holders <= 0:
         return False
     if policy.prefix_max_replicas:
@@ -61,6 +64,8 @@ def holders_suffice(policy: Policy, prefix_share: float, holders: int, held_capa
     if prefix_share <= 0 or policy.prefix_load_headroom <= 0 or total_capacity <= 0:
         return False
     headroom = policy.prefix_load_headroom if room else min(1.0, policy.prefix_load_headroom)
+    if policy.prefix_demand_slack > 0 and held_demand > policy.prefix_demand_slack * held_capacity / total_capacity:
+        return False
     return held_capacity >= total_capacity * (prefix_share * headroom - 1e-9)
 
 

@@ -37,6 +37,7 @@ def decide(
     affinity: str | None = None, pick: float = 0.5, behind: int = 0, arriving: bool = False,
     cached: Mapping[str, int] | None = None, waiting: Mapping[str, int] | None = None,
     displaced: Mapping[str, int] | None = None, prefix_share: float = 0.0,
+    prefix_demand: Mapping[str, float] | None = None,
 ) -> Decision:
     """Choose what happens to ``request`` (see the module docstring and route.py). ``queued_ahead``: parked requests of
     this model in this request's priority class or a higher one; ``affinity``: the engine the request's session used last;
@@ -45,7 +46,8 @@ def decide(
     its prefix cache (engines not named: none); ``waiting``: parked requests ahead of this one, passed over, that wait for
     each named engine (each takes one of its slots first); ``displaced``: prompt tokens of other prefixes each named
     engine would evict to cache this prompt, charged in the choice (affinity.py); ``prefix_share``: the request's
-    prefix's share of recent arrivals (prefix.py), which bounds how many engines it may occupy (``holders_suffice``)."""
+    prefix's share of recent arrivals (prefix.py), which bounds how many engines it may occupy (``holders_suffice``);
+    ``prefix_demand``: per engine, what the prefixes it holds ask of it (``PrefixIndex.demand``)."""
     model = request.model
     if model is None:
         return Decision(Verdict.ANSWER, Reason.MODEL_LIST, models=model_list(fleet))
@@ -54,10 +56,10 @@ def decide(
     displaced = displaced or NONE_NAMED
     if fleet.index is not None:
         indexed = decide_indexed(request, fleet, policy, now, queued_ahead, affinity, pick, behind, arriving, cached,
-                                 waiting, displaced, prefix_share)
+                                 waiting, displaced, prefix_share, prefix_demand or NONE_NAMED)
         if indexed is not None:
             return replace(indexed, on_index=True)
-    found = candidates_for(request, fleet, policy, now, cached, prefix_share, displaced)
+    found = candidates_for(request, fleet, policy, now, cached, prefix_share, displaced, prefix_demand or NONE_NAMED)
     if isinstance(found, Decision):
         return found
     if queued_ahead:
@@ -67,9 +69,11 @@ def decide(
 
 
 def candidates_for(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, cached: Mapping[str, int],
-                   prefix_share: float, displaced: Mapping[str, int] = NONE_NAMED) -> Candidates | Decision:
+                   prefix_share: float, displaced: Mapping[str, int] = NONE_NAMED,
+                   prefix_demand: Mapping[str, float] = NONE_NAMED) -> Candidates | Decision:
     """The engines ``request`` may run on, or the refusal or shed that leaves it none (the module docstring);
-    ``displaced``: as ``decide``'s (an engine not named evicts nothing to cache the prompt)."""
+    ``displaced``, ``prefix_demand``: as ``decide``'s (an engine not named evicts nothing to cache the prompt; is asked
+    for nothing)."""
     model = request.model
     assert model is not None
     base = adapters.base_of(model, fleet, policy.adapters.base_models)
@@ -116,7 +120,8 @@ def candidates_for(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
         room = any(e.name not in displaced for e in candidates if hit(e) <= 0)
         held_capacity = sum(capacity_throughput(e, fleet, policy) for e in holders)
         total_capacity = sum(capacity_throughput(e, fleet, policy) for e in candidates)
-        if holders_suffice(policy, prefix_share, len(holders), held_capacity, total_capacity, room):
+        held_demand = sum(prefix_demand.get(e.name, 0.0) for e in holders)
+        if holders_suffice(policy, prefix_share, len(holders), held_capacity, total_capacity, room, held_demand):
             narrowed = len(holders) < len(candidates)
             candidates = holders  # the prefix occupies as many engines as it may: it waits for one of them
 

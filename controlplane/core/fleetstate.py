@@ -180,6 +180,10 @@ class FleetState:
             return 0.0
         return self.prefixes.share(request.prefix_blocks, arriving)
 
+    def prefix_demand(self) -> Mapping[str, float]:
+        """Per engine, what the prefixes it holds ask of it (``PrefixIndex.demand``; empty with prefix routing off)."""
+        return self.prefixes.demand() if self.policy.prefix_routing else {}
+
     def _decide(self, request: InferenceRequest, fleet: Fleet, now: float, queued_ahead: int = 0, behind: int = 0,
                 arriving: bool = False, waiting: Mapping[str, int] | None = None, preview: bool = False) -> Decision:
         """``decide`` with what the core knows of ``request``: its session's engine, a draw for the band, its expected
@@ -190,7 +194,8 @@ class FleetState:
         pick = PREVIEW_PICK if preview else self.draw()
         decision = decide(request, fleet, self.policy, now, queued_ahead, session, pick, behind, arriving,
                           cached=self.expected_cached(request), waiting=waiting,
-                          displaced=self.expected_displaced(request), prefix_share=self.prefix_share(request, preview))
+                          displaced=self.expected_displaced(request), prefix_share=self.prefix_share(request, preview),
+                          prefix_demand=self.prefix_demand())
         if not preview:
             self.decisions.decided += 1
             self.decisions.on_index += decision.on_index

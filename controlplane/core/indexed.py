@@ -29,7 +29,8 @@ from controlplane.core.waits import park_or_shed
 def decide_indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now: float, queued_ahead: int,
                    affinity: str | None, pick: float, behind: int, arriving: bool = False,
                    cached: Mapping[str, int] = NONE_NAMED, waiting: Mapping[str, int] = NONE_NAMED,
-                   displaced: Mapping[str, int] = NONE_NAMED, prefix_share: float = 0.0) -> Decision | None:
+                   displaced: Mapping[str, int] = NONE_NAMED, prefix_share: float = 0.0,
+                   prefix_demand: Mapping[str, float] = NONE_NAMED) -> Decision | None:
     """What ``decide`` (the same arguments) decides, on the fleet's index; None: the full scan must decide."""
     index = fleet.index
     model = request.model
@@ -58,8 +59,9 @@ def decide_indexed(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
         free = candidate & (hit <= 0)
         evicting = sum(1 for name in displaced if (at := rows.position.get(name)) is not None and free[at])
         held = candidate & (hit > 0)
+        held_demand = sum(prefix_demand.get(rows.names[i], 0.0) for i in np.flatnonzero(held))
         if holders_suffice(policy, prefix_share, int(held.sum()), float(rows.full.sum(where=held)),
-                           float(rows.full.sum(where=candidate)), room=int(free.sum()) > evicting):
+                           float(rows.full.sum(where=candidate)), int(free.sum()) > evicting, held_demand):
             candidate = held
     if need > float(rows.kv_limit.max(where=candidate, initial=-math.inf)):
         return None  # context_length_exceeded (every candidate's KV known and too small): the full scan words the refusal

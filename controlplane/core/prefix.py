@@ -115,6 +115,8 @@ RECENT_ARRIVALS = 512
 """Arrivals whose first block ``PrefixIndex.share`` counts: a prefix's share of the recent traffic."""
 SHARE_MIN_ARRIVALS = 32
 """Below this many arrivals counted, ``share`` is unknown (0): too few to tell a prefix's load."""
+DEMAND_REFRESH_ARRIVALS = 16
+"""``demand`` is computed again after this many arrivals (one pass over the distinct prompts of the recent arrivals)."""
 
 
 class PrefixIndex:
@@ -135,6 +137,9 @@ class PrefixIndex:
         """Entries (engine, block) held now."""
         self._recent: deque[int] = deque()
         self._recent_counts: Counter[int] = Counter()
+        self._demand: dict[str, float] | None = None
+        """``demand``'s last result (None: to compute), and the arrivals since."""
+        self._since_demand = 0
 
     # -- what the engines are --------------------------------------------------------------------------------------
     def set_capacity(self, engine: str, blocks: int | None) -> None:
@@ -200,6 +205,7 @@ class PrefixIndex:
         lru = self._lru.pop(engine, None)
         if not lru:
             return 0
+        self._demand = None
         for h in lru:
             holders = self._holders[h]
             holders.discard(engine)
@@ -258,10 +264,28 @@ class PrefixIndex:
             return 0.0
         return count / recent
 
+    def demand(self) -> Mapping[str, float]:
+        """Per engine, the share of the recent arrivals (as ``share`` counts them) whose prompt's first block it holds,
+        each prompt's share split evenly among the engines holding it: what the prefixes an engine holds ask of it.
+        Empty while shares are unknown. Computed again every ``DEMAND_REFRESH_ARRIVALS`` arrivals and when an engine is
+        forgotten, so it may lag the index by that many admissions."""
+        if self._demand is None or self._since_demand >= DEMAND_REFRESH_ARRIVALS:
+            recent, demand = len(self._recent), dict[str, float]()
+            if recent >= SHARE_MIN_ARRIVALS:
+                for root, count in self._recent_counts.items():
+                    holders = self._holders.get(root)
+                    if holders:
+                        part = count / recent / len(holders)
+                        for engine in holders:
+                            demand[engine] = demand.get(engine, 0.0) + part
+            self._demand, self._since_demand = demand, 0
+        return self._demand
+
     def arrived(self, blocks: Sequence[int]) -> None:
         """A request with a prompt of ``blocks`` arrived (a Check, on this replica): counted for ``share``."""
         if not blocks:
             return
+        self._since_demand += 1
         root = blocks[0]
         if len(self._recent) >= RECENT_ARRIVALS:
             old = self._recent.popleft()

@@ -102,10 +102,12 @@ def test_indexed_choice_equals_full_scan(seed: int) -> None:
         evicting = rng.choice([0.5, 1.0])
         displaced = {v.name: rng.choice([256, 2000, 8000]) for v in views if cached and rng.random() < evicting}
         share = rng.choice([0.0, 0.05, 0.2, 0.6])  # the prefix's share of recent arrivals (choose.holders_suffice)
+        # What the prefixes each engine holds ask of it (PrefixIndex.demand): none, or some engines over their part.
+        demand = {v.name: rng.choice([0.05, 0.3, 0.8]) for v in views if rng.random() < 0.5}
         indexed = decide(request, fleet, policy, now, 0, affinity, pick, behind, cached=cached, waiting=waiting,
-                         displaced=displaced, prefix_share=share)
+                         displaced=displaced, prefix_share=share, prefix_demand=demand)
         full = decide(request, replace(fleet, index=None), policy, now, 0, affinity, pick, behind, cached=cached,
-                      waiting=waiting, displaced=displaced, prefix_share=share)
+                      waiting=waiting, displaced=displaced, prefix_share=share, prefix_demand=demand)
         same(indexed, full)
         assert indexed.detail == full.detail and indexed.park_limit_s == full.park_limit_s
         assert indexed.retry_after_s == full.retry_after_s

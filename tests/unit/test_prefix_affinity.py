@@ -200,6 +200,28 @@ def test_holders_suffice_once_their_capacity_covers_the_prefix_share() -> None:
     assert holders_suffice(P, 1 / 8, 1, 16.0, 120.0, room=False)
     assert not holders_suffice(P, 1 / 6, 1, 16.0, 120.0, room=False)
     assert holders_suffice(P, 1 / 6, 1, 44.0, 120.0, room=False)
+    # What every prefix the holders hold asks of them: a slow holder asked for a quarter of the arrivals is over its
+    # 0.13 of the capacity x 1.25; a fast one (0.37) is not.
+    assert not holders_suffice(P, 1 / 8, 1, 16.0, 120.0, room=False, held_demand=0.25)
+    assert holders_suffice(P, 1 / 8, 1, 44.0, 120.0, room=False, held_demand=0.25)
+    assert holders_suffice(replace(P, prefix_demand_slack=0.0), 1 / 8, 1, 16.0, 120.0, room=False, held_demand=0.25)
+
+
+def test_demand_is_each_engines_share_of_the_arrivals_whose_prompt_it_holds() -> None:
+    """Prompts a, b held by thor, c by thor and spark (split between them), d by nobody: of 44 arrivals, 11 each.
+    Unknown below 32 arrivals; computed again after 16 more (it may lag the index by that many), and at once when an
+    engine is forgotten."""
+    views = [thor(), spark()]
+    core = core_with(views, P, {"thor": ["a", "b", "c"], "spark": ["c"]})
+    traffic(core, "abcd" * 7)
+    assert core.prefix_demand() == {}
+    traffic(core, "abcd" * 3)
+    assert core.prefix_demand() == {}  # 12 arrivals since it was computed
+    traffic(core, "abcd")
+    demand = core.prefix_demand()
+    assert demand["thor"] == pytest.approx(0.25 + 0.25 + 0.125) and demand["spark"] == pytest.approx(0.125)
+    core.prefixes.forget("thor")
+    assert set(core.prefix_demand()) == {"spark"} and core.prefix_demand()["spark"] == pytest.approx(0.25)
 
 
 def traffic(core: AdmissionCore, groups: str) -> None:
@@ -242,6 +264,24 @@ def test_a_burst_of_one_prefix_raises_its_share_and_spreads_it() -> None:
     assert out.decision.verdict is Verdict.ADMIT and out.decision.engine == "spark"
 
 
+@pytest.mark.parametrize("slack", [1.25, 0.0], ids=["demand", "off"])
+def test_a_slow_engine_holding_more_prefixes_than_it_serves_lets_one_spread(slack: float) -> None:
+    """thor-a (0.13 of the capacity) holds groups a and b, 6 of 64 recent arrivals each, and both its slots are taken;
+    every other engine would evict a group to cache a. Each group alone is within thor-a's capacity, so by its own
+    share a waits for thor-a; by what thor-a is asked in all (0.19 > 1.25 x 0.13) it takes a free slot elsewhere. With
+    ``prefix_demand_slack`` 0 it waits."""
+    policy = replace(P, prefix_demand_slack=slack)
+    views = [thor("thor-a", running=2), thor("thor-b"), spark("spark-a"), spark("spark-b")]
+    core = core_with(views, policy, {"thor-a": ["a", "b"], "thor-b": ["d", "e", "f"], "spark-a": ["g", "h", "i"],
+                                     "spark-b": ["j", "k", "l"]})
+    traffic(core, "a" * 6 + "b" * 6 + ("defghijklmnopq" * 4)[:52])
+    out = core.check("r1", ask("a", "another"), core.fleet(views, 0.0), 0.0)
+    if slack:
+        assert out.decision.verdict is Verdict.ADMIT and out.decision.engine != "thor-a"
+    else:
+        assert out.decision.verdict is Verdict.PARK and out.decision.waits_for == "thor-a"
+
+
 @pytest.mark.parametrize(("spark_b", "arrivals", "spreads"), [("jkl", 6, False), ("j", 6, True), ("jkl", 10, True)],
                          ids=["kv-full", "room", "kv-full-beyond-thor"])
 def test_under_kv_pressure_a_prefix_spreads_only_as_far_as_its_load_needs(spark_b: str, arrivals: int,
@@ -255,7 +295,7 @@ def test_under_kv_pressure_a_prefix_spreads_only_as_far_as_its_load_needs(spark_
     views = [thor("thor-a", running=2), thor("thor-b"), spark("spark-a"), spark("spark-b")]
     core = core_with(views, P, {"thor-a": ["a", "b", "c"], "thor-b": ["d", "e", "f"], "spark-a": ["g", "h", "i"],
                                 "spark-b": list(spark_b)})
-    traffic(core, "a" * arrivals + ("bcdefghijklmnopqrstuvwxyz" * 3)[:64 - arrivals])
+    traffic(core, "a" * arrivals + ("defghijklmnopqrstuvwxyz" * 3)[:64 - arrivals])  # b and c not asked lately
     out = core.check("r1", ask("a", "another"), core.fleet(views, 0.0), 0.0)
     if spreads:
         assert out.decision.verdict is Verdict.ADMIT and out.decision.engine != "thor-a"
