@@ -3,7 +3,8 @@
 expected frees, ``expected_start``) is past its bound, with that estimate as its Retry-After. Past the window it is
 committed: never shed for its bound again (``max_park_s`` stays the backstop) and served before every request that
 parked after it. Under a sustained overload nobody is shed after a long wait, the oldest requests are the ones served,
-a burst is served up to its bound, and a request with its own TTFT deadline keeps that bound."""
+a burst into an empty line is served whole (``overload_burst_s``; into a standing line, up to its bound), and a request
+with its own TTFT deadline keeps that bound."""
 
 from __future__ import annotations
 
