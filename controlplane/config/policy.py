@@ -137,7 +137,8 @@ class AdmissionConfig:
     prefix_demand_slack: float = field(default=_POLICY.prefix_demand_slack, metadata=setting(minimum=0.0))
     """A prefix stays with the engines holding it only while the recent arrivals of every prefix they hold (each split
     among its holders) are at most this many times their part of the capacity; beyond, it may spread (a slow engine
-    homing more prompts than it can serve sheds some of them); 0: off (decision 0016)."""
+    homing more prompts than it can serve sheds some of them); 0 (the default): off, since under KV pressure the
+    spreading cost more cache hits than the tail it saved (decision 0016; 1.25 was measured)."""
     prefix_eviction_charge: float = field(default=_POLICY.prefix_eviction_charge, metadata=setting(minimum=0))
     """Capacity-aware prefix affinity: for a request whose prefix some engine holds, an engine that would evict other
     prompts' blocks to cache it is compared as if it finished this many times the prefill of what it evicts later; 0: off

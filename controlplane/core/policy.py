@@ -134,11 +134,12 @@ class Policy:
     recent arrivals (prefix.py; decision 0016); the headroom beyond 1 applies only while a candidate not holding the
     prefix could cache it without evicting another prompt (choose.holders_suffice). 0: no limit, the estimates alone
     decide."""
-    prefix_demand_slack: float = 1.25
-    """With ``prefix_max_replicas`` 0, a prefix stays with its holders only while what the prefixes they hold ask of
-    them (``PrefixIndex.demand``: their share of the recent arrivals) is at most this many times their part of the
-    candidates' capacity: a slow engine holding more prefixes than it can serve lets them spread (choose.holders_suffice,
-    decision 0016). 0: off."""
+    prefix_demand_slack: float = 0.0
+    """With ``prefix_max_replicas`` 0 and this > 0 (1.25 was measured), a prefix stays with its holders only while what
+    the prefixes they hold ask of them (``PrefixIndex.demand``: their share of the recent arrivals) is at most this many
+    times their part of the candidates' capacity: a slow engine holding more prefixes than it can serve lets them
+    spread (choose.holders_suffice). 0 (the default): off; under KV pressure the spreading cost more hits than the tail
+    it saved (decision 0016)."""
     prefix_eviction_charge: float = 1.0
     """Capacity-aware prefix affinity (affinity.py, decision 0018): an engine that would evict other prompts' blocks to
     cache a held prefix is compared as if it finished this many times the prefill of what it evicts later. 0: off."""

@@ -44,6 +44,7 @@ def random_policy(rng: random.Random) -> Policy:
         version_floors=(("n", "0.11.0"),) if rng.random() < 0.3 else (),
         models={"m": ModelPolicy(decode_floor_tokens_per_s=rng.choice([None, 10.0]), solo_decode_tokens_per_s=40.0)},
         prefix_max_replicas=rng.choice([0, 0, 1, 3]),
+        prefix_demand_slack=rng.choice([0.0, 1.25]),
         max_share_over_capacity=rng.choice([0.0, 1.0, 1.4]),
         near_tie_fraction=rng.choice([0.0, 0.05, 0.5]),
         near_tie_max_engines=rng.choice([0, 1, 3, 8]),

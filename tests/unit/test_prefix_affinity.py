@@ -202,9 +202,10 @@ def test_holders_suffice_once_their_capacity_covers_the_prefix_share() -> None:
     assert holders_suffice(P, 1 / 6, 1, 44.0, 120.0, room=False)
     # What every prefix the holders hold asks of them: a slow holder asked for a quarter of the arrivals is over its
     # 0.13 of the capacity x 1.25; a fast one (0.37) is not.
-    assert not holders_suffice(P, 1 / 8, 1, 16.0, 120.0, room=False, held_demand=0.25)
-    assert holders_suffice(P, 1 / 8, 1, 44.0, 120.0, room=False, held_demand=0.25)
-    assert holders_suffice(replace(P, prefix_demand_slack=0.0), 1 / 8, 1, 16.0, 120.0, room=False, held_demand=0.25)
+    demand = replace(P, prefix_demand_slack=1.25)
+    assert not holders_suffice(demand, 1 / 8, 1, 16.0, 120.0, room=False, held_demand=0.25)
+    assert holders_suffice(demand, 1 / 8, 1, 44.0, 120.0, room=False, held_demand=0.25)
+    assert holders_suffice(P, 1 / 8, 1, 16.0, 120.0, room=False, held_demand=0.25)  # off by default
 
 
 def test_demand_is_each_engines_share_of_the_arrivals_whose_prompt_it_holds() -> None:
@@ -269,7 +270,7 @@ def test_a_slow_engine_holding_more_prefixes_than_it_serves_lets_one_spread(slac
     """thor-a (0.13 of the capacity) holds groups a and b, 6 of 64 recent arrivals each, and both its slots are taken;
     every other engine would evict a group to cache a. Each group alone is within thor-a's capacity, so by its own
     share a waits for thor-a; by what thor-a is asked in all (0.19 > 1.25 x 0.13) it takes a free slot elsewhere. With
-    ``prefix_demand_slack`` 0 it waits."""
+    ``prefix_demand_slack`` 0 (the default) it waits."""
     policy = replace(P, prefix_demand_slack=slack)
     views = [thor("thor-a", running=2), thor("thor-b"), spark("spark-a"), spark("spark-b")]
     core = core_with(views, policy, {"thor-a": ["a", "b"], "thor-b": ["d", "e", "f"], "spark-a": ["g", "h", "i"],
