@@ -1411,8 +1411,8 @@ Checks again of the survivor (the ext_authz retry policy).
     if unasked is not None:
         u = unasked
         gone = f"{u.members_gone_s * 1000:.0f} ms"
-        first = (f"**{u.first_admission_s * 1000:.0f} ms** (target: within {FIRST_ADMISSION_TARGET_MS:g} ms; a replica is dead "
-                 f"{u.dead_after_s:g} s after its last heartbeat)")
+        first = (f"**{u.first_admission_s * 1000:.0f} ms** (target: within {FIRST_ADMISSION_TARGET_MS:g} ms; a "
+                 f"replica is dead {u.dead_after_s:g} s after its last heartbeat)")
         admitted = f"{u.admitted} (the last {u.last_admission_s * 1000:.0f} ms after the kill)"
         fo += f"""
 **Parked requests nobody asks for again** (their clients gone; gRPC Checks straight to the replicas, no Envoy, so no

@@ -118,10 +118,11 @@ def candidates_for(request: InferenceRequest, fleet: Fleet, policy: Policy, now:
     if cached:
         holders = [e for e in candidates if hit(e) > 0]
         room = any(e.name not in displaced for e in candidates if hit(e) <= 0)
-        held_capacity = sum(capacity_throughput(e, fleet, policy) for e in holders)
-        total_capacity = sum(capacity_throughput(e, fleet, policy) for e in candidates)
+        capacity = {e.name: capacity_throughput(e, fleet, policy) for e in candidates}
+        held_capacity = sum(capacity[e.name] for e in holders)
         held_demand = sum(prefix_demand.get(e.name, 0.0) for e in holders)
-        if holders_suffice(policy, prefix_share, len(holders), held_capacity, total_capacity, room, held_demand):
+        if holders_suffice(policy, prefix_share, len(holders), held_capacity, sum(capacity.values()), room,
+                           held_demand):
             narrowed = len(holders) < len(candidates)
             candidates = holders  # the prefix occupies as many engines as it may: it waits for one of them
 

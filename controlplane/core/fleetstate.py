@@ -181,8 +181,11 @@ class FleetState:
         return self.prefixes.share(request.prefix_blocks, arriving)
 
     def prefix_demand(self) -> Mapping[str, float]:
-        """Per engine, what the prefixes it holds ask of it (``PrefixIndex.demand``; empty with prefix routing off)."""
-        return self.prefixes.demand() if self.policy.prefix_routing else {}
+        """Per engine, what the prefixes it holds ask of it (``PrefixIndex.demand``); empty, and not computed, with
+        prefix routing or ``prefix_demand_slack`` off (the default), since only that rule reads it."""
+        if not self.policy.prefix_routing or self.policy.prefix_demand_slack <= 0:
+            return {}
+        return self.prefixes.demand()
 
     def _decide(self, request: InferenceRequest, fleet: Fleet, now: float, queued_ahead: int = 0, behind: int = 0,
                 arriving: bool = False, waiting: Mapping[str, int] | None = None, preview: bool = False) -> Decision:

@@ -211,9 +211,10 @@ def test_holders_suffice_once_their_capacity_covers_the_prefix_share() -> None:
 def test_demand_is_each_engines_share_of_the_arrivals_whose_prompt_it_holds() -> None:
     """Prompts a, b held by thor, c by thor and spark (split between them), d by nobody: of 44 arrivals, 11 each.
     Unknown below 32 arrivals; computed again after 16 more (it may lag the index by that many), and at once when an
-    engine is forgotten."""
+    engine is forgotten. With ``prefix_demand_slack`` off (the default) it is not computed at all."""
     views = [thor(), spark()]
-    core = core_with(views, P, {"thor": ["a", "b", "c"], "spark": ["c"]})
+    held = {"thor": ["a", "b", "c"], "spark": ["c"]}
+    core = core_with(views, replace(P, prefix_demand_slack=1.25), held)
     traffic(core, "abcd" * 7)
     assert core.prefix_demand() == {}
     traffic(core, "abcd" * 3)
@@ -223,6 +224,9 @@ def test_demand_is_each_engines_share_of_the_arrivals_whose_prompt_it_holds() ->
     assert demand["thor"] == pytest.approx(0.25 + 0.25 + 0.125) and demand["spark"] == pytest.approx(0.125)
     core.prefixes.forget("thor")
     assert set(core.prefix_demand()) == {"spark"} and core.prefix_demand()["spark"] == pytest.approx(0.25)
+    off = core_with(views, P, held)
+    traffic(off, "abcd" * 11)
+    assert off.prefix_demand() == {}
 
 
 def traffic(core: AdmissionCore, groups: str) -> None:
